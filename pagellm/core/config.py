@@ -1,0 +1,62 @@
+"""Configuration of the pure-Python core: validated once, then handed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pagellm.core.block_hash import HashAlgorithm
+
+SchedulingPolicy = Literal["fcfs", "cache_aware"]
+
+
+@dataclass
+class CacheConfig:
+    """The KV block pool: its block size, whether prefix caching is on, and its hash.
+
+    `num_blocks` is decided by the worker from a memory budget, so it is filled in after
+    the KV tensors are sized.
+    """
+
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    prefix_hash_algorithm: HashAlgorithm = "sha256"
+    enable_kv_cache_events: bool = False
+    num_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
+            raise ValueError(f"block_size must be an integer in [1, 1024], got {self.block_size!r}")
+        if self.prefix_hash_algorithm not in ("sha256", "fast"):
+            raise ValueError(
+                "prefix_hash_algorithm must be 'sha256' or 'fast', "
+                f"got {self.prefix_hash_algorithm!r}"
+            )
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+
+
+@dataclass
+class SchedulerConfig:
+    """Limits of one engine step.
+
+    `max_num_batched_tokens` bounds the tokens computed per forward (long prompts are cut
+    into chunks of at most this many); `max_num_seqs` bounds the requests running at once.
+    `policy` "cache_aware" admits, among the first waiting requests, the one with the
+    longest cached prefix first (cheap to start, and its blocks are hot now).
+    """
+
+    max_model_len: int
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    policy: SchedulingPolicy = "fcfs"
+    cache_aware_window: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs",
+                     "cache_aware_window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.policy not in ("fcfs", "cache_aware"):
+            raise ValueError(f"policy must be 'fcfs' or 'cache_aware', got {self.policy!r}")

@@ -1,0 +1,250 @@
+"""Decides, each step, which requests compute how many tokens.
+
+Continuous batching under a token budget: running requests go first (one decode token
+each, or the next chunk of their prompt), then waiting requests are admitted while the
+budget, `max_num_seqs` and the KV pool allow. A waiting request first looks its prefix up
+in the cache, so it only computes what is not cached. When a running request cannot get a
+block, the most recently admitted request is preempted by recompute: its blocks are freed
+(they stay cached), so resuming it later is mostly a cache hit.
+
+Parallel samples (n > 1) are one leader request plus siblings. The siblings wait until
+the leader's prompt is computed, then fork from it: they share its full blocks and get a
+copy of its partly filled last block (copy-on-write), and their first token is sampled
+from the leader's logits.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagellm.core.block_pool import KVBlock
+from pagellm.core.config import SchedulerConfig
+from pagellm.core.kv_cache_manager import BlockCopy, KVCacheManager, OutOfBlocksError
+from pagellm.core.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    """`num_new_tokens` of `request` are computed this step, starting at its
+    `num_computed_tokens`. When `samples` is set, the last of them completes the request's
+    known tokens and a token is sampled from its logits for the request and each of
+    `forks` (siblings that start from this request's prompt)."""
+
+    request: Request
+    num_new_tokens: int
+    samples: bool
+    forks: list[Request] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    # Copy these blocks' KV before the forward pass (copy-on-write of forked requests).
+    block_copies: list[BlockCopy]
+    preempted: list[Request]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._siblings: dict[str, list[Request]] = {}
+        self._pending_copies: list[BlockCopy] = []
+        self.num_preemptions = 0
+        # The longest sequence one request may reach: the model's limit, and never more
+        # than the whole pool, so a request alone in the engine always fits.
+        self.max_seq_len = min(config.max_model_len,
+                               kv_cache.num_blocks * kv_cache.block_size)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + sum(len(s) for s in self._siblings.values())
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def add_request(self, request: Request, siblings: list[Request] | None = None) -> None:
+        """Queues a request; `siblings` (same prompt, n > 1) fork from it after its prefill."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        for sibling in siblings or []:
+            if sibling.request_id in self.requests:
+                raise ValueError(f"request id {sibling.request_id!r} is already in use")
+            self.requests[sibling.request_id] = sibling
+        if siblings:
+            self._siblings[request.request_id] = list(siblings)
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+        copies, self._pending_copies = self._pending_copies, []
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                index += 1
+                continue
+            while self.kv_cache.allocate(request, num_new) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                scheduled.append(self._scheduled(request, num_new))
+                budget -= num_new
+                index += 1
+
+        if not preempted:
+            budget = self._admit_waiting(budget, scheduled)
+        return SchedulerOutput(scheduled, copies, preempted)
+
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request, (hits, num_cached) = self._next_waiting()
+            num_new = min(request.num_tokens - num_cached, budget)
+            if self.kv_cache.allocate(request, num_new, hits) is None:
+                break
+            self.waiting.remove(request)
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            request.num_computed_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+        return budget
+
+    def _next_waiting(self) -> tuple[Request, tuple[list[KVBlock], int]]:
+        """FCFS takes the head; cache-aware takes the longest cached prefix in a window.
+
+        Preempted requests always go first: they hold outputs a client is waiting on.
+        """
+        head = self.waiting[0]
+        if self.config.policy == "fcfs" or head.status is RequestStatus.PREEMPTED:
+            return head, self.kv_cache.find_cached_prefix(head)
+        best, best_hit = head, self.kv_cache.find_cached_prefix(head)
+        for i, request in enumerate(self.waiting):
+            if i == 0:
+                continue
+            if i >= self.config.cache_aware_window:
+                break
+            hit = self.kv_cache.find_cached_prefix(request)
+            if hit[1] > best_hit[1]:
+                best, best_hit = request, hit
+        return best, best_hit
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        samples = request.num_computed_tokens + num_new == request.num_tokens
+        forks = self._siblings.pop(request.request_id, []) if samples else []
+        return ScheduledRequest(request, num_new, samples, forks)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: dict[str, int]
+    ) -> list[Request]:
+        """Advances computed tokens, publishes full blocks, appends sampled tokens.
+
+        `sampled` maps request id -> token for every request that sampled (including forks).
+        Returns the requests that received a token this step, finished ones included (their
+        blocks are already freed).
+        """
+        updated: list[Request] = []
+        for item in output.scheduled:
+            request = item.request
+            request.num_computed_tokens += item.num_new_tokens
+            self.kv_cache.cache_full_blocks(request)
+            if not item.samples:
+                continue
+            for child in item.forks:
+                self._fork(request, child)
+            for target in [request, *item.forks]:
+                if target.is_finished:
+                    continue
+                target.append_output_token(sampled[target.request_id])
+                self._check_stop(target)
+                updated.append(target)
+        return updated
+
+    def _fork(self, parent: Request, child: Request) -> None:
+        """Starts a sibling from the parent's computed prompt; if no block is free for its
+        copy-on-write block, it waits instead and recomputes (mostly from the cache)."""
+        child.num_cached_tokens = parent.num_cached_tokens
+        try:
+            self._pending_copies.extend(self.kv_cache.fork(parent, child))
+        except OutOfBlocksError:
+            child.status = RequestStatus.PREEMPTED
+            self.waiting.appendleft(child)
+            return
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
+
+    def _check_stop(self, request: Request) -> None:
+        params = request.sampling_params
+        token = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                self.finish(request, RequestStatus.FINISHED_STOPPED)
+                return
+            if not params.ignore_eos and token in request.eos_token_ids:
+                self.finish(request, RequestStatus.FINISHED_STOPPED)
+                return
+        max_tokens = params.max_tokens
+        if (max_tokens is not None and request.num_output_tokens >= max_tokens) or (
+            request.num_tokens >= self.max_seq_len
+        ):
+            self.finish(request, RequestStatus.FINISHED_LENGTH)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Ends a request (stop, length, abort, error): frees its blocks, which stay cached.
+
+        Siblings still waiting to fork from it end with it.
+        """
+        if request.is_finished:
+            return
+        request.status = status
+        self.kv_cache.free(request)
+        self.requests.pop(request.request_id, None)
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        for sibling in self._siblings.pop(request.request_id, []):
+            self.finish(sibling, status)
+
+    def finish_by_id(self, request_id: str, status: RequestStatus) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish(request, status)
+        return request
