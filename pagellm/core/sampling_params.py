@@ -1,0 +1,242 @@
+"""How one request wants its tokens chosen and when it wants generation to stop.
+
+Names and defaults follow vLLM's `SamplingParams` (which follow the OpenAI API), so that
+client code and request bodies carry over unchanged. Every value is checked once, here,
+when the request is built: a bad value must fail at `add_request` with an error that
+names the field, never deep inside a batched step where it would take other requests
+down with it. This module is pure bookkeeping (standard library only) so that `core/` and
+the HTTP layer can validate without importing torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# Below this temperature, dividing logits by it overflows float32 and sampling becomes
+# argmax anyway; treating it as greedy keeps the result exact and deterministic.
+SAMPLING_EPS = 1e-5
+
+MAX_N = 128
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 100.0
+MAX_LOGPROBS = 20
+
+
+class SamplingType(enum.IntEnum):
+    """How the sampler picks this request's tokens; rows are grouped by it per step."""
+
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+def _number(name: str, value: object, low: float, high: float, *,
+            low_open: bool = False, high_open: bool = False) -> float:
+    """Checks that `value` is a real number in the range and returns it as a float.
+
+    bool is rejected although it is an int subclass: `temperature=True` is a client bug,
+    not a request for temperature 1. NaN fails every comparison, so it is rejected too.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    x = float(value)
+    above_low = x > low if low_open else x >= low
+    below_high = x < high if high_open else x <= high
+    if not (above_low and below_high):
+        left = "(" if low_open else "["
+        right = ")" if high_open else "]"
+        raise ValueError(f"{name} must be in {left}{low:g}, {high:g}{right}, got {value!r}")
+    return x
+
+
+def _integer(name: str, value: object) -> int:
+    """Checks that `value` is an int (not a bool, not a float such as 3.0)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return value
+
+
+def _flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def _stop_strings(value: object) -> list[str]:
+    """Normalises `stop` to a list: a bare string means one stop string."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        items: list[object] = [value]
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        raise ValueError(f"stop must be a string or a list of strings, got {value!r}")
+    strings: list[str] = []
+    for item in items:
+        if not isinstance(item, str) or not item:
+            raise ValueError(f"stop must contain only non-empty strings, got {item!r}")
+        strings.append(item)
+    return strings
+
+
+def _token_ids(value: object) -> list[int]:
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"stop_token_ids must be a list of integers, got {value!r}")
+    ids: list[int] = []
+    for item in value:
+        if isinstance(item, bool) or not isinstance(item, int) or item < 0:
+            raise ValueError(f"stop_token_ids must contain integers >= 0, got {item!r}")
+        ids.append(item)
+    return ids
+
+
+@dataclass(init=False)
+class SamplingParams:
+    """Sampling and stopping options of one request, validated on construction.
+
+    The constructor is keyword-only and hand-written rather than generated so that the
+    accepted input types (`stop` as a string or a list, `top_k=-1`) can be wider than the
+    stored ones: after construction `stop` is always a `list[str]`, `stop_token_ids` a
+    `list[int]`, float options are floats, and a disabled `top_k` is always 0, so
+    consumers never re-check shapes. Every bad value raises `ValueError` naming the field
+    and its allowed range.
+
+    - n: completions to return for the prompt, in [1, 128].
+    - temperature: in [0, 100]; below 1e-5 means greedy (argmax).
+    - top_p: nucleus probability mass in (0, 1]; 1 disables it.
+    - top_k: keep the k most likely tokens; 0 or -1 disables it (stored as 0).
+    - min_p: drop tokens whose probability is below min_p times the top one's, in [0, 1].
+    - seed: makes this request's random draws reproducible, alone or in any batch. Any
+      int; the sampler reduces it modulo 2**64.
+    - max_tokens: generated-token limit, >= 1; None means up to the context limit.
+    - min_tokens: EOS and stop_token_ids are blocked until this many tokens exist.
+    - stop / stop_token_ids: strings / token ids that end generation.
+    - ignore_eos: keep generating past EOS (benchmarks).
+    - include_stop_str_in_output: keep the matched stop string in the returned text.
+    - presence_penalty, frequency_penalty: OpenAI-style, in [-2, 2], over generated tokens.
+    - repetition_penalty: Hugging Face-style, in (0, 100], over prompt and generated
+      tokens; > 1 discourages repeats, 1 disables it.
+    - logprobs: None for none; k in [0, 20] for the sampled token's logprob plus the k
+      most likely alternatives at each step.
+    - skip_special_tokens: drop special tokens when detokenizing.
+    """
+
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int | None
+    max_tokens: int | None
+    min_tokens: int
+    stop: list[str]
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    include_stop_str_in_output: bool
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logprobs: int | None
+    skip_special_tokens: bool
+
+    def __init__(
+        self,
+        *,
+        n: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        max_tokens: int | None = 16,
+        min_tokens: int = 0,
+        stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+        include_stop_str_in_output: bool = False,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        logprobs: int | None = None,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self.n = _integer("n", n)
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {n!r}")
+        self.temperature = _number("temperature", temperature, 0.0, MAX_TEMPERATURE)
+        self.top_p = _number("top_p", top_p, 0.0, 1.0, low_open=True)
+        self.top_k = _integer("top_k", top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (disabled) or >= 1, got {top_k!r}")
+        self.top_k = max(self.top_k, 0)
+        self.min_p = _number("min_p", min_p, 0.0, 1.0)
+        self.seed = None if seed is None else _integer("seed", seed)
+        if max_tokens is None:
+            self.max_tokens = None
+        else:
+            self.max_tokens = _integer("max_tokens", max_tokens)
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be >= 1 or None, got {max_tokens!r}")
+        self.min_tokens = _integer("min_tokens", min_tokens)
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {min_tokens!r}")
+        self.stop = _stop_strings(stop)
+        self.stop_token_ids = _token_ids(stop_token_ids)
+        self.ignore_eos = _flag("ignore_eos", ignore_eos)
+        self.include_stop_str_in_output = _flag(
+            "include_stop_str_in_output", include_stop_str_in_output)
+        self.presence_penalty = _number("presence_penalty", presence_penalty, -2.0, 2.0)
+        self.frequency_penalty = _number("frequency_penalty", frequency_penalty, -2.0, 2.0)
+        self.repetition_penalty = _number(
+            "repetition_penalty", repetition_penalty, 0.0, MAX_REPETITION_PENALTY,
+            low_open=True)
+        if logprobs is None:
+            self.logprobs = None
+        else:
+            self.logprobs = _integer("logprobs", logprobs)
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise ValueError(
+                    f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {logprobs!r}")
+        self.skip_special_tokens = _flag("skip_special_tokens", skip_special_tokens)
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < SAMPLING_EPS:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.sampling_type == SamplingType.GREEDY
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the sampler must look at this request's earlier tokens at all."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    def clone(self, **changes: Any) -> SamplingParams:
+        """A validated copy with some fields replaced; the lists are not shared."""
+        return dataclasses.replace(self, **changes)
+
+    def for_child(self, index: int) -> SamplingParams:
+        """The params of completion `index` of an n > 1 request, sampled as its own request.
+
+        Children get consecutive seeds so that a seeded n > 1 request is reproducible
+        while its completions still differ from each other.
+        """
+        seed = None if self.seed is None else self.seed + index
+        return self.clone(n=1, seed=seed)
+

@@ -1,0 +1,367 @@
+"""Turns one step's logits into one token per sampling request.
+
+Order of operations (as in vLLM), for logits[N, vocab] with one row per request:
+
+1. penalties: repetition (over prompt + generated tokens), then frequency and presence
+   (over generated tokens only);
+2. min_tokens: EOS and the request's stop token ids get -inf until enough tokens exist;
+3. logprobs are taken here, as log_softmax of these logits: the model's distribution
+   with the request's own rules applied, but *before* temperature and top-k/top-p/min-p.
+   That makes a reported logprob depend only on the model, the prompt and the tokens so
+   far, not on the sampling knobs, so a greedy and a temperature-1.2 request score the
+   same text the same; it is also the distribution a greedy request takes its argmax of;
+4. greedy rows take the argmax of these logits (lowest id on ties, like torch.argmax);
+5. other rows: temperature, top-k, top-p, min-p, then one draw.
+
+Draws use the exponential race, argmax(p_i / E_i) with E_i ~ Exp(1), which picks i with
+probability p_i. A seeded request draws its E from its own generator, so its tokens do
+not depend on which other requests share the batch, or in which order; unseeded rows
+share one batched draw from torch's default generator.
+
+Everything is vectorised over the batch and the vocabulary; the only Python loops are
+per request (building the metadata, seeded draws, formatting logprobs).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    # Type-only: at run time the worker reads a few attributes of the params, so it
+    # does not import core/ (see the layer table in DESIGN.md).
+    from pagellm.core.sampling_params import SamplingParams
+
+_SEED_MODULUS = 2**64
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The generator a seeded request keeps for its whole life (create once, reuse).
+
+    Any int is accepted: torch seeds are 64-bit, so the seed is reduced modulo 2**64
+    (which is also what torch does with a negative seed).
+    """
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed % _SEED_MODULUS)
+    return generator
+
+
+def _token_index(
+    rows: Sequence[int], token_lists: Sequence[Sequence[int]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flattens per-row token lists into (row, token id) pairs for scatter/index_put."""
+    lengths = torch.tensor([len(tokens) for tokens in token_lists], dtype=torch.long)
+    row_index = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long), lengths)
+    token_ids = torch.tensor(list(itertools.chain.from_iterable(token_lists)),
+                             dtype=torch.long)
+    return row_index.to(device), token_ids.to(device)
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-step sampling inputs for N rows, as tensors on the logits' device.
+
+    Built by `from_requests`. Optional tensors are None when no row of the step needs
+    that stage, so a plain greedy or plain temperature batch skips it entirely.
+
+    - temperature[N] (float32): 1.0 on greedy rows (never used there).
+    - greedy_rows / random_rows (int64): row indices of each kind.
+    - top_k[N] (int64, 0 = off), top_p[N] (float32, 1 = off), min_p[N] (float32, 0 = off).
+    - generators: position in random_rows -> that seeded request's generator.
+    - penalty_rows[P] (int64): rows with any penalty; the three penalty tensors are [P].
+    - prompt_tokens / output_tokens: (position in penalty_rows, token id) pairs; prompt
+      tokens are listed only for rows with a repetition penalty, the only one using them.
+    - blocked_tokens: (row, token id) pairs that min_tokens forbids this step.
+    - num_logprobs[N]: the request's `logprobs` (None = not wanted).
+    """
+
+    num_rows: int
+    temperature: torch.Tensor
+    greedy_rows: torch.Tensor
+    random_rows: torch.Tensor
+    top_k: torch.Tensor | None
+    top_p: torch.Tensor | None
+    min_p: torch.Tensor | None
+    generators: dict[int, torch.Generator]
+    penalty_rows: torch.Tensor | None
+    repetition_penalty: torch.Tensor | None
+    presence_penalty: torch.Tensor | None
+    frequency_penalty: torch.Tensor | None
+    prompt_tokens: tuple[torch.Tensor, torch.Tensor] | None
+    output_tokens: tuple[torch.Tensor, torch.Tensor] | None
+    blocked_tokens: tuple[torch.Tensor, torch.Tensor] | None
+    num_logprobs: list[int | None]
+
+    @property
+    def all_greedy(self) -> bool:
+        return self.random_rows.numel() == 0
+
+    @property
+    def all_random(self) -> bool:
+        return self.greedy_rows.numel() == 0
+
+    @classmethod
+    def from_requests(
+        cls,
+        params: Sequence[SamplingParams],
+        prompt_token_ids: Sequence[Sequence[int]],
+        output_token_ids: Sequence[Sequence[int]],
+        generators: Sequence[torch.Generator | None],
+        *,
+        eos_token_ids: Sequence[int] = (),
+        device: torch.device | str = "cpu",
+    ) -> SamplingMetadata:
+        """Builds the metadata of one step; row i of the logits belongs to request i.
+
+        `output_token_ids` are the tokens the request generated so far (not counting the
+        one about to be sampled); they drive the penalties and min_tokens.
+        `generators[i]` must be the request's own `make_generator(seed)` when it has a
+        seed (kept by the caller across steps), else None. `eos_token_ids` are blocked
+        with the stop token ids until min_tokens is reached, unless ignore_eos is set.
+        """
+        num_rows = len(params)
+        if not (len(prompt_token_ids) == len(output_token_ids) == len(generators) == num_rows):
+            raise ValueError(
+                "params, prompt_token_ids, output_token_ids and generators must have one "
+                f"entry per row, got {num_rows}, {len(prompt_token_ids)}, "
+                f"{len(output_token_ids)}, {len(generators)}")
+        dev = torch.device(device)
+
+        temperature: list[float] = []
+        greedy_rows: list[int] = []
+        random_rows: list[int] = []
+        top_k: list[int] = []
+        top_p: list[float] = []
+        min_p: list[float] = []
+        seeded_generators: dict[int, torch.Generator] = {}
+        penalty_rows: list[int] = []
+        blocked_rows: list[int] = []
+        blocked_lists: list[list[int]] = []
+        for row, p in enumerate(params):
+            if p.is_greedy:
+                greedy_rows.append(row)
+                temperature.append(1.0)
+                top_k.append(0)
+                top_p.append(1.0)
+                min_p.append(0.0)
+            else:
+                random_rows.append(row)
+                temperature.append(p.temperature)
+                top_k.append(p.top_k)
+                top_p.append(p.top_p)
+                min_p.append(p.min_p)
+                if p.seed is not None:
+                    generator = generators[row]
+                    if generator is None:
+                        raise ValueError(
+                            f"row {row} has seed={p.seed} but no generator: keep one "
+                            "make_generator(seed) per request across steps")
+                    seeded_generators[len(random_rows) - 1] = generator
+            if p.has_penalties:
+                penalty_rows.append(row)
+            if len(output_token_ids[row]) < p.min_tokens:
+                blocked = list(p.stop_token_ids)
+                if not p.ignore_eos:
+                    blocked.extend(eos_token_ids)
+                if blocked:
+                    blocked_rows.append(row)
+                    blocked_lists.append(blocked)
+
+        def floats(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=dev)
+
+        def longs(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=dev)
+
+        repetition: torch.Tensor | None = None
+        presence: torch.Tensor | None = None
+        frequency: torch.Tensor | None = None
+        prompt_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+        output_tokens: tuple[torch.Tensor, torch.Tensor] | None = None
+        if penalty_rows:
+            pen = [params[row] for row in penalty_rows]
+            repetition = floats([p.repetition_penalty for p in pen])
+            presence = floats([p.presence_penalty for p in pen])
+            frequency = floats([p.frequency_penalty for p in pen])
+            output_tokens = _token_index(
+                range(len(pen)), [output_token_ids[row] for row in penalty_rows], dev)
+            repeat = [i for i, p in enumerate(pen) if p.repetition_penalty != 1.0]
+            prompt_tokens = _token_index(
+                repeat, [prompt_token_ids[penalty_rows[i]] for i in repeat], dev)
+
+        return cls(
+            num_rows=num_rows,
+            temperature=floats(temperature),
+            greedy_rows=longs(greedy_rows),
+            random_rows=longs(random_rows),
+            top_k=longs(top_k) if any(k > 0 for k in top_k) else None,
+            top_p=floats(top_p) if any(p < 1.0 for p in top_p) else None,
+            min_p=floats(min_p) if any(p > 0.0 for p in min_p) else None,
+            generators=seeded_generators,
+            penalty_rows=longs(penalty_rows) if penalty_rows else None,
+            repetition_penalty=repetition,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            prompt_tokens=prompt_tokens,
+            output_tokens=output_tokens,
+            blocked_tokens=_token_index(blocked_rows, blocked_lists, dev) if blocked_rows else None,
+            num_logprobs=[p.logprobs for p in params],
+        )
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs at one step of one request (see the module docstring for which ones).
+
+    rank is 1 + the number of tokens strictly more likely than the sampled one;
+    top_logprobs holds the request's `logprobs` most likely (token id, logprob) pairs,
+    most likely first. A token blocked by min_tokens has logprob -inf.
+    """
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_logprobs: list[tuple[int, float]]
+
+
+@dataclass
+class SamplerOutput:
+    """One token per row; logprobs[i] is None where row i did not ask for logprobs."""
+
+    sampled_token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+def _apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> None:
+    """Applies the three penalties in place, on the penalised rows only.
+
+    Working on the P penalised rows keeps the [P, vocab] count table small when only a
+    few requests of a large batch use penalties.
+    """
+    assert md.penalty_rows is not None and md.output_tokens is not None
+    assert md.prompt_tokens is not None and md.repetition_penalty is not None
+    assert md.presence_penalty is not None and md.frequency_penalty is not None
+    rows = logits[md.penalty_rows]
+    counts = torch.zeros_like(rows)
+    counts.index_put_(md.output_tokens, torch.ones_like(md.output_tokens[1], dtype=rows.dtype),
+                      accumulate=True)
+    seen = counts > 0
+    seen[md.prompt_tokens] = True
+    # Hugging Face's rule: a repeated token's logit moves towards "less likely" whatever
+    # its sign (divide a positive logit, multiply a negative one).
+    rep = md.repetition_penalty.unsqueeze(1)
+    rows = torch.where(seen, torch.where(rows > 0, rows / rep, rows * rep), rows)
+    rows -= md.frequency_penalty.unsqueeze(1) * counts
+    rows -= md.presence_penalty.unsqueeze(1) * (counts > 0).to(rows.dtype)
+    logits[md.penalty_rows] = rows
+
+
+def _apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Masks everything outside each row's top-k, then outside its top-p nucleus.
+
+    One stable descending sort serves both, so ties are cut like argmax cuts them
+    (lowest id first): top_k=1 and a tiny top_p both reduce to exactly the greedy token.
+    Top-k keeps exactly k tokens; top-p keeps the smallest prefix whose mass reaches p
+    (renormalised over the top-k survivors), and always at least the top token.
+    """
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+        position = torch.arange(vocab, device=logits.device)
+        sorted_logits.masked_fill_(position.unsqueeze(0) >= k.unsqueeze(1), float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        # Rows with top_p == 1 are left alone: rounding could otherwise push the running
+        # sum to 1 before the tail and drop tokens that should stay possible.
+        outside = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+        sorted_logits.masked_fill_(outside, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _sample_random(logits: torch.Tensor, rows: torch.Tensor, md: SamplingMetadata
+                   ) -> torch.Tensor:
+    """Samples one token for each of `rows` (non-greedy rows); `logits` holds just them."""
+    logits = logits / md.temperature[rows].unsqueeze(1)
+    top_k = None if md.top_k is None else md.top_k[rows]
+    top_p = None if md.top_p is None else md.top_p[rows]
+    if top_k is not None or top_p is not None:
+        logits = _apply_top_k_top_p(logits, top_k, top_p)
+    if md.min_p is not None:
+        # p_i < min_p * p_max  <=>  logit_i < max_logit + log(min_p); log(0) = -inf
+        # turns the test off for rows without min_p.
+        floor = logits.amax(dim=-1, keepdim=True) + md.min_p[rows].log().unsqueeze(1)
+        logits.masked_fill_(logits < floor, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    race = torch.empty_like(probs)
+    if len(md.generators) < race.shape[0]:
+        race.exponential_()
+    for position, generator in md.generators.items():
+        race[position].exponential_(generator=generator)
+    # A zero draw would turn a masked token's 0/0 into NaN, which argmax would pick.
+    race.clamp_(min=torch.finfo(race.dtype).tiny)
+    return (probs / race).argmax(dim=-1)
+
+
+def _collect_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, num_logprobs: list[int | None]
+                      ) -> list[TokenLogprobs | None]:
+    wanted = [row for row, k in enumerate(num_logprobs) if k is not None]
+    result: list[TokenLogprobs | None] = [None] * len(num_logprobs)
+    if not wanted:
+        return result
+    index = torch.tensor(wanted, dtype=torch.long, device=logprobs.device)
+    rows = logprobs[index]
+    tokens = sampled[index]
+    token_logprob = rows.gather(1, tokens.unsqueeze(1))
+    ranks = (rows > token_logprob).sum(dim=-1) + 1
+    max_k = min(max(num_logprobs[row] or 0 for row in wanted), rows.shape[-1])
+    top_values, top_ids = rows.topk(max_k, dim=-1)
+    token_list: list[int] = tokens.tolist()
+    logprob_list: list[float] = token_logprob.squeeze(1).tolist()
+    rank_list: list[int] = ranks.tolist()
+    top_value_list: list[list[float]] = top_values.tolist()
+    top_id_list: list[list[int]] = top_ids.tolist()
+    for i, row in enumerate(wanted):
+        k = num_logprobs[row] or 0
+        result[row] = TokenLogprobs(
+            token_id=token_list[i],
+            logprob=logprob_list[i],
+            rank=rank_list[i],
+            top_logprobs=list(zip(top_id_list[i][:k], top_value_list[i][:k], strict=True)),
+        )
+    return result
+
+
+def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+    """Picks one token per row of `logits` [N, vocab]; the input tensor is not modified."""
+    if logits.dim() != 2 or logits.shape[0] != metadata.num_rows:
+        raise ValueError(
+            f"logits must be [{metadata.num_rows}, vocab], got {list(logits.shape)}")
+    logits = logits.to(torch.float32, copy=True)
+    if metadata.penalty_rows is not None:
+        _apply_penalties(logits, metadata)
+    if metadata.blocked_tokens is not None:
+        logits[metadata.blocked_tokens] = float("-inf")
+    wants_logprobs = any(k is not None for k in metadata.num_logprobs)
+    logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None
+
+    if metadata.all_random:
+        sampled = _sample_random(logits, metadata.random_rows, metadata)
+    else:
+        sampled = logits.argmax(dim=-1)
+        if not metadata.all_greedy:
+            rows = metadata.random_rows
+            sampled[rows] = _sample_random(logits[rows], rows, metadata)
+
+    return SamplerOutput(
+        sampled_token_ids=sampled.tolist(),
+        logprobs=(_collect_logprobs(logprobs, sampled, metadata.num_logprobs)
+                  if logprobs is not None else [None] * metadata.num_rows),
+    )

@@ -1,0 +1,159 @@
+"""SamplingParams: every bad field is rejected by name, every valid value is kept."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pagellm.core.sampling_params import SamplingParams, SamplingType
+
+
+def test_defaults_follow_vllm() -> None:
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p) == (1, 1.0, 1.0, 0, 0.0)
+    assert (p.seed, p.max_tokens, p.min_tokens, p.logprobs) == (None, 16, 0, None)
+    assert p.stop == [] and p.stop_token_ids == []
+    assert not p.ignore_eos and not p.include_stop_str_in_output and p.skip_special_tokens
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert p.sampling_type is SamplingType.RANDOM and not p.has_penalties
+
+
+def test_normalisation() -> None:
+    assert SamplingParams(stop="###").stop == ["###"]
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+    assert SamplingParams(stop_token_ids=(2, 3)).stop_token_ids == [2, 3]
+    assert SamplingParams(top_k=-1).top_k == 0
+    assert SamplingParams(top_k=-1) == SamplingParams(top_k=0)
+    p = SamplingParams(temperature=1, top_p=1, repetition_penalty=2)
+    assert all(isinstance(x, float) for x in (p.temperature, p.top_p, p.repetition_penalty))
+    assert SamplingParams(max_tokens=None, min_tokens=1000).max_tokens is None
+
+
+def test_sampling_type() -> None:
+    assert SamplingParams(temperature=0).sampling_type is SamplingType.GREEDY
+    assert SamplingParams(temperature=0, seed=1).is_greedy
+    assert SamplingParams(temperature=1e-6).is_greedy
+    assert SamplingParams(seed=0).sampling_type is SamplingType.RANDOM_SEED
+    assert SamplingParams(temperature=0.7).sampling_type is SamplingType.RANDOM
+
+
+def test_has_penalties() -> None:
+    assert SamplingParams(presence_penalty=0.1).has_penalties
+    assert SamplingParams(frequency_penalty=-0.1).has_penalties
+    assert SamplingParams(repetition_penalty=1.1).has_penalties
+
+
+BAD_VALUES = [
+    ("n", 0), ("n", 129), ("n", 1.0), ("n", True), ("n", "2"),
+    ("temperature", -1), ("temperature", 100.5), ("temperature", "hot"),
+    ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", None),
+    ("temperature", True),
+    ("top_p", 0), ("top_p", -0.1), ("top_p", 1.01), ("top_p", float("nan")), ("top_p", "1"),
+    ("top_k", -2), ("top_k", 1.5), ("top_k", "5"), ("top_k", False),
+    ("min_p", -0.01), ("min_p", 1.01), ("min_p", [0.1]),
+    ("seed", 1.0), ("seed", True), ("seed", "42"),
+    ("max_tokens", 0), ("max_tokens", -5), ("max_tokens", 10.0), ("max_tokens", True),
+    ("min_tokens", -1), ("min_tokens", 17), ("min_tokens", 1.0),
+    ("stop", ""), ("stop", [""]), ("stop", ["ok", 3]), ("stop", 5), ("stop", {"a"}),
+    ("stop_token_ids", [-1]), ("stop_token_ids", [1.0]), ("stop_token_ids", [True]),
+    ("stop_token_ids", 5), ("stop_token_ids", "12"),
+    ("ignore_eos", 1), ("ignore_eos", "yes"),
+    ("include_stop_str_in_output", 0),
+    ("skip_special_tokens", None),
+    ("presence_penalty", 2.5), ("presence_penalty", -2.01), ("presence_penalty", "x"),
+    ("frequency_penalty", -3), ("frequency_penalty", 2.0001),
+    ("repetition_penalty", 0), ("repetition_penalty", -1), ("repetition_penalty", 101),
+    ("repetition_penalty", float("nan")),
+    ("logprobs", -1), ("logprobs", 21), ("logprobs", 1.0), ("logprobs", True),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), BAD_VALUES)
+def test_bad_value_names_the_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field) as excinfo:
+        kwargs: dict[str, Any] = {field: value}
+        SamplingParams(**kwargs)
+    # The message says what would have been accepted, not only that something is wrong.
+    assert "must" in str(excinfo.value)
+
+
+def test_range_is_in_the_message() -> None:
+    with pytest.raises(ValueError, match=r"temperature must be in \[0, 100\], got -1"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match=r"min_tokens must be <= max_tokens \(4\)"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+
+
+def test_unknown_field_and_positional_arguments_are_rejected() -> None:
+    with pytest.raises(TypeError):
+        SamplingParams(temprature=0.5)  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        SamplingParams(2)  # type: ignore[call-arg]
+
+
+def test_clone_validates_and_copies_lists() -> None:
+    p = SamplingParams(stop=["x"], stop_token_ids=[7], seed=3)
+    q = p.clone(temperature=0.0)
+    assert q.is_greedy and q.stop == ["x"] and q.seed == 3
+    q.stop.append("y")
+    assert p.stop == ["x"]
+    with pytest.raises(ValueError, match="temperature"):
+        p.clone(temperature=-1.0)
+    assert dataclasses.replace(p, n=3).n == 3
+
+
+def test_for_child() -> None:
+    parent = SamplingParams(n=4, seed=10, temperature=0.5)
+    children = [parent.for_child(i) for i in range(parent.n)]
+    assert [c.n for c in children] == [1] * 4
+    assert [c.seed for c in children] == [10, 11, 12, 13]
+    assert all(c.temperature == 0.5 for c in children)
+    assert SamplingParams(n=2).for_child(1).seed is None
+
+
+def reals(low: float, high: float, *, exclude_min: bool = False) -> st.SearchStrategy[float]:
+    return st.floats(low, high, exclude_min=exclude_min, allow_nan=False, allow_infinity=False)
+
+
+@given(
+    n=st.integers(1, 128),
+    temperature=reals(0, 100),
+    top_p=reals(0, 1, exclude_min=True),
+    top_k=st.integers(-1, 10**6),
+    min_p=reals(0, 1),
+    seed=st.none() | st.integers(-(2**70), 2**70),
+    max_tokens=st.none() | st.integers(1, 10**6),
+    presence_penalty=reals(-2, 2),
+    frequency_penalty=reals(-2, 2),
+    repetition_penalty=reals(0, 100, exclude_min=True),
+    logprobs=st.none() | st.integers(0, 20),
+    stop=st.none() | st.text(min_size=1) | st.lists(st.text(min_size=1), max_size=4),
+    stop_token_ids=st.lists(st.integers(0, 2**31), max_size=4),
+    data=st.data(),
+)
+def test_valid_values_are_kept(
+    n: int, temperature: float, top_p: float, top_k: int, min_p: float, seed: int | None,
+    max_tokens: int | None, presence_penalty: float, frequency_penalty: float,
+    repetition_penalty: float, logprobs: int | None, stop: str | list[str] | None,
+    stop_token_ids: list[int], data: st.DataObject,
+) -> None:
+    min_tokens = data.draw(st.integers(0, max_tokens if max_tokens is not None else 10**6))
+    p = SamplingParams(
+        n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed,
+        max_tokens=max_tokens, min_tokens=min_tokens, presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
+        logprobs=logprobs, stop=stop, stop_token_ids=stop_token_ids,
+    )
+    assert (p.n, p.temperature, p.top_p, p.min_p, p.seed) == (
+        n, temperature, top_p, min_p, seed)
+    assert p.top_k == max(top_k, 0)
+    assert (p.max_tokens, p.min_tokens, p.logprobs) == (max_tokens, min_tokens, logprobs)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (
+        presence_penalty, frequency_penalty, repetition_penalty)
+    expected_stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    assert p.stop == expected_stop and p.stop_token_ids == stop_token_ids
+    assert p.clone() == p
