@@ -1,0 +1,27 @@
+"""PageLLM: an LLM inference engine built around a paged KV cache with prefix caching.
+
+The public names are imported lazily so that `pagellm.core` (pure Python) can be used
+and tested without importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "LLM": "pagellm.engine.llm",
+    "LLMEngine": "pagellm.engine.llm_engine",
+    "EngineConfig": "pagellm.engine.config",
+    "SamplingParams": "pagellm.core.sampling_params",
+    "RequestOutput": "pagellm.engine.outputs",
+    "CompletionOutput": "pagellm.engine.outputs",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'pagellm' has no attribute {name!r}")

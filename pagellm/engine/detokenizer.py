@@ -1,0 +1,67 @@
+"""Incremental detokenization and stop strings, one sample at a time.
+
+Decoding the whole output again at every token costs O(n^2) over a long answer; instead
+each step decodes only a short window. A token can end in the middle of a UTF-8 character
+(the text then ends with U+FFFD), so text is released only once the window decodes cleanly.
+The window starts a few tokens back in the prompt, so tokenizers that drop a leading space
+when decoding from a word boundary still produce the right first word.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_CONTEXT_TOKENS = 5
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: list[int],
+        stop: list[str],
+        include_stop_str_in_output: bool,
+        skip_special_tokens: bool,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._stop = stop
+        self._include_stop = include_stop_str_in_output
+        self._skip_special = skip_special_tokens
+        self._hold = max((len(s) for s in stop), default=1) - 1
+        self.text = ""
+        self.stopped_by: str | None = None
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self._tokenizer.decode(ids, skip_special_tokens=self._skip_special))
+
+    def add_token(self, token_id: int) -> str | None:
+        """Appends a token's text; returns the stop string if the text now contains one
+        (the text is then cut at it)."""
+        self._ids.append(token_id)
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        window = self._decode(self._ids[self._prefix_offset :])
+        if len(window) <= len(prefix) or window.endswith(_REPLACEMENT):
+            return None
+        delta = window[len(prefix) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        search_from = max(0, len(self.text) - self._hold)
+        self.text += delta
+        hits = [(self.text.find(stop, search_from), stop) for stop in self._stop]
+        found = min(((at, stop) for at, stop in hits if at >= 0), default=None)
+        if found is None:
+            return None
+        at, stop = found
+        self.text = self.text[: at + len(stop) if self._include_stop else at]
+        self.stopped_by = stop
+        return stop
+
+    def visible_text(self, finished: bool) -> str:
+        """The text safe to show now: without the tail that might still become a stop."""
+        if finished or not self._stop or self._hold == 0:
+            return self.text
+        return self.text[: max(0, len(self.text) - self._hold)]

@@ -1,0 +1,121 @@
+"""The offline API: `LLM(...).generate(prompts, params)`, named as in vLLM."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from pagellm.core.sampling_params import SamplingParams
+from pagellm.engine.config import EngineConfig
+from pagellm.engine.llm_engine import LLMEngine, PromptInput
+from pagellm.engine.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+Message = dict[str, Any]
+
+
+class LLM:
+    """Runs batches of prompts to completion on one engine.
+
+    `LLM()` loads the default model (SmolLM2-135M-Instruct). Keyword arguments are those
+    of `EngineConfig` (vLLM's names: `block_size`, `enable_prefix_caching`, ...).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt; outputs come back in input order.
+
+        A single prompt that is invalid raises ValueError. In a list, an invalid prompt
+        does not stop the others: its output has `error` set and no completion.
+        """
+        single = isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int))
+        prompt_list: list[PromptInput] = [prompts] if single else list(prompts)  # type: ignore[list-item]
+        if isinstance(sampling_params, Sequence):
+            if len(sampling_params) != len(prompt_list):
+                raise ValueError(f"got {len(sampling_params)} sampling_params for "
+                                 f"{len(prompt_list)} prompts")
+            params_list = list(sampling_params)
+        else:
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        return self._run(prompt_list, params_list, use_tqdm, cache_salt, raise_errors=single)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        """Applies the model's chat template to one conversation or a list of them."""
+        single = bool(messages) and isinstance(messages[0], dict)
+        conversations: list[list[Message]] = [messages] if single else messages  # type: ignore[list-item]
+        prompts: list[PromptInput] = [
+            {"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt)}
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm, cache_salt)
+
+    def apply_chat_template(self, messages: list[Message],
+                            add_generation_prompt: bool = True) -> list[int]:
+        if not messages:
+            raise ValueError("messages is empty")
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def reset_prefix_cache(self) -> None:
+        self.llm_engine.reset_prefix_cache()
+
+    def _run(self, prompts: list[PromptInput], params: list[SamplingParams], use_tqdm: bool,
+             cache_salt: str | None, raise_errors: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        results: dict[str, RequestOutput] = {}
+        order: list[str] = []
+        for index, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+            request_id = f"generate-{id(self)}-{index}-{len(order)}"
+            order.append(request_id)
+            try:
+                engine.add_request(request_id, prompt, sp, cache_salt=cache_salt)
+            except ValueError as error:
+                if raise_errors:
+                    raise
+                logger.warning("prompt %d rejected: %s", index, error)
+                results[request_id] = RequestOutput(request_id, None, [], [], True,
+                                                    error=str(error))
+        bar = tqdm(total=len(prompts) - len(results), desc="Generating", unit="req",
+                   disable=not use_tqdm, leave=False)
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        results[output.request_id] = output
+                        bar.update(1)
+        finally:
+            bar.close()
+            for request_id in order:
+                if request_id not in results:
+                    engine.abort_request(request_id)
+        return [results[request_id] for request_id in order]

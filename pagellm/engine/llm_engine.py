@@ -1,0 +1,424 @@
+"""The engine loop: requests in, one scheduled step at a time, outputs out.
+
+One step is: schedule (core) -> prepare inputs, forward, sample (worker) -> append the
+tokens, publish newly full blocks, detokenize, check stops (core + here). `step` is
+synchronous and single-threaded; the async server drives it from a background thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pagellm.core.block_hash import BlockHasher
+from pagellm.core.config import SchedulerConfig
+from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.request import Request, RequestStatus
+from pagellm.core.sampling_params import SamplingParams
+from pagellm.core.scheduler import Scheduler, SchedulerOutput
+from pagellm.engine.config import EngineConfig
+from pagellm.engine.detokenizer import IncrementalDetokenizer
+from pagellm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagellm.model.loader import load_model, load_tokenizer, resolve_model_path
+from pagellm.model.model_config import load_model_config
+from pagellm.worker.input_batch import SequenceChunk
+from pagellm.worker.kv_cache import KVCache, num_blocks_for_budget
+from pagellm.worker.model_runner import ModelRunner
+from pagellm.worker.sampler import SamplingMetadata, make_generator
+
+logger = logging.getLogger(__name__)
+
+PromptInput = str | dict[str, Any] | list[int]
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                 "float16": torch.float16}
+
+
+@dataclass
+class _Sample:
+    """One of a request's n samples: its core request and its text state."""
+
+    index: int
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None
+    logprobs: list[Logprob] | None
+    cumulative_logprob: float = 0.0
+
+
+@dataclass
+class _Group:
+    """A user request: n samples of one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[_Sample]
+    metrics: RequestMetrics
+    by_core_id: dict[str, _Sample] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.is_finished for s in self.samples)
+
+
+@dataclass
+class EngineStats:
+    """Counters since start-up, plus the current queue and pool state."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_blocks: int
+    num_free_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_hit_rate: float
+    num_evictions: int
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+    timings: dict[str, float]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        start = time.perf_counter()
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available()
+                                                     else "cpu"))
+        assert config.cache_dir is not None
+        model_path = resolve_model_path(config.model, config.cache_dir)
+        self.model_config = load_model_config(model_path)
+        dtype_name = "float32" if config.dtype == "auto" else config.dtype
+        self.dtype = _TORCH_DTYPES[dtype_name]
+        self.tokenizer = load_tokenizer(model_path)
+        self.model = load_model(model_path, dtype=self.dtype, device=self.device,
+                                attention_backend=config.attention_backend)
+        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings)
+        num_blocks = num_blocks_for_budget(
+            self.model_config, config.block_size, self.dtype, self.device,
+            config.kv_cache_memory_bytes, config.kv_cache_memory_fraction)
+        self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, self.dtype,
+                                self.device)
+        self.kv_manager = KVCacheManager(num_blocks, config.block_size,
+                                         config.enable_prefix_caching)
+        self.hasher = BlockHasher(config.block_size, config.prefix_caching_hash_algo)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_model_len=self.max_model_len,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                policy=config.scheduling_policy,
+            ),
+            self.kv_manager,
+        )
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self._groups: dict[str, _Group] = {}
+        self._core_to_group: dict[str, _Group] = {}
+        self._ids = itertools.count()
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._schedule_time = 0.0
+        self._update_time = 0.0
+        self.startup_seconds = time.perf_counter() - start
+        logger.info(
+            "PageLLM ready in %.2f s: %s, %s on %s, KV pool %d blocks x %d = %d tokens, "
+            "prefix caching %s", self.startup_seconds, model_path.name, dtype_name,
+            self.device, num_blocks, config.block_size, num_blocks * config.block_size,
+            "on" if config.enable_prefix_caching else "off")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> LLMEngine:
+        return cls(EngineConfig(**kwargs))
+
+    # ---- requests -------------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        """A prompt is text, a list of token ids, or {"prompt_token_ids": [...]} /
+        {"prompt": "..."}; returns (text or None, token ids), checked."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        if isinstance(prompt, (list, tuple)):
+            return None, self._check_token_ids(prompt)
+        raise ValueError(f"prompt must be a string or a list of token ids, got "
+                         f"{type(prompt).__name__}")
+
+    def _check_token_ids(self, token_ids: Any) -> list[int]:
+        if not isinstance(token_ids, (list, tuple)):
+            raise ValueError("prompt_token_ids must be a list of integers")
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        for token in token_ids:
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+                raise ValueError(
+                    f"prompt_token_ids must be integers in [0, {vocab}), got {token!r}")
+        return list(token_ids)
+
+    def check_prompt_length(self, num_prompt_tokens: int) -> None:
+        """Rejects prompts that leave no room for one generated token, or that could never
+        fit the KV pool even alone."""
+        if num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {num_prompt_tokens} tokens long, but max_model_len is "
+                f"{self.max_model_len} (the prompt plus at least one generated token must "
+                "fit)")
+        pool_tokens = self.kv_manager.num_blocks * self.kv_manager.block_size
+        if num_prompt_tokens >= pool_tokens:
+            raise ValueError(
+                f"prompt is {num_prompt_tokens} tokens long, but the KV cache holds only "
+                f"{pool_tokens} tokens; raise kv_cache_memory_bytes")
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: PromptInput,
+        sampling_params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Validates and queues a request; raises ValueError naming the problem, in which
+        case nothing was queued."""
+        params = sampling_params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling_params must be a SamplingParams")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError("cache_salt must be a non-empty string")
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self.tokenize_prompt(prompt)
+        self.check_prompt_length(len(token_ids))
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        samples = []
+        leader: Request | None = None
+        for index in range(params.n):
+            core_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            sample_params = params if params.n == 1 else params.for_child(index)
+            if leader is None:
+                request = Request(core_id, token_ids, sample_params, self.hasher,
+                                  self.eos_token_ids, cache_salt, None, arrival)
+                leader = request
+            else:
+                request = leader.fork(core_id, sample_params)
+            generator = (make_generator(sample_params.seed, self.device)
+                         if sample_params.seed is not None else None)
+            samples.append(_Sample(
+                index, request,
+                IncrementalDetokenizer(self.tokenizer, token_ids, params.stop,
+                                       params.include_stop_str_in_output,
+                                       params.skip_special_tokens),
+                generator, [] if params.logprobs is not None else None))
+        assert leader is not None
+        group = _Group(request_id, text, token_ids, samples, RequestMetrics(arrival))
+        for sample in samples:
+            group.by_core_id[sample.request.request_id] = sample
+            self._core_to_group[sample.request.request_id] = group
+        self._groups[request_id] = group
+        self.scheduler.add_request(leader, [s.request for s in samples[1:]])
+        self._prompt_tokens += len(token_ids)
+        return request_id
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> None:
+        """Ends requests now and frees their blocks (they stay cached). Unknown ids are
+        ignored: a client may abort a request that just finished."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for request_id in request_ids:
+            group = self._groups.pop(request_id, None)
+            if group is None:
+                continue
+            for sample in group.samples:
+                self.scheduler.finish(sample.request, RequestStatus.FINISHED_ABORTED)
+                self._core_to_group.pop(sample.request.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
+    # ---- the step -------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduled step; returns the outputs of every request that changed."""
+        begin = time.perf_counter()
+        scheduled = self.scheduler.schedule()
+        scheduled_at = time.perf_counter()
+        self._schedule_time += scheduled_at - begin
+        if scheduled.is_empty:
+            return []
+        now = time.monotonic()
+        for item in scheduled.scheduled:
+            group = self._core_to_group[item.request.request_id]
+            if group.metrics.first_scheduled_time is None:
+                group.metrics.first_scheduled_time = now
+        rows, chunks = self._chunks(scheduled)
+        try:
+            sampling = None
+            if rows:
+                sampling = SamplingMetadata.from_requests(
+                    [r.sampling_params for r in rows],
+                    [r.prompt_token_ids for r in rows],
+                    [r.output_token_ids for r in rows],
+                    [self._sample_of(r).generator for r in rows],
+                    eos_token_ids=sorted(self.eos_token_ids),
+                    device=self.device,
+                )
+            copies = [(c.src, c.dst) for c in scheduled.block_copies]
+            result = self.runner.execute(chunks, copies, sampling)
+        except Exception as error:  # noqa: BLE001 - one bad step must not kill the engine
+            logger.exception("step failed; failing its %d requests", len(chunks))
+            return self._fail_step(scheduled, error)
+        updated_at = time.perf_counter()
+        sampled: dict[str, int] = {}
+        if result is not None:
+            for request, token, logprob in zip(rows, result.sampled_token_ids,
+                                               result.logprobs, strict=True):
+                sampled[request.request_id] = token
+                if logprob is not None:
+                    sample = self._sample_of(request)
+                    sample.cumulative_logprob += logprob.logprob
+                    if sample.logprobs is not None:
+                        sample.logprobs.append(Logprob(logprob.token_id, logprob.logprob,
+                                                       logprob.rank, logprob.top_logprobs))
+        updated = self.scheduler.update_from_output(scheduled, sampled)
+        outputs = self._process(updated)
+        self._update_time += time.perf_counter() - updated_at
+        return outputs
+
+    def _sample_of(self, request: Request) -> _Sample:
+        return self._core_to_group[request.request_id].by_core_id[request.request_id]
+
+    def _chunks(self, scheduled: SchedulerOutput) -> tuple[list[Request], list[SequenceChunk]]:
+        rows: list[Request] = []
+        chunks: list[SequenceChunk] = []
+        for item in scheduled.scheduled:
+            request = item.request
+            start = request.num_computed_tokens
+            num_samples = 1 + len(item.forks) if item.samples else 0
+            chunks.append(SequenceChunk(
+                request.all_token_ids[start : start + item.num_new_tokens], start,
+                self.kv_manager.get_block_ids(request), num_samples))
+            if item.samples:
+                rows.append(request)
+                rows.extend(item.forks)
+        return rows, chunks
+
+    def _process(self, updated: list[Request]) -> list[RequestOutput]:
+        now = time.monotonic()
+        changed: dict[str, _Group] = {}
+        for request in updated:
+            group = self._core_to_group.get(request.request_id)
+            if group is None:
+                continue
+            sample = group.by_core_id[request.request_id]
+            self._generation_tokens += 1
+            if group.metrics.first_token_time is None:
+                group.metrics.first_token_time = now
+            stop = sample.detokenizer.add_token(request.output_token_ids[-1])
+            if stop is not None and not request.is_finished:
+                request.stop_reason = stop
+                self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+            changed[group.request_id] = group
+        outputs = []
+        for group in changed.values():
+            group.metrics.last_token_time = now
+            group.metrics.token_times.append(now)
+            outputs.append(self._output(group))
+            if group.finished:
+                group.metrics.finished_time = now
+                self._forget(group)
+        return outputs
+
+    def _output(self, group: _Group) -> RequestOutput:
+        completions = []
+        for sample in group.samples:
+            request = sample.request
+            finish_reason = request.status.finish_reason
+            completions.append(CompletionOutput(
+                index=sample.index,
+                text=sample.detokenizer.visible_text(finish_reason is not None),
+                token_ids=list(request.output_token_ids),
+                finish_reason=finish_reason,
+                stop_reason=request.stop_reason,
+                logprobs=list(sample.logprobs) if sample.logprobs is not None else None,
+                cumulative_logprob=(sample.cumulative_logprob
+                                    if sample.logprobs is not None else None),
+            ))
+        leader = group.samples[0].request
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=completions,
+            finished=group.finished,
+            num_cached_tokens=max(leader.num_cached_tokens, 0),
+            metrics=group.metrics,
+        )
+
+    def _forget(self, group: _Group) -> None:
+        self._groups.pop(group.request_id, None)
+        for sample in group.samples:
+            self._core_to_group.pop(sample.request.request_id, None)
+
+    def _fail_step(self, scheduled: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        outputs = []
+        groups = {self._core_to_group[i.request.request_id].request_id:
+                  self._core_to_group[i.request.request_id] for i in scheduled.scheduled
+                  if i.request.request_id in self._core_to_group}
+        for group in groups.values():
+            for sample in group.samples:
+                self.scheduler.finish(sample.request, RequestStatus.FINISHED_ERROR)
+            output = self._output(group)
+            output.error = f"internal error while computing this request: {error}"
+            outputs.append(output)
+            self._forget(group)
+        return outputs
+
+    # ---- introspection --------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> None:
+        self.kv_manager.reset_prefix_cache()
+
+    def get_stats(self) -> EngineStats:
+        cache = self.kv_manager.stats()
+        timings = self.runner.timings.as_dict()
+        timings["schedule_s"] = self._schedule_time
+        timings["update_s"] = self._update_time
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=cache.usage,
+            num_blocks=cache.num_blocks,
+            num_free_blocks=cache.blocks_free,
+            prefix_cache_queries=cache.queries,
+            prefix_cache_hits=cache.hits,
+            prefix_cache_hit_rate=cache.hit_rate,
+            num_evictions=cache.evictions,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._generation_tokens,
+            timings=timings,
+        )

@@ -1,0 +1,85 @@
+"""The KV tensors: sized once from a memory budget, then handed to every forward pass."""
+
+from __future__ import annotations
+
+import logging
+
+import psutil
+import torch
+
+from pagellm.model.attention import allocate_kv_caches
+from pagellm.model.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+# Without an explicit budget, take this share of the memory that is free at start-up.
+DEFAULT_MEMORY_FRACTION = 0.25
+# A pool larger than this many tokens per sequence slot buys nothing on a CPU and only
+# slows start-up (tensors are zero-filled); the default budget is capped here.
+DEFAULT_MAX_POOL_BYTES = 4 << 30
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    return int(psutil.virtual_memory().available)
+
+
+def num_blocks_for_budget(
+    model_config: ModelConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    kv_cache_memory_bytes: int | None = None,
+    memory_fraction: float | None = None,
+) -> int:
+    """How many blocks fit in the budget: explicit bytes, else a fraction of free memory."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    bytes_per_block = model_config.kv_cache_bytes_per_block(element_size) * block_size
+    if kv_cache_memory_bytes is None:
+        fraction = DEFAULT_MEMORY_FRACTION if memory_fraction is None else memory_fraction
+        budget = int(free_memory_bytes(device) * fraction)
+        if memory_fraction is None:
+            budget = min(budget, DEFAULT_MAX_POOL_BYTES)
+    else:
+        budget = kv_cache_memory_bytes
+    num_blocks = budget // bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv_cache_memory_bytes={budget} holds no block: one block of {block_size} "
+            f"tokens needs {bytes_per_block} bytes for this model"
+        )
+    return int(num_blocks)
+
+
+class KVCache:
+    """One [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = model_config.kv_cache_shape(num_blocks, block_size)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.tensors = allocate_kv_caches(model_config.num_layers, shape, dtype, device)
+        total = sum(t.numel() * t.element_size() for t in self.tensors)
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB",
+            num_blocks, block_size, num_blocks * block_size, total / 2**20,
+        )
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies whole blocks (src -> dst) in every layer: copy-on-write for forks."""
+        if not pairs:
+            return
+        device = self.tensors[0].device
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=device)
+        for tensor in self.tensors:
+            tensor[:, dst] = tensor[:, src]

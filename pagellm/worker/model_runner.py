@@ -1,0 +1,66 @@
+"""Runs one step on the device: copy-on-write copies, input tensors, forward, sampling."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pagellm.worker.input_batch import SequenceChunk, prepare_inputs
+from pagellm.worker.kv_cache import KVCache
+from pagellm.worker.sampler import SamplerOutput, SamplingMetadata, sample
+
+
+@dataclass
+class StepTimings:
+    """Seconds spent in each phase of the last steps (accumulated; see `reset`)."""
+
+    prepare: float = 0.0
+    forward: float = 0.0
+    sample: float = 0.0
+    steps: int = 0
+    tokens: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"prepare_s": self.prepare, "forward_s": self.forward, "sample_s": self.sample,
+                "steps": self.steps, "tokens": self.tokens}
+
+
+@dataclass
+class ModelRunner:
+    model: torch.nn.Module
+    kv_cache: KVCache
+    device: torch.device
+    timings: StepTimings = field(default_factory=StepTimings)
+
+    @torch.inference_mode()
+    def execute(
+        self,
+        chunks: list[SequenceChunk],
+        block_copies: list[tuple[int, int]],
+        sampling: SamplingMetadata | None,
+    ) -> SamplerOutput | None:
+        """Computes the chunks' KV and returns one sampled token per sampling row, in the
+        order of the chunks (a chunk with num_samples = k owns k consecutive rows)."""
+        start = time.perf_counter()
+        self.kv_cache.copy_blocks(block_copies)
+        inputs = prepare_inputs(chunks, self.kv_cache.block_size, self.device)
+        prepared = time.perf_counter()
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.tensors,
+                            inputs.attn_metadata)
+        result = None
+        if sampling is not None and inputs.logits_indices.numel():
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            forwarded = time.perf_counter()
+            result = sample(logits, sampling)
+        else:
+            forwarded = time.perf_counter()
+        done = time.perf_counter()
+        timings = self.timings
+        timings.prepare += prepared - start
+        timings.forward += forwarded - prepared
+        timings.sample += done - forwarded
+        timings.steps += 1
+        timings.tokens += int(inputs.input_ids.numel())
+        return result
