@@ -1,0 +1,323 @@
+"""Paged attention backends: write the step's new K/V into the block pool, then attend.
+
+A backend is chosen by name at start-up and shared by every layer. Each step the model asks
+it once for a *plan* (`prepare`): whatever per-step index tensors and masks the backend
+needs, built once from the AttentionMetadata and reused by all layers, since they only
+depend on the batch's shape. Then each layer calls `forward`.
+
+Both backends here rely on one property of the KV pool: it is allocated zero-filled (see
+`allocate_kv_caches`). The batched backend reads whole blocks, including slots past a
+request's end, and masks them; a masked score is `score + (-inf)`, so a NaN left in
+uninitialised memory would still poison the row.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from pagellm.model.attention_metadata import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """The per-layer constants a backend needs."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    sliding_window: int | None = None
+
+
+@dataclass
+class StepPlan:
+    """Per-step state shared by all layers; backends subclass it."""
+
+    meta: AttentionMetadata
+
+
+def write_kv_cache(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store new key/value rows [T, Hkv, D] at flat slots of a [2, N, B, Hkv, D] cache."""
+    flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
+    flat[0].index_copy_(0, slot_mapping, key)
+    flat[1].index_copy_(0, slot_mapping, value)
+
+
+def allocate_kv_caches(
+    num_layers: int,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> list[torch.Tensor]:
+    """One zero-filled KV tensor per layer (zeros: see the module docstring)."""
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+
+class AttentionBackend(ABC):
+    """Interface: plan once per step, then write + attend once per layer."""
+
+    name: str = ""
+
+    def prepare(self, meta: AttentionMetadata) -> StepPlan:
+        """Build the per-step plan. The default needs nothing beyond the metadata."""
+        return StepPlan(meta)
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: StepPlan,
+        spec: AttentionSpec,
+    ) -> torch.Tensor:
+        """Write key/value [T, Hkv, D] into the cache, return attention output [T, H, D]."""
+
+
+def _window_mask(
+    mask: torch.Tensor, key_pos: torch.Tensor, query_pos: torch.Tensor, window: int | None
+) -> torch.Tensor:
+    """Restrict a causal mask to keys within `window` positions of the query."""
+    if window is None:
+        return mask
+    return mask & (key_pos > query_pos - window)
+
+
+class TorchRefBackend(AttentionBackend):
+    """The reference: one SDPA call per request over its gathered blocks.
+
+    Deliberately plain (exact gathers, an explicit mask with the context offset) so it is
+    easy to trust; every other backend is tested against it. SDPA's own `is_causal` is not
+    used because it aligns the triangle top-left, which is wrong once the query is shorter
+    than the keys (a prefix hit, a chunk, a decode).
+    """
+
+    name = "torch_ref"
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: StepPlan,
+        spec: AttentionSpec,
+    ) -> torch.Tensor:
+        meta = plan.meta
+        write_kv_cache(kv_cache, key, value, meta.slot_mapping)
+        block_size = kv_cache.shape[2]
+        out = torch.empty_like(query)
+        start = 0
+        for r, (seq_len, q_len) in enumerate(
+            zip(meta.seq_lens_list, meta.query_lens_list, strict=True)
+        ):
+            n_blocks = -(-seq_len // block_size)
+            blocks = meta.block_tables[r, :n_blocks].long()
+            keys = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
+            values = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
+            key_pos = torch.arange(seq_len, device=query.device)
+            query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
+            mask = _window_mask(key_pos <= query_pos, key_pos, query_pos, spec.sliding_window)
+            q = query[start : start + q_len].transpose(0, 1)[None]
+            attn = F.scaled_dot_product_attention(
+                q,
+                keys.transpose(0, 1)[None],
+                values.transpose(0, 1)[None],
+                attn_mask=mask,
+                scale=spec.scale,
+                enable_gqa=spec.num_heads != spec.num_kv_heads,
+            )
+            out[start : start + q_len] = attn[0].transpose(0, 1)
+            start += q_len
+        return out
+
+
+@dataclass
+class _Group:
+    """Requests attended by one padded SDPA call, and where their tokens live in the batch.
+
+    q_src[Rg, Q]: batch row of each padded query (padding points at row 0, harmless).
+    out_dst[Rg, Q]: batch row each result goes to (padding goes to a dump row T); None
+    when the group is the whole batch in order with no padding, so results need no scatter.
+    """
+
+    blocks: torch.Tensor  # [Rg * n_blocks] block ids, flattened
+    n_requests: int
+    n_blocks: int
+    q_len: int
+    q_src: torch.Tensor
+    out_dst: torch.Tensor | None
+    key_pos: torch.Tensor  # [L]
+    query_pos: torch.Tensor  # [Rg, Q, 1] absolute position of each query
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """[Rg, 1, Q, L] causal (and windowed) mask, built once per step per window size."""
+        cached = self.masks.get(window)
+        if cached is None:
+            causal = self.key_pos <= self.query_pos
+            cached = _window_mask(causal, self.key_pos, self.query_pos, window)[:, None]
+            self.masks[window] = cached
+        return cached
+
+
+@dataclass
+class _BatchedPlan(StepPlan):
+    groups: list[_Group] = field(default_factory=list)
+
+
+class TorchBatchedBackend(AttentionBackend):
+    """No per-request loop: decodes and prefills each go through one padded SDPA call.
+
+    Requests are split in two groups, because padding a batch of decodes to the length of
+    one long prefill would multiply the work by that length: decodes (one query each) and
+    multi-token queries. Each group gathers its requests' blocks with one `index_select`
+    into a reused workspace (on CPU, allocating a fresh tens-of-MB buffer per layer costs
+    more than the copy itself), then makes one SDPA call with a [R, 1, Q, L] mask.
+
+    Decode fast path: with one query per request, the G query heads that share a KV head are
+    folded into the query-length axis ([R, Hkv, G, D] against [R, Hkv, L, D]), so GQA needs
+    no repeat of K/V and no causal mask beyond each request's length.
+    """
+
+    name = "torch_batched"
+
+    def __init__(self) -> None:
+        self._workspace: torch.Tensor | None = None
+
+    def prepare(self, meta: AttentionMetadata) -> StepPlan:
+        device = meta.slot_mapping.device
+        decode = [r for r, q in enumerate(meta.query_lens_list) if q == 1]
+        prefill = [r for r, q in enumerate(meta.query_lens_list) if q > 1]
+        whole = len(decode) == meta.num_requests or len(prefill) == meta.num_requests
+        groups = [
+            self._group(meta, members, device, whole) for members in (decode, prefill) if members
+        ]
+        return _BatchedPlan(meta, groups)
+
+    @staticmethod
+    def _group(
+        meta: AttentionMetadata, members: list[int], device: torch.device, whole: bool
+    ) -> _Group:
+        block_size = meta.block_size
+        q_lens = [meta.query_lens_list[r] for r in members]
+        max_q = max(q_lens)
+        max_seq = max(meta.seq_lens_list[r] for r in members)
+        n_blocks = -(-max_seq // block_size)
+        index = torch.tensor(members, device=device)
+        blocks = meta.block_tables[index, :n_blocks].long().flatten()
+        starts = meta.query_start_loc[index].long()
+        seq_lens = meta.seq_lens[index].long()
+        q_lens_t = meta.query_start_loc[index + 1].long() - starts
+        offsets = torch.arange(max_q, device=device)
+        valid = offsets[None, :] < q_lens_t[:, None]
+        rows = starts[:, None] + offsets[None, :]
+        q_src = rows.masked_fill(~valid, 0)
+        num_tokens = meta.slot_mapping.shape[0]
+        no_padding = whole and min(q_lens) == max_q
+        out_dst = None if no_padding else rows.masked_fill(~valid, num_tokens)
+        # Padded query rows are clamped to the request's last position so they never look
+        # past its end; their results are dropped anyway.
+        context = (seq_lens - q_lens_t)[:, None]
+        query_pos = torch.minimum(context + offsets[None, :], seq_lens[:, None] - 1)
+        return _Group(
+            blocks=blocks,
+            n_requests=len(members),
+            n_blocks=n_blocks,
+            q_len=max_q,
+            q_src=q_src.flatten(),
+            out_dst=None if out_dst is None else out_dst.flatten(),
+            key_pos=torch.arange(n_blocks * block_size, device=device),
+            query_pos=query_pos[:, :, None],
+        )
+
+    def _gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """Copy the listed blocks of K and V into the workspace: [2, n, B, Hkv, D]."""
+        n = blocks.shape[0]
+        per_block = kv_cache.shape[2:]
+        ws = self._workspace
+        if (
+            ws is None
+            or ws.shape[1] < n
+            or ws.shape[2:] != per_block
+            or ws.dtype != kv_cache.dtype
+            or ws.device != kv_cache.device
+        ):
+            ws = torch.empty((2, n, *per_block), dtype=kv_cache.dtype, device=kv_cache.device)
+            self._workspace = ws
+        out = ws[:, :n]
+        for i in range(2):
+            torch.index_select(kv_cache[i].flatten(1), 0, blocks, out=out[i].view(n, -1))
+        return out
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: StepPlan,
+        spec: AttentionSpec,
+    ) -> torch.Tensor:
+        assert isinstance(plan, _BatchedPlan)
+        write_kv_cache(kv_cache, key, value, plan.meta.slot_mapping)
+        num_tokens = query.shape[0]
+        if len(plan.groups) == 1 and plan.groups[0].out_dst is None:
+            return self._attend(query, kv_cache, plan.groups[0], spec)
+        out = query.new_empty((num_tokens + 1, spec.num_heads, spec.head_dim))
+        for group in plan.groups:
+            result = self._attend(query, kv_cache, group, spec)
+            assert group.out_dst is not None
+            out.index_copy_(0, group.out_dst, result)
+        return out[:num_tokens]
+
+    def _attend(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, group: _Group, spec: AttentionSpec
+    ) -> torch.Tensor:
+        """Attention for one group: [Rg * Q, H, D], padded rows included."""
+        r, q_len, hkv, d = group.n_requests, group.q_len, spec.num_kv_heads, spec.head_dim
+        kv = self._gather(kv_cache, group.blocks).view(2, r, -1, hkv, d).transpose(2, 3)
+        q = query.index_select(0, group.q_src)
+        mask = group.mask(spec.sliding_window)
+        if q_len == 1:
+            folded = q.view(r, hkv, spec.num_heads // hkv, d)
+            attn = F.scaled_dot_product_attention(
+                folded, kv[0], kv[1], attn_mask=mask, scale=spec.scale
+            )
+            return attn.reshape(r, spec.num_heads, d)
+        attn = F.scaled_dot_product_attention(
+            q.view(r, q_len, spec.num_heads, d).transpose(1, 2),
+            kv[0],
+            kv[1],
+            attn_mask=mask,
+            scale=spec.scale,
+            enable_gqa=spec.num_heads != hkv,
+        )
+        return attn.transpose(1, 2).reshape(r * q_len, spec.num_heads, d)
+
+
+ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
+    TorchRefBackend.name: TorchRefBackend,
+    TorchBatchedBackend.name: TorchBatchedBackend,
+}
+
+DEFAULT_ATTENTION_BACKEND = TorchBatchedBackend.name
+
+
+def get_attention_backend(name: str | None = None) -> AttentionBackend:
+    """A fresh backend instance by name (None: the default)."""
+    chosen = name or DEFAULT_ATTENTION_BACKEND
+    backend_cls = ATTENTION_BACKENDS.get(chosen)
+    if backend_cls is None:
+        raise ValueError(
+            f"unknown attention backend {chosen!r}; choose one of: "
+            + ", ".join(sorted(ATTENTION_BACKENDS))
+        )
+    return backend_cls()

@@ -1,0 +1,244 @@
+"""The Llama-family decoder: Llama 2/3, SmolLM, Mistral, Qwen2 and Qwen3.
+
+These differ only in flags the ModelConfig resolves: q/k/v (and o) bias, per-head q/k
+RMSNorm (Qwen3), sliding-window layers (Mistral, some Qwen configs), tied lm_head, and the
+rope frequencies. One class serves them all so a fix lands once.
+
+The batch is flat: T tokens of all requests, no batch dimension. Attention is delegated to
+the backend chosen at start-up; everything else is per-token and batch-agnostic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagellm.model.attention import (
+    AttentionBackend,
+    AttentionSpec,
+    StepPlan,
+    allocate_kv_caches,
+    get_attention_backend,
+)
+from pagellm.model.attention_metadata import AttentionMetadata
+from pagellm.model.errors import CorruptModelError
+from pagellm.model.layers import GatedMLP, RMSNorm
+from pagellm.model.model_config import ModelConfig
+from pagellm.model.rotary import RotaryEmbedding, apply_rotary
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention with fused q/k/v projection over the paged KV cache."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.spec = AttentionSpec(
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            scale=self.head_dim**-0.5,
+            sliding_window=config.layer_sliding_window(layer_idx),
+        )
+        self.backend = backend
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: StepPlan,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        out = self.backend.forward(q, k, v, kv_cache, plan, self.spec)
+        projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, self.q_size))
+        return projected
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: StepPlan,
+    ) -> torch.Tensor:
+        attn: torch.Tensor = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, plan)
+        hidden = hidden + attn
+        mlp: torch.Tensor = self.mlp(self.post_attention_layernorm(hidden))
+        return hidden + mlp
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm (the `model.` prefix of checkpoints)."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, backend) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        plan: StepPlan,
+    ) -> torch.Tensor:
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
+        hidden = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache, plan)
+        normed: torch.Tensor = self.norm(hidden)
+        return normed
+
+
+# Checkpoint tensors that land in a slice of one of our fused weights:
+# checkpoint name fragment -> (our fragment, shard index in the fused output dimension).
+_FUSED_SHARDS: dict[str, tuple[str, int]] = {
+    ".q_proj.": (".qkv_proj.", 0),
+    ".k_proj.": (".qkv_proj.", 1),
+    ".v_proj.": (".qkv_proj.", 2),
+    ".gate_proj.": (".gate_up_proj.", 0),
+    ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder + lm_head with the PageLLM model interface.
+
+    - `forward(input_ids[T], positions[T], kv_caches, attn_metadata) -> hidden[T, H]`
+    - `compute_logits(hidden[N, H]) -> float32 logits[N, vocab]`
+    - KV cache: one `[2, num_blocks, block_size, num_kv_heads, head_dim]` tensor per layer,
+      see `kv_cache_shape` / `allocate_kv_caches`.
+    Parameter names follow the Hugging Face checkpoints (`model.layers.N....`), except the
+    fused `qkv_proj` and `gate_up_proj`, which `load_weights` assembles.
+    """
+
+    def __init__(self, config: ModelConfig, attention_backend: str | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.attn_backend = get_attention_backend(attention_backend)
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.model = LlamaModel(config, self.attn_backend)
+        self.lm_head: nn.Linear | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int]:
+        return self.config.kv_cache_shape(num_blocks, block_size)
+
+    def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
+        """Zero-filled caches in the model's dtype and device, one per layer."""
+        weight = self.model.embed_tokens.weight
+        shape = self.kv_cache_shape(num_blocks, block_size)
+        return allocate_kv_caches(self.num_layers, shape, weight.dtype, weight.device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        dtype = self.model.embed_tokens.weight.dtype
+        cos, sin = self.rotary.cos_sin(positions, dtype)
+        plan = self.attn_backend.prepare(attn_metadata)
+        hidden: torch.Tensor = self.model(input_ids, cos, sin, kv_caches, plan)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (HF names) into our parameters, filling fused shards.
+
+        Raises CorruptModelError naming the first tensor that is missing, unexpected or of
+        the wrong shape, instead of leaving a silently half-initialised model.
+        """
+        params = dict(self.named_parameters())
+        filled: dict[str, int] = {}
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # some tied checkpoints still store the (identical) head
+            if "rotary_emb." in name:
+                continue  # derived buffers, recomputed from the config
+            target, shard = self._target(name)
+            param = params.get(target)
+            if param is None:
+                raise CorruptModelError(f"checkpoint tensor {name!r} has no place in the model")
+            dest = param.data if shard is None else self._shard(param.data, target, shard)
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise CorruptModelError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            filled[target] = filled.get(target, 0) + 1
+        for target in params:
+            if filled.get(target, 0) != self._shard_count(target):
+                raise CorruptModelError(f"checkpoint is missing weights for {target!r}")
+
+    @staticmethod
+    def _target(name: str) -> tuple[str, int | None]:
+        for fragment, (fused, shard) in _FUSED_SHARDS.items():
+            if fragment in name:
+                return name.replace(fragment, fused), shard
+        return name, None
+
+    def _shard(self, data: torch.Tensor, target: str, shard: int) -> torch.Tensor:
+        if ".qkv_proj." in target:
+            q, kv = self.config.num_attention_heads, self.config.num_key_value_heads
+            sizes = [q * self.head_dim, kv * self.head_dim, kv * self.head_dim]
+        else:
+            sizes = [self.config.intermediate_size] * 2
+        return torch.split(data, sizes, dim=0)[shard]
+
+    @staticmethod
+    def _shard_count(target: str) -> int:
+        if ".qkv_proj." in target:
+            return 3
+        if ".gate_up_proj." in target:
+            return 2
+        return 1

