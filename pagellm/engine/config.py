@@ -30,6 +30,8 @@ class EngineConfig:
     The KV pool is `kv_cache_memory_bytes` if given, else `kv_cache_memory_fraction` of the
     memory free at start-up (capped at 4 GiB when neither is given).
     `max_model_len` None means the model's own context length.
+    `skip_tokenizer_init` runs without a tokenizer: prompts are token ids and outputs carry
+    no text (for models shipped without one, and for benchmarks that bring their own).
     """
 
     model: str | None = None
@@ -47,6 +49,7 @@ class EngineConfig:
     attention_backend: str | None = None
     cache_dir: Path | None = None
     seed: int = 0
+    skip_tokenizer_init: bool = False
     num_threads: int | None = None
 
     def __post_init__(self) -> None:

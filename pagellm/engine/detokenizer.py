@@ -36,6 +36,8 @@ class IncrementalDetokenizer:
         self.stopped_by: str | None = None
 
     def _decode(self, ids: list[int]) -> str:
+        if self._tokenizer is None:
+            return ""
         return str(self._tokenizer.decode(ids, skip_special_tokens=self._skip_special))
 
     def add_token(self, token_id: int) -> str | None:

@@ -25,8 +25,9 @@ from pagellm.core.scheduler import Scheduler, SchedulerOutput
 from pagellm.engine.config import EngineConfig
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from pagellm.model.loader import load_model, load_tokenizer, resolve_model_path
+from pagellm.model.loader import load_model, load_tokenizer
 from pagellm.model.model_config import load_model_config
+from pagellm.model.resolve import resolve_model_path
 from pagellm.worker.input_batch import SequenceChunk
 from pagellm.worker.kv_cache import KVCache, num_blocks_for_budget
 from pagellm.worker.model_runner import ModelRunner
@@ -101,7 +102,7 @@ class LLMEngine:
         self.model_config = load_model_config(model_path)
         dtype_name = "float32" if config.dtype == "auto" else config.dtype
         self.dtype = _TORCH_DTYPES[dtype_name]
-        self.tokenizer = load_tokenizer(model_path)
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(model_path)
         self.model = load_model(model_path, dtype=self.dtype, device=self.device,
                                 attention_backend=config.attention_backend)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
@@ -158,6 +159,9 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer (skip_tokenizer_init is set): "
+                                 "pass prompt_token_ids")
             return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True))
         if isinstance(prompt, (list, tuple)):
             return None, self._check_token_ids(prompt)
