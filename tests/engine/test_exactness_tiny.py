@@ -1,0 +1,196 @@
+"""Greedy outputs equal the transformers reference, cache on and off, on tiny random models
+of every supported architecture and through every scheduling path (shared prefixes, block
+boundaries, chunked prefill, preemption)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pagellm import LLM, SamplingParams
+from tests.engine.conftest import assert_greedy_equal, assert_idle, hf_greedy, make_tiny_model
+
+ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-gqa-untied": ("llama", {}),
+    "llama-mha-tied": ("llama", {"num_key_value_heads": 4, "tie_word_embeddings": True}),
+    "llama-rope-llama3": ("llama", {"rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    "llama-rope-linear": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    "mistral": ("mistral", {"sliding_window": None}),
+    "qwen2-bias": ("qwen2", {}),
+    "qwen3-qk-norm": ("qwen3", {"head_dim": 16}),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {name: make_tiny_model(root / name, arch, **kw)
+            for name, (arch, kw) in ARCHS.items()}
+
+
+@pytest.fixture(scope="module")
+def hf_models(tiny_models: dict[str, Path]) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    return {name: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            for name, path in tiny_models.items()}
+
+
+def _prompts(seed: int, prefix_len: int, suffix_lens: list[int]) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(2, 384) for _ in range(prefix_len)]
+    return [prefix + [rng.randrange(2, 384) for _ in range(n)] for n in suffix_lens]
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _llm(path: Path, **kwargs: Any) -> LLM:
+    kwargs.setdefault("kv_cache_memory_bytes", 4 << 20)
+    return LLM(str(path), skip_tokenizer_init=True, **kwargs)
+
+
+def _run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[Any]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(max_tokens),
+                           use_tqdm=False)
+    assert_idle(llm.llm_engine)
+    return outputs
+
+
+@pytest.mark.parametrize("caching", [True, False], ids=["cache-on", "cache-off"])
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_architectures_match_reference(name: str, caching: bool, tiny_models: dict[str, Path],
+                                       hf_models: dict[str, Any]) -> None:
+    llm = _llm(tiny_models[name], enable_prefix_caching=caching)
+    prompts = _prompts(7, 40, [3, 9, 17])
+    refs = [hf_greedy(hf_models[name], p, 10) for p in prompts]
+    for warm in (False, True):
+        outputs = _run(llm, prompts, 10)
+        for prompt, out, ref in zip(prompts, outputs, refs, strict=True):
+            assert_greedy_equal(hf_models[name], prompt, out.outputs[0].token_ids, ref,
+                                f"{name} caching={caching} warm={warm}")
+        if warm and caching:
+            assert all(out.num_cached_tokens >= 32 for out in outputs)
+        if not caching:
+            assert all(out.num_cached_tokens == 0 for out in outputs)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_block_boundaries(block_size: int, tiny_models: dict[str, Path],
+                          hf_models: dict[str, Any]) -> None:
+    """Prompts of k*bs - 1, k*bs and k*bs + 1 tokens, each twice: the second run hits the
+    cache up to (len - 1) rounded down to a block, and the output does not change."""
+    name = "llama-gqa-untied"
+    llm = _llm(tiny_models[name], block_size=block_size)
+    rng = random.Random(block_size)
+    for length in (3 * block_size - 1, 3 * block_size, 3 * block_size + 1):
+        prompt = [rng.randrange(2, 384) for _ in range(length)]
+        ref = hf_greedy(hf_models[name], prompt, 2 * block_size + 1)
+        for attempt in range(2):
+            (out,) = _run(llm, [prompt], 2 * block_size + 1)
+            assert_greedy_equal(hf_models[name], prompt, out.outputs[0].token_ids, ref,
+                                f"bs={block_size} len={length} attempt={attempt}")
+            expected = 0 if attempt == 0 else (length - 1) // block_size * block_size
+            assert out.num_cached_tokens == expected
+
+
+@pytest.mark.parametrize("caching", [True, False], ids=["cache-on", "cache-off"])
+def test_chunked_prefill_tiny_budget(caching: bool, tiny_models: dict[str, Path],
+                                     hf_models: dict[str, Any]) -> None:
+    name = "qwen2-bias"
+    llm = _llm(tiny_models[name], enable_prefix_caching=caching, max_num_batched_tokens=7,
+               block_size=8)
+    prompts = _prompts(3, 30, [5, 11, 2, 20])
+    outputs = _run(llm, prompts, 9)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert_greedy_equal(hf_models[name], prompt, out.outputs[0].token_ids,
+                            hf_greedy(hf_models[name], prompt, 9), f"chunked caching={caching}")
+
+
+@pytest.mark.parametrize("caching", [True, False], ids=["cache-on", "cache-off"])
+def test_preemption_and_resume(caching: bool, tiny_models: dict[str, Path],
+                               hf_models: dict[str, Any]) -> None:
+    """A pool too small for all requests at once: some are preempted, resumed (mostly from
+    the cache when it is on) and still produce the reference tokens."""
+    name = "llama-gqa-untied"
+    path = tiny_models[name]
+    # 2 layers x 2 kv heads x 16 dims x 2 (K, V) x 4 bytes = 512 bytes per token.
+    llm = _llm(path, enable_prefix_caching=caching, block_size=8,
+               kv_cache_memory_bytes=512 * 8 * 14)
+    assert llm.llm_engine.kv_manager.num_blocks == 14
+    prompts = _prompts(11, 16, [4, 6, 8, 10])
+    outputs = _run(llm, prompts, 24)
+    assert llm.llm_engine.get_stats().num_preemptions > 0
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert_greedy_equal(hf_models[name], prompt, out.outputs[0].token_ids,
+                            hf_greedy(hf_models[name], prompt, 24), f"preempt caching={caching}")
+
+
+def test_same_prompt_twice_in_one_batch(tiny_models: dict[str, Path],
+                                        hf_models: dict[str, Any]) -> None:
+    name = "qwen3-qk-norm"
+    llm = _llm(tiny_models[name], block_size=8)
+    prompt = _prompts(5, 37, [0])[0]
+    outputs = _run(llm, [prompt, prompt, prompt], 8)
+    ref = hf_greedy(hf_models[name], prompt, 8)
+    for out in outputs:
+        assert_greedy_equal(hf_models[name], prompt, out.outputs[0].token_ids, ref, "twice")
+
+
+def test_seeded_sampling_same_alone_and_in_batch(tiny_models: dict[str, Path]) -> None:
+    llm = _llm(tiny_models["llama-gqa-untied"])
+    prompts = _prompts(9, 20, [1, 5, 9])
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=42, max_tokens=12,
+                            ignore_eos=True)
+    (alone,) = llm.generate([{"prompt_token_ids": prompts[1]}], seeded, use_tqdm=False)
+    others = SamplingParams(temperature=0.8, max_tokens=5, ignore_eos=True)
+    batch = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                         [others, seeded, others], use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert_idle(llm.llm_engine)
+
+
+def test_n_samples_share_prompt_blocks(tiny_models: dict[str, Path],
+                                       hf_models: dict[str, Any]) -> None:
+    """n > 1 forks from one prefill: the children hold the parent's full prompt blocks
+    (ref counted), and greedy children all equal the reference."""
+    name = "llama-gqa-untied"
+    llm = _llm(tiny_models[name], block_size=8)
+    engine = llm.llm_engine
+    prompt = _prompts(13, 21, [0])[0]
+    engine.add_request("fork", {"prompt_token_ids": prompt},
+                       SamplingParams(n=3, temperature=0, max_tokens=6, ignore_eos=True))
+    engine.step()
+    tables = [engine.kv_manager.get_block_ids(r) for r in
+              (engine.scheduler.requests[f"fork#{i}"] for i in range(3))]
+    full = len(prompt) // 8
+    assert tables[0][:full] == tables[1][:full] == tables[2][:full]
+    assert len({t[full] for t in tables}) == 3, "the partial block must be copied, not shared"
+    for block_id in tables[0][:full]:
+        assert engine.kv_manager.pool.blocks[block_id].ref_count == 3
+    outputs: list[Any] = []
+    while engine.has_unfinished_requests():
+        outputs.extend(o for o in engine.step() if o.finished)
+    ref = hf_greedy(hf_models[name], prompt, 6)
+    assert [c.token_ids for c in outputs[0].outputs] == [ref, ref, ref]
+    assert_idle(engine)
+
+
+def test_bad_prompt_in_batch_does_not_stop_the_others(tiny_models: dict[str, Path]) -> None:
+    llm = _llm(tiny_models["llama-gqa-untied"], max_model_len=64)
+    good = _prompts(1, 10, [0])[0]
+    outputs = llm.generate([{"prompt_token_ids": good}, {"prompt_token_ids": [5] * 100},
+                            {"prompt_token_ids": []}], _greedy(4), use_tqdm=False)
+    assert outputs[0].error is None and len(outputs[0].outputs[0].token_ids) == 4
+    assert "max_model_len" in (outputs[1].error or "")
+    assert "empty" in (outputs[2].error or "")
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate({"prompt_token_ids": [5] * 100}, _greedy(4), use_tqdm=False)
+    assert_idle(llm.llm_engine)
