@@ -1,0 +1,82 @@
+"""The default model (SmolLM2-135M-Instruct) on real text: exact against transformers,
+the prefix cache used across chat turns, stop strings and detokenization."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pagellm import SamplingParams
+from tests.engine.conftest import assert_greedy_equal, assert_idle, hf_greedy
+
+pytestmark = pytest.mark.slow
+
+SYSTEM = ("You are a meticulous travel assistant. You answer questions about cities, "
+          "museums, food and transport in Europe with short, factual sentences, and you "
+          "always mention one practical tip for visitors at the end of your answer.")
+QUESTIONS = ["What should I see in Paris?", "How do I get around Berlin?",
+             "Which food is typical in Rome?"]
+
+
+def _chat(question: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+
+
+def test_chat_matches_reference_and_reuses_system_prompt(default_llm: Any,
+                                                         default_hf_model: Any) -> None:
+    llm = default_llm
+    llm.reset_prefix_cache()
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    first = llm.chat(_chat(QUESTIONS[0]), params, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+    rest = llm.chat([_chat(q) for q in QUESTIONS[1:]], params, use_tqdm=False)
+    system_tokens = len(llm.apply_chat_template(
+        [{"role": "system", "content": SYSTEM}], add_generation_prompt=False))
+    for out in rest:
+        assert out.num_cached_tokens >= (system_tokens // 16 - 1) * 16 > 0
+    for out in [first, *rest]:
+        ref = hf_greedy(default_hf_model, out.prompt_token_ids, 24)
+        assert_greedy_equal(default_hf_model, out.prompt_token_ids,
+                            out.outputs[0].token_ids, ref, "default model chat")
+        assert out.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids,
+                                                           skip_special_tokens=True)
+    assert_idle(llm.llm_engine)
+
+
+def test_prefix_caching_off_gives_identical_tokens(default_llm: Any) -> None:
+    from pagellm import LLM
+
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [_chat(q) for q in QUESTIONS]
+    on = [o.outputs[0].token_ids for o in default_llm.chat(prompts, params, use_tqdm=False)]
+    off_llm = LLM(enable_prefix_caching=False, kv_cache_memory_bytes=16 << 20)
+    off = [o.outputs[0].token_ids for o in off_llm.chat(prompts, params, use_tqdm=False)]
+    assert on == off
+    assert off_llm.llm_engine.get_stats().prefix_cache_hits == 0
+
+
+def test_stop_string_cuts_text(default_llm: Any) -> None:
+    params = SamplingParams(temperature=0, max_tokens=40)
+    base = default_llm.chat(_chat(QUESTIONS[1]), params, use_tqdm=False)[0].outputs[0]
+    words = base.text.split()
+    assert len(words) > 3, base.text
+    stop = words[2]
+    out = default_llm.chat(_chat(QUESTIONS[1]), SamplingParams(temperature=0, max_tokens=40,
+                                                               stop=[stop]),
+                           use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == base.text[: base.text.index(stop)]
+    assert_idle(default_llm.llm_engine)
+
+
+def test_text_prompt_and_finish_reasons(default_llm: Any) -> None:
+    out = default_llm.generate("The capital of France is",
+                               SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "length"
+    assert len(out.outputs[0].token_ids) == 5
+    assert out.prompt == "The capital of France is"
+    eos = default_llm.chat(_chat("Say hi."), SamplingParams(temperature=0, max_tokens=200),
+                           use_tqdm=False)[0].outputs[0]
+    assert eos.finish_reason == "stop"
+    assert_idle(default_llm.llm_engine)
