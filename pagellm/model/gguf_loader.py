@@ -272,6 +272,8 @@ def _iter_tensors(
         expected = tuple(int(d) for d in reversed(tensor.shape))
         if tuple(array.shape) != expected:
             array = array.reshape(expected)
+        if not array.flags.writeable:
+            array = array.copy()  # unquantized tensors come back as views of the mmap
         weight = torch.from_numpy(np.ascontiguousarray(array))
         if weight.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             weight = weight.float()

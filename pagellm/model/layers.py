@@ -1,4 +1,5 @@
-"""Building blocks shared by the decoder architectures: RMSNorm and the gated SiLU MLP.
+"""Building blocks shared by the decoder architectures: RMSNorm, the gated SiLU MLP, and
+Linear/Embedding layers that skip random initialisation.
 
 The numerics copy the reference implementation's order of operations on purpose (normalise
 in float32, cast back, then scale), so float32 logits match transformers to ~1e-5 and bf16
@@ -10,6 +11,24 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose weights start uninitialised.
+
+    Every weight is overwritten from a checkpoint, and random init (or building on the meta
+    device to avoid it, whose first use costs ~2 s of torch start-up) is pure start-up time.
+    """
+
+    def reset_parameters(self) -> None:
+        return None
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding whose table starts uninitialised (see Linear)."""
+
+    def reset_parameters(self) -> None:
+        return None
 
 
 class RMSNorm(nn.Module):
@@ -38,8 +57,8 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)

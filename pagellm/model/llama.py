@@ -25,7 +25,7 @@ from pagellm.model.attention import (
 )
 from pagellm.model.attention_metadata import AttentionMetadata
 from pagellm.model.errors import CorruptModelError
-from pagellm.model.layers import GatedMLP, RMSNorm
+from pagellm.model.layers import Embedding, GatedMLP, Linear, RMSNorm
 from pagellm.model.model_config import ModelConfig
 from pagellm.model.rotary import RotaryEmbedding, apply_rotary
 
@@ -40,10 +40,10 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.spec = AttentionSpec(
@@ -107,7 +107,7 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, backend) for i in range(config.num_hidden_layers)
         )
@@ -163,7 +163,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, self.attn_backend)
         self.lm_head: nn.Linear | None = None
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int]:
         return self.config.kv_cache_shape(num_blocks, block_size)
@@ -192,8 +192,11 @@ class LlamaForCausalLM(nn.Module):
         return F.linear(hidden, weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (HF names) into our parameters, filling fused shards.
+        """Put checkpoint tensors (HF names) into our parameters, filling fused shards.
 
+        A tensor that already has the parameter's dtype and device is adopted as it is, not
+        copied: from safetensors that is a copy-on-write mapping of the file, so most of a
+        checkpoint never costs a copy at start-up. Fused and cast tensors are copied.
         Raises CorruptModelError naming the first tensor that is missing, unexpected or of
         the wrong shape, instead of leaving a silently half-initialised model.
         """
@@ -214,7 +217,10 @@ class LlamaForCausalLM(nn.Module):
                     f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                     f"expected {tuple(dest.shape)}"
                 )
-            dest.copy_(tensor)
+            if shard is None and tensor.dtype == dest.dtype and tensor.device == dest.device:
+                param.data = tensor
+            else:
+                dest.copy_(tensor)
             filled[target] = filled.get(target, 0) + 1
         for target in params:
             if filled.get(target, 0) != self._shard_count(target):
