@@ -1,0 +1,341 @@
+"""The engine for servers: `LLMEngine` stepping in its own thread, outputs streamed to asyncio.
+
+`LLMEngine.step` is synchronous and runs a forward pass, so it cannot run on the event loop
+without freezing every client. Instead one background thread owns the engine outright: it
+takes commands (add, abort, stop) from a thread-safe inbox between steps, steps while any
+request is unfinished, and hands each output to the asking request's stream on that
+request's event loop with `loop.call_soon_threadsafe`. Owning the engine from a single
+thread needs no lock around it, and nothing on the event loop ever waits for a step: an
+add waits only for the step in flight to end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import functools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from pagellm.core.sampling_params import SamplingParams
+from pagellm.engine.config import EngineConfig
+from pagellm.engine.llm_engine import EngineStats, LLMEngine, PromptInput
+from pagellm.engine.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_Command = Callable[[], None]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped (shutdown or a fatal error); no request can run."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this request (its `RequestOutput.error`); others keep running."""
+
+
+class RequestStream:
+    """The cumulative outputs of one request, as an async iterator.
+
+    Use it as an async context manager: leaving the block before the last output (a
+    client that disconnected, a cancelled task, an exception) aborts the request, so its
+    blocks are freed at once instead of when it would have finished.
+    """
+
+    def __init__(self, engine: AsyncLLMEngine, request_id: str, stream: _OutputStream) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self._stream = stream
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            output = await self._stream.get()
+        except BaseException:
+            self.abort()
+            raise
+        self.finished = output.finished
+        if output.error is not None:
+            raise RequestFailedError(output.error)
+        return output
+
+    def abort(self) -> None:
+        """Ends the request now unless it already finished; idempotent."""
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.abort()
+
+
+class _OutputStream:
+    """The outputs of one request, read on its event loop.
+
+    Outputs are cumulative (each holds the whole text so far), so a newer one supersedes
+    an older one that was not read yet: keeping only the newest bounds the memory a slow
+    client can pin to one output, however far it falls behind.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._latest: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Called on the stream's loop (via call_soon_threadsafe); an error is final."""
+        if isinstance(self._latest, BaseException):
+            return
+        self._latest = item
+        self._ready.set()
+
+    async def get(self) -> RequestOutput:
+        await self._ready.wait()
+        self._ready.clear()
+        item, self._latest = self._latest, None
+        if isinstance(item, BaseException):
+            raise item
+        assert item is not None
+        return item
+
+
+@dataclass
+class _Pending:
+    """A command's result, delivered to the awaiting coroutine's loop."""
+
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Any]
+
+    def resolve(self, value: Any = None, error: BaseException | None = None) -> None:
+        def settle() -> None:
+            if self.future.done():
+                return
+            if error is not None:
+                self.future.set_exception(error)
+            else:
+                self.future.set_result(value)
+
+        _post(self.loop, settle)
+
+
+def _post(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
+    """Schedules `callback` on `loop`; a loop that has closed has nobody left to tell."""
+    try:
+        loop.call_soon_threadsafe(callback)
+    except RuntimeError:
+        pass
+
+
+class AsyncLLMEngine:
+    """Runs an `LLMEngine` in a background thread and streams its outputs to coroutines.
+
+    `generate` is an async iterator of cumulative `RequestOutput`s; leaving it early (a
+    client that disconnects, a cancelled task) aborts the request so its blocks are freed.
+    `stats()` is the snapshot taken after the latest step, so metrics never wait on one.
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        # Hugging Face fast tokenizers are not safe to share between threads (concurrent
+        # use fails with "Already borrowed"), and the engine thread detokenizes on every
+        # step: callers on the event loop get their own copy.
+        self.tokenizer: Any = copy.deepcopy(engine.tokenizer)
+        self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._streams: dict[str, _OutputStream] = {}
+        self._stopping = False
+        self._dead: BaseException | None = None
+        self._stats = engine.get_stats()
+        self._thread = threading.Thread(target=self._run, name="pagellm-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
+        return cls(LLMEngine(config))
+
+    # ---- what the server reads --------------------------------------------------------
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopping and self._dead is None
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    # ---- requests ---------------------------------------------------------------------
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        sampling_params: SamplingParams,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> RequestStream:
+        """Queues a request and returns the stream of its outputs.
+
+        Raises ValueError (the engine's message) if the request is rejected, in which case
+        nothing was queued; a server can still answer with a plain error status then.
+        """
+        stream = _OutputStream(asyncio.get_running_loop())
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+
+        def add() -> None:
+            self.engine.add_request(request_id, prompt, sampling_params, cache_salt, arrival)
+            self._streams[request_id] = stream
+
+        try:
+            await self._call(add)
+        except asyncio.CancelledError:
+            # The add may still run after we stop waiting; the abort queued behind it
+            # makes sure nobody's request keeps running with no reader.
+            self.abort(request_id)
+            raise
+        return RequestStream(self, request_id, stream)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        sampling_params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """`add_request` and iterate, for callers that need no error status up front."""
+        stream = await self.add_request(request_id, prompt, sampling_params, cache_salt)
+        async with stream:
+            async for output in stream:
+                yield output
+
+    def abort(self, request_id: str) -> None:
+        """Aborts a request without waiting: safe from `finally` blocks during cancellation.
+
+        Once the engine has stopped there is nothing left to free, so this is then a no-op.
+        """
+        if not self.is_running:
+            return
+
+        def abort() -> None:
+            self._streams.pop(request_id, None)
+            self.engine.abort_request(request_id)
+
+        self._submit(abort)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Aborts every request (their streams get EngineDeadError) and stops the thread."""
+        if self._thread.is_alive():
+            self._submit(self._stop)
+            self._thread.join(timeout)
+
+    # ---- the thread -------------------------------------------------------------------
+
+    async def _call(self, command: Callable[[], T]) -> T:
+        """Runs `command` on the engine thread between steps and returns its result."""
+        loop = asyncio.get_running_loop()
+        pending = _Pending(loop, loop.create_future())
+
+        def run() -> None:
+            if self._stopping:
+                pending.resolve(error=EngineDeadError("the server is shutting down"))
+                return
+            try:
+                pending.resolve(command())
+            except Exception as error:  # noqa: BLE001 - the caller decides what it means
+                pending.resolve(error=error)
+
+        self._submit(run)
+        result: T = await pending.future
+        return result
+
+    def _submit(self, command: _Command) -> None:
+        if self._dead is not None or (self._stopping and command is not self._stop):
+            raise EngineDeadError("the engine is not running")
+        self._inbox.put(command)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._run_commands(block=not self.engine.has_unfinished_requests())
+                if self._stopping:
+                    break
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self._stats = self.engine.get_stats()
+        except BaseException as error:
+            self._dead = error
+            logger.exception("the engine thread died; failing every request")
+            self._fail_all(EngineDeadError(f"the engine stopped: {error}"))
+            return
+        self._dead = EngineDeadError("the engine has shut down")
+        self._drain_inbox()
+
+    def _run_commands(self, block: bool) -> None:
+        """Runs the queued commands; when idle, first waits for one instead of spinning."""
+        if block:
+            self._inbox.get()()
+        while not self._stopping:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            command()
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as error:  # noqa: BLE001 - one bad step fails its requests, not us
+            logger.exception("engine step failed; failing the requests in flight")
+            self._fail_all(RequestFailedError(f"internal error: {error}"))
+            return
+        for output in outputs:
+            stream = (self._streams.pop(output.request_id, None) if output.finished
+                      else self._streams.get(output.request_id))
+            if stream is not None:
+                _post(stream.loop, functools.partial(stream.put, output))
+
+    def _fail_all(self, error: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        for request_id, stream in streams.items():
+            _post(stream.loop, functools.partial(stream.put, error))
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # noqa: BLE001 - keep failing the rest
+                logger.exception("could not abort request %s", request_id)
+
+    def _stop(self) -> None:
+        self._stopping = True
+        self._fail_all(EngineDeadError("the server is shutting down"))
+        self._stats = self.engine.get_stats()
+
+    def _drain_inbox(self) -> None:
+        """Runs what was queued behind the stop so no caller waits forever: adds fail."""
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                command()
+            except Exception:  # noqa: BLE001 - shutting down; nothing left to protect
+                logger.debug("command failed during shutdown", exc_info=True)

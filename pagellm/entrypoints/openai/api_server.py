@@ -1,0 +1,108 @@
+"""The OpenAI-compatible HTTP server: routes, middleware, lifespan, and running uvicorn."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from pagellm.engine.async_engine import AsyncLLMEngine
+from pagellm.entrypoints.openai.errors import APIError, install_error_handlers
+from pagellm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from pagellm.entrypoints.openai.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from pagellm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from pagellm.entrypoints.openai.serving import ServerContext
+from pagellm.entrypoints.openai.serving_chat import create_chat_completion
+from pagellm.entrypoints.openai.serving_completion import create_completion
+from pagellm.entrypoints.openai.stats_logger import log_stats_forever
+
+logger = logging.getLogger("pagellm.server")
+
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+
+
+@dataclass
+class ServerSettings:
+    """How the server listens and guards itself (the engine is configured separately)."""
+
+    model_names: list[str]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    log_stats_interval: float = 5.0
+    shutdown_timeout: float = 10.0
+    log_level: str = "info"
+    launch_time: float = field(default_factory=time.perf_counter)
+
+
+def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
+    """The ASGI app serving `engine`; shutting the app down shuts the engine down."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        stats_task = asyncio.create_task(log_stats_forever(engine, settings.log_stats_interval))
+        logger.info("PageLLM server ready in %.2f s, serving %s",
+                    time.perf_counter() - settings.launch_time, ", ".join(settings.model_names))
+        try:
+            yield
+        finally:
+            stats_task.cancel()
+            logger.info("shutting down: aborting unfinished requests")
+            engine.shutdown()
+
+    app = FastAPI(title="PageLLM OpenAI-compatible API", lifespan=lifespan)
+    context = ServerContext(engine, list(settings.model_names),
+                            ServerMetrics(engine, settings.model_names[0]))
+    install_error_handlers(app)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
+    if settings.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(context, body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(context, body, request)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=name, max_model_len=engine.max_model_len)
+                               for name in context.model_names])
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_running:
+            raise APIError(503, "The engine is not running.")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return PlainTextResponse(context.metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def run_server(engine: AsyncLLMEngine, settings: ServerSettings) -> None:
+    """Serves until SIGINT/SIGTERM: uvicorn stops accepting, lets running requests finish
+    for `shutdown_timeout` seconds, cancels the rest (aborting them), then the lifespan
+    stops the engine."""
+    config = uvicorn.Config(
+        create_app(engine, settings), host=settings.host, port=settings.port,
+        log_level=settings.log_level, timeout_graceful_shutdown=int(settings.shutdown_timeout),
+        access_log=settings.log_level == "debug")
+    uvicorn.Server(config).run()

@@ -1,0 +1,120 @@
+"""Every failure as an OpenAI-style error body: {"error": {message, type, param, code}}.
+
+OpenAI clients read `error.message` and map the status to an exception class, so every
+path out of the server, including FastAPI's own (422 validation errors, 404 routes) and
+unexpected exceptions, must produce this shape with the status OpenAI would use.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagellm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+# Segments pydantic adds to an error location for the branch of a union it tried; they
+# are type names, not field names, so they do not belong in `param`.
+_UNION_BRANCH_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _is_union_branch(part: str) -> bool:
+    return part in _UNION_BRANCH_TAGS or "[" in part or part.startswith("function-")
+
+
+class APIError(Exception):
+    """An error with its HTTP status, raised anywhere while serving a request."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, type: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or ("server_error" if status >= 500 else "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=info).model_dump(mode="json")
+
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def _param_path(loc: Sequence[int | str]) -> str | None:
+    """`messages[0].role` from pydantic's ('messages', 0, 'role'), union branches dropped."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif _is_union_branch(part):
+            break
+        else:
+            path += f".{part}" if path else part
+    return path or None
+
+
+def validation_error(errors: Sequence[Any]) -> APIError:
+    """The 400 OpenAI sends for a body it cannot use, from FastAPI's validation errors.
+
+    Only the first error is reported (as OpenAI does), with the field it concerns.
+    """
+    first: dict[str, Any] = (dict(errors[0]) if errors
+                             else {"type": "", "loc": (), "msg": "invalid request"})
+    kind = first.get("type", "")
+    loc = [part for part in first.get("loc", ()) if part != "body"]
+    if kind == "json_invalid":
+        return bad_request("We could not parse the JSON body of your request: "
+                           f"{first.get('ctx', {}).get('error', 'invalid JSON')}.",
+                           code="invalid_json")
+    param = _param_path(loc)
+    if param is None:
+        if kind == "missing":
+            return bad_request("The request body is empty; expected a JSON object.")
+        return bad_request("The request body must be a JSON object.")
+    if kind == "missing":
+        return bad_request(f"Missing required parameter: '{param}'.", param=param,
+                           code="missing_required_parameter")
+    return bad_request(f"Invalid value for '{param}': {first.get('msg', 'invalid value')}.",
+                       param=param, code="invalid_value")
+
+
+async def _on_api_error(_: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, APIError)
+    return error.response()
+
+
+async def _on_validation_error(_: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, RequestValidationError)
+    return validation_error(error.errors()).response()
+
+
+async def _on_http_error(_: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, StarletteHTTPException)
+    message = error.detail if isinstance(error.detail, str) else str(error.detail)
+    return APIError(error.status_code, message).response(
+        headers=dict(error.headers) if error.headers else None)
+
+
+async def _on_unexpected(_: Request, error: Exception) -> JSONResponse:
+    logger.error("unhandled error while serving a request", exc_info=error)
+    return APIError(500, "The server had an error while processing your request.").response()
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(APIError, _on_api_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(Exception, _on_unexpected)

@@ -1,0 +1,139 @@
+"""Prometheus metrics at /metrics, in the text exposition format (written by hand).
+
+Counters and gauges are read from the engine's latest stats snapshot when scraped, so the
+engine keeps one source of truth and the server adds nothing to its hot loop. Latency
+histograms are fed by the serving code when a request finishes, from the engine's own
+timestamps. Everything here runs on the event loop thread, so nothing needs a lock.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterable, Sequence
+
+from pagellm.engine.async_engine import AsyncLLMEngine
+from pagellm.engine.outputs import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+               1.0, 2.5, 5.0, 10.0, 20.0)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+               50.0, 60.0, 120.0, 240.0, 480.0)
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _labels(labels: dict[str, str]) -> str:
+    if not labels:
+        return ""
+    return "{" + ",".join(f'{key}="{_escape(value)}"' for key, value in labels.items()) + "}"
+
+
+def _number(value: float) -> str:
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value)) if isinstance(value, float) else str(value)
+
+
+def _family(name: str, kind: str, help_text: str, samples: Iterable[str]) -> list[str]:
+    return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *samples]
+
+
+class Histogram:
+    """A cumulative-bucket histogram, as Prometheus expects it."""
+
+    def __init__(self, name: str, help_text: str, buckets: Sequence[float]) -> None:
+        self.name = name
+        self.help_text = help_text
+        self.bounds = tuple(buckets)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def render(self, labels: dict[str, str]) -> list[str]:
+        samples = []
+        cumulative = 0
+        for bound, count in zip((*self.bounds, math.inf), self.counts, strict=True):
+            cumulative += count
+            bucket_labels = _labels({**labels, "le": _number(bound)})
+            samples.append(f"{self.name}_bucket{bucket_labels} {cumulative}")
+        samples.append(f"{self.name}_sum{_labels(labels)} {_number(self.sum)}")
+        samples.append(f"{self.name}_count{_labels(labels)} {cumulative}")
+        return _family(self.name, "histogram", self.help_text, samples)
+
+
+class ServerMetrics:
+    """The server's metrics: engine counters and gauges, plus request latency histograms."""
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+        self.engine = engine
+        self.labels = {"model_name": model_name}
+        self.time_to_first_token = Histogram(
+            "pagellm_time_to_first_token_seconds",
+            "Time from a request's arrival to its first generated token.", TTFT_BUCKETS)
+        self.inter_token_latency = Histogram(
+            "pagellm_inter_token_latency_seconds",
+            "Time between consecutive generated tokens of a request.", ITL_BUCKETS)
+        self.e2e_request_latency = Histogram(
+            "pagellm_e2e_request_latency_seconds",
+            "Time from a request's arrival to its last token (finished requests only).",
+            E2E_BUCKETS)
+
+    def observe_finished(self, output: RequestOutput) -> None:
+        """Records a finished request's latencies; aborted or failed ones carry none."""
+        metrics = output.metrics
+        if metrics is None or metrics.first_token_time is None:
+            return
+        self.time_to_first_token.observe(metrics.first_token_time - metrics.arrival_time)
+        times = metrics.token_times
+        for earlier, later in zip(times, times[1:], strict=False):
+            self.inter_token_latency.observe(later - earlier)
+        end = metrics.finished_time or metrics.last_token_time
+        if end is not None:
+            self.e2e_request_latency.observe(end - metrics.arrival_time)
+
+    def render(self) -> str:
+        stats = self.engine.stats()
+        labels = self.labels
+        lines: list[str] = []
+
+        def scalar(name: str, kind: str, help_text: str, value: float) -> None:
+            lines.extend(_family(name, kind, help_text, [f"{name}{_labels(labels)} {_number(value)}"]))
+
+        scalar("pagellm_prefix_cache_queries_total", "counter",
+               "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries)
+        scalar("pagellm_prefix_cache_hits_total", "counter",
+               "Prompt tokens served from the prefix cache.", stats.prefix_cache_hits)
+        scalar("pagellm_prefix_cache_evictions_total", "counter",
+               "Cached KV blocks evicted to make room.", stats.num_evictions)
+        scalar("pagellm_kv_cache_usage", "gauge",
+               "Fraction of KV cache blocks in use (0 when idle).", stats.kv_cache_usage)
+        scalar("pagellm_kv_cache_blocks", "gauge",
+               "KV cache blocks in the pool.", stats.num_blocks)
+        scalar("pagellm_num_requests_running", "gauge",
+               "Requests scheduled in the running batch.", stats.num_running)
+        scalar("pagellm_num_requests_waiting", "gauge",
+               "Requests waiting to be scheduled.", stats.num_waiting)
+        scalar("pagellm_num_preemptions_total", "counter",
+               "Requests preempted (their KV freed) to make room.", stats.num_preemptions)
+        scalar("pagellm_prompt_tokens_total", "counter",
+               "Prompt tokens received.", stats.prompt_tokens)
+        scalar("pagellm_generation_tokens_total", "counter",
+               "Tokens generated.", stats.generation_tokens)
+        for histogram in (self.time_to_first_token, self.inter_token_latency,
+                          self.e2e_request_latency):
+            lines.extend(histogram.render(labels))
+        return "\n".join(lines) + "\n"

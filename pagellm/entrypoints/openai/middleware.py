@@ -1,0 +1,120 @@
+"""ASGI middleware that turns requests away before any handler sees them.
+
+Both run ahead of FastAPI's body parsing: a body over the size limit must be refused
+without buffering it whole, and a request without the API key must learn nothing about
+the endpoint (not even that its body was malformed).
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pagellm.entrypoints.openai.errors import APIError
+
+# How much of an oversized body is read and dropped before answering 413. Answering while
+# the client is still sending makes many clients report a broken pipe instead of the
+# status; past this much it is not worth the bandwidth, and the connection is closed.
+_DRAIN_FACTOR = 4
+
+
+class BodySizeLimitMiddleware:
+    """413 for a request body over `max_bytes`, declared (Content-Length) or streamed."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared < 0:
+            await APIError(400, "Invalid Content-Length header.").response()(scope, receive, send)
+            return
+        if declared is not None and declared > self.max_bytes:
+            await self._refuse(scope, receive, send, already_read=0)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                if message.get("more_body", False):
+                    await self._refuse(scope, receive, send, already_read=size)
+                else:
+                    await self._too_large().response()(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay(b"".join(chunks), receive), send)
+
+    def _too_large(self) -> APIError:
+        return APIError(413, f"Request body too large: the limit is {self.max_bytes} bytes.",
+                        code="request_too_large")
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, already_read: int) -> None:
+        drained = already_read
+        while drained <= _DRAIN_FACTOR * self.max_bytes:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            drained += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        headers = {"Connection": "close"}
+        await self._too_large().response(headers=headers)(scope, receive, send)
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return -1
+    return None
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A `receive` that gives the buffered body once, then the client's later messages
+    (a streaming response listens on them for the client's disconnect)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+class APIKeyMiddleware:
+    """401 for any /v1 request without `Authorization: Bearer <api key>`.
+
+    /health and /metrics stay open: load balancers and Prometheus probe them without
+    credentials, and they reveal no request data.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = next((value for name, value in scope.get("headers", ())
+                          if name == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -1,0 +1,63 @@
+"""From a request body to `SamplingParams`, with errors that name the request's field.
+
+`SamplingParams` validates every value and names the field in its message; here that
+name is mapped back to what the client sent (chat's `top_logprobs` is the engine's
+`logprobs`, `max_completion_tokens` its `max_tokens`), so the 400 points at the client's
+own field.
+"""
+
+from __future__ import annotations
+
+from pagellm.core.sampling_params import SamplingParams
+from pagellm.entrypoints.openai.errors import APIError, bad_request
+from pagellm.entrypoints.openai.protocol import SamplingFields
+
+
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value
+
+
+def build_sampling_params(
+    request: SamplingFields,
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    vocab_size: int,
+    field_names: dict[str, str] | None = None,
+) -> SamplingParams:
+    """The request's sampling options, validated; raises a 400 APIError naming the field.
+
+    `top_k` above the vocabulary means "no limit"; it is clamped here because a huge value
+    does not fit the sampler's int64 tensors and would fail the whole batch's step.
+    """
+    top_k = request.top_k or 0
+    try:
+        return SamplingParams(
+            n=request.n,
+            temperature=_or(request.temperature, 1.0),
+            top_p=_or(request.top_p, 1.0),
+            top_k=min(top_k, vocab_size),
+            min_p=_or(request.min_p, 0.0),
+            seed=request.seed,
+            max_tokens=max_tokens,
+            min_tokens=request.min_tokens,
+            stop=request.stop,
+            stop_token_ids=request.stop_token_ids,
+            ignore_eos=request.ignore_eos,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            presence_penalty=_or(request.presence_penalty, 0.0),
+            frequency_penalty=_or(request.frequency_penalty, 0.0),
+            repetition_penalty=_or(request.repetition_penalty, 1.0),
+            logprobs=logprobs,
+            skip_special_tokens=request.skip_special_tokens,
+        )
+    except ValueError as error:
+        raise _named(str(error), field_names or {}) from error
+
+
+def _named(message: str, field_names: dict[str, str]) -> APIError:
+    field, _, rest = message.partition(" ")
+    param = field_names.get(field, field)
+    if param != field:
+        message = f"{param} {rest}"
+    return bad_request(message, param=param, code="invalid_value")

@@ -1,0 +1,173 @@
+"""POST /v1/chat/completions: a conversation in, rendered by the model's chat template."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from pagellm.engine.async_engine import RequestStream
+from pagellm.engine.outputs import RequestOutput
+from pagellm.entrypoints.chat_template import render_chat
+from pagellm.entrypoints.openai.errors import bad_request
+from pagellm.entrypoints.openai.logprobs import TokenText, chat_logprobs
+from pagellm.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatMessage,
+    ChatResponseMessage,
+)
+from pagellm.entrypoints.openai.sampling import build_sampling_params
+from pagellm.entrypoints.openai.serving import (
+    EventStreamResponse,
+    Prompt,
+    ServerContext,
+    check_choices,
+    final_outputs,
+    merged,
+    resolve_max_tokens,
+    sse,
+    start_requests,
+    streamed,
+    unless_disconnected,
+    usage,
+)
+
+
+def _text(message: ChatMessage) -> str:
+    """A message's text; content parts are joined by newlines, as vLLM does."""
+    if message.content is None:
+        return ""
+    if isinstance(message.content, str):
+        return message.content
+    return "\n".join(part.text for part in message.content)
+
+
+def render_messages(tokenizer: Any, messages: list[ChatMessage]) -> list[int]:
+    """The prompt token ids of a conversation, ending with the assistant's turn.
+
+    OpenAI's `developer` role is the newer name of `system`, which is what chat templates
+    know. A template that rejects the conversation (roles out of order, say) is the
+    client's error, so it becomes a 400 naming `messages`.
+    """
+    if not messages:
+        raise bad_request("messages is empty", param="messages")
+    conversation = [{"role": "system" if m.role == "developer" else m.role,
+                     "content": _text(m)} for m in messages]
+    try:
+        token_ids = render_chat(tokenizer, conversation)
+    except Exception as error:  # noqa: BLE001 - jinja raises many types for bad input
+        raise bad_request(f"messages cannot be rendered by the chat template: {error}",
+                          param="messages") from error
+    if not token_ids:
+        raise bad_request("messages render to an empty prompt", param="messages")
+    return token_ids
+
+
+def _logprobs_setting(body: ChatCompletionRequest) -> int | None:
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+    if not body.logprobs:
+        return None
+    return body.top_logprobs or 0
+
+
+async def create_chat_completion(context: ServerContext, body: ChatCompletionRequest,
+                                 raw: Request) -> Response:
+    arrival = time.monotonic()
+    context.check_model(body.model)
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options is only allowed when stream is true",
+                          param="stream_options")
+    check_choices(1, body.n)
+    engine = context.engine
+    max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None \
+        else "max_tokens"
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None \
+        else body.max_tokens
+    base = build_sampling_params(
+        body, max_tokens=requested, logprobs=_logprobs_setting(body),
+        vocab_size=engine.vocab_size,
+        field_names={"logprobs": "top_logprobs", "max_tokens": max_tokens_param})
+    prompt = Prompt(None, render_messages(engine.tokenizer, body.messages))
+    params = base.clone(max_tokens=resolve_max_tokens(
+        engine.max_model_len, len(prompt.token_ids), requested, "messages", max_tokens_param))
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    streams = await start_requests(context, request_id, [prompt], [params], body.cache_salt,
+                                   arrival, "messages")
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return EventStreamResponse(streamed(_stream(context, request_id, body, streams,
+                                                    include_usage)))
+    outputs = await unless_disconnected(raw, final_outputs(streams, context.metrics))
+    return JSONResponse(_response(context, request_id, outputs[0]).model_dump(mode="json"))
+
+
+def _response(context: ServerContext, request_id: str,
+              output: RequestOutput) -> ChatCompletionResponse:
+    token_text = TokenText(context.engine.tokenizer)
+    choices = [
+        ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                   logprobs=chat_logprobs(c.logprobs, token_text) if c.logprobs is not None
+                   else None,
+                   finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+        for c in output.outputs]
+    return ChatCompletionResponse(id=request_id, model=context.model_name, choices=choices,
+                                  usage=usage([output]))
+
+
+async def _stream(context: ServerContext, request_id: str, body: ChatCompletionRequest,
+                  streams: list[RequestStream], include_usage: bool
+                  ) -> AsyncGenerator[str, None]:
+    """A role chunk per choice, then content deltas, each choice's last with its reason."""
+    token_text = TokenText(context.engine.tokenizer)
+    created = int(time.time())
+
+    def chunk(choices: list[ChatChunkChoice]) -> str:
+        return sse(ChatCompletionChunk(id=request_id, created=created, model=context.model_name,
+                                       choices=choices).model_dump(mode="json",
+                                                                   exclude={"usage"}))
+
+    yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
+                 for i in range(body.n)])
+    sent_text: dict[int, int] = {}
+    sent_logprobs: dict[int, int] = {}
+    done: set[int] = set()
+    final: RequestOutput | None = None
+    async with aclosing(merged(streams, context.metrics)) as outputs:
+        async for _, output in outputs:
+            choices = []
+            for completion in output.outputs:
+                index = completion.index
+                delta = completion.text[sent_text.get(index, 0):]
+                if index in done or (not delta and completion.finish_reason is None):
+                    continue
+                sent_text[index] = len(completion.text)
+                if completion.finish_reason is not None:
+                    done.add(index)
+                logprobs = None
+                if completion.logprobs is not None:
+                    logprobs = chat_logprobs(
+                        completion.logprobs[sent_logprobs.get(index, 0):], token_text)
+                    sent_logprobs[index] = len(completion.logprobs)
+                choices.append(ChatChunkChoice(
+                    index=index, delta=ChatDelta(content=delta), logprobs=logprobs,
+                    finish_reason=completion.finish_reason,
+                    stop_reason=completion.stop_reason))
+            if output.finished:
+                final = output
+            if choices:
+                yield chunk(choices)
+    if include_usage and final is not None:
+        last = ChatCompletionChunk(id=request_id, created=created, model=context.model_name,
+                                   choices=[], usage=usage([final]))
+        yield sse(last.model_dump(mode="json"))

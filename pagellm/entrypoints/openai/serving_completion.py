@@ -1,0 +1,149 @@
+"""POST /v1/completions: prompts in (text, token ids, or lists of either), text out."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from pagellm.engine.async_engine import RequestStream
+from pagellm.engine.outputs import RequestOutput
+from pagellm.entrypoints.openai.errors import bad_request
+from pagellm.entrypoints.openai.logprobs import TokenText, completion_logprobs
+from pagellm.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+)
+from pagellm.entrypoints.openai.sampling import build_sampling_params
+from pagellm.entrypoints.openai.serving import (
+    EventStreamResponse,
+    Prompt,
+    ServerContext,
+    check_choices,
+    final_outputs,
+    merged,
+    resolve_max_tokens,
+    sse,
+    start_requests,
+    streamed,
+    unless_disconnected,
+    usage,
+)
+
+
+def _prompts(context: ServerContext, prompt: Any) -> list[Prompt]:
+    """Normalises the four accepted shapes to a list of tokenized prompts."""
+    if isinstance(prompt, str):
+        items: list[Any] = [prompt]
+    elif prompt and all(isinstance(token, int) for token in prompt):
+        items = [prompt]
+    else:
+        items = list(prompt)
+    if not items:
+        raise bad_request("prompt is empty", param="prompt")
+    tokenizer = context.engine.tokenizer
+    prompts = []
+    for item in items:
+        if isinstance(item, str):
+            if not item:
+                raise bad_request("prompt is empty", param="prompt")
+            prompts.append(Prompt(item, list(tokenizer.encode(item, add_special_tokens=True))))
+        else:
+            if not item:
+                raise bad_request("prompt is empty", param="prompt")
+            prompts.append(Prompt(None, list(item)))
+    return prompts
+
+
+async def create_completion(context: ServerContext, body: CompletionRequest,
+                            raw: Request) -> Response:
+    arrival = time.monotonic()
+    context.check_model(body.model)
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options is only allowed when stream is true",
+                          param="stream_options")
+    prompts = _prompts(context, body.prompt)
+    check_choices(len(prompts), body.n)
+    engine = context.engine
+    base = build_sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs,
+                                 vocab_size=engine.vocab_size)
+    params = [
+        base.clone(max_tokens=resolve_max_tokens(
+            engine.max_model_len, len(p.token_ids), body.max_tokens, "prompt", "max_tokens"))
+        for p in prompts]
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    streams = await start_requests(context, request_id, prompts, params, body.cache_salt,
+                                   arrival, "prompt")
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return EventStreamResponse(streamed(_stream(context, request_id, body, streams,
+                                                    include_usage)))
+    outputs = await unless_disconnected(raw, final_outputs(streams, context.metrics))
+    return JSONResponse(_response(context, request_id, body, outputs).model_dump(mode="json"))
+
+
+def _response(context: ServerContext, request_id: str, body: CompletionRequest,
+              outputs: list[RequestOutput]) -> CompletionResponse:
+    token_text = TokenText(context.engine.tokenizer)
+    choices = []
+    for prompt_index, output in enumerate(outputs):
+        for completion in output.outputs:
+            logprobs = None
+            if completion.logprobs is not None:
+                logprobs, _ = completion_logprobs(completion.logprobs, token_text, 0)
+            choices.append(CompletionChoice(
+                index=prompt_index * body.n + completion.index, text=completion.text,
+                logprobs=logprobs, finish_reason=completion.finish_reason,
+                stop_reason=completion.stop_reason))
+    return CompletionResponse(id=request_id, model=context.model_name, choices=choices,
+                              usage=usage(outputs))
+
+
+async def _stream(context: ServerContext, request_id: str, body: CompletionRequest,
+                  streams: list[RequestStream], include_usage: bool
+                  ) -> AsyncGenerator[str, None]:
+    """One chunk per engine output with each choice's new text (and new logprobs)."""
+    token_text = TokenText(context.engine.tokenizer)
+    sent_text: dict[int, int] = {}
+    sent_logprobs: dict[int, int] = {}
+    offsets: dict[int, int] = {}
+    done: set[int] = set()
+    finals: dict[int, RequestOutput] = {}
+    created = int(time.time())
+    async with aclosing(merged(streams, context.metrics)) as outputs:
+        async for prompt_index, output in outputs:
+            choices = []
+            for completion in output.outputs:
+                index = prompt_index * body.n + completion.index
+                delta = completion.text[sent_text.get(index, 0):]
+                if index in done or (not delta and completion.finish_reason is None):
+                    continue
+                sent_text[index] = len(completion.text)
+                if completion.finish_reason is not None:
+                    done.add(index)
+                logprobs = None
+                if completion.logprobs is not None:
+                    new = completion.logprobs[sent_logprobs.get(index, 0):]
+                    sent_logprobs[index] = len(completion.logprobs)
+                    logprobs, offsets[index] = completion_logprobs(
+                        new, token_text, offsets.get(index, 0))
+                choices.append(CompletionChoice(
+                    index=index, text=delta, logprobs=logprobs,
+                    finish_reason=completion.finish_reason,
+                    stop_reason=completion.stop_reason))
+            if output.finished:
+                finals[prompt_index] = output
+            if choices:
+                chunk = CompletionResponse(id=request_id, created=created,
+                                           model=context.model_name, choices=choices)
+                yield sse(chunk.model_dump(mode="json", exclude={"usage"}))
+    if include_usage:
+        final = CompletionResponse(id=request_id, created=created, model=context.model_name,
+                                   choices=[], usage=usage(list(finals.values())))
+        yield sse(final.model_dump(mode="json"))

@@ -1,0 +1,65 @@
+"""`pagellm serve`: the OpenAI-compatible HTTP server."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from pagellm.engine.async_engine import AsyncLLMEngine
+from pagellm.engine.llm_engine import LLMEngine
+from pagellm.entrypoints.engine_args import add_engine_args, byte_size
+
+# The default model is a GGUF inside a package, not a path the user chose; it is served
+# under the name people know it by.
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "serve", help="run the OpenAI-compatible HTTP server",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
+                    "/metrics over HTTP, OpenAI-compatible.")
+    group = parser.add_argument_group("server options")
+    group.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    group.add_argument("--port", type=int, default=8000, help="port to bind (default: %(default)s)")
+    group.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="model name(s) clients use; the first is reported in responses "
+                            "(default: the model path's name)")
+    group.add_argument("--api-key", default=os.environ.get("PAGELLM_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on /v1 requests "
+                            "(default: $PAGELLM_API_KEY, else no key)")
+    group.add_argument("--max-request-bytes", type=byte_size, default="8MiB",
+                       help="largest request body accepted, larger gets 413 "
+                            "(default: %(default)s)")
+    group.add_argument("--log-stats-interval", type=float, default=5.0,
+                       help="seconds between stats log lines while busy (default: %(default)s)")
+    group.add_argument("--shutdown-timeout", type=float, default=10.0,
+                       help="on SIGINT/SIGTERM, seconds running requests get to finish "
+                            "before they are aborted (default: %(default)s)")
+    group.add_argument("--log-level", default="info",
+                       choices=("critical", "error", "warning", "info", "debug"),
+                       help="server log level (default: %(default)s)")
+    add_engine_args(parser)
+
+
+def served_model_names(args: argparse.Namespace) -> list[str]:
+    if args.served_model_name:
+        return list(args.served_model_name)
+    if args.model:
+        return [Path(args.model).name]
+    return [DEFAULT_MODEL_NAME]
+
+
+def run(args: argparse.Namespace, engine: LLMEngine, launch_time: float) -> int:
+    # Imported here so the offline subcommands work without the server extra installed.
+    from pagellm.entrypoints.openai.api_server import ServerSettings, run_server
+
+    settings = ServerSettings(
+        model_names=served_model_names(args), host=args.host, port=args.port,
+        api_key=args.api_key or None, max_request_bytes=args.max_request_bytes,
+        log_stats_interval=args.log_stats_interval, shutdown_timeout=args.shutdown_timeout,
+        log_level=args.log_level, launch_time=launch_time)
+    run_server(AsyncLLMEngine(engine), settings)
+    return 0
