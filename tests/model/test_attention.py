@@ -1,0 +1,173 @@
+"""Attention backends against a dense float64 reference that knows nothing of paging.
+
+Each case draws requests with a cached context and new tokens (decodes, fresh prefills,
+prefills over a prefix, all mixed), writes the context K/V straight into shuffled blocks,
+and checks every backend's output, and the cache it leaves, against plain softmax
+attention over each request's logical K/V history.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from paged_sim import build_metadata
+
+from pagellm.model.attention import (
+    ATTENTION_BACKENDS,
+    DEFAULT_ATTENTION_BACKEND,
+    AttentionSpec,
+    allocate_kv_caches,
+    get_attention_backend,
+)
+
+BACKENDS = sorted(ATTENTION_BACKENDS)
+
+
+def dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: int, window: int | None
+) -> torch.Tensor:
+    """q[Q, H, D] against k/v[L, Hkv, D], query i at position context + i, in float64."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    k = k.double().repeat_interleave(heads // kv_heads, dim=1)
+    v = v.double().repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) / q.shape[-1] ** 0.5
+    q_pos = torch.arange(q.shape[0])[:, None] + context
+    k_pos = torch.arange(k.shape[0])[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def make_case(seed: int, shapes: list[tuple[int, int]], window: int | None = None) -> dict:
+    """Requests given as (cached tokens, new tokens); everything else drawn from `seed`."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    kv_heads, group, head_dim = rng.choice([(1, 4), (2, 2), (3, 3), (4, 1)]) + (
+        rng.choice([8, 16]),
+    )
+    block_size = rng.choice([1, 2, 4, 16])
+    needed = sum(-(-(c + q) // block_size) for c, q in shapes)
+    num_blocks = needed + 5
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    cache = allocate_kv_caches(
+        1, (2, num_blocks, block_size, kv_heads, head_dim), torch.float32, "cpu"
+    )[0]
+    tables, histories, queries, new_k, new_v = [], [], [], [], []
+    for context, q_len in shapes:
+        total = context + q_len
+        table = [free.pop() for _ in range(-(-total // block_size))]
+        k_hist = torch.randn(total, kv_heads, head_dim, generator=gen)
+        v_hist = torch.randn(total, kv_heads, head_dim, generator=gen)
+        for pos in range(context):  # the cached prefix, written by "earlier steps"
+            block, offset = table[pos // block_size], pos % block_size
+            cache[0, block, offset] = k_hist[pos]
+            cache[1, block, offset] = v_hist[pos]
+        tables.append(table)
+        histories.append((k_hist, v_hist))
+        queries.append(torch.randn(q_len, kv_heads * group, head_dim, generator=gen))
+        new_k.append(k_hist[context:])
+        new_v.append(v_hist[context:])
+    # Stale, finite data in every free block, as a long-running pool would hold.
+    for block in free:
+        cache[:, block] = torch.randn(2, block_size, kv_heads, head_dim, generator=gen)
+    meta = build_metadata(tables, [c for c, _ in shapes], [q for _, q in shapes], block_size)
+    spec = AttentionSpec(kv_heads * group, kv_heads, head_dim, head_dim**-0.5, window)
+    expected = torch.cat(
+        [
+            dense_attention(q, k, v, context, window)
+            for q, (k, v), (context, _) in zip(queries, histories, shapes, strict=True)
+        ]
+    )
+    return dict(
+        cache=cache,
+        meta=meta,
+        spec=spec,
+        query=torch.cat(queries),
+        key=torch.cat(new_k),
+        value=torch.cat(new_v),
+        expected=expected,
+        tables=tables,
+        histories=histories,
+        block_size=block_size,
+    )
+
+
+def run_backend(name: str, case: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    backend = get_attention_backend(name)
+    cache = case["cache"].clone()
+    plan = backend.prepare(case["meta"])
+    out = backend.forward(case["query"], case["key"], case["value"], cache, plan, case["spec"])
+    return out, cache
+
+
+def check(name: str, case: dict) -> None:
+    out, cache = run_backend(name, case)
+    assert out.shape == case["expected"].shape
+    torch.testing.assert_close(out.double(), case["expected"], atol=2e-5, rtol=1e-5)
+    bs = case["block_size"]
+    for table, (k_hist, v_hist) in zip(case["tables"], case["histories"], strict=True):
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(k_hist.shape[0])])
+        flat = cache.view(2, -1, *cache.shape[-2:])
+        assert torch.equal(flat[0, slots], k_hist)
+        assert torch.equal(flat[1, slots], v_hist)
+
+
+SCENARIOS = {
+    "single_prefill": [(0, 13)],
+    "single_decode": [(20, 1)],
+    "decode_batch": [(5, 1), (17, 1), (1, 1), (33, 1)],
+    "prefix_hit_prefill": [(16, 7)],
+    "equal_prefills": [(0, 6), (0, 6), (8, 6)],
+    "mixed": [(0, 9), (12, 1), (8, 9), (30, 1), (3, 2)],
+    "long_and_short": [(0, 40), (64, 1), (2, 1)],
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("window", [None, 5])
+def test_backend_matches_dense_reference(backend: str, scenario: str, window: int | None) -> None:
+    for seed in range(3):
+        check(backend, make_case(seed, SCENARIOS[scenario], window))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_backends_agree_on_random_batches(seed: int) -> None:
+    rng = random.Random(1000 + seed)
+    shapes = [
+        (rng.choice([0, rng.randint(0, 40)]), rng.choice([1, 1, rng.randint(1, 20)]))
+        for _ in range(rng.randint(1, 8))
+    ]
+    case = make_case(seed, shapes, rng.choice([None, None, rng.randint(1, 12)]))
+    outputs = [run_backend(name, case) for name in BACKENDS]
+    for out, cache in outputs[1:]:
+        torch.testing.assert_close(out, outputs[0][0], atol=2e-5, rtol=1e-5)
+        assert torch.equal(cache, outputs[0][1])
+    check(BACKENDS[0], case)
+
+
+def test_batched_backend_plan_is_reused_across_layers() -> None:
+    """One plan serves every layer; a second forward with it must give the same result."""
+    case = make_case(7, SCENARIOS["mixed"])
+    backend = get_attention_backend("torch_batched")
+    plan = backend.prepare(case["meta"])
+    cache = case["cache"].clone()
+    args = (case["query"], case["key"], case["value"], cache, plan, case["spec"])
+    first = backend.forward(*args)
+    second = backend.forward(*args)
+    assert torch.equal(first, second)
+
+
+def test_default_backend_is_known() -> None:
+    assert DEFAULT_ATTENTION_BACKEND in ATTENTION_BACKENDS
+    assert get_attention_backend(None).name == DEFAULT_ATTENTION_BACKEND
+
+
+def test_unknown_backend_names_the_choices() -> None:
+    with pytest.raises(ValueError, match="torch_batched"):
+        get_attention_backend("flash_nonexistent")

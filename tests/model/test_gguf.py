@@ -1,0 +1,245 @@
+"""GGUF conversion on tiny files written here: names, quant types, q/k permutation, caching.
+
+The files are written the way llama.cpp's converter does (q/k rows permuted for the llama
+arch, quantized tensors), from a random transformers checkpoint whose expected values we
+know. The tokenizer step needs a real vocabulary and is covered by the SmolLM2 test, so
+it is stubbed here.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from paged_sim import PagedSim
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+from pagellm.model import (
+    CorruptModelError,
+    gguf_loader,
+    load_model,
+    load_model_config,
+    resolve_model_path,
+)
+
+HIDDEN = 256  # K-quants pack rows in blocks of 256
+
+
+@pytest.fixture(autouse=True)
+def no_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gguf_loader, "_write_tokenizer", lambda source, out: None)
+
+
+def llama_cpp_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to attn_q/attn_k rows (written independently of ours)."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(n_heads, 2, rows // n_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def random_kquant(rows: int, cols: int, qtype: Q, seed: int) -> np.ndarray:
+    """Valid raw bytes of a K-quant tensor (random quants, sane fp16 scales)."""
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = np.random.default_rng(seed).integers(0, 256, (rows, cols // block, type_size), np.uint8)
+    scale = np.array([0.01], dtype=np.float16).view(np.uint8)
+    if qtype == Q.Q4_K:  # d, dmin at the start of each block
+        raw[..., 0:2] = scale
+        raw[..., 2:4] = scale
+    elif qtype == Q.Q6_K:  # d at the end
+        raw[..., -2:] = scale
+    return raw.reshape(rows, -1)
+
+
+# GGUF tensor kind -> storage type in the tiny file.
+TYPES = {
+    "token_embd": Q.Q8_0,
+    "output": Q.Q6_K,
+    "output_norm": Q.F32,
+    "attn_norm": Q.F32,
+    "ffn_norm": Q.F32,
+    "attn_q_norm": Q.F32,
+    "attn_k_norm": Q.F32,
+    "attn_q": Q.Q8_0,
+    "attn_k": Q.Q4_1,
+    "attn_v": Q.F16,
+    "attn_output": Q.Q4_0,
+    "ffn_gate": Q.Q4_1,
+    "ffn_up": Q.Q8_0,
+    "ffn_down": Q.Q4_K,
+}
+
+HF_TO_GGUF = {
+    "model.embed_tokens": "token_embd",
+    "lm_head": "output",
+    "model.norm": "output_norm",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_name(hf_name: str) -> tuple[str, str]:
+    """(full GGUF name, tensor kind) for an HF parameter name."""
+    module, _, suffix = hf_name.rpartition(".")
+    if module.startswith("model.layers."):
+        _, _, layer, rest = module.split(".", 3)
+        return f"blk.{layer}.{HF_TO_GGUF[rest]}.{suffix}", HF_TO_GGUF[rest]
+    return f"{HF_TO_GGUF[module]}.{suffix}", HF_TO_GGUF[module]
+
+
+def write_tiny_gguf(path: Path, arch: str, hf_config: Any) -> dict[str, torch.Tensor]:
+    """Write a GGUF for a random checkpoint; return the HF tensors it must convert back to."""
+    torch.manual_seed(0)
+    hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    cfg = hf_model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    expected: dict[str, torch.Tensor] = {}
+    for i, (name, param) in enumerate(hf_model.state_dict().items()):
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        full, kind = gguf_name(name)
+        weight = param.numpy() + np.random.default_rng(i).normal(0, 0.05, param.shape).astype(
+            np.float32
+        )
+        qtype = TYPES[kind] if weight.ndim == 2 else Q.F32
+        heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
+        permute = arch == "llama" and kind in heads
+        if qtype in (Q.Q4_K, Q.Q6_K):
+            raw = random_kquant(*weight.shape, qtype, seed=i)
+            dequant = gguf.quants.dequantize(raw, qtype).reshape(weight.shape)
+            expected[name] = torch.from_numpy(dequant.copy())
+            writer.add_tensor(full, raw, raw_dtype=qtype)
+            continue
+        stored = llama_cpp_permute(weight, heads[kind]) if permute else weight
+        raw = gguf.quants.quantize(stored, qtype)
+        # Quantization is per row, and the permutation moves whole rows: unpermuting the
+        # dequantized tensor gives the dequantized original.
+        expected[name] = torch.from_numpy(
+            gguf.quants.dequantize(gguf.quants.quantize(weight, qtype), qtype)
+            .reshape(weight.shape)
+            .astype(np.float32)
+        )
+        if qtype in (Q.F32, Q.F16):
+            writer.add_tensor(full, raw)
+        else:
+            writer.add_tensor(full, raw, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return expected
+
+
+SMALL = dict(
+    hidden_size=HIDDEN,
+    intermediate_size=HIDDEN,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=96,
+    max_position_embeddings=128,
+    initializer_range=0.1,
+)
+
+ARCHS = {
+    "llama": lambda: LlamaConfig(**SMALL, rms_norm_eps=1e-5),
+    "llama_tied": lambda: LlamaConfig(**SMALL, rms_norm_eps=1e-5, tie_word_embeddings=True),
+    "qwen3": lambda: Qwen3Config(**SMALL, head_dim=32, rms_norm_eps=1e-6),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(ARCHS))
+def test_conversion_restores_hf_weights_and_logits(tmp_path: Path, variant: str) -> None:
+    arch = variant.split("_")[0]
+    source = tmp_path / f"tiny-{variant}.gguf"
+    expected = write_tiny_gguf(source, arch, ARCHS[variant]())
+    converted = resolve_model_path(source, tmp_path / "cache")
+    stored = load_file(str(converted / "model.safetensors"))
+    assert set(stored) == set(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(stored[name], tensor), name
+    config = load_model_config(converted)
+    assert config.tie_word_embeddings == variant.endswith("tied")
+    assert config.qk_norm == (arch == "qwen3")
+    # transformers reads the converted directory too, and agrees with us on it.
+    reference = AutoModelForCausalLM.from_pretrained(str(converted), dtype=torch.float32).eval()
+    tokens = list(range(3, 40))
+    with torch.inference_mode():
+        want = reference(torch.tensor([tokens])).logits[0]
+    ours = PagedSim(load_model(converted), block_size=8).step([("r", tokens)])
+    assert (ours - want).abs().max().item() < 1e-4
+
+
+def test_conversion_is_cached_by_file_identity(tmp_path: Path) -> None:
+    source = tmp_path / "tiny.gguf"
+    write_tiny_gguf(source, "llama", ARCHS["llama"]())
+    first = resolve_model_path(source, tmp_path / "cache")
+    assert resolve_model_path(source, tmp_path / "cache") == first
+    stat = source.stat()
+    os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    second = resolve_model_path(source, tmp_path / "cache")
+    assert second != first and (second / "config.json").is_file()
+
+
+def test_failed_conversion_leaves_no_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    source = tmp_path / "tiny.gguf"
+    write_tiny_gguf(source, "llama", ARCHS["llama"]())
+
+    def crash(source: Path, out: Path) -> None:
+        raise RuntimeError("simulated crash while saving the tokenizer")
+
+    monkeypatch.setattr(gguf_loader, "_write_tokenizer", crash)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        resolve_model_path(source, tmp_path / "cache")
+    assert list((tmp_path / "cache" / "gguf").iterdir()) == []
+    monkeypatch.setattr(gguf_loader, "_write_tokenizer", lambda source, out: None)
+    assert (resolve_model_path(source, tmp_path / "cache") / "config.json").is_file()
+
+
+def test_truncated_gguf_is_a_clear_error(tmp_path: Path) -> None:
+    source = tmp_path / "tiny.gguf"
+    write_tiny_gguf(source, "llama", ARCHS["llama"]())
+    data = source.read_bytes()
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(data[: len(data) // 3])
+    with pytest.raises(CorruptModelError, match="broken.gguf"):
+        resolve_model_path(broken, tmp_path / "cache")
+    assert list((tmp_path / "cache" / "gguf").iterdir()) == []
+
+
+def test_garbage_after_magic_is_a_clear_error(tmp_path: Path) -> None:
+    broken = tmp_path / "garbage.gguf"
+    broken.write_bytes(b"GGUF" + os.urandom(256))
+    with pytest.raises(CorruptModelError, match="garbage.gguf"):
+        resolve_model_path(broken, tmp_path / "cache")
