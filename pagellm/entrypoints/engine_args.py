@@ -17,7 +17,10 @@ from pagellm.core.block_hash import HashAlgorithm
 from pagellm.core.config import SchedulingPolicy
 from pagellm.engine.config import EngineConfig
 
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+# Every subcommand reads and writes text, so running without a tokenizer is not offered.
+NOT_ON_CLI = frozenset({"skip_tokenizer_init"})
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)
+             if f.name not in NOT_ON_CLI}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 

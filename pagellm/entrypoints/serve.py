@@ -35,7 +35,7 @@ def add_parser(subparsers: Any) -> None:
                             "(default: %(default)s)")
     group.add_argument("--log-stats-interval", type=float, default=5.0,
                        help="seconds between stats log lines while busy (default: %(default)s)")
-    group.add_argument("--shutdown-timeout", type=float, default=10.0,
+    group.add_argument("--shutdown-timeout", type=int, default=10,
                        help="on SIGINT/SIGTERM, seconds running requests get to finish "
                             "before they are aborted (default: %(default)s)")
     group.add_argument("--log-level", default="info",

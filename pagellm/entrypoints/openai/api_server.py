@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import uvicorn
@@ -43,7 +44,7 @@ class ServerSettings:
     api_key: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     log_stats_interval: float = 5.0
-    shutdown_timeout: float = 10.0
+    shutdown_timeout: int = 10
     log_level: str = "info"
     launch_time: float = field(default_factory=time.perf_counter)
 
@@ -97,12 +98,28 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     return app
 
 
+@contextlib.contextmanager
+def _signals_end_gracefully() -> Iterator[None]:
+    """After its graceful shutdown uvicorn raises the signal it caught again, so the
+    process would die by SIGTERM (or KeyboardInterrupt) although everything finished
+    cleanly; with these handlers in place the re-raised signal is a no-op and the process
+    exits 0, which is what supervisors read as a clean stop."""
+    previous = {sig: signal.signal(sig, lambda *_: None)
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def run_server(engine: AsyncLLMEngine, settings: ServerSettings) -> None:
     """Serves until SIGINT/SIGTERM: uvicorn stops accepting, lets running requests finish
     for `shutdown_timeout` seconds, cancels the rest (aborting them), then the lifespan
     stops the engine."""
     config = uvicorn.Config(
         create_app(engine, settings), host=settings.host, port=settings.port,
-        log_level=settings.log_level, timeout_graceful_shutdown=int(settings.shutdown_timeout),
+        log_level=settings.log_level, timeout_graceful_shutdown=settings.shutdown_timeout,
         access_log=settings.log_level == "debug")
-    uvicorn.Server(config).run()
+    with _signals_end_gracefully():
+        uvicorn.Server(config).run()

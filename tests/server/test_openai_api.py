@@ -1,0 +1,234 @@
+"""The server through the official openai client: what OpenAI users rely on works."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import MODEL_NAME, Server
+
+# Long enough to fill several KV blocks (16 tokens each), so a repeat can hit the cache.
+SYSTEM_PROMPT = ("You are PageLLM's test assistant. You answer in one short sentence, you "
+                 "never use lists, and you always stay polite and precise. ") * 2
+
+
+def chat(system: str, question: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+
+def test_models_lists_the_served_name(client: openai.OpenAI) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL_NAME]
+
+
+def test_health(server: Server) -> None:
+    response = httpx.get(f"{server.url}/health")
+    assert response.status_code == 200
+
+
+def test_completion(client: openai.OpenAI) -> None:
+    result = client.completions.create(model=MODEL_NAME, prompt="The capital of France is",
+                                       max_tokens=8, temperature=0)
+    choice = result.choices[0]
+    assert choice.text.strip()
+    assert choice.finish_reason in ("stop", "length")
+    assert result.model == MODEL_NAME
+    assert result.usage is not None
+    assert result.usage.completion_tokens <= 8
+    assert result.usage.total_tokens == result.usage.prompt_tokens + result.usage.completion_tokens
+
+
+def test_completion_stream_equals_non_stream(client: openai.OpenAI) -> None:
+    kwargs = dict(model=MODEL_NAME, prompt="Once upon a time", max_tokens=10, temperature=0)
+    whole = client.completions.create(**kwargs).choices[0].text  # type: ignore[call-overload]
+    chunks = list(client.completions.create(stream=True, **kwargs))  # type: ignore[call-overload]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
+    assert chunks[-1].choices[0].finish_reason is not None
+
+
+def test_omitted_model_means_ours(server: Server) -> None:
+    response = httpx.post(f"{server.url}/v1/completions",
+                          json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+    assert response.status_code == 200, response.text
+    assert response.json()["model"] == MODEL_NAME
+
+
+def test_token_id_and_batch_prompts(client: openai.OpenAI) -> None:
+    result = client.completions.create(model=MODEL_NAME, prompt=[[504, 3458, 282], [19556, 28]],
+                                       max_tokens=3, temperature=0)
+    assert [c.index for c in result.choices] == [0, 1]
+    assert result.usage is not None and result.usage.prompt_tokens == 5
+    batch = client.completions.create(model=MODEL_NAME, prompt=["Hello", "Goodbye"], n=2,
+                                      max_tokens=3, temperature=0)
+    assert sorted(c.index for c in batch.choices) == [0, 1, 2, 3]
+
+
+def test_chat(client: openai.OpenAI) -> None:
+    result = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=8, temperature=0)
+    message = result.choices[0].message
+    assert message.role == "assistant"
+    assert message.content
+    assert result.object == "chat.completion"
+
+
+def test_chat_max_completion_tokens(client: openai.OpenAI) -> None:
+    result = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Count to twenty."}],
+        max_completion_tokens=3, temperature=0)
+    assert result.usage is not None and result.usage.completion_tokens <= 3
+
+
+def test_chat_stream_with_usage(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Name a colour."}]
+    whole = client.chat.completions.create(model=MODEL_NAME, messages=messages,  # type: ignore[arg-type]
+                                           max_tokens=8, temperature=0)
+    chunks = list(client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=8, temperature=0, stream=True,  # type: ignore[arg-type]
+        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens  # type: ignore[union-attr]
+
+
+def test_async_client_chat_stream_and_not(async_client: openai.AsyncOpenAI) -> None:
+    async def run() -> tuple[str, str]:
+        messages = [{"role": "user", "content": "What is 2 + 2?"}]
+        whole = await async_client.chat.completions.create(
+            model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0)  # type: ignore[arg-type]
+        stream = await async_client.chat.completions.create(
+            model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0, stream=True)  # type: ignore[arg-type]
+        parts = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+        await async_client.close()
+        return whole.choices[0].message.content or "", "".join(parts)
+
+    whole, streamed = asyncio.run(run())
+    assert whole and whole == streamed
+
+
+def test_async_client_completions(async_client: openai.AsyncOpenAI) -> None:
+    async def run() -> list[str]:
+        results = await asyncio.gather(*[
+            async_client.completions.create(model=MODEL_NAME, prompt=f"Number {i} is",
+                                            max_tokens=4, temperature=0) for i in range(4)])
+        await async_client.close()
+        return [r.choices[0].text for r in results]
+
+    assert all(asyncio.run(run()))
+
+
+def test_n_completions(client: openai.OpenAI) -> None:
+    result = client.completions.create(model=MODEL_NAME, prompt="My favourite food is", n=3,
+                                       max_tokens=6, temperature=1.0, seed=7)
+    assert sorted(c.index for c in result.choices) == [0, 1, 2]
+    assert len({c.text for c in result.choices}) > 1
+    chat_result = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], n=2, max_tokens=4)
+    assert sorted(c.index for c in chat_result.choices) == [0, 1]
+
+
+def test_stop_string(client: openai.OpenAI) -> None:
+    free = client.completions.create(model=MODEL_NAME, prompt="1, 2, 3, 4,", max_tokens=12,
+                                     temperature=0).choices[0].text
+    assert "," in free
+    stop_at = free[:free.index(",")]
+    stopped = client.completions.create(model=MODEL_NAME, prompt="1, 2, 3, 4,", max_tokens=12,
+                                        temperature=0, stop=[","]).choices[0]
+    assert stopped.text == stop_at
+    assert stopped.finish_reason == "stop"
+
+
+def test_same_seed_same_text(client: openai.OpenAI) -> None:
+    def sample(seed: int) -> str:
+        return client.completions.create(model=MODEL_NAME, prompt="A random word:",
+                                          max_tokens=8, temperature=1.0, seed=seed
+                                          ).choices[0].text
+
+    assert sample(1234) == sample(1234)
+    assert len({sample(s) for s in (1, 2, 3)}) > 1
+
+
+def test_completion_logprobs(client: openai.OpenAI) -> None:
+    result = client.completions.create(model=MODEL_NAME, prompt="The sky is", max_tokens=4,
+                                       temperature=0, logprobs=3)
+    logprobs = result.choices[0].logprobs
+    assert logprobs is not None
+    assert len(logprobs.tokens or []) == len(logprobs.token_logprobs or []) == 4
+    assert "".join(logprobs.tokens or []) == result.choices[0].text
+    assert all(lp is not None and lp <= 0 for lp in logprobs.token_logprobs or [])
+    assert all(len(top) >= 3 for top in logprobs.top_logprobs or [])
+    assert logprobs.text_offset == sorted(logprobs.text_offset or [])
+
+
+def test_chat_logprobs(client: openai.OpenAI) -> None:
+    result = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+        temperature=0, logprobs=True, top_logprobs=2)
+    content = result.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == result.usage.completion_tokens  # type: ignore[union-attr]
+    for token in content:
+        assert len(token.top_logprobs) == 2
+        assert token.top_logprobs[0].logprob >= token.top_logprobs[1].logprob
+
+
+def test_repeated_system_prompt_is_served_from_cache(client: openai.OpenAI) -> None:
+    salt = uuid.uuid4().hex  # a fresh cache namespace: earlier tests cannot pre-warm it
+    first = client.chat.completions.create(
+        model=MODEL_NAME, messages=chat(SYSTEM_PROMPT, "What is a cat?"),  # type: ignore[arg-type]
+        max_tokens=4, temperature=0, extra_body={"cache_salt": salt})
+    second = client.chat.completions.create(
+        model=MODEL_NAME, messages=chat(SYSTEM_PROMPT, "What is a dog?"),  # type: ignore[arg-type]
+        max_tokens=4, temperature=0, extra_body={"cache_salt": salt})
+    assert first.usage is not None and second.usage is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0  # type: ignore[union-attr]
+    cached = second.usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
+    assert cached >= 32, second.usage
+    assert cached % 16 == 0  # whole blocks only
+    assert cached < second.usage.prompt_tokens
+
+
+def test_cache_salt_isolates_tenants(client: openai.OpenAI) -> None:
+    def cached(salt: str | None) -> int:
+        extra = {"cache_salt": salt} if salt is not None else {}
+        result = client.chat.completions.create(
+            model=MODEL_NAME, messages=chat(SYSTEM_PROMPT, "Name a tree."),  # type: ignore[arg-type]
+            max_tokens=2, temperature=0, extra_body=extra)
+        return result.usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
+
+    tenant_a, tenant_b = f"a-{uuid.uuid4().hex}", f"b-{uuid.uuid4().hex}"
+    assert cached(tenant_a) == 0
+    assert cached(tenant_a) > 0  # the same tenant hits its own blocks
+    assert cached(tenant_b) == 0  # another tenant never sees them
+    assert cached(None) == 0  # nor do requests without a salt
+    assert cached(tenant_b) > 0
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
+])
+def test_metrics_exposes_the_required_families(server: Server, path: str,
+                                               body: dict[str, object]) -> None:
+    assert httpx.post(f"{server.url}{path}", json=body, timeout=60).status_code == 200
+    metrics = server.wait_idle()
+    for name in ("pagellm_prefix_cache_queries_total", "pagellm_prefix_cache_hits_total",
+                 "pagellm_kv_cache_usage", "pagellm_num_requests_running",
+                 "pagellm_num_requests_waiting", "pagellm_num_preemptions_total",
+                 "pagellm_prompt_tokens_total", "pagellm_generation_tokens_total",
+                 "pagellm_time_to_first_token_seconds_count",
+                 "pagellm_inter_token_latency_seconds_count",
+                 "pagellm_e2e_request_latency_seconds_count"):
+        assert name in metrics, name
+    assert metrics["pagellm_e2e_request_latency_seconds_count"] >= 1
+    assert metrics["pagellm_generation_tokens_total"] >= 2
+    text = httpx.get(f"{server.url}/metrics").text
+    assert "# TYPE pagellm_time_to_first_token_seconds histogram" in text
+    assert 'le="+Inf"' in text
