@@ -1,0 +1,154 @@
+"""Every kind of bad request gets its status and an OpenAI-style error body, and the
+server goes on serving everyone else with no KV block left behind."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.server.conftest import MAX_MODEL_LEN, MAX_REQUEST_BYTES, Server
+
+USER = [{"role": "user", "content": "Hi"}]
+LONG_TEXT = "hello " * (MAX_MODEL_LEN + 50)
+
+# (name, path, raw body or JSON value, expected status, expected `param`, text in message)
+CASES: list[tuple[str, str, Any, int, str | None, str]] = [
+    ("malformed json", "/v1/completions", b'{"prompt": "x",', 400, None, "JSON"),
+    ("not an object", "/v1/completions", [1, 2], 400, None, "JSON object"),
+    ("empty body", "/v1/completions", b"", 400, None, "empty"),
+    ("missing prompt", "/v1/completions", {"max_tokens": 2}, 400, "prompt", "Missing"),
+    ("missing messages", "/v1/chat/completions", {"max_tokens": 2}, 400, "messages", "Missing"),
+    ("string temperature", "/v1/completions", {"prompt": "x", "temperature": "0.5"}, 400,
+     "temperature", "temperature"),
+    ("bool n", "/v1/completions", {"prompt": "x", "n": True}, 400, "n", "n"),
+    ("float max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": 2.5}, 400,
+     "max_tokens", "max_tokens"),
+    ("wrong prompt type", "/v1/completions", {"prompt": {"a": 1}}, 400, "prompt", "prompt"),
+    ("bad role", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]},
+     400, "messages[0].role", "role"),
+    ("content not text", "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]},
+     400, "messages[0].content", "content"),
+    ("unknown model", "/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model",
+     "gpt-4"),
+    ("unknown chat model", "/v1/chat/completions", {"messages": USER, "model": "nope"}, 404,
+     "model", "nope"),
+    ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "prompt", "empty"),
+    ("empty prompt list", "/v1/completions", {"prompt": []}, 400, "prompt", "empty"),
+    ("empty token list", "/v1/completions", {"prompt": [[]]}, 400, "prompt", "empty"),
+    ("token out of vocab", "/v1/completions", {"prompt": [10**9]}, 400, "prompt", "prompt"),
+    ("negative token", "/v1/completions", {"prompt": [-1]}, 400, "prompt", "prompt"),
+    ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages", "empty"),
+    ("prompt too long", "/v1/completions", {"prompt": LONG_TEXT, "max_tokens": 1}, 400,
+     "prompt", "maximum context length"),
+    ("max_tokens cannot fit", "/v1/completions", {"prompt": "x", "max_tokens": MAX_MODEL_LEN},
+     400, "max_tokens", f"{MAX_MODEL_LEN + 1} tokens"),
+    ("max_completion_tokens cannot fit", "/v1/chat/completions",
+     {"messages": USER, "max_completion_tokens": 10**6}, 400, "max_completion_tokens",
+     "maximum context length"),
+    ("zero max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": 0}, 400,
+     "max_tokens", "max_tokens"),
+    ("negative temperature", "/v1/completions", {"prompt": "x", "temperature": -0.5}, 400,
+     "temperature", "temperature"),
+    ("absurd temperature", "/v1/completions", {"prompt": "x", "temperature": 1e308}, 400,
+     "temperature", "temperature"),
+    ("NaN temperature", "/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400,
+     "temperature", "temperature"),
+    ("top_p zero", "/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", "top_p"),
+    ("top_p above one", "/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p", "top_p"),
+    ("presence penalty", "/v1/completions", {"prompt": "x", "presence_penalty": 3}, 400,
+     "presence_penalty", "presence_penalty"),
+    ("frequency penalty", "/v1/chat/completions", {"messages": USER, "frequency_penalty": -9},
+     400, "frequency_penalty", "frequency_penalty"),
+    ("repetition penalty", "/v1/completions", {"prompt": "x", "repetition_penalty": 0}, 400,
+     "repetition_penalty", "repetition_penalty"),
+    ("negative top_k", "/v1/completions", {"prompt": "x", "top_k": -5}, 400, "top_k", "top_k"),
+    ("min_p above one", "/v1/completions", {"prompt": "x", "min_p": 2}, 400, "min_p", "min_p"),
+    ("n zero", "/v1/completions", {"prompt": "x", "n": 0}, 400, "n", "n"),
+    ("n too large", "/v1/completions", {"prompt": "x", "n": 100000}, 400, "n", "n"),
+    ("too many choices", "/v1/completions", {"prompt": ["a"] * 100, "n": 3}, 400, "n",
+     "limit"),
+    ("logprobs too many", "/v1/completions", {"prompt": "x", "logprobs": 100}, 400,
+     "logprobs", "logprobs"),
+    ("top_logprobs too many", "/v1/chat/completions",
+     {"messages": USER, "logprobs": True, "top_logprobs": 100}, 400, "top_logprobs",
+     "top_logprobs"),
+    ("top_logprobs without logprobs", "/v1/chat/completions",
+     {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs", "logprobs"),
+    ("empty stop string", "/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop",
+     "stop"),
+    ("stream_options without stream", "/v1/completions",
+     {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options",
+     "stream"),
+    ("empty cache_salt", "/v1/completions", {"prompt": "x", "cache_salt": ""}, 400,
+     "cache_salt", "cache_salt"),
+    ("body over the limit", "/v1/completions",
+     json.dumps({"prompt": "a" * (MAX_REQUEST_BYTES + 10)}).encode(), 413, None, "too large"),
+]
+
+
+def post(server: Server, path: str, body: Any) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(f"{server.url}{path}", content=content,
+                      headers={"Content-Type": "application/json"}, timeout=60)
+
+
+def assert_error_body(response: httpx.Response, status: int, param: str | None,
+                      text: str) -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param, error
+    assert text.lower() in error["message"].lower(), error
+
+
+@pytest.mark.parametrize(("name", "path", "body", "status", "param", "text"), CASES,
+                         ids=[case[0] for case in CASES])
+def test_bad_request(server: Server, name: str, path: str, body: Any, status: int,
+                     param: str | None, text: str) -> None:
+    assert_error_body(post(server, path, body), status, param, text)
+
+
+def test_max_tokens_message_names_both_numbers(server: Server) -> None:
+    response = post(server, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 600})
+    message = response.json()["error"]["message"]
+    assert f"maximum context length is {MAX_MODEL_LEN} tokens" in message
+    assert "3 in the prompt" in message and "600 for the completion" in message
+
+
+def test_streamed_bad_request_is_an_error_status(server: Server) -> None:
+    """Validation happens before the stream starts, so a client sees a plain status."""
+    response = post(server, "/v1/chat/completions",
+                    {"messages": USER, "stream": True, "temperature": -1})
+    assert_error_body(response, 400, "temperature", "temperature")
+
+
+def test_unknown_route_and_method(server: Server) -> None:
+    missing = httpx.post(f"{server.url}/v1/nothing", json={})
+    assert missing.status_code == 404 and "error" in missing.json()
+    wrong_method = httpx.get(f"{server.url}/v1/completions")
+    assert wrong_method.status_code == 405 and "error" in wrong_method.json()
+
+
+def test_chunked_body_over_the_limit(server: Server) -> None:
+    """A body without Content-Length is counted as it arrives."""
+    def chunks() -> Any:
+        yield b'{"prompt": "'
+        for _ in range(MAX_REQUEST_BYTES // 65536 + 2):
+            yield b"a" * 65536
+        yield b'"}'
+
+    response = httpx.post(f"{server.url}/v1/completions", content=chunks(),
+                          headers={"Content-Type": "application/json"}, timeout=60)
+    assert response.status_code == 413
+
+
+def test_server_still_serves_and_holds_no_blocks(server: Server) -> None:
+    for case in CASES:
+        post(server, case[1], case[2])
+    response = post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 3})
+    assert response.status_code == 200, response.text
+    assert server.wait_idle()["pagellm_kv_cache_usage"] == 0
