@@ -35,6 +35,8 @@ SCENARIOS: dict[str, list[tuple[int, int]]] = {
     "prefill over prefix 8 x (512 cached + 128 new)": [(512, 128)] * 8,
     "mixed: 1 chunk of 256 + 63 decodes ~1000 ctx": [(0, 256)]
     + [(random.Random(i).randint(900, 1100), 1) for i in range(63)],
+    "skewed decodes: 1 x 8000 ctx + 63 x ~100 ctx": [(8000, 1)]
+    + [(random.Random(i).randint(50, 150), 1) for i in range(63)],
 }
 
 

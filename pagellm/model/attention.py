@@ -150,7 +150,6 @@ class _Group:
 
     blocks: torch.Tensor  # [Rg * n_blocks] block ids, flattened
     n_requests: int
-    n_blocks: int
     q_len: int
     q_src: torch.Tensor
     out_dst: torch.Tensor | None
@@ -174,13 +173,15 @@ class _BatchedPlan(StepPlan):
 
 
 class TorchBatchedBackend(AttentionBackend):
-    """No per-request loop: decodes and prefills each go through one padded SDPA call.
+    """No per-request loop: requests of similar shape share one padded SDPA call.
 
-    Requests are split in two groups, because padding a batch of decodes to the length of
-    one long prefill would multiply the work by that length: decodes (one query each) and
-    multi-token queries. Each group gathers its requests' blocks with one `index_select`
-    into a reused workspace (on CPU, allocating a fresh tens-of-MB buffer per layer costs
-    more than the copy itself), then makes one SDPA call with a [R, 1, Q, L] mask.
+    Requests are grouped by (query length, number of blocks), each rounded up to a power of
+    two, so padding at most doubles a group's work: one padded call over a batch of
+    decodes plus one long prefill, or over short and very long contexts, would multiply
+    it by the longest length instead. A typical step has one to three groups. Each group
+    gathers its requests' blocks with one `index_select` into a reused workspace (on CPU,
+    allocating a fresh tens-of-MB buffer per layer costs more than the copy itself), then
+    makes one SDPA call with a [R, 1, Q, L] mask.
 
     Decode fast path: with one query per request, the G query heads that share a KV head are
     folded into the query-length axis ([R, Hkv, G, D] against [R, Hkv, L, D]), so GQA needs
@@ -194,12 +195,13 @@ class TorchBatchedBackend(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata) -> StepPlan:
         device = meta.slot_mapping.device
-        decode = [r for r, q in enumerate(meta.query_lens_list) if q == 1]
-        prefill = [r for r, q in enumerate(meta.query_lens_list) if q > 1]
-        whole = len(decode) == meta.num_requests or len(prefill) == meta.num_requests
-        groups = [
-            self._group(meta, members, device, whole) for members in (decode, prefill) if members
-        ]
+        buckets: dict[tuple[int, int], list[int]] = {}
+        lengths = zip(meta.query_lens_list, meta.seq_lens_list, strict=True)
+        for r, (q_len, seq_len) in enumerate(lengths):
+            n_blocks = -(-seq_len // meta.block_size)
+            buckets.setdefault(((q_len - 1).bit_length(), n_blocks.bit_length()), []).append(r)
+        whole = len(buckets) == 1
+        groups = [self._group(meta, members, device, whole) for members in buckets.values()]
         return _BatchedPlan(meta, groups)
 
     @staticmethod
@@ -230,7 +232,6 @@ class TorchBatchedBackend(AttentionBackend):
         return _Group(
             blocks=blocks,
             n_requests=len(members),
-            n_blocks=n_blocks,
             q_len=max_q,
             q_src=q_src.flatten(),
             out_dst=None if out_dst is None else out_dst.flatten(),
