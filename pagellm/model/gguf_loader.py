@@ -98,6 +98,7 @@ def convert_gguf(gguf_path: str | Path, cache_root: str | Path) -> Path:
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned_tmp_dirs(target)
     tmp = target.parent / f".tmp-{target.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         tmp.mkdir()
@@ -111,6 +112,28 @@ def convert_gguf(gguf_path: str | Path, cache_root: str | Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _remove_abandoned_tmp_dirs(target: Path) -> None:
+    """Delete half-written conversions of `target` whose process died (e.g. was killed).
+
+    Their names carry the writer's pid; one whose pid is still alive may be a concurrent
+    conversion and is left alone.
+    """
+    for tmp in target.parent.glob(f".tmp-{target.name}-*"):
+        pid = tmp.name[len(f".tmp-{target.name}-") :].split("-")[0]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _write_hf_directory(source: Path, out: Path) -> None:
@@ -171,7 +194,10 @@ def _hf_config(
     head_dim = int(fields.get(f"{arch}.attention.key_length", hidden // num_heads))
     vocab = fields.get(f"{arch}.vocab_size")
     if vocab is None:
-        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        if tokens is None:
+            raise CorruptModelError(f"GGUF {source} has neither a vocab size nor a vocabulary")
+        vocab = len(tokens.data)
     config: dict[str, Any] = {
         "architectures": [hf_arch],
         "model_type": model_type,

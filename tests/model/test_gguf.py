@@ -227,6 +227,19 @@ def test_failed_conversion_leaves_no_cache(tmp_path: Path, monkeypatch: pytest.M
     assert (resolve_model_path(source, tmp_path / "cache") / "config.json").is_file()
 
 
+def test_abandoned_conversion_is_cleaned_up(tmp_path: Path) -> None:
+    source = tmp_path / "tiny.gguf"
+    write_tiny_gguf(source, "llama", ARCHS["llama"]())
+    target = gguf_loader.gguf_cache_dir(source, tmp_path / "cache")
+    target.parent.mkdir(parents=True)
+    dead_pid = 2**22 + 12345  # above the kernel's pid limit, so never alive
+    abandoned = target.parent / f".tmp-{target.name}-{dead_pid}-deadbeef"
+    abandoned.mkdir()
+    (abandoned / "model.safetensors").write_bytes(b"half written")
+    assert resolve_model_path(source, tmp_path / "cache") == target
+    assert sorted(p.name for p in target.parent.iterdir()) == [target.name]
+
+
 def test_truncated_gguf_is_a_clear_error(tmp_path: Path) -> None:
     source = tmp_path / "tiny.gguf"
     write_tiny_gguf(source, "llama", ARCHS["llama"]())
