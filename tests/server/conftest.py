@@ -71,10 +71,10 @@ class Server:
             assert time.monotonic() < deadline, f"engine not idle after {timeout} s: {metrics}"
             time.sleep(0.1)
 
-    def stop(self, timeout: float = 30.0) -> int:
-        """SIGTERM, as an orchestrator would; returns the exit code."""
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """Stops the server with `sig`, as an orchestrator or Ctrl-C would; the exit code."""
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            self.process.send_signal(sig)
         return self.process.wait(timeout)
 
 
@@ -107,7 +107,7 @@ def start_server(tmp: Path, *extra: str, env: dict[str, str] | None = None,
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     server = start_server(tmp_path_factory.mktemp("server"))
     yield server
-    code = server.stop()
+    code = server.stop(signal.SIGINT)  # SIGTERM mid-stream is tested in test_shutdown
     log = server.log_text
     assert code == 0, f"server exited with {code}:\n{log}"
     assert "Traceback" not in log, log

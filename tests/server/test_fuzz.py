@@ -25,57 +25,70 @@ scalars = (st.none() | st.booleans() | st.integers() | st.floats()
            | st.text(max_size=12))
 junk = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3)
                     | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=6)
-numbers = st.floats(-3, 3) | st.integers(-3, 3) | junk
-# Tiny, or invalid in some way; never a valid long generation.
-max_tokens = (st.integers(1, 3) | st.integers(max_value=0) | st.integers(min_value=10**5)
-              | st.floats() | st.text(max_size=4) | st.booleans() | st.lists(st.integers(), max_size=2))
-token_ids = st.lists(st.integers(-2, 50_000), max_size=6)
+# max_tokens is always tiny or invalid: never a valid long generation.
+tiny_max_tokens = st.integers(1, 3)
+bad_max_tokens = (st.integers(max_value=0) | st.integers(min_value=10**5) | st.floats()
+                  | st.text(max_size=4) | st.booleans() | st.lists(st.integers(), max_size=2))
+token_ids = st.lists(st.integers(0, 49_151), min_size=1, max_size=6)
+# JSON may carry lone UTF-16 surrogates ("\\ud800"), which no tokenizer accepts.
+surrogates = st.text(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), min_size=1,
+                     max_size=2)
+text = st.text(min_size=1, max_size=16) | surrogates
 
+# Values a real client might send: mostly valid, some just past a limit.
 COMMON: dict[str, Any] = {
-    "model": st.sampled_from([MODEL_NAME, "someone-else"]) | junk,
-    "n": st.integers(-1, 3) | junk,
-    "temperature": numbers,
-    "top_p": numbers,
-    "top_k": st.integers() | junk,
-    "min_p": numbers,
-    "seed": st.integers() | junk,
-    "stop": st.text(max_size=4) | st.lists(st.text(max_size=4), max_size=3) | junk,
-    "stop_token_ids": token_ids | junk,
-    "presence_penalty": numbers,
-    "frequency_penalty": numbers,
-    "repetition_penalty": numbers,
-    "min_tokens": st.integers(-1, 4) | junk,
-    "ignore_eos": st.booleans() | junk,
-    "stream": st.booleans() | junk,
-    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | junk,
-    "cache_salt": st.text(max_size=8) | junk,
-    "user": st.text(max_size=8) | junk,
-    "skip_special_tokens": st.booleans() | junk,
-    "include_stop_str_in_output": st.booleans() | junk,
-    "unknown_field": junk,
+    "model": st.just(MODEL_NAME),
+    "n": st.integers(1, 3),
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0.01, 1),
+    "top_k": st.integers(-1, 50) | st.integers(min_value=10**6),
+    "min_p": st.floats(0, 1),
+    "seed": st.integers(),
+    "stop": st.text(max_size=4) | st.lists(text, max_size=3),
+    "stop_token_ids": st.lists(st.integers(0, 49_151), max_size=3),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(0.01, 5),
+    "min_tokens": st.integers(0, 1),
+    "ignore_eos": st.booleans(),
+    "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "cache_salt": text,
+    "user": st.text(max_size=8),
+    "skip_special_tokens": st.booleans(),
+    "include_stop_str_in_output": st.booleans(),
 }
-
-completion_bodies = st.fixed_dictionaries(
-    {"max_tokens": max_tokens},
-    optional={
-        **COMMON,
-        "prompt": (st.text(max_size=24) | st.lists(st.text(max_size=8), max_size=3) | token_ids
-                   | st.lists(token_ids, max_size=3) | junk),
-        "logprobs": st.integers(-1, 25) | junk,
-    })
-
+prompts = text | st.lists(text, min_size=1, max_size=3) | token_ids | st.lists(
+    token_ids, min_size=1, max_size=2)
 messages = st.lists(st.fixed_dictionaries(
-    {"role": st.sampled_from(["system", "developer", "user", "assistant", "tool", "robot"])},
-    optional={"content": st.text(max_size=16) | st.none() | st.lists(
-        st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]),
-                               "text": st.text(max_size=8)}), max_size=2) | junk,
-              "name": st.text(max_size=4) | junk}), max_size=3)
+    {"role": st.sampled_from(["system", "developer", "user", "assistant"]),
+     "content": text | st.lists(st.fixed_dictionaries(
+         {"type": st.just("text"), "text": text}), min_size=1, max_size=2)}),
+    min_size=1, max_size=3)
 
-chat_bodies = st.fixed_dictionaries(
-    {"max_tokens": max_tokens},
-    optional={**COMMON, "messages": messages | junk, "logprobs": st.booleans() | junk,
-              "top_logprobs": st.integers(-1, 25) | junk,
-              "max_completion_tokens": max_tokens})
+plausible_completions = st.fixed_dictionaries(
+    {"prompt": prompts, "max_tokens": tiny_max_tokens},
+    optional={**COMMON, "logprobs": st.integers(0, 5)})
+plausible_chats = st.fixed_dictionaries(
+    {"messages": messages, "max_tokens": tiny_max_tokens},
+    optional={**COMMON, "logprobs": st.booleans(), "top_logprobs": st.integers(0, 5)})
+
+
+def mutated(bodies: st.SearchStrategy[dict[str, Any]], fields: list[str]
+            ) -> st.SearchStrategy[dict[str, Any]]:
+    """A plausible body with one field (or an unknown one) set to arbitrary JSON, so every
+    field's validation runs with everything else valid."""
+    def replace(body: dict[str, Any], field: str, value: Any) -> dict[str, Any]:
+        return {**body, field: value}
+
+    return st.builds(replace, bodies, st.sampled_from(fields), junk) | st.builds(
+        replace, bodies, st.sampled_from(["max_tokens", "max_completion_tokens"]),
+        bad_max_tokens)
+
+
+FIELDS = [*COMMON, "logprobs", "unknown_field"]
+completion_bodies = plausible_completions | mutated(plausible_completions, [*FIELDS, "prompt"])
+chat_bodies = plausible_chats | mutated(plausible_chats, [*FIELDS, "messages", "top_logprobs"])
 
 
 def check(server: Server, path: str, body: bytes) -> None:

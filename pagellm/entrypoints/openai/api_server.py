@@ -6,8 +6,9 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from dataclasses import dataclass, field
 
 import uvicorn
@@ -24,7 +25,7 @@ from pagellm.entrypoints.openai.protocol import (
     ModelCard,
     ModelList,
 )
-from pagellm.entrypoints.openai.serving import ServerContext
+from pagellm.entrypoints.openai.serving import ServerContext, failure
 from pagellm.entrypoints.openai.serving_chat import create_chat_completion
 from pagellm.entrypoints.openai.serving_completion import create_completion
 from pagellm.entrypoints.openai.stats_logger import log_stats_forever
@@ -32,6 +33,9 @@ from pagellm.entrypoints.openai.stats_logger import log_stats_forever
 logger = logging.getLogger("pagellm.server")
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+# How long after aborting the unfinished requests uvicorn waits for their handlers to
+# return before it cancels them.
+_SHUTDOWN_BACKSTOP_S = 5
 
 
 @dataclass
@@ -61,8 +65,8 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
             yield
         finally:
             stats_task.cancel()
-            logger.info("shutting down: aborting unfinished requests")
             engine.shutdown()
+            logger.info("shutting down: engine stopped")
 
     app = FastAPI(title="PageLLM OpenAI-compatible API", lifespan=lifespan)
     context = ServerContext(engine, list(settings.model_names),
@@ -74,11 +78,11 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await create_completion(context, body, request)
+        return await _guarded(create_completion(context, body, request))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await create_chat_completion(context, body, request)
+        return await _guarded(create_chat_completion(context, body, request))
 
     @app.get("/v1/models")
     async def models() -> ModelList:
@@ -98,6 +102,17 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     return app
 
 
+async def _guarded(handler: Awaitable[Response]) -> Response:
+    """Any unexpected failure of one request becomes that request's 500, logged once;
+    left to Starlette it would also be re-raised into the server and logged again."""
+    try:
+        return await handler
+    except APIError:
+        raise
+    except Exception as error:  # noqa: BLE001 - one request's bug must not escape
+        raise failure(error) from error
+
+
 @contextlib.contextmanager
 def _signals_end_gracefully() -> Iterator[None]:
     """After its graceful shutdown uvicorn raises the signal it caught again, so the
@@ -113,13 +128,40 @@ def _signals_end_gracefully() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+class _GracefulServer(uvicorn.Server):
+    """uvicorn, but requests still running when the grace period ends are aborted through
+    the engine instead of having their tasks cancelled.
+
+    Aborted that way, a stream ends with an error event and `[DONE]`, a non-streamed
+    request gets a 503, and every handler returns normally; uvicorn's own cancellation
+    (kept as a backstop) would cut connections mid-response and log each as a crash.
+    """
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, grace: int) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.grace = grace
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        aborter = asyncio.create_task(self._abort_after_grace())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            aborter.cancel()
+
+    async def _abort_after_grace(self) -> None:
+        await asyncio.sleep(self.grace)
+        logger.info("shutting down: grace period over, aborting unfinished requests")
+        await asyncio.to_thread(self.engine.shutdown)
+
+
 def run_server(engine: AsyncLLMEngine, settings: ServerSettings) -> None:
-    """Serves until SIGINT/SIGTERM: uvicorn stops accepting, lets running requests finish
-    for `shutdown_timeout` seconds, cancels the rest (aborting them), then the lifespan
-    stops the engine."""
+    """Serves until SIGINT/SIGTERM: uvicorn stops accepting, running requests get
+    `shutdown_timeout` seconds to finish, the rest are aborted, then the engine stops."""
     config = uvicorn.Config(
         create_app(engine, settings), host=settings.host, port=settings.port,
-        log_level=settings.log_level, timeout_graceful_shutdown=settings.shutdown_timeout,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=settings.shutdown_timeout + _SHUTDOWN_BACKSTOP_S,
         access_log=settings.log_level == "debug")
     with _signals_end_gracefully():
-        uvicorn.Server(config).run()
+        _GracefulServer(config, engine, settings.shutdown_timeout).run()

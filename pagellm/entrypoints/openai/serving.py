@@ -69,6 +69,16 @@ class Prompt:
     token_ids: list[int]
 
 
+def encode(tokenizer: Any, text: str, param: str, add_special_tokens: bool) -> list[int]:
+    """Tokenizes client text; JSON can carry lone UTF-16 surrogates, which no tokenizer
+    accepts, and that is the client's error (400), not ours."""
+    try:
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    except (TypeError, UnicodeError) as error:
+        raise bad_request(f"{param} is not valid Unicode text (lone surrogate?)",
+                          param=param) from error
+
+
 def check_choices(num_prompts: int, n: int) -> None:
     if num_prompts * n > MAX_CHOICES:
         raise bad_request(

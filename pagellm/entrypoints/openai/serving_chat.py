@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pagellm.engine.async_engine import RequestStream
 from pagellm.engine.outputs import RequestOutput
-from pagellm.entrypoints.chat_template import render_chat
+from pagellm.entrypoints.chat_template import render_chat_text
 from pagellm.entrypoints.openai.errors import bad_request
 from pagellm.entrypoints.openai.logprobs import TokenText, chat_logprobs
 from pagellm.entrypoints.openai.protocol import (
@@ -32,6 +32,7 @@ from pagellm.entrypoints.openai.serving import (
     Prompt,
     ServerContext,
     check_choices,
+    encode,
     final_outputs,
     merged,
     resolve_max_tokens,
@@ -64,10 +65,11 @@ def render_messages(tokenizer: Any, messages: list[ChatMessage]) -> list[int]:
     conversation = [{"role": "system" if m.role == "developer" else m.role,
                      "content": _text(m)} for m in messages]
     try:
-        token_ids = render_chat(tokenizer, conversation)
+        text = render_chat_text(tokenizer, conversation)
     except Exception as error:  # noqa: BLE001 - jinja raises many types for bad input
         raise bad_request(f"messages cannot be rendered by the chat template: {error}",
                           param="messages") from error
+    token_ids = encode(tokenizer, text, "messages", add_special_tokens=False)
     if not token_ids:
         raise bad_request("messages render to an empty prompt", param="messages")
     return token_ids

@@ -26,6 +26,7 @@ from pagellm.entrypoints.openai.serving import (
     Prompt,
     ServerContext,
     check_choices,
+    encode,
     final_outputs,
     merged,
     resolve_max_tokens,
@@ -53,7 +54,7 @@ def _prompts(context: ServerContext, prompt: Any) -> list[Prompt]:
         if isinstance(item, str):
             if not item:
                 raise bad_request("prompt is empty", param="prompt")
-            prompts.append(Prompt(item, list(tokenizer.encode(item, add_special_tokens=True))))
+            prompts.append(Prompt(item, encode(tokenizer, item, "prompt", True)))
         else:
             if not item:
                 raise bad_request("prompt is empty", param="prompt")

@@ -1,0 +1,155 @@
+"""Faults inside one request fail that request only; the engine thread survives them.
+
+These run the app in-process (httpx's ASGI transport) on a real engine, so a fault can be
+injected exactly where it is wanted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from pagellm.core.sampling_params import SamplingParams
+from pagellm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
+from pagellm.engine.config import EngineConfig
+from pagellm.engine.llm_engine import LLMEngine
+from pagellm.entrypoints.openai import serving_completion
+from pagellm.entrypoints.openai.api_server import ServerSettings, create_app
+from tests.server.conftest import MODEL_NAME
+
+
+@pytest.fixture(scope="module")
+def llm_engine() -> LLMEngine:
+    return LLMEngine(EngineConfig(kv_cache_memory_bytes=32 << 20, max_model_len=256))
+
+
+@pytest.fixture()
+def engine(llm_engine: LLMEngine) -> Iterator[AsyncLLMEngine]:
+    engine = AsyncLLMEngine(llm_engine)
+    yield engine
+    engine.shutdown()
+    assert not llm_engine.has_unfinished_requests()
+    assert llm_engine.get_stats().kv_cache_usage == 0
+
+
+def post_all(engine: AsyncLLMEngine, bodies: list[dict[str, Any]],
+             api_key: str | None = None, headers: dict[str, str] | None = None
+             ) -> list[httpx.Response]:
+    app = create_app(engine, ServerSettings(model_names=[MODEL_NAME], api_key=api_key))
+
+    async def run() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test",
+                                     headers=headers, timeout=60) as client:
+            return list(await asyncio.gather(*[
+                client.post("/v1/completions", json=body) for body in bodies]))
+
+    return asyncio.run(run())
+
+
+def test_a_bug_in_one_request_fails_only_that_request(
+        engine: AsyncLLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    original = serving_completion._response
+
+    def response(context: Any, request_id: str, body: Any, outputs: Any) -> Any:
+        if outputs[0].prompt == "boom":
+            raise RuntimeError("injected")
+        return original(context, request_id, body, outputs)
+
+    monkeypatch.setattr(serving_completion, "_response", response)
+    failed, served = post_all(engine, [{"prompt": "boom", "max_tokens": 3},
+                                       {"prompt": "Hello", "max_tokens": 3}])
+    assert failed.status_code == 500
+    assert failed.json()["error"]["type"] == "server_error"
+    assert served.status_code == 200, served.text
+    assert post_all(engine, [{"prompt": "Again", "max_tokens": 2}])[0].status_code == 200
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(
+        engine: AsyncLLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    step = engine.engine.step
+    calls = {"n": 0}
+
+    def flaky_step() -> Any:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected step failure")
+        return step()
+
+    monkeypatch.setattr(engine.engine, "step", flaky_step)
+    failed = post_all(engine, [{"prompt": "Hello", "max_tokens": 4}])[0]
+    assert failed.status_code == 500
+    assert "injected step failure" in failed.json()["error"]["message"]
+    assert post_all(engine, [{"prompt": "Hello", "max_tokens": 2}])[0].status_code == 200
+
+
+def test_a_failing_model_run_fails_the_stream_with_an_error_event(
+        engine: AsyncLLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = engine.engine.runner
+    execute = runner.execute
+    calls = {"n": 0}
+
+    def flaky_execute(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected model failure")
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", flaky_execute)
+    response = post_all(engine, [{"prompt": "Hello", "max_tokens": 6, "stream": True}])[0]
+    assert response.status_code == 200
+    events = [line for line in response.text.splitlines() if line.startswith("data: ")]
+    assert '"error"' in events[-2] and "injected model failure" in events[-2]
+    assert events[-1] == "data: [DONE]"
+
+
+def test_api_key_guards_v1_only(engine: AsyncLLMEngine) -> None:
+    body = {"prompt": "Hi", "max_tokens": 1}
+    missing = post_all(engine, [body], api_key="s3cret")[0]
+    assert missing.status_code == 401
+    assert missing.json()["error"]["code"] == "invalid_api_key"
+    wrong = post_all(engine, [body], api_key="s3cret",
+                     headers={"Authorization": "Bearer nope"})[0]
+    assert wrong.status_code == 401
+    right = post_all(engine, [body], api_key="s3cret",
+                     headers={"Authorization": "Bearer s3cret"})[0]
+    assert right.status_code == 200, right.text
+
+
+def test_shutdown_ends_streams_and_refuses_new_requests(engine: AsyncLLMEngine) -> None:
+    async def run() -> tuple[BaseException | None, BaseException | None]:
+        stream = await engine.add_request("long", "Tell me a story.",
+                                          SamplingParams(max_tokens=200, ignore_eos=True))
+        in_flight: BaseException | None = None
+        async with stream:
+            await stream.__anext__()
+            await asyncio.to_thread(engine.shutdown)
+            try:
+                async for _ in stream:
+                    pass
+            except (EngineDeadError, RequestFailedError) as error:
+                in_flight = error
+        late: BaseException | None = None
+        try:
+            await engine.add_request("late", "Hi", SamplingParams(max_tokens=1))
+        except EngineDeadError as error:
+            late = error
+        return in_flight, late
+
+    in_flight, late = asyncio.run(run())
+    assert isinstance(in_flight, EngineDeadError)
+    assert isinstance(late, EngineDeadError)
+    assert not engine.is_running
+
+
+def test_rejected_request_raises_value_error_and_queues_nothing(engine: AsyncLLMEngine) -> None:
+    async def run() -> None:
+        with pytest.raises(ValueError, match="prompt is empty"):
+            await engine.add_request("empty", "", SamplingParams())
+
+    asyncio.run(run())
+    assert not engine.engine.has_unfinished_requests()

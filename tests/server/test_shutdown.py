@@ -1,0 +1,77 @@
+"""A second server, with an API key from the environment, stopped by signals mid-stream."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import MODEL_NAME, Server, start_server
+
+API_KEY = "test-key-123"
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    server = start_server(tmp_path_factory.mktemp("keyed"), "--shutdown-timeout", "1",
+                          env={"PAGELLM_API_KEY": API_KEY})
+    yield server
+    server.stop()
+
+
+def test_api_key_from_environment(keyed_server: Server) -> None:
+    anonymous = openai.OpenAI(base_url=f"{keyed_server.url}/v1", api_key="wrong",
+                              max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as excinfo:
+        anonymous.models.list()
+    assert excinfo.value.status_code == 401
+    no_header = httpx.post(f"{keyed_server.url}/v1/completions",
+                           json={"prompt": "Hi", "max_tokens": 1})
+    assert no_header.status_code == 401
+    assert no_header.json()["error"]["code"] == "invalid_api_key"
+    client = openai.OpenAI(base_url=f"{keyed_server.url}/v1", api_key=API_KEY, max_retries=0)
+    assert client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=1).choices
+    assert httpx.get(f"{keyed_server.url}/health").status_code == 200
+    assert httpx.get(f"{keyed_server.url}/metrics").status_code == 200
+
+
+def test_sigterm_mid_stream_stops_cleanly(keyed_server: Server) -> None:
+    """Runs last in this module: it stops the module's server."""
+    server = keyed_server
+    received: list[str] = []
+
+    def stream() -> None:
+        body = {"model": MODEL_NAME, "prompt": "Tell me a long story.", "max_tokens": 400,
+                "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60,
+                              headers={"Authorization": f"Bearer {API_KEY}"}) as response:
+                for line in response.iter_lines():
+                    received.append(line)
+        except httpx.HTTPError:
+            received.append("<connection closed>")
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    deadline = time.monotonic() + 60
+    while not any(line.startswith("data: ") for line in received):
+        assert time.monotonic() < deadline, "no streamed output"
+        time.sleep(0.05)
+    started = time.monotonic()
+    server.process.send_signal(signal.SIGTERM)
+    code = server.process.wait(timeout=30)
+    reader.join(timeout=10)
+    log = server.log_text
+    assert code == 0, log
+    assert time.monotonic() - started < 15  # the graceful timeout, then abort
+    assert "Traceback" not in log, log
+    assert "shutting down" in log
+    assert not reader.is_alive()
+    events = [line for line in received if line]
+    assert events[-1] == "data: [DONE]", events[-3:]
+    assert "shutting down" in events[-2], "the stream was cut instead of ended with an error"
