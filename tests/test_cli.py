@@ -1,0 +1,141 @@
+"""The `pagellm` command: complete --help, one option mapping, and real runs of
+`generate` and `chat` on the default model."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagellm.engine.config import EngineConfig
+from pagellm.entrypoints.cli import build_parser, main
+from pagellm.entrypoints.engine_args import NOT_ON_CLI, byte_size, engine_config_from_args
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+SMALL_ENGINE = ["--kv-cache-memory-bytes", "32MiB", "--max-model-len", "512"]
+SYSTEM = ("You are a terse assistant for a command-line test. Answer in at most five words "
+          "and never ask a question back. ") * 2
+
+
+def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pagellm.entrypoints.cli", *args],
+                          input=stdin, capture_output=True, text=True, env=ENV, timeout=300)
+
+
+def engine_flags() -> list[str]:
+    return ["--" + f.name.replace("_", "-") for f in dataclasses.fields(EngineConfig)
+            if f.name not in NOT_ON_CLI]
+
+
+def test_top_level_help_lists_the_subcommands(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("serve", "generate", "chat"):
+        assert command in out
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "chat"])
+def test_subcommand_help_is_complete(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for flag in [*engine_flags(), "--no-enable-prefix-caching"]:
+        assert flag in out, flag
+    own = {"serve": ["--host", "--port", "--api-key", "--served-model-name",
+                     "--max-request-bytes", "--shutdown-timeout"],
+           "generate": ["--input", "--output", "--system", "--max-tokens", "--temperature"],
+           "chat": ["--system", "--max-tokens", "--temperature"]}[command]
+    for flag in own:
+        assert flag in out, flag
+
+
+def test_every_engine_option_maps_to_engine_config() -> None:
+    parser = build_parser()
+    defaults = engine_config_from_args(parser.parse_args(["generate", "x"]))
+    assert defaults == EngineConfig()
+    args = parser.parse_args([
+        "serve", "--model", "/models/m", "--dtype", "bfloat16", "--device", "cpu",
+        "--block-size", "32", "--no-enable-prefix-caching", "--prefix-caching-hash-algo",
+        "fast", "--kv-cache-memory-bytes", "64MiB", "--max-model-len", "1024",
+        "--max-num-batched-tokens", "512", "--max-num-seqs", "8", "--scheduling-policy",
+        "cache_aware", "--attention-backend", "torch", "--cache-dir", "/tmp/c", "--seed", "3",
+        "--num-threads", "2", "--kv-cache-memory-fraction", "0.5"])
+    config = engine_config_from_args(args)
+    assert config == EngineConfig(
+        model="/models/m", dtype="bfloat16", device="cpu", block_size=32,
+        enable_prefix_caching=False, prefix_caching_hash_algo="fast",
+        kv_cache_memory_bytes=64 << 20, max_model_len=1024, max_num_batched_tokens=512,
+        max_num_seqs=8, scheduling_policy="cache_aware", attention_backend="torch",
+        cache_dir=Path("/tmp/c"), seed=3, num_threads=2, kv_cache_memory_fraction=0.5)
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("1024", 1024), ("64MiB", 64 << 20), ("64M", 64 << 20), ("1G", 1 << 30),
+    ("0.5GiB", 1 << 29), ("16kb", 16 << 10)])
+def test_byte_size(text: str, expected: int) -> None:
+    assert byte_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "lots", "-5", "0", "12XB"])
+def test_byte_size_rejects(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        byte_size(text)
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "x", "--block-size", "0"],
+    ["generate", "x", "--temperature", "-1"],
+    ["chat", "--top-p", "0"],
+    ["serve", "--max-num-seqs", "0"],
+])
+def test_bad_options_fail_before_loading_the_model(argv: list[str],
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_generate_prints_a_completion() -> None:
+    result = run_cli("generate", "The capital of France is", "--max-tokens", "8", *SMALL_ENGINE)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+    assert "engine ready in" in result.stderr
+    assert "prompt tokens" in result.stderr
+
+
+def test_generate_jsonl_shows_cached_tokens_for_a_repeated_system_prompt(tmp_path: Path) -> None:
+    source = tmp_path / "prompts.jsonl"
+    lines = [json.dumps({"prompt": "Name a fruit.", "id": "a"}), "not json",
+             json.dumps("Name a colour."), json.dumps({"prompt": "Name a river."})]
+    source.write_text("\n".join(lines) + "\n")
+    target = tmp_path / "out.jsonl"
+    result = run_cli("generate", "--input", str(source), "--output", str(target), "--system",
+                     SYSTEM, "--max-tokens", "6", *SMALL_ENGINE)
+    assert result.returncode == 1, result.stderr  # one line was not JSON
+    records = [json.loads(line) for line in target.read_text().splitlines()]
+    assert len(records) == 4
+    assert records[0]["id"] == "a" and records[0]["text"]
+    assert "not JSON" in records[1]["error"]
+    assert all(r["cached_tokens"] >= 32 for r in (records[2], records[3])), records
+    assert "from the prefix cache" in result.stderr
+
+
+def test_chat_keeps_the_conversation_and_reports_cache_hits() -> None:
+    result = run_cli("chat", "--system", SYSTEM, "--max-tokens", "8", "--temperature", "0",
+                     *SMALL_ENGINE, stdin="Hello there.\nAnd what is your name?\n/exit\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("assistant> ") == 2
+    reports = [line for line in result.stderr.splitlines() if "from the prefix cache" in line]
+    assert len(reports) == 2, result.stderr
+    second_cached = int(reports[1].split(",")[1].split()[0])
+    assert second_cached >= 32, reports  # the first turn (system prompt included) was cached
