@@ -118,6 +118,11 @@ class KVCacheManager:
         if cached_blocks and held:
             raise ValueError(f"{request.request_id}: cached blocks given to a request that "
                              "already holds blocks")
+        for index, block in enumerate(cached_blocks):
+            if block.block_hash != request.block_hashes[index]:
+                raise ValueError(
+                    f"{request.request_id}: cached block {block.block_id} was evicted after "
+                    "the look-up; call allocate right after find_cached_prefix")
         num_held = len(held) if held else 0
         num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
         num_needed = self.blocks_needed(num_computed + num_new_tokens) - num_held - len(

@@ -68,6 +68,10 @@ class AttentionBackend(ABC):
         """Build the per-step plan. The default needs nothing beyond the metadata."""
         return StepPlan(meta)
 
+    def configure(self, specs: list[AttentionSpec]) -> None:  # noqa: B027 - optional hook
+        """Called once with every layer's spec, so a backend can turn off paths that some
+        layer cannot use (the default needs nothing)."""
+
     @abstractmethod
     def forward(
         self,
@@ -148,13 +152,15 @@ class _Group:
     when the group is the whole batch in order with no padding, so results need no scatter.
     """
 
-    blocks: torch.Tensor  # [Rg * n_blocks] block ids, flattened
+    blocks: torch.Tensor  # [Rg * n_blocks] block ids, flattened (after the shared prefix)
     n_requests: int
     q_len: int
     q_src: torch.Tensor
     out_dst: torch.Tensor | None
-    key_pos: torch.Tensor  # [L]
+    key_pos: torch.Tensor  # [L] absolute position of each gathered key
     query_pos: torch.Tensor  # [Rg, Q, 1] absolute position of each query
+    # Blocks every request of the group starts with, attended once for all (cascade).
+    prefix_blocks: torch.Tensor | None = None
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
     def mask(self, window: int | None) -> torch.Tensor:
@@ -191,7 +197,12 @@ class TorchBatchedBackend(AttentionBackend):
     name = "torch_batched"
 
     def __init__(self) -> None:
-        self._workspace: torch.Tensor | None = None
+        self._workspaces: dict[str, torch.Tensor] = {}
+        self._cascade = True
+
+    def configure(self, specs: list[AttentionSpec]) -> None:
+        # A shared prefix is attended whole, which a sliding-window layer must not do.
+        self._cascade = all(spec.sliding_window is None for spec in specs)
 
     def prepare(self, meta: AttentionMetadata) -> StepPlan:
         device = meta.slot_mapping.device
@@ -201,12 +212,19 @@ class TorchBatchedBackend(AttentionBackend):
             n_blocks = -(-seq_len // meta.block_size)
             buckets.setdefault(((q_len - 1).bit_length(), n_blocks.bit_length()), []).append(r)
         whole = len(buckets) == 1
-        groups = [self._group(meta, members, device, whole) for members in buckets.values()]
+        groups = [
+            self._group(meta, members, device, whole, self._cascade)
+            for members in buckets.values()
+        ]
         return _BatchedPlan(meta, groups)
 
     @staticmethod
     def _group(
-        meta: AttentionMetadata, members: list[int], device: torch.device, whole: bool
+        meta: AttentionMetadata,
+        members: list[int],
+        device: torch.device,
+        whole: bool,
+        cascade: bool,
     ) -> _Group:
         block_size = meta.block_size
         q_lens = [meta.query_lens_list[r] for r in members]
@@ -214,7 +232,8 @@ class TorchBatchedBackend(AttentionBackend):
         max_seq = max(meta.seq_lens_list[r] for r in members)
         n_blocks = -(-max_seq // block_size)
         index = torch.tensor(members, device=device)
-        blocks = meta.block_tables[index, :n_blocks].long().flatten()
+        n_prefix = _shared_prefix_blocks(meta, members) if cascade else 0
+        blocks = meta.block_tables[index, n_prefix:n_blocks].long().flatten()
         starts = meta.query_start_loc[index].long()
         seq_lens = meta.seq_lens[index].long()
         q_lens_t = meta.query_start_loc[index + 1].long() - starts
@@ -235,15 +254,18 @@ class TorchBatchedBackend(AttentionBackend):
             q_len=max_q,
             q_src=q_src.flatten(),
             out_dst=None if out_dst is None else out_dst.flatten(),
-            key_pos=torch.arange(n_blocks * block_size, device=device),
+            key_pos=torch.arange(n_prefix * block_size, n_blocks * block_size, device=device),
             query_pos=query_pos[:, :, None],
+            prefix_blocks=meta.block_tables[index[0], :n_prefix].long() if n_prefix else None,
         )
 
-    def _gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-        """Copy the listed blocks of K and V into the workspace: [2, n, B, Hkv, D]."""
+    def _gather(
+        self, kv_cache: torch.Tensor, blocks: torch.Tensor, slot: str = "blocks"
+    ) -> torch.Tensor:
+        """Copy the listed blocks of K and V into the `slot` workspace: [2, n, B, Hkv, D]."""
         n = blocks.shape[0]
         per_block = kv_cache.shape[2:]
-        ws = self._workspace
+        ws = self._workspaces.get(slot)
         if (
             ws is None
             or ws.shape[1] < n
@@ -252,7 +274,7 @@ class TorchBatchedBackend(AttentionBackend):
             or ws.device != kv_cache.device
         ):
             ws = torch.empty((2, n, *per_block), dtype=kv_cache.dtype, device=kv_cache.device)
-            self._workspace = ws
+            self._workspaces[slot] = ws
         out = ws[:, :n]
         for i in range(2):
             torch.index_select(kv_cache[i].flatten(1), 0, blocks, out=out[i].view(n, -1))
@@ -287,6 +309,8 @@ class TorchBatchedBackend(AttentionBackend):
         kv = self._gather(kv_cache, group.blocks).view(2, r, -1, hkv, d).transpose(2, 3)
         q = query.index_select(0, group.q_src)
         mask = group.mask(spec.sliding_window)
+        if group.prefix_blocks is not None:
+            return self._attend_cascade(q, kv, mask, kv_cache, group, spec)
         if q_len == 1:
             folded = q.view(r, hkv, spec.num_heads // hkv, d)
             attn = F.scaled_dot_product_attention(
@@ -302,6 +326,73 @@ class TorchBatchedBackend(AttentionBackend):
             enable_gqa=spec.num_heads != hkv,
         )
         return attn.transpose(1, 2).reshape(r * q_len, spec.num_heads, d)
+
+
+    def _attend_cascade(
+        self,
+        q: torch.Tensor,
+        suffix_kv: torch.Tensor,
+        mask: torch.Tensor,
+        kv_cache: torch.Tensor,
+        group: _Group,
+        spec: AttentionSpec,
+    ) -> torch.Tensor:
+        """Attention when every request of the group starts with the same blocks.
+
+        The shared prefix is gathered once and scored for all queries of all requests in
+        one matmul, instead of once per request; each request's own blocks are scored as
+        usual. Both score sets go through one softmax, so the result is the same attention,
+        computed in another order. Every query sees the whole prefix (it lies before every
+        query) and at least itself among its own keys, so no row is fully masked.
+        """
+        assert group.prefix_blocks is not None
+        r, q_len, hkv, d = group.n_requests, group.q_len, spec.num_kv_heads, spec.head_dim
+        g = spec.num_heads // hkv
+        prefix = self._gather(kv_cache, group.prefix_blocks, "prefix").view(2, -1, hkv, d)
+        n_prefix = prefix.shape[1]
+        # Queries as [r, hkv, Q * G, D]: the G heads sharing a KV head sit with their query.
+        qh = q.view(r, q_len, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(r, hkv, q_len * g, d)
+        qh = qh * spec.scale
+        # Prefix scores for every query at once: [hkv, r * Q * G, P].
+        shared_q = qh.transpose(0, 1).reshape(hkv, r * q_len * g, d)
+        prefix_scores = torch.bmm(shared_q, prefix[0].permute(1, 2, 0))
+        prefix_scores = prefix_scores.view(hkv, r, q_len * g, n_prefix).transpose(0, 1)
+        own_scores = torch.matmul(qh, suffix_kv[0].transpose(-1, -2))  # [r, hkv, Q*G, L]
+        own_mask = mask.expand(r, 1, q_len, mask.shape[-1])[:, :, :, None, :]
+        own_mask = own_mask.expand(r, 1, q_len, g, mask.shape[-1]).reshape(r, 1, q_len * g, -1)
+        own_scores = own_scores.masked_fill(~own_mask, float("-inf"))
+        top = torch.maximum(prefix_scores.amax(-1), own_scores.amax(-1))[..., None]
+        prefix_weights = torch.exp(prefix_scores - top)
+        own_weights = torch.exp(own_scores - top)
+        total = prefix_weights.sum(-1, keepdim=True) + own_weights.sum(-1, keepdim=True)
+        shared_w = prefix_weights.transpose(0, 1).reshape(hkv, r * q_len * g, n_prefix)
+        out = torch.bmm(shared_w, prefix[1].transpose(0, 1))
+        out = out.view(hkv, r, q_len * g, d).transpose(0, 1)
+        out = (out + torch.matmul(own_weights, suffix_kv[1])) / total
+        # [r, hkv, Q, G, D] -> [r * Q, H, D]
+        out = out.view(r, hkv, q_len, g, d).permute(0, 2, 1, 3, 4)
+        return out.reshape(r * q_len, spec.num_heads, d)
+
+
+# A shared prefix shorter than this is not worth a second gather and softmax pass.
+MIN_CASCADE_BLOCKS = 4
+
+
+def _shared_prefix_blocks(meta: AttentionMetadata, members: list[int]) -> int:
+    """How many leading blocks all `members` share and have fully computed before their
+    first query (0 when too few to be worth a cascade, or for a single request)."""
+    if len(members) < 2:
+        return 0
+    block_size = meta.block_size
+    visible = min(
+        meta.seq_lens_list[r] - meta.query_lens_list[r] for r in members
+    ) // block_size
+    if visible < MIN_CASCADE_BLOCKS:
+        return 0
+    tables = meta.block_tables[members, :visible].cpu()
+    same = (tables == tables[0]).all(dim=0)
+    n_prefix = int(same.long().cumprod(0).sum())
+    return n_prefix if n_prefix >= MIN_CASCADE_BLOCKS else 0
 
 
 ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {

@@ -108,10 +108,10 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, backend) for i in range(config.num_hidden_layers)
-        )
+        layers = [LlamaDecoderLayer(config, i, backend) for i in range(config.num_hidden_layers)]
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        backend.configure([layer.self_attn.spec for layer in layers])
 
     def forward(
         self,

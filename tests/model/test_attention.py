@@ -18,6 +18,7 @@ from pagellm.model.attention import (
     ATTENTION_BACKENDS,
     DEFAULT_ATTENTION_BACKEND,
     AttentionSpec,
+    TorchBatchedBackend,
     allocate_kv_caches,
     get_attention_backend,
 )
@@ -42,14 +43,24 @@ def dense_attention(
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def make_case(seed: int, shapes: list[tuple[int, int]], window: int | None = None) -> dict:
-    """Requests given as (cached tokens, new tokens); everything else drawn from `seed`."""
+def make_case(
+    seed: int,
+    shapes: list[tuple[int, int]],
+    window: int | None = None,
+    shared_blocks: int = 0,
+    block_size: int | None = None,
+) -> dict:
+    """Requests given as (cached tokens, new tokens); everything else drawn from `seed`.
+
+    With `shared_blocks`, every request starts with the same blocks holding the same K/V
+    (a cached prefix they all hit), as the engine lays out a shared system prompt.
+    """
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     kv_heads, group, head_dim = rng.choice([(1, 4), (2, 2), (3, 3), (4, 1)]) + (
         rng.choice([8, 16]),
     )
-    block_size = rng.choice([1, 2, 4, 16])
+    block_size = block_size or rng.choice([1, 2, 4, 16])
     needed = sum(-(-(c + q) // block_size) for c, q in shapes)
     num_blocks = needed + 5
     free = list(range(num_blocks))
@@ -58,11 +69,20 @@ def make_case(seed: int, shapes: list[tuple[int, int]], window: int | None = Non
         1, (2, num_blocks, block_size, kv_heads, head_dim), torch.float32, "cpu"
     )[0]
     tables, histories, queries, new_k, new_v = [], [], [], [], []
+    shared_len = shared_blocks * block_size
+    shared_table = [free.pop() for _ in range(shared_blocks)]
+    shared_k = torch.randn(shared_len, kv_heads, head_dim, generator=gen)
+    shared_v = torch.randn(shared_len, kv_heads, head_dim, generator=gen)
     for context, q_len in shapes:
+        assert context >= shared_len, "a request must have computed the shared prefix"
         total = context + q_len
-        table = [free.pop() for _ in range(-(-total // block_size))]
-        k_hist = torch.randn(total, kv_heads, head_dim, generator=gen)
-        v_hist = torch.randn(total, kv_heads, head_dim, generator=gen)
+        table = shared_table + [
+            free.pop() for _ in range(-(-total // block_size) - shared_blocks)
+        ]
+        k_hist = torch.cat([shared_k, torch.randn(total - shared_len, kv_heads, head_dim,
+                                                  generator=gen)])
+        v_hist = torch.cat([shared_v, torch.randn(total - shared_len, kv_heads, head_dim,
+                                                  generator=gen)])
         for pos in range(context):  # the cached prefix, written by "earlier steps"
             block, offset = table[pos // block_size], pos % block_size
             cache[0, block, offset] = k_hist[pos]
@@ -99,6 +119,7 @@ def make_case(seed: int, shapes: list[tuple[int, int]], window: int | None = Non
 
 def run_backend(name: str, case: dict) -> tuple[torch.Tensor, torch.Tensor]:
     backend = get_attention_backend(name)
+    backend.configure([case["spec"]])
     cache = case["cache"].clone()
     plan = backend.prepare(case["meta"])
     out = backend.forward(case["query"], case["key"], case["value"], cache, plan, case["spec"])
@@ -150,6 +171,42 @@ def test_backends_agree_on_random_batches(seed: int) -> None:
         torch.testing.assert_close(out, outputs[0][0], atol=2e-5, rtol=1e-5)
         assert torch.equal(cache, outputs[0][1])
     check(BACKENDS[0], case)
+
+
+SHARED_PREFIX_SCENARIOS = {
+    "decodes": [(40, 1), (45, 1), (33, 1), (64, 1)],
+    "prefills": [(32, 5), (40, 9), (36, 1), (50, 3)],
+    "exactly_the_prefix": [(32, 1), (32, 1), (32, 7)],
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scenario", sorted(SHARED_PREFIX_SCENARIOS))
+@pytest.mark.parametrize("window", [None, 5])
+def test_shared_prefix_batches_match_dense_reference(
+    backend: str, scenario: str, window: int | None
+) -> None:
+    """Requests whose block tables begin with the same blocks (the cascade path of the
+    batched backend attends that prefix once for all of them)."""
+    for seed in range(3):
+        case = make_case(seed, SHARED_PREFIX_SCENARIOS[scenario], window, shared_blocks=8,
+                         block_size=4)
+        check(backend, case)
+
+
+def test_shared_prefix_takes_the_cascade_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shared-prefix scenarios above really exercise the cascade (not a silent fallback)."""
+    calls = []
+    original = TorchBatchedBackend._attend_cascade
+
+    def counting(self: TorchBatchedBackend, *args: object) -> torch.Tensor:
+        calls.append(1)
+        return original(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(TorchBatchedBackend, "_attend_cascade", counting)
+    case = make_case(0, [(40, 1), (41, 1), (42, 1)], shared_blocks=8, block_size=4)
+    check("torch_batched", case)
+    assert calls
 
 
 def test_batched_backend_plan_is_reused_across_layers() -> None:
