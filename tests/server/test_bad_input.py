@@ -81,6 +81,12 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
      "top_logprobs"),
     ("top_logprobs without logprobs", "/v1/chat/completions",
      {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs", "logprobs"),
+    ("stop token outside the vocabulary", "/v1/completions",
+     {"prompt": "x", "min_tokens": 1, "stop_token_ids": [10**6]}, 400, "stop_token_ids",
+     "stop_token_ids"),
+    ("stop token beyond int64", "/v1/completions",
+     {"prompt": "x", "min_tokens": 1, "stop_token_ids": [10**30]}, 400, "stop_token_ids",
+     "stop_token_ids"),
     ("empty stop string", "/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop",
      "stop"),
     ("stream_options without stream", "/v1/completions",
@@ -121,6 +127,11 @@ def test_max_tokens_message_names_both_numbers(server: Server) -> None:
     message = response.json()["error"]["message"]
     assert f"maximum context length is {MAX_MODEL_LEN} tokens" in message
     assert "3 in the prompt" in message and "600 for the completion" in message
+
+
+def test_top_k_beyond_the_vocabulary_means_no_limit(server: Server) -> None:
+    response = post(server, "/v1/completions", {"prompt": "x", "top_k": 10**30, "max_tokens": 1})
+    assert response.status_code == 200, response.text
 
 
 def test_streamed_bad_request_is_an_error_status(server: Server) -> None:

@@ -27,10 +27,17 @@ def build_sampling_params(
 ) -> SamplingParams:
     """The request's sampling options, validated; raises a 400 APIError naming the field.
 
-    `top_k` above the vocabulary means "no limit"; it is clamped here because a huge value
-    does not fit the sampler's int64 tensors and would fail the whole batch's step.
+    Two checks need the vocabulary, which `SamplingParams` does not know, and both guard
+    the whole batch: a token id outside it in `stop_token_ids`, or a `top_k` too big for
+    the sampler's int64 tensors, would fail the step of every request scheduled with it.
+    `top_k` above the vocabulary means "no limit", so it is clamped; a stop token outside
+    the vocabulary is a client error.
     """
     top_k = request.top_k or 0
+    for token in request.stop_token_ids or []:
+        if not 0 <= token < vocab_size:
+            raise bad_request(f"stop_token_ids must be token ids in [0, {vocab_size}), got "
+                              f"{token}", param="stop_token_ids", code="invalid_value")
     try:
         return SamplingParams(
             n=request.n,
