@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -24,6 +25,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
+# Numbers the load tests measured, printed at the end of the run.
+REPORT: list[str] = []
 MAX_MODEL_LEN = 512
 MAX_REQUEST_BYTES = 1 << 20
 SERVER_ARGS = ["--kv-cache-memory-bytes", "128MiB", "--max-model-len", str(MAX_MODEL_LEN),
@@ -101,6 +104,11 @@ def start_server(tmp: Path, *extra: str, env: dict[str, str] | None = None,
             server.stop()
             raise RuntimeError(f"server not healthy after {startup_timeout} s:\n{server.log_text}")
         time.sleep(0.25)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    for line in REPORT:
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")

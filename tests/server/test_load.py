@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import openai
 
-from tests.server.conftest import MODEL_NAME, Server
+from tests.server.conftest import MODEL_NAME, REPORT, Server
 
 NUM_CLIENTS = 64
 MAX_TOKENS = 8
@@ -71,9 +71,11 @@ def test_concurrent_streaming_clients(server: Server) -> None:
     during = server.wait_idle()
     queries = during["pagellm_prefix_cache_queries_total"] - before["pagellm_prefix_cache_queries_total"]
     hits = during["pagellm_prefix_cache_hits_total"] - before["pagellm_prefix_cache_hits_total"]
-    print(f"\n{NUM_CLIENTS} streaming clients in {seconds:.1f} s, prefix cache hit rate "
-          f"{hits / queries:.1%} ({int(hits)}/{int(queries)} prompt tokens), preemptions "
-          f"{int(during['pagellm_num_preemptions_total'])}")
+    REPORT.append(
+        f"load test: {NUM_CLIENTS} concurrent streaming clients x {MAX_TOKENS} tokens in "
+        f"{seconds:.1f} s, prefix cache hit rate {hits / queries:.1%} "
+        f"({int(hits)}/{int(queries)} prompt tokens), preemptions so far "
+        f"{int(during['pagellm_num_preemptions_total'])}")
     assert hits > 0
     assert "prefix cache hit rate" in server.log_text
 

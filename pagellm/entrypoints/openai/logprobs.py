@@ -7,6 +7,7 @@ bytes, since a single token can be part of a multi-byte character.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from pagellm.engine.outputs import Logprob
@@ -16,6 +17,14 @@ from pagellm.entrypoints.openai.protocol import (
     CompletionLogprobs,
     TopLogprob,
 )
+
+# JSON has no -Infinity and clients' parsers reject it, yet a token blocked by min_tokens
+# has logprob -inf; it is reported as this instead, as vLLM does.
+BLOCKED_LOGPROB = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else BLOCKED_LOGPROB
 
 
 class TokenText:
@@ -41,9 +50,9 @@ def completion_logprobs(entries: list[Logprob], token_text: TokenText,
     for entry in entries:
         token = token_text(entry.token_id)
         block.tokens.append(token)
-        block.token_logprobs.append(entry.logprob)
-        top = {token_text(t): lp for t, lp in entry.top_logprobs}
-        top.setdefault(token, entry.logprob)
+        block.token_logprobs.append(_finite(entry.logprob))
+        top = {token_text(t): _finite(lp) for t, lp in entry.top_logprobs}
+        top.setdefault(token, _finite(entry.logprob))
         block.top_logprobs.append(top)
         block.text_offset.append(text_offset)
         text_offset += len(token)
@@ -55,8 +64,8 @@ def chat_logprobs(entries: list[Logprob], token_text: TokenText) -> ChatLogprobs
     for entry in entries:
         token = token_text(entry.token_id)
         content.append(ChatTokenLogprob(
-            token=token, logprob=entry.logprob, bytes=list(token.encode()),
-            top_logprobs=[TopLogprob(token=token_text(t), logprob=lp,
+            token=token, logprob=_finite(entry.logprob), bytes=list(token.encode()),
+            top_logprobs=[TopLogprob(token=token_text(t), logprob=_finite(lp),
                                      bytes=list(token_text(t).encode()))
                           for t, lp in entry.top_logprobs]))
     return ChatLogprobs(content=content)

@@ -197,7 +197,7 @@ def failure(error: BaseException) -> APIError:
 
 
 def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(payload, ensure_ascii=False, allow_nan=False)}\n\n"
 
 
 async def streamed(events: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:

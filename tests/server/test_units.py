@@ -1,0 +1,105 @@
+"""The server's pure parts, without a model: formats, limits, error shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from pagellm.engine.llm_engine import EngineStats
+from pagellm.engine.outputs import Logprob
+from pagellm.entrypoints.openai.errors import APIError, validation_error
+from pagellm.entrypoints.openai.logprobs import (
+    BLOCKED_LOGPROB,
+    TokenText,
+    chat_logprobs,
+    completion_logprobs,
+)
+from pagellm.entrypoints.openai.metrics import Histogram
+from pagellm.entrypoints.openai.serving import resolve_max_tokens
+from pagellm.entrypoints.openai.stats_logger import describe
+
+
+class FakeTokenizer:
+    def decode(self, ids: list[int]) -> str:
+        return f"<{ids[0]}>"
+
+
+def stats(**changes: object) -> EngineStats:
+    base = EngineStats(num_running=0, num_waiting=0, kv_cache_usage=0.0, num_blocks=10,
+                       num_free_blocks=10, prefix_cache_queries=0, prefix_cache_hits=0,
+                       prefix_cache_hit_rate=0.0, num_evictions=0, num_preemptions=0,
+                       prompt_tokens=0, generation_tokens=0, timings={})
+    return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
+
+
+def test_blocked_tokens_are_reported_as_finite_logprobs() -> None:
+    entries = [Logprob(5, -0.5, 1, [(5, -0.5), (7, float("-inf"))])]
+    block, end = completion_logprobs(entries, TokenText(FakeTokenizer()), 3)
+    assert block.top_logprobs == [{"<5>": -0.5, "<7>": BLOCKED_LOGPROB}]
+    assert block.text_offset == [3] and end == 3 + len("<5>")
+    chat = chat_logprobs(entries, TokenText(FakeTokenizer()))
+    assert chat.content is not None
+    assert chat.content[0].top_logprobs[1].logprob == BLOCKED_LOGPROB
+    json.dumps(chat.model_dump(mode="json"), allow_nan=False)
+
+
+def test_histogram_buckets_are_cumulative() -> None:
+    histogram = Histogram("h", "help", (0.1, 1.0))
+    for value in (0.05, 0.1, 0.5, 5.0):
+        histogram.observe(value)
+    lines = histogram.render({"model_name": 'a"b'})
+    assert 'h_bucket{model_name="a\\"b",le="0.1"} 2' in lines
+    assert 'h_bucket{model_name="a\\"b",le="1.0"} 3' in lines
+    assert 'h_bucket{model_name="a\\"b",le="+Inf"} 4' in lines
+    assert lines[-1] == 'h_count{model_name="a\\"b"} 4'
+
+
+@pytest.mark.parametrize(("errors", "param", "message"), [
+    ([{"type": "missing", "loc": ("body", "prompt"), "msg": "Field required"}], "prompt",
+     "Missing required parameter: 'prompt'."),
+    ([{"type": "string_type", "loc": ("body", "messages", 2, "content", "str"),
+       "msg": "Input should be a valid string"}], "messages[2].content", "messages[2].content"),
+    ([{"type": "int_type", "loc": ("body", "stream_options", "include_usage"),
+       "msg": "bad"}], "stream_options.include_usage", "stream_options.include_usage"),
+    ([{"type": "json_invalid", "loc": ("body", 7), "msg": "JSON decode error",
+       "ctx": {"error": "Expecting value"}}], None, "could not parse the JSON"),
+])
+def test_validation_errors_name_the_field(errors: list[dict[str, object]], param: str | None,
+                                          message: str) -> None:
+    error = validation_error(errors)
+    assert error.status == 400 and error.param == param
+    assert message in error.message
+
+
+def test_error_body_shape() -> None:
+    body = APIError(503, "down").body()
+    assert body == {"error": {"message": "down", "type": "server_error", "param": None,
+                              "code": None}}
+
+
+def test_max_tokens_default_fills_the_context() -> None:
+    assert resolve_max_tokens(100, 30, None, "prompt", "max_tokens") == 70
+    assert resolve_max_tokens(100, 30, 70, "prompt", "max_tokens") == 70
+    with pytest.raises(APIError) as too_long:
+        resolve_max_tokens(100, 30, 71, "prompt", "max_tokens")
+    assert too_long.value.param == "max_tokens"
+    assert "101 tokens (30 in the prompt, 71 for the completion)" in too_long.value.message
+    with pytest.raises(APIError) as prompt_too_long:
+        resolve_max_tokens(100, 100, None, "messages", "max_tokens")
+    assert prompt_too_long.value.param == "messages"
+
+
+def test_stats_line_only_while_busy() -> None:
+    idle = stats()
+    assert describe(idle, idle, 5.0) is None
+    busy = stats(num_running=2, generation_tokens=50, prompt_tokens=100,
+                 prefix_cache_queries=100, prefix_cache_hits=75, kv_cache_usage=0.25,
+                 prefix_cache_hit_rate=0.75)
+    line = describe(idle, busy, 5.0)
+    assert line is not None
+    assert "generation throughput 10.0 tok/s" in line
+    assert "running 2, waiting 0" in line
+    assert "KV cache usage 25.0%" in line
+    assert "prefix cache hit rate 75.0%" in line
