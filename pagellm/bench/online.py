@@ -1,0 +1,245 @@
+"""Online mode: an OpenAI-compatible server in a subprocess, driven by a client that
+sends requests at a seeded Poisson rate and streams, so TTFT and inter-token latency are
+what a user of the server would see (queueing included)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import math
+import random
+import re
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from pagellm.bench.memory import PeakRSS
+from pagellm.bench.metrics import RequestRecord, RunResult, summarize
+from pagellm.bench.workloads import ConversationState, Tokenizer, Workload
+
+_METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})?\s+([-+0-9.eEinfINFaN]+)$")
+
+
+def free_port() -> int:
+    """A port nothing listens on now (the OS picks it), on the loopback interface."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def pagellm_server_available() -> bool:
+    """Whether `pagellm serve` exists yet (the CLI module is written separately)."""
+    return importlib.util.find_spec("pagellm.entrypoints.cli") is not None
+
+
+def pagellm_server_command(model_dir: Path, port: int, enable_prefix_caching: bool,
+                           engine_args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", "--model",
+            str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+            "--enable-prefix-caching" if enable_prefix_caching else "--no-enable-prefix-caching",
+            *engine_args]
+
+
+def vllm_server_command(python: str, model_dir: Path, port: int,
+                        enable_prefix_caching: bool) -> list[str]:
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--seed", "0",
+            "--enable-prefix-caching" if enable_prefix_caching else "--no-enable-prefix-caching"]
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Unlabelled sample values by metric name (labelled series are summed)."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        match = _METRIC_LINE.match(line.strip())
+        if match and not line.startswith("#"):
+            values[match.group(1)] = values.get(match.group(1), 0.0) + float(match.group(2))
+    return values
+
+
+class ServerProcess:
+    """A server subprocess on a loopback port, ready once `/health` answers 200."""
+
+    def __init__(self, command: list[str], port: int, env: dict[str, str] | None = None,
+                 startup_timeout_s: float = 600.0) -> None:
+        self.command = command
+        self.base_url = f"http://127.0.0.1:{port}"
+        self._env = env
+        self._timeout = startup_timeout_s
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> float:
+        """Starts the server and waits until it is healthy; returns the seconds that took."""
+        begin = time.perf_counter()
+        self._process = subprocess.Popen(self.command, env=self._env,
+                                         stdout=subprocess.DEVNULL, stderr=sys.stderr)
+        while time.perf_counter() - begin < self._timeout:
+            if self._process.poll() is not None:
+                raise RuntimeError(f"server exited with status {self._process.returncode}: "
+                                   f"{' '.join(self.command)}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
+                    return time.perf_counter() - begin
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"server not healthy after {self._timeout:.0f} s")
+
+    def model_name(self) -> str:
+        reply = httpx.get(f"{self.base_url}/v1/models", timeout=10.0).json()
+        return str(reply["data"][0]["id"])
+
+    def metrics(self) -> dict[str, float]:
+        try:
+            reply = httpx.get(f"{self.base_url}/metrics", timeout=10.0)
+        except httpx.HTTPError:
+            return {}
+        return parse_prometheus(reply.text) if reply.status_code == 200 else {}
+
+    def stop(self) -> None:
+        if self._process is None:
+            return
+        self._process.terminate()
+        try:
+            self._process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        self._process = None
+
+
+def poisson_arrivals(count: int, rate: float, seed: int) -> list[float]:
+    """Seeded arrival offsets in seconds; an infinite rate sends everything at once."""
+    if rate <= 0:
+        raise ValueError(f"request rate must be positive, got {rate}")
+    if math.isinf(rate):
+        return [0.0] * count
+    rng = random.Random(seed)
+    times, now = [], 0.0
+    for _ in range(count):
+        times.append(now)
+        now += rng.expovariate(rate)
+    return times
+
+
+@dataclass
+class _Streamed:
+    record: RequestRecord
+    text: str
+
+
+class OnlineClient:
+    """The openai async client against one server, streaming completions of token-id
+    prompts (the same ids the offline contenders get)."""
+
+    def __init__(self, base_url: str, model: str, request_timeout_s: float = 1800.0) -> None:
+        from openai import AsyncOpenAI
+
+        self._client = AsyncOpenAI(base_url=f"{base_url}/v1", api_key="bench",
+                                   max_retries=0, timeout=request_timeout_s)
+        self._model = model
+
+    async def complete(self, prompt: list[int], max_tokens: int, ignore_eos: bool,
+                       origin: float) -> _Streamed:
+        arrival = time.perf_counter() - origin
+        stream = await self._client.completions.create(
+            model=self._model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+            stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": ignore_eos})
+        times: list[float] = []
+        parts: list[str] = []
+        usage: Any = None
+        async for chunk in stream:
+            if chunk.choices:
+                times.append(time.perf_counter() - origin)
+                parts.append(chunk.choices[0].text or "")
+            if chunk.usage is not None:
+                usage = chunk.usage
+        finish = time.perf_counter() - origin
+        count = int(usage.completion_tokens) if usage is not None else len(times)
+        details = getattr(usage, "prompt_tokens_details", None) if usage is not None else None
+        cached = getattr(details, "cached_tokens", None) if details is not None else None
+        record = RequestRecord(prompt_len=len(prompt), output_len=count, output_ids=[],
+                               arrival=arrival, first_token=times[0] if times else finish,
+                               finish=finish, token_times=times,
+                               cached_tokens=int(cached) if cached is not None else None)
+        return _Streamed(record, "".join(parts))
+
+    async def close(self) -> None:
+        await self._client.close()
+
+
+async def _at(origin: float, offset: float) -> None:
+    delay = origin + offset - time.perf_counter()
+    if delay > 0:
+        await asyncio.sleep(delay)
+
+
+async def drive(client: OnlineClient, workload: Workload, tokenizer: Tokenizer, rate: float,
+                seed: int, origin: float) -> list[RequestRecord]:
+    """Sends the workload: flat prompts each at its arrival time; conversations each
+    starting at its arrival time, a turn sent as soon as the previous answer is in."""
+    if not workload.is_multi_turn:
+        arrivals = poisson_arrivals(len(workload.prompts), rate, seed)
+
+        async def one(prompt: tuple[int, ...], offset: float) -> RequestRecord:
+            await _at(origin, offset)
+            streamed = await client.complete(list(prompt), workload.output_len, True, origin)
+            return streamed.record
+
+        return list(await asyncio.gather(*(one(p, a) for p, a in
+                                           zip(workload.prompts, arrivals, strict=True))))
+    arrivals = poisson_arrivals(len(workload.conversations), rate, seed)
+
+    async def conversation(state: ConversationState, offset: float) -> list[RequestRecord]:
+        await _at(origin, offset)
+        records = []
+        while not state.done:
+            streamed = await client.complete(state.next_prompt(tokenizer), workload.output_len,
+                                             False, origin)
+            state.record_answer(streamed.text.strip())
+            records.append(streamed.record)
+        return records
+
+    nested = await asyncio.gather(*(conversation(ConversationState(c), a) for c, a in
+                                    zip(workload.conversations, arrivals, strict=True)))
+    return [record for records in nested for record in records]
+
+
+def run_online(name: str, server: ServerProcess, workload: Workload, tokenizer: Tokenizer,
+               rate: float, seed: int) -> RunResult:
+    """Starts the server, sends the workload at `rate` requests (or conversations) per
+    second, stops the server. Engine counters come from `/metrics` where it has them."""
+    with PeakRSS() as peak:
+        startup = server.start()
+        try:
+            before = server.metrics()
+
+            async def main() -> tuple[list[RequestRecord], float]:
+                client = OnlineClient(server.base_url, server.model_name())
+                try:
+                    origin = time.perf_counter()
+                    records = await drive(client, workload, tokenizer, rate, seed, origin)
+                    return records, time.perf_counter() - origin
+                finally:
+                    await client.close()
+
+            records, wall = asyncio.run(main())
+            after = server.metrics()
+        finally:
+            server.stop()
+    engine = {key: after[key] - before.get(key, 0.0) for key in after
+              if key.startswith("pagellm_") and key.endswith("_total")}
+    result = summarize(name, workload.name, "online", records, wall, peak_rss_mb=peak.mb,
+                       startup_s=startup, engine=engine)
+    result.notes.append(f"Poisson arrivals at {rate} per second, seed {seed}"
+                        + (" (conversations start at that rate)" if workload.is_multi_turn
+                           else ""))
+    return result

@@ -1,0 +1,106 @@
+"""PageLLM itself as a contender, in process, through the offline `LLM` API."""
+
+from __future__ import annotations
+
+import gc
+import time
+from pathlib import Path
+from typing import Any
+
+from pagellm.bench.contender import GenerateRequest
+from pagellm.bench.metrics import RequestRecord
+from pagellm.core.sampling_params import SamplingParams
+from pagellm.engine.llm import LLM
+from pagellm.model.model_config import load_model_config
+
+_COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_evictions", "num_preemptions",
+             "prompt_tokens", "generation_tokens")
+
+
+def kv_bytes_per_token(model_dir: Path, element_size: int = 4) -> int:
+    """K and V of one token in every layer, in bytes (float32 by default)."""
+    return int(load_model_config(model_dir).kv_cache_bytes_per_block(element_size))
+
+
+def kv_cache_bytes_for_tokens(model_dir: Path, tokens: int, block_size: int) -> int:
+    """The `kv_cache_memory_bytes` that gives a pool of at least `tokens` slots, rounded
+    up to whole blocks (the eviction workload sizes pools in tokens, engines in bytes)."""
+    return -(-tokens // block_size) * block_size * kv_bytes_per_token(model_dir)
+
+
+class PageLLMContender:
+    """`LLM.generate` on the whole list, prefix caching on or off."""
+
+    def __init__(self, name: str, model_dir: Path, enable_prefix_caching: bool,
+                 engine_kwargs: dict[str, Any] | None = None) -> None:
+        self.name = name
+        self._model_dir = model_dir
+        self._caching = enable_prefix_caching
+        self._kwargs = dict(engine_kwargs or {})
+        self._llm: LLM | None = None
+        self._base_stats: dict[str, Any] = {}
+        self._base_timings: dict[str, float] = {}
+
+    @property
+    def llm(self) -> LLM:
+        if self._llm is None:
+            raise RuntimeError(f"{self.name} is not started")
+        return self._llm
+
+    def start(self, kv_cache_tokens: int | None, warmup: list[int]) -> float:
+        kwargs = dict(self._kwargs)
+        if kv_cache_tokens is not None:
+            kwargs["kv_cache_memory_bytes"] = kv_cache_bytes_for_tokens(
+                self._model_dir, kv_cache_tokens, kwargs.get("block_size", 16))
+        begin = time.perf_counter()
+        self._llm = LLM(str(self._model_dir), enable_prefix_caching=self._caching,
+                        dtype="float32", **kwargs)
+        startup = time.perf_counter() - begin
+        self.llm.generate([{"prompt_token_ids": warmup}],
+                          SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+        self.llm.reset_prefix_cache()
+        stats = self.llm.llm_engine.get_stats()
+        self._base_stats = {name: getattr(stats, name) for name in _COUNTERS}
+        self._base_timings = dict(stats.timings)
+        return startup
+
+    def generate(self, request: GenerateRequest, origin: float) -> list[RequestRecord]:
+        params = SamplingParams(temperature=0, max_tokens=request.max_tokens,
+                                ignore_eos=request.ignore_eos)
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in request.prompts],
+                                    params, use_tqdm=False)
+        # Engine metrics are time.monotonic(); the harness counts from a perf_counter().
+        shift = time.perf_counter() - time.monotonic() - origin
+        records = []
+        for output in outputs:
+            if output.error is not None:
+                raise RuntimeError(f"{self.name}: a benchmark prompt was rejected: {output.error}")
+            metrics = output.metrics
+            assert metrics is not None and metrics.first_token_time is not None
+            ids = list(output.outputs[0].token_ids)
+            records.append(RequestRecord(
+                prompt_len=len(output.prompt_token_ids), output_len=len(ids), output_ids=ids,
+                arrival=metrics.arrival_time + shift,
+                first_token=metrics.first_token_time + shift,
+                finish=(metrics.finished_time or metrics.last_token_time or 0.0) + shift,
+                token_times=[t + shift for t in metrics.token_times],
+                cached_tokens=output.num_cached_tokens))
+        return records
+
+    def stats(self) -> dict[str, Any]:
+        stats = self.llm.llm_engine.get_stats()
+        delta = {name: getattr(stats, name) - self._base_stats.get(name, 0)
+                 for name in _COUNTERS}
+        queries = delta["prefix_cache_queries"]
+        delta["prefix_cache_hit_rate"] = delta["prefix_cache_hits"] / queries if queries else 0.0
+        delta["num_blocks"] = stats.num_blocks
+        delta["block_size"] = self.llm.llm_engine.config.block_size
+        return delta
+
+    def timings(self) -> dict[str, float] | None:
+        now = self.llm.llm_engine.get_stats().timings
+        return {k: v - self._base_timings.get(k, 0.0) for k, v in now.items()}
+
+    def close(self) -> None:
+        self._llm = None
+        gc.collect()

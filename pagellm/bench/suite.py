@@ -1,0 +1,220 @@
+"""Side-by-side comparisons: every contender, one after another, on the same workload,
+then ratios, greedy agreement and the targets, gathered into one report."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pagellm.bench.compare import (
+    HF_CONTINUOUS,
+    HF_GENERATE,
+    PAGELLM,
+    PAGELLM_NOCACHE,
+    VLLM,
+    VLLM_NOCACHE,
+    Comparison,
+    add_ratios,
+    agreement,
+    evaluate_targets,
+)
+from pagellm.bench.contender import Contender
+from pagellm.bench.harness import OfflineRun, run_offline
+from pagellm.bench.online import (
+    ServerProcess,
+    free_port,
+    pagellm_server_available,
+    pagellm_server_command,
+    run_online,
+    vllm_server_command,
+)
+from pagellm.bench.report import BenchReport
+from pagellm.bench.workloads import Tokenizer, Workload
+
+logger = logging.getLogger(__name__)
+
+CONTENDERS = (PAGELLM, PAGELLM_NOCACHE, HF_GENERATE, HF_CONTINUOUS, VLLM, VLLM_NOCACHE)
+
+
+
+@dataclass
+class BenchOptions:
+    """How contenders are built: engine settings shared by PageLLM and vLLM, and the
+    transformers batch size. `engine_kwargs` are `EngineConfig` fields (block_size,
+    max_num_seqs, max_num_batched_tokens, kv_cache_memory_bytes, num_threads)."""
+
+    model_dir: Path
+    contenders: tuple[str, ...] = CONTENDERS
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    hf_batch_size: int = 8
+    vllm_python: str | None = None
+    request_rate: float = math.inf
+    seed: int = 0
+    agreement_requests: int = 8
+
+    def __post_init__(self) -> None:
+        unknown = [c for c in self.contenders if c not in CONTENDERS]
+        if unknown:
+            raise ValueError(f"unknown contender(s) {', '.join(unknown)}; choose from "
+                             f"{', '.join(CONTENDERS)}")
+        if self.agreement_requests < 0:
+            raise ValueError("agreement_requests must be >= 0")
+
+    @property
+    def max_num_seqs(self) -> int:
+        return int(self.engine_kwargs.get("max_num_seqs", 64))
+
+
+def _offline_contender(name: str, options: BenchOptions) -> Contender:
+    from pagellm.bench.hf_runner import HFContinuousBatchingContender, HFGenerateContender
+    from pagellm.bench.pagellm_runner import PageLLMContender
+    from pagellm.bench.vllm_runner import VLLMContender
+
+    threads = options.engine_kwargs.get("num_threads")
+    vllm_kwargs = {k: v for k, v in options.engine_kwargs.items()
+                   if k in ("block_size", "max_num_seqs", "max_num_batched_tokens")}
+    if name in (PAGELLM, PAGELLM_NOCACHE):
+        return PageLLMContender(name, options.model_dir, name == PAGELLM, options.engine_kwargs)
+    if name == HF_GENERATE:
+        return HFGenerateContender(name, options.model_dir, options.hf_batch_size, threads)
+    if name == HF_CONTINUOUS:
+        return HFContinuousBatchingContender(
+            name, options.model_dir,
+            max_batch_tokens=int(options.engine_kwargs.get("max_num_batched_tokens", 2048)),
+            num_threads=threads)
+    assert options.vllm_python is not None
+    return VLLMContender(name, options.vllm_python, options.model_dir, name == VLLM,
+                         vllm_kwargs)
+
+
+def _skip_reason(name: str, mode: str, options: BenchOptions) -> str | None:
+    if name in (VLLM, VLLM_NOCACHE) and not options.vllm_python:
+        return f"{name} skipped: no --vllm-python given (vLLM's CPU build in its own venv)"
+    if name == HF_CONTINUOUS and mode == "offline":
+        from pagellm.bench.hf_runner import has_continuous_batching
+
+        if not has_continuous_batching():
+            return f"{name} skipped: this transformers has no generate_batch"
+    if mode == "online" and name in (HF_GENERATE, HF_CONTINUOUS):
+        return f"{name} skipped online: transformers is compared offline only"
+    if mode == "online" and name in (PAGELLM, PAGELLM_NOCACHE) and not pagellm_server_available():
+        return f"{name} skipped online: `pagellm serve` (pagellm.entrypoints.cli) not available"
+    return None
+
+
+def _server(name: str, options: BenchOptions, workload: Workload) -> ServerProcess:
+    from pagellm.bench.pagellm_runner import kv_cache_bytes_for_tokens
+
+    port = free_port()
+    # The client sends its own key; a key from the environment would lock it out.
+    env = {k: v for k, v in os.environ.items() if k != "PAGELLM_API_KEY"}
+    block_size = int(options.engine_kwargs.get("block_size", 16))
+    kv_bytes = options.engine_kwargs.get("kv_cache_memory_bytes")
+    if workload.kv_cache_tokens is not None:
+        kv_bytes = kv_cache_bytes_for_tokens(options.model_dir, workload.kv_cache_tokens,
+                                             block_size)
+    if name in (VLLM, VLLM_NOCACHE):
+        assert options.vllm_python is not None
+        command = vllm_server_command(options.vllm_python, options.model_dir, port,
+                                      name == VLLM)
+        if kv_bytes:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(kv_bytes / 2**30)))
+        return ServerProcess(command, port, env)
+    args: list[str] = []
+    flags = {"block_size": "--block-size", "max_num_seqs": "--max-num-seqs",
+             "max_num_batched_tokens": "--max-num-batched-tokens",
+             "num_threads": "--num-threads"}
+    for key, flag in flags.items():
+        if options.engine_kwargs.get(key) is not None:
+            args += [flag, str(options.engine_kwargs[key])]
+    if kv_bytes:
+        args += ["--kv-cache-memory-bytes", str(kv_bytes)]
+    return ServerProcess(pagellm_server_command(options.model_dir, port, name == PAGELLM,
+                                                args), port, env)
+
+
+def run_comparison(workload: Workload, mode: str, options: BenchOptions, tokenizer: Tokenizer,
+                   label: str | None = None) -> Comparison:
+    """Every requested contender on `workload` in `mode`, one after another. A contender
+    that cannot run here is skipped with a note; one that fails is noted and the others
+    still run, so one broken engine never loses the whole comparison."""
+    if mode not in ("offline", "online"):
+        raise ValueError(f"mode must be offline or online, got {mode!r}")
+    units = len(workload.conversations) if workload.is_multi_turn else workload.num_requests
+    comparison = Comparison(label or workload.name, workload.name, mode, dict(workload.params),
+                            min(units, options.max_num_seqs))
+    offline_runs: dict[str, OfflineRun] = {}
+    for name in options.contenders:
+        reason = _skip_reason(name, mode, options)
+        if reason:
+            comparison.notes.append(reason)
+            continue
+        logger.info("[%s/%s] %s ...", comparison.label, mode, name)
+        try:
+            if mode == "offline":
+                run = run_offline(_offline_contender(name, options), workload, tokenizer)
+                offline_runs[name] = run
+                comparison.runs.append(run.result)
+            else:
+                comparison.runs.append(run_online(name, _server(name, options, workload),
+                                                  workload, tokenizer, options.request_rate,
+                                                  options.seed))
+        except Exception as error:  # noqa: BLE001 - report it and go on with the others
+            logger.exception("%s failed on %s", name, comparison.label)
+            comparison.notes.append(f"{name} failed: {type(error).__name__}: {error}")
+            continue
+        result = comparison.runs[-1]
+        logger.info("[%s/%s] %s: %.1f output tok/s, mean TTFT %.3f s, hit rate %s",
+                    comparison.label, mode, name, result.output_tokens_per_s,
+                    result.ttft["mean"], result.hit_rate)
+    add_ratios(comparison)
+    if offline_runs and options.agreement_requests:
+        reference = next(iter(offline_runs.values()))
+        for name, run in offline_runs.items():
+            comparison.agreement[name] = agreement(reference.records, run.records,
+                                                   options.agreement_requests)
+    return comparison
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True,
+                              cwd=Path(__file__).resolve().parents[2]).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+
+
+def describe_environment(options: BenchOptions) -> dict[str, Any]:
+    """What a reader needs to judge the numbers: when, on what, with which versions."""
+    import torch
+    import transformers
+
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "command": " ".join(sys.argv),
+        "commit": _git_commit(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}",
+        "torch threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "model": str(options.model_dir),
+        "dtype": "float32, greedy",
+        "engine settings": options.engine_kwargs or "defaults",
+        "transformers generate batch size": options.hf_batch_size,
+        "seed": options.seed,
+    }
+
+
+def build_report(comparisons: list[Comparison], options: BenchOptions) -> BenchReport:
+    return BenchReport(describe_environment(options), comparisons,
+                       evaluate_targets(comparisons))

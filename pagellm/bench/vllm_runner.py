@@ -1,0 +1,111 @@
+"""vLLM's CPU build as a contender, run in its own venv through `vllm_driver.py`.
+
+vLLM is not a dependency of PageLLM (and cannot share its environment: it pins its own
+torch), so the harness starts the driver with the given interpreter and exchanges JSON
+lines with it. Start-up (import, load, warm-up) is reported apart; per-request first-
+token times are used where the vLLM version reports them, otherwise TTFT is missing
+rather than guessed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pagellm.bench.contender import GenerateRequest
+from pagellm.bench.metrics import RequestRecord
+from pagellm.bench.pagellm_runner import kv_cache_bytes_for_tokens
+from pagellm.bench.vllm_driver import MARK
+
+DRIVER = Path(__file__).with_name("vllm_driver.py")
+
+
+class VLLMContender:
+    """vLLM's offline `LLM.generate`, prefix caching on or off."""
+
+    def __init__(self, name: str, python: str, model_dir: Path, enable_prefix_caching: bool,
+                 engine_kwargs: dict[str, Any] | None = None,
+                 startup_timeout_s: float = 900.0) -> None:
+        self.name = name
+        self._python = python
+        self._model_dir = model_dir
+        self._caching = enable_prefix_caching
+        self._kwargs = dict(engine_kwargs or {})
+        self._timeout = startup_timeout_s
+        self._process: subprocess.Popen[str] | None = None
+        self.version = "?"
+
+    def _read(self) -> dict[str, Any]:
+        """The driver's next protocol line; its other output (vLLM's logs) goes to our
+        stderr, so a failure is visible where the benchmark was started."""
+        assert self._process is not None and self._process.stdout is not None
+        for line in self._process.stdout:
+            if line.startswith(MARK):
+                payload: dict[str, Any] = json.loads(line[len(MARK):])
+                return payload
+            sys.stderr.write(line)
+        code = self._process.wait()
+        raise RuntimeError(f"{self.name}: the vLLM driver exited with status {code}")
+
+    def start(self, kv_cache_tokens: int | None, warmup: list[int]) -> float:
+        config: dict[str, Any] = {"model": str(self._model_dir),
+                                  "enable_prefix_caching": self._caching, "warmup": warmup,
+                                  **self._kwargs}
+        env = dict(os.environ)
+        if kv_cache_tokens is not None:
+            size = kv_cache_bytes_for_tokens(self._model_dir, kv_cache_tokens,
+                                             self._kwargs.get("block_size", 16))
+            config["kv_cache_memory_bytes"] = size
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(size / 2**30)))
+        begin = time.perf_counter()
+        self._process = subprocess.Popen(
+            [self._python, str(DRIVER), json.dumps(config)], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True, env=env)
+        ready = self._read()
+        self.version = str(ready.get("version", "?"))
+        return float(ready.get("startup_s", time.perf_counter() - begin))
+
+    def generate(self, request: GenerateRequest, origin: float) -> list[RequestRecord]:
+        assert self._process is not None and self._process.stdin is not None
+        arrival = time.perf_counter() - origin
+        self._process.stdin.write(json.dumps({
+            "prompts": [list(p) for p in request.prompts], "max_tokens": request.max_tokens,
+            "ignore_eos": request.ignore_eos}) + "\n")
+        self._process.stdin.flush()
+        reply = self._read()
+        finish = time.perf_counter() - origin
+        records = []
+        for prompt, result in zip(request.prompts, reply["results"], strict=True):
+            ids = list(result["output_ids"])
+            first = result.get("first_token_s")
+            cached = result.get("cached_tokens")
+            records.append(RequestRecord(
+                prompt_len=len(prompt), output_len=len(ids), output_ids=ids, arrival=arrival,
+                first_token=arrival + first if first is not None else math.nan,
+                finish=finish, cached_tokens=cached))
+        return records
+
+    def stats(self) -> dict[str, Any]:
+        return {"vllm_version": self.version}
+
+    def timings(self) -> dict[str, float] | None:
+        return None
+
+    def close(self) -> None:
+        if self._process is None:
+            return
+        assert self._process.stdin is not None
+        try:
+            self._process.stdin.write(json.dumps({"quit": True}) + "\n")
+            self._process.stdin.flush()
+            self._process.wait(timeout=60)
+        except (BrokenPipeError, subprocess.TimeoutExpired):
+            self._process.kill()
+            self._process.wait()
+        self._process = None

@@ -1,0 +1,71 @@
+"""`pagellm bench` end to end on a tiny workload: PageLLM with caching on and off and
+transformers side by side, written out as JSON, Markdown and plots."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pagellm.bench.cli import add_bench_parser, run_bench
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagellm")
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    return parser
+
+
+def test_bench_options_parse_and_bad_ones_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    args = _parser().parse_args(["bench", "--workload", "few-shot", "--num-requests", "5",
+                                 "--contenders", "pagellm,hf-cb", "--request-rate", "2.5"])
+    assert args.workload == "few-shot" and args.num_requests == 5
+    assert args.contenders == ("pagellm", "hf-cb") and args.request_rate == 2.5
+    assert args.mode == "offline" and args.prefix_len is None
+    assert math.isinf(_parser().parse_args(["bench"]).request_rate)
+    for bad in (["--contenders", "pagellm,sglang"], ["--request-rate", "0"],
+                ["--workload", "everything"]):
+        with pytest.raises(SystemExit):
+            _parser().parse_args(["bench", *bad])
+    assert "sglang" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_tiny_offline_comparison_reports_sane_numbers(tmp_path: Path, model_dir: Any) -> None:
+    out = tmp_path / "results"
+    args = _parser().parse_args([
+        "bench", "--workload", "shared-prefix", "--num-requests", "3", "--prefix-len", "64",
+        "--suffix-len", "8", "--output-len", "3", "--max-num-seqs", "1",
+        "--kv-cache-memory-bytes", str(64 << 20), "--hf-batch-size", "2",
+        "--contenders", "pagellm,pagellm-nocache,hf-generate", "--output-dir", str(out)])
+    assert run_bench(args) == 0
+    data = json.loads((out / "results.json").read_text())
+    (comparison,) = data["comparisons"]
+    runs = {r["contender"]: r for r in comparison["runs"]}
+    assert set(runs) == {"pagellm", "pagellm-nocache", "hf-generate"}
+    for run in runs.values():
+        assert run["num_requests"] == 3 and run["output_tokens"] == 9
+        assert run["prompt_tokens"] == 3 * 72
+        assert run["wall_s"] > 0 and run["output_tokens_per_s"] > 0
+        assert 0 < run["ttft"]["p50"] <= run["ttft"]["p99"] < run["wall_s"]
+        assert run["peak_rss_mb"] > 100
+    on, off = runs["pagellm"], runs["pagellm-nocache"]
+    # One request at a time: the second and third find the 64-token prefix (4 blocks).
+    assert on["cached_prompt_tokens"] == 128 and on["computed_prompt_tokens"] == 3 * 72 - 128
+    assert on["engine"]["prefix_cache_hits"] == 128
+    assert off["hit_rate"] == 0 and runs["hf-generate"]["hit_rate"] == 0
+    for run in (on, off):
+        assert run["step_breakdown"]["steps"] >= 3
+        assert 0 < run["bookkeeping_share"] < 1
+        assert run["step_breakdown"]["forward"] > 0
+    assert [rate for _, rate in on["hit_rate_timeline"]][-1] == pytest.approx(128 / 216)
+    assert comparison["agreement"]["pagellm-nocache"]["identical"] == 1.0
+    assert comparison["agreement"]["hf-generate"]["compared"] == 3
+    assert {t["status"] for t in data["targets"]} <= {"PASS", "FAIL", "n/a"}
+    assert (out / "results.md").read_text().count("| pagellm") >= 2
+    for name in ("throughput.png", "ttft.png", "hit_rate.png"):
+        assert (out / name).stat().st_size > 0

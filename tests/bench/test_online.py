@@ -1,0 +1,56 @@
+"""Online-mode helpers (arrivals, metrics parsing) and one tiny streamed run against
+`pagellm serve`, measured from the client."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pagellm.bench.online import (
+    ServerProcess,
+    free_port,
+    pagellm_server_available,
+    pagellm_server_command,
+    parse_prometheus,
+    poisson_arrivals,
+    run_online,
+)
+from pagellm.bench.workloads import build_workload
+
+
+def test_poisson_arrivals_are_seeded_and_match_the_rate() -> None:
+    a = poisson_arrivals(2000, 4.0, seed=3)
+    assert a == poisson_arrivals(2000, 4.0, seed=3)
+    assert a != poisson_arrivals(2000, 4.0, seed=4)
+    assert a[0] == 0.0 and a == sorted(a)
+    assert a[-1] / len(a) == pytest.approx(0.25, rel=0.1)
+    assert poisson_arrivals(3, math.inf, seed=0) == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError):
+        poisson_arrivals(3, 0.0, seed=0)
+
+
+def test_parse_prometheus_reads_samples_and_sums_labelled_series() -> None:
+    text = ("# HELP x a counter\n# TYPE x counter\nx_total 12\n"
+            'hist_bucket{le="0.1"} 3\nhist_bucket{le="+Inf"} 4\ngauge 0.5\n')
+    assert parse_prometheus(text) == {"x_total": 12.0, "hist_bucket": 7.0, "gauge": 0.5}
+
+
+@pytest.mark.slow
+def test_a_tiny_online_run_streams_and_sees_cache_hits(model_dir: Path, tokenizer: Any) -> None:
+    if not pagellm_server_available():
+        pytest.skip("pagellm serve is not available")
+    workload = build_workload("shared-prefix", tokenizer, num_requests=3, prefix_len=64,
+                              suffix_len=8, output_len=3)
+    port = free_port()
+    server = ServerProcess(pagellm_server_command(
+        model_dir, port, True, ["--kv-cache-memory-bytes", str(64 << 20)]), port)
+    result = run_online("pagellm", server, workload, tokenizer, rate=2.0, seed=0)
+    assert result.num_requests == 3 and result.output_tokens == 9
+    assert result.mode == "online" and result.wall_s > 0
+    assert 0 < result.ttft["mean"] < result.wall_s
+    assert result.hit_rate is not None and result.hit_rate > 0
+    assert result.engine["pagellm_prefix_cache_hits_total"] == result.cached_prompt_tokens
+    assert result.startup_s is not None and result.startup_s > 0
