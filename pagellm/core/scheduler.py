@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from pagellm.core.block_pool import KVBlock
+from pagellm.core.block_hash import BlockHash
 from pagellm.core.config import SchedulerConfig
 from pagellm.core.kv_cache_manager import BlockCopy, KVCacheManager, OutOfBlocksError
 from pagellm.core.request import Request, RequestStatus
@@ -122,8 +122,22 @@ class Scheduler:
         return SchedulerOutput(scheduled, copies, preempted)
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request, (hits, num_cached) = self._next_waiting()
+        """Admits waiting requests in policy order while budget, seats and blocks last.
+
+        A request whose next uncached block is being computed in this very step by another
+        request (a burst of requests sharing a new prefix) waits one step: next step that
+        block is cached and it is a hit, instead of a duplicate computation.
+        """
+        in_flight = self._blocks_in_flight(scheduled)
+        for request in self._waiting_in_policy_order():
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            hits, num_cached = self.kv_cache.find_cached_prefix(request)
+            next_block = len(hits)
+            if next_block < len(request.block_hashes) and (
+                request.block_hashes[next_block] in in_flight
+            ):
+                continue
             num_new = min(request.num_tokens - num_cached, budget)
             if self.kv_cache.allocate(request, num_new, hits) is None:
                 break
@@ -134,27 +148,37 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(self._scheduled(request, num_new))
+            in_flight.update(self._new_full_blocks(request, num_new))
             budget -= num_new
         return budget
 
-    def _next_waiting(self) -> tuple[Request, tuple[list[KVBlock], int]]:
-        """FCFS takes the head; cache-aware takes the longest cached prefix in a window.
+    def _blocks_in_flight(self, scheduled: list[ScheduledRequest]) -> set[BlockHash]:
+        if not self.kv_cache.enable_caching:
+            return set()
+        in_flight: set[BlockHash] = set()
+        for item in scheduled:
+            in_flight.update(self._new_full_blocks(item.request, item.num_new_tokens))
+        return in_flight
 
-        Preempted requests always go first: they hold outputs a client is waiting on.
-        """
-        head = self.waiting[0]
-        if self.config.policy == "fcfs" or head.status is RequestStatus.PREEMPTED:
-            return head, self.kv_cache.find_cached_prefix(head)
-        best, best_hit = head, self.kv_cache.find_cached_prefix(head)
-        for i, request in enumerate(self.waiting):
-            if i == 0:
-                continue
-            if i >= self.config.cache_aware_window:
-                break
-            hit = self.kv_cache.find_cached_prefix(request)
-            if hit[1] > best_hit[1]:
-                best, best_hit = request, hit
-        return best, best_hit
+    def _new_full_blocks(self, request: Request, num_new: int) -> list[BlockHash]:
+        """Hashes of the blocks this step fills for the request."""
+        size = self.kv_cache.block_size
+        first = request.num_computed_tokens // size
+        last = (request.num_computed_tokens + num_new) // size
+        return request.block_hashes[first:last]
+
+    def _waiting_in_policy_order(self) -> list[Request]:
+        """FCFS: queue order. Cache-aware: within the first `cache_aware_window` requests,
+        the longest cached prefix first (ties keep queue order). Preempted requests always
+        go first: they hold outputs a client is waiting on."""
+        waiting = list(self.waiting)
+        if self.config.policy == "fcfs" or not waiting:
+            return waiting
+        window = waiting[: self.config.cache_aware_window]
+        preempted = [r for r in window if r.status is RequestStatus.PREEMPTED]
+        fresh = [r for r in window if r.status is not RequestStatus.PREEMPTED]
+        fresh.sort(key=lambda r: -self.kv_cache.find_cached_prefix(r)[1])
+        return preempted + fresh + waiting[self.config.cache_aware_window :]
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         samples = request.num_computed_tokens + num_new == request.num_tokens

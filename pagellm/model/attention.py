@@ -206,17 +206,48 @@ class TorchBatchedBackend(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata) -> StepPlan:
         device = meta.slot_mapping.device
-        buckets: dict[tuple[int, int], list[int]] = {}
+        buckets: dict[tuple[int, int, int], list[int]] = {}
+        first_blocks = self._shared_first_blocks(meta)
         lengths = zip(meta.query_lens_list, meta.seq_lens_list, strict=True)
         for r, (q_len, seq_len) in enumerate(lengths):
-            n_blocks = -(-seq_len // meta.block_size)
-            buckets.setdefault(((q_len - 1).bit_length(), n_blocks.bit_length()), []).append(r)
+            shared = first_blocks.get(r, -1)
+            if shared >= 0:
+                # Requests that start on the same cached block share a prefix: one group
+                # (decodes apart from prefills, so decodes are not padded to a chunk).
+                key = (min(q_len - 1, 1), -1, shared)
+            else:
+                n_blocks = -(-seq_len // meta.block_size)
+                key = ((q_len - 1).bit_length(), n_blocks.bit_length(), -1)
+            buckets.setdefault(key, []).append(r)
         whole = len(buckets) == 1
         groups = [
             self._group(meta, members, device, whole, self._cascade)
             for members in buckets.values()
         ]
         return _BatchedPlan(meta, groups)
+
+    def _shared_first_blocks(self, meta: AttentionMetadata) -> dict[int, int]:
+        """Request -> its first block, for requests that share that block with another
+        request and have enough context before their queries for a cascade to pay."""
+        if not self._cascade or meta.num_requests < 2:
+            return {}
+        min_context = MIN_CASCADE_BLOCKS * meta.block_size
+        candidates = [
+            r
+            for r, (q_len, seq_len) in enumerate(
+                zip(meta.query_lens_list, meta.seq_lens_list, strict=True)
+            )
+            if seq_len - q_len >= min_context
+        ]
+        if len(candidates) < 2:
+            return {}
+        firsts = meta.block_tables[candidates, 0].tolist()
+        counts: dict[int, int] = {}
+        for block in firsts:
+            counts[block] = counts.get(block, 0) + 1
+        return {
+            r: block for r, block in zip(candidates, firsts, strict=True) if counts[block] > 1
+        }
 
     @staticmethod
     def _group(
