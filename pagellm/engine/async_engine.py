@@ -18,12 +18,11 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pagellm.core.sampling_params import SamplingParams
-from pagellm.engine.config import EngineConfig
 from pagellm.engine.llm_engine import EngineStats, LLMEngine, PromptInput
 from pagellm.engine.outputs import RequestOutput
 
@@ -144,9 +143,10 @@ def _post(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None
 class AsyncLLMEngine:
     """Runs an `LLMEngine` in a background thread and streams its outputs to coroutines.
 
-    `generate` is an async iterator of cumulative `RequestOutput`s; leaving it early (a
-    client that disconnects, a cancelled task) aborts the request so its blocks are freed.
-    `stats()` is the snapshot taken after the latest step, so metrics never wait on one.
+    `add_request` returns a `RequestStream`, an async iterator of cumulative
+    `RequestOutput`s; leaving it early (a client that disconnects, a cancelled task)
+    aborts the request so its blocks are freed. `stats()` is the snapshot taken after the
+    latest step, so metrics never wait on one.
     """
 
     def __init__(self, engine: LLMEngine) -> None:
@@ -162,10 +162,6 @@ class AsyncLLMEngine:
         self._stats = engine.get_stats()
         self._thread = threading.Thread(target=self._run, name="pagellm-engine", daemon=True)
         self._thread.start()
-
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> AsyncLLMEngine:
-        return cls(LLMEngine(config))
 
     # ---- what the server reads --------------------------------------------------------
 
@@ -214,19 +210,6 @@ class AsyncLLMEngine:
             self.abort(request_id)
             raise
         return RequestStream(self, request_id, stream)
-
-    async def generate(
-        self,
-        request_id: str,
-        prompt: PromptInput,
-        sampling_params: SamplingParams,
-        cache_salt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """`add_request` and iterate, for callers that need no error status up front."""
-        stream = await self.add_request(request_id, prompt, sampling_params, cache_salt)
-        async with stream:
-            async for output in stream:
-                yield output
 
     def abort(self, request_id: str) -> None:
         """Aborts a request without waiting: safe from `finally` blocks during cancellation.
@@ -293,13 +276,21 @@ class AsyncLLMEngine:
     def _run_commands(self, block: bool) -> None:
         """Runs the queued commands; when idle, first waits for one instead of spinning."""
         if block:
-            self._inbox.get()()
+            self._execute(self._inbox.get())
         while not self._stopping:
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:
                 return
+            self._execute(command)
+
+    @staticmethod
+    def _execute(command: _Command) -> None:
+        """A failing command (an abort of a broken request) must not stop the thread."""
+        try:
             command()
+        except Exception:  # noqa: BLE001 - logged; the engine goes on
+            logger.exception("engine command failed")
 
     def _step(self) -> None:
         try:
@@ -335,7 +326,4 @@ class AsyncLLMEngine:
                 command = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            try:
-                command()
-            except Exception:  # noqa: BLE001 - shutting down; nothing left to protect
-                logger.debug("command failed during shutdown", exc_info=True)
+            self._execute(command)

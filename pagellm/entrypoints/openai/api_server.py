@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from pagellm.engine.async_engine import AsyncLLMEngine
-from pagellm.entrypoints.openai.errors import APIError, install_error_handlers
+from pagellm.entrypoints.openai.errors import APIError, failure, install_error_handlers
 from pagellm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from pagellm.entrypoints.openai.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
 from pagellm.entrypoints.openai.protocol import (
@@ -25,7 +25,7 @@ from pagellm.entrypoints.openai.protocol import (
     ModelCard,
     ModelList,
 )
-from pagellm.entrypoints.openai.serving import ServerContext, failure
+from pagellm.entrypoints.openai.serving import ServerContext
 from pagellm.entrypoints.openai.serving_chat import create_chat_completion
 from pagellm.entrypoints.openai.serving_completion import create_completion
 from pagellm.entrypoints.openai.stats_logger import log_stats_forever

@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagellm.engine.async_engine import EngineDeadError, RequestFailedError
 from pagellm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,18 @@ def validation_error(errors: Sequence[Any]) -> APIError:
                            code="missing_required_parameter")
     return bad_request(f"Invalid value for '{param}': {first.get('msg', 'invalid value')}.",
                        param=param, code="invalid_value")
+
+
+def failure(error: BaseException) -> APIError:
+    """The API error for a request that failed after it was queued."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, EngineDeadError):
+        return APIError(503, "The server is shutting down.")
+    if isinstance(error, RequestFailedError):
+        return APIError(500, f"The server failed this request: {error}")
+    logger.error("request failed", exc_info=error)
+    return APIError(500, "The server had an error while processing your request.")
 
 
 async def _on_api_error(_: Request, error: Exception) -> JSONResponse:

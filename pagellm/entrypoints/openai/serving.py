@@ -1,45 +1,25 @@
 """What both generation endpoints share: model check, context-length check, starting the
-engine requests of one HTTP request, merging their outputs, usage, SSE framing, and
-abandoning the work when the client goes away.
+engine requests of one HTTP request, merging their outputs, and usage.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
-import logging
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, TypeVar
-
-import anyio
-from fastapi import Request
-from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from typing import Any
 
 from pagellm.core.sampling_params import SamplingParams
-from pagellm.engine.async_engine import (
-    AsyncLLMEngine,
-    EngineDeadError,
-    RequestFailedError,
-    RequestStream,
-)
+from pagellm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from pagellm.engine.outputs import RequestOutput
 from pagellm.entrypoints.openai.errors import APIError, bad_request
 from pagellm.entrypoints.openai.metrics import ServerMetrics
 from pagellm.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
 
-logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
 # Completions one HTTP request may ask for (prompts x n). Each is a full engine request,
 # so this bounds how much of the engine one client can occupy with a single call.
 MAX_CHOICES = 256
-
-DONE = "data: [DONE]\n\n"
 
 
 @dataclass
@@ -155,10 +135,13 @@ async def merged(streams: list[RequestStream], metrics: ServerMetrics
                     continue
                 if output.finished:
                     metrics.observe_finished(output)
+                else:
+                    pending[asyncio.ensure_future(streams[index].__anext__())] = index
                 yield index, output
-                pending[asyncio.ensure_future(streams[index].__anext__())] = index
     finally:
         for task in pending:
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved, so asyncio does not log it as lost
             task.cancel()
         for stream in streams:
             stream.abort()
@@ -182,83 +165,3 @@ def usage(outputs: list[RequestOutput]) -> UsageInfo:
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                      total_tokens=prompt_tokens + completion_tokens,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
-
-
-def failure(error: BaseException) -> APIError:
-    """The API error for a request that failed after it was queued."""
-    if isinstance(error, APIError):
-        return error
-    if isinstance(error, EngineDeadError):
-        return APIError(503, "The server is shutting down.")
-    if isinstance(error, RequestFailedError):
-        return APIError(500, f"The server failed this request: {error}")
-    logger.error("request failed", exc_info=error)
-    return APIError(500, "The server had an error while processing your request.")
-
-
-def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, allow_nan=False)}\n\n"
-
-
-async def streamed(events: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
-    """SSE events, then `[DONE]`; an error mid-stream becomes an error event first, since
-    the 200 status has already been sent."""
-    try:
-        async with aclosing(events):
-            async for event in events:
-                yield event
-    except Exception as error:  # noqa: BLE001 - reported to the client, then [DONE]
-        yield sse(failure(error).body())
-    yield DONE
-
-
-class EventStreamResponse(StreamingResponse):
-    """An SSE response that stops generating as soon as the client disconnects.
-
-    Starlette only notices a disconnect when a write fails (ASGI spec 2.4), so a request
-    still queued or in a long prefill would run on for a client that is gone. Here a
-    listener runs beside the stream and cancels it on disconnect, and the body iterator
-    is always closed, so the request's `finally` aborts it and frees its KV blocks.
-    """
-
-    def __init__(self, events: AsyncGenerator[str, None]) -> None:
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.events = events
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async with aclosing(self.events), anyio.create_task_group() as group:
-
-            async def stream() -> None:
-                with contextlib.suppress(OSError):
-                    await self.stream_response(send)
-                group.cancel_scope.cancel()
-
-            group.start_soon(stream)
-            await self.listen_for_disconnect(receive)
-            group.cancel_scope.cancel()
-
-
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Awaits `work`, but cancels it if the client disconnects first.
-
-    A non-streamed generation can run for minutes; without this the engine would keep
-    computing (and holding KV blocks) for a client that is gone.
-    """
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if task.cancelled():
-        raise APIError(499, "The client closed the request.")
-    return task.result()
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass

@@ -22,7 +22,6 @@ from pagellm.entrypoints.openai.protocol import (
 )
 from pagellm.entrypoints.openai.sampling import build_sampling_params
 from pagellm.entrypoints.openai.serving import (
-    EventStreamResponse,
     Prompt,
     ServerContext,
     check_choices,
@@ -30,11 +29,14 @@ from pagellm.entrypoints.openai.serving import (
     final_outputs,
     merged,
     resolve_max_tokens,
-    sse,
     start_requests,
+    usage,
+)
+from pagellm.entrypoints.openai.transport import (
+    EventStreamResponse,
+    sse,
     streamed,
     unless_disconnected,
-    usage,
 )
 
 

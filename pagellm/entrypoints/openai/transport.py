@@ -1,0 +1,94 @@
+"""How responses reach the client: SSE framing, and work that stops when the client leaves.
+
+A client that disconnects must cost nothing more: its stream is cancelled at once (not at
+the next failed write) and a non-streamed request stops waiting, and either way the
+request's cleanup aborts it in the engine and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncGenerator, Awaitable
+from contextlib import aclosing
+from typing import Any, TypeVar
+
+import anyio
+from fastapi import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from pagellm.entrypoints.openai.errors import APIError, failure
+
+T = TypeVar("T")
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, allow_nan=False)}\n\n"
+
+
+async def streamed(events: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
+    """SSE events, then `[DONE]`; an error mid-stream becomes an error event first, since
+    the 200 status has already been sent."""
+    try:
+        async with aclosing(events):
+            async for event in events:
+                yield event
+    except Exception as error:  # noqa: BLE001 - reported to the client, then [DONE]
+        yield sse(failure(error).body())
+    yield DONE
+
+
+class EventStreamResponse(StreamingResponse):
+    """An SSE response that stops generating as soon as the client disconnects.
+
+    Starlette only notices a disconnect when a write fails (ASGI spec 2.4), so a request
+    still queued or in a long prefill would run on for a client that is gone. Here a
+    listener runs beside the stream and cancels it on disconnect, and the body iterator
+    is always closed, so the request's `finally` aborts it and frees its KV blocks.
+    """
+
+    def __init__(self, events: AsyncGenerator[str, None]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with aclosing(self.events), anyio.create_task_group() as group:
+
+            async def stream() -> None:
+                with contextlib.suppress(OSError):
+                    await self.stream_response(send)
+                group.cancel_scope.cancel()
+
+            group.start_soon(stream)
+            await self.listen_for_disconnect(receive)
+            group.cancel_scope.cancel()
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Awaits `work`, but cancels it if the client disconnects first.
+
+    A non-streamed generation can run for minutes; without this the engine would keep
+    computing (and holding KV blocks) for a client that is gone.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise APIError(499, "The client closed the request.")
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
