@@ -5,7 +5,7 @@ from PageLLM, only vLLM and the standard library, because PageLLM is not install
 there. It speaks JSON lines: every line it means for the harness starts with MARK
 (vLLM logs to stdout too). First `{"ready": true, "startup_s": ...}`; then for each
 request line `{"prompts": [[ids]], "max_tokens": n, "ignore_eos": bool}` one result
-line; `{"quit": true}` ends it.
+line, with each request's token times; `{"quit": true}` ends it.
 """
 
 from __future__ import annotations
@@ -23,22 +23,29 @@ def _emit(payload: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def _first_token_s(output: Any, call_start_wall: float,
-                   call_start_mono: float) -> float | None:
-    """Seconds from the call's start to the request's first token, from whichever
-    metrics this vLLM version keeps (the v0 and v1 engines name and clock them
-    differently), or None."""
-    metrics = getattr(output, "metrics", None)
-    first = getattr(metrics, "first_token_time", None) if metrics is not None else None
-    if first is None:
-        first = getattr(metrics, "first_token_ts", None) if metrics is not None else None
-    if not first:
-        return None
-    for origin in (call_start_mono, call_start_wall):
-        delta = float(first) - origin
-        if 0 <= delta < 86400:
-            return delta
-    return None
+def _run_stepwise(llm: Any, prompts: list[list[int]], params: Any,
+                  prefix: str) -> list[dict[str, Any]]:
+    """Drives vLLM's engine step by step, noting when each request's tokens appear, so
+    TTFT and inter-token latency are measured as they are for PageLLM (vLLM's offline
+    `generate` keeps no per-token times). Times are seconds since this call started."""
+    engine = llm.llm_engine
+    start = time.perf_counter()
+    ids = [f"{prefix}-{index}" for index in range(len(prompts))]
+    for index, prompt in enumerate(prompts):  # no zip(strict=): vLLM's Python may be older
+        engine.add_request(ids[index], {"prompt_token_ids": prompt}, params)
+    times: dict[str, list[float]] = {request_id: [] for request_id in ids}
+    final: dict[str, Any] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            now = time.perf_counter() - start
+            seen = times[output.request_id]
+            count = len(output.outputs[0].token_ids) if output.outputs else 0
+            seen.extend([now] * (count - len(seen)))
+            if output.finished:
+                final[output.request_id] = output
+    return [{"output_ids": list(final[r].outputs[0].token_ids),
+             "cached_tokens": getattr(final[r], "num_cached_tokens", None),
+             "token_times_s": times[r]} for r in ids]
 
 
 def main() -> None:
@@ -67,21 +74,17 @@ def main() -> None:
         llm.reset_prefix_cache()
     _emit({"ready": True, "startup_s": time.perf_counter() - begin,
            "version": getattr(sys.modules.get("vllm"), "__version__", "?")})
+    calls = 0
     for line in sys.stdin:
         command = json.loads(line)
         if command.get("quit"):
             return
         params = SamplingParams(temperature=0, max_tokens=command["max_tokens"],
                                 ignore_eos=command.get("ignore_eos", True))
-        start_wall, start_mono, start = time.time(), time.monotonic(), time.perf_counter()
-        outputs = llm.generate([{"prompt_token_ids": p} for p in command["prompts"]], params,
-                               use_tqdm=False)
-        wall = time.perf_counter() - start
-        _emit({"wall_s": wall, "results": [
-            {"output_ids": list(o.outputs[0].token_ids),
-             "cached_tokens": getattr(o, "num_cached_tokens", None),
-             "first_token_s": _first_token_s(o, start_wall, start_mono)}
-            for o in outputs]})
+        start = time.perf_counter()
+        results = _run_stepwise(llm, command["prompts"], params, f"call{calls}")
+        calls += 1
+        _emit({"wall_s": time.perf_counter() - start, "results": results})
 
 
 if __name__ == "__main__":

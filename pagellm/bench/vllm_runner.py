@@ -2,9 +2,8 @@
 
 vLLM is not a dependency of PageLLM (and cannot share its environment: it pins its own
 torch), so the harness starts the driver with the given interpreter and exchanges JSON
-lines with it. Start-up (import, load, warm-up) is reported apart; per-request first-
-token times are used where the vLLM version reports them, otherwise TTFT is missing
-rather than guessed.
+lines with it. Start-up (import, load, warm-up) is reported apart; the driver steps
+vLLM's engine itself so per-token times are measured the same way as PageLLM's.
 """
 
 from __future__ import annotations
@@ -73,22 +72,23 @@ class VLLMContender:
 
     def generate(self, request: GenerateRequest, origin: float) -> list[RequestRecord]:
         assert self._process is not None and self._process.stdin is not None
-        arrival = time.perf_counter() - origin
         self._process.stdin.write(json.dumps({
             "prompts": [list(p) for p in request.prompts], "max_tokens": request.max_tokens,
             "ignore_eos": request.ignore_eos}) + "\n")
         self._process.stdin.flush()
         reply = self._read()
-        finish = time.perf_counter() - origin
+        # The driver's times count from when it began the call; the pipe's latency before
+        # that is negligible next to a generation.
+        arrival = time.perf_counter() - origin - float(reply["wall_s"])
         records = []
         for prompt, result in zip(request.prompts, reply["results"], strict=True):
             ids = list(result["output_ids"])
-            first = result.get("first_token_s")
-            cached = result.get("cached_tokens")
+            times = [arrival + t for t in result["token_times_s"]]
             records.append(RequestRecord(
                 prompt_len=len(prompt), output_len=len(ids), output_ids=ids, arrival=arrival,
-                first_token=arrival + first if first is not None else math.nan,
-                finish=finish, cached_tokens=cached))
+                first_token=times[0] if times else math.nan,
+                finish=times[-1] if times else arrival + float(reply["wall_s"]),
+                token_times=times, cached_tokens=result.get("cached_tokens")))
         return records
 
     def stats(self) -> dict[str, Any]:

@@ -22,25 +22,49 @@ class SamplingParams:
     def __init__(self, temperature=1.0, max_tokens=16, ignore_eos=False):
         self.max_tokens = max_tokens
 
+class _Engine:
+    """Each step gives every running request one more token (its last prompt token)."""
+
+    def __init__(self):
+        self.seen = set()
+        self.running = {}
+
+    def add_request(self, request_id, prompt, params):
+        ids = prompt["prompt_token_ids"]
+        cached = 16 if tuple(ids[:16]) in self.seen else 0
+        self.seen.add(tuple(ids[:16]))
+        self.running[request_id] = (ids, params.max_tokens, cached, [])
+
+    def has_unfinished_requests(self):
+        return bool(self.running)
+
+    def step(self):
+        print("INFO step")
+        outputs = []
+        for request_id, (ids, limit, cached, out) in list(self.running.items()):
+            out.append(ids[-1])
+            done = len(out) == limit
+            if done:
+                del self.running[request_id]
+            outputs.append(types.SimpleNamespace(
+                request_id=request_id, finished=done, num_cached_tokens=cached,
+                outputs=[types.SimpleNamespace(token_ids=list(out))]))
+        return outputs
+
+
 class LLM:
     def __init__(self, **kwargs):
         self.kwargs = kwargs
-        self.seen = set()
+        self.llm_engine = _Engine()
 
     def reset_prefix_cache(self):
-        self.seen.clear()
+        self.llm_engine.seen.clear()
 
     def generate(self, prompts, params, use_tqdm=True):
-        print("INFO generating")
-        outs = []
-        for p in prompts:
-            ids = p["prompt_token_ids"]
-            cached = 16 if tuple(ids[:16]) in self.seen else 0
-            self.seen.add(tuple(ids[:16]))
-            outs.append(types.SimpleNamespace(
-                outputs=[types.SimpleNamespace(token_ids=[ids[-1]] * params.max_tokens)],
-                num_cached_tokens=cached, metrics=None))
-        return outs
+        for index, prompt in enumerate(prompts):
+            self.llm_engine.add_request(f"warmup-{index}", prompt, params)
+        while self.llm_engine.has_unfinished_requests():
+            self.llm_engine.step()
 '''
 
 
@@ -62,8 +86,11 @@ def test_vllm_contender_speaks_the_driver_protocol(tmp_path: Path,
         assert [r.output_ids for r in records] == [[20] * 3, [17] * 3, [9] * 3]
         assert [r.cached_tokens for r in records] == [0, 16, 0]
         assert [r.prompt_len for r in records] == [20, 17, 3]
-        assert all(r.finish >= r.arrival >= 0 for r in records)
-        assert all(r.first_token != r.first_token for r in records)  # NaN: not reported
+        assert all(r.finish >= r.first_token > r.arrival >= 0 for r in records)
+        assert all(len(r.token_times) == 3 and r.token_times == sorted(r.token_times)
+                   for r in records)
+        again = contender.generate(GenerateRequest(prompts[:1], 2), origin)
+        assert again[0].cached_tokens == 16 and again[0].output_ids == [20, 20]
         assert contender.timings() is None
     finally:
         contender.close()
