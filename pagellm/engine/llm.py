@@ -12,6 +12,7 @@ from pagellm.core.sampling_params import SamplingParams
 from pagellm.engine.config import EngineConfig
 from pagellm.engine.llm_engine import LLMEngine, PromptInput
 from pagellm.engine.outputs import RequestOutput
+from pagellm.logger import ensure_visible_logging
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        ensure_visible_logging()
         self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
 
     @property

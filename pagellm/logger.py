@@ -1,0 +1,21 @@
+"""Makes PageLLM's own log lines (start-up time, KV pool size) visible by default.
+
+A user who configured logging keeps their configuration; otherwise the `pagellm` logger
+gets one stderr handler at INFO, as vLLM does for its own logger.
+"""
+
+from __future__ import annotations
+
+import logging
+
+LOG_FORMAT = "%(levelname)s %(asctime)s %(name)s: %(message)s"
+
+
+def ensure_visible_logging() -> None:
+    package_logger = logging.getLogger("pagellm")
+    if package_logger.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(LOG_FORMAT, datefmt="%H:%M:%S"))
+    package_logger.addHandler(handler)
+    package_logger.setLevel(logging.INFO)
