@@ -80,7 +80,8 @@ def _offline_contender(name: str, options: BenchOptions) -> Contender:
 
     threads = options.engine_kwargs.get("num_threads")
     vllm_kwargs = {k: v for k, v in options.engine_kwargs.items()
-                   if k in ("block_size", "max_num_seqs", "max_num_batched_tokens")}
+                   if k in ("block_size", "max_num_seqs", "max_num_batched_tokens",
+                            "kv_cache_memory_bytes")}
     if name in (PAGELLM, PAGELLM_NOCACHE):
         return PageLLMContender(name, options.model_dir, name == PAGELLM, options.engine_kwargs)
     if name == HF_GENERATE:
@@ -125,8 +126,8 @@ def _server(name: str, options: BenchOptions, workload: Workload) -> ServerProce
         assert options.vllm_python is not None
         command = vllm_server_command(options.vllm_python, options.model_dir, port,
                                       name == VLLM)
-        if kv_bytes:
-            env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(kv_bytes / 2**30)))
+        # PageLLM's default pool is capped at 1 GiB; vLLM gets the same unless told.
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil((kv_bytes or 1 << 30) / 2**30)))
         return ServerProcess(command, port, env)
     args: list[str] = []
     flags = {"block_size": "--block-size", "max_num_seqs": "--max-num-seqs",

@@ -23,6 +23,7 @@ from pagellm.bench.pagellm_runner import kv_cache_bytes_for_tokens
 from pagellm.bench.vllm_driver import MARK
 
 DRIVER = Path(__file__).with_name("vllm_driver.py")
+DEFAULT_POOL_BYTES = 1 << 30
 
 
 class VLLMContender:
@@ -53,15 +54,19 @@ class VLLMContender:
         raise RuntimeError(f"{self.name}: the vLLM driver exited with status {code}")
 
     def start(self, kv_cache_tokens: int | None, warmup: list[int]) -> float:
+        # The same pool as PageLLM's: the workload's, else the one given, else PageLLM's
+        # default cap (1 GiB), so neither engine wins by holding more KV.
+        settings = dict(self._kwargs)
+        size = int(settings.pop("kv_cache_memory_bytes", None) or DEFAULT_POOL_BYTES)
         config: dict[str, Any] = {"model": str(self._model_dir),
                                   "enable_prefix_caching": self._caching, "warmup": warmup,
-                                  **self._kwargs}
+                                  **settings}
         env = dict(os.environ)
         if kv_cache_tokens is not None:
             size = kv_cache_bytes_for_tokens(self._model_dir, kv_cache_tokens,
                                              self._kwargs.get("block_size", 16))
-            config["kv_cache_memory_bytes"] = size
-            env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(size / 2**30)))
+        config["kv_cache_memory_bytes"] = size
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(size / 2**30)))
         begin = time.perf_counter()
         self._process = subprocess.Popen(
             [self._python, str(DRIVER), json.dumps(config)], stdin=subprocess.PIPE,
