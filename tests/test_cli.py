@@ -16,6 +16,7 @@ import pytest
 from pagellm.engine.config import EngineConfig
 from pagellm.entrypoints.cli import build_parser, main
 from pagellm.entrypoints.engine_args import NOT_ON_CLI, byte_size, engine_config_from_args
+from pagellm.entrypoints.serve import served_model_names
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 SMALL_ENGINE = ["--kv-cache-memory-bytes", "32MiB", "--max-model-len", "512"]
@@ -139,3 +140,12 @@ def test_chat_keeps_the_conversation_and_reports_cache_hits() -> None:
     assert len(reports) == 2, result.stderr
     second_cached = int(reports[1].split(",")[1].split()[0])
     assert second_cached >= 32, reports  # the first turn (system prompt included) was cached
+
+
+@pytest.mark.parametrize(("argv", "names"), [
+    (["serve"], ["SmolLM2-135M-Instruct"]),
+    (["serve", "--model", "/models/Qwen3-0.6B/"], ["Qwen3-0.6B"]),
+    (["serve", "--model", "/m/x.gguf", "--served-model-name", "a", "b"], ["a", "b"]),
+])
+def test_served_model_names(argv: list[str], names: list[str]) -> None:
+    assert served_model_names(build_parser().parse_args(argv)) == names
