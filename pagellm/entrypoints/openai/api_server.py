@@ -65,7 +65,7 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
             yield
         finally:
             stats_task.cancel()
-            engine.shutdown()
+            await asyncio.to_thread(engine.shutdown)
             logger.info("shutting down: engine stopped")
 
     app = FastAPI(title="PageLLM OpenAI-compatible API", lifespan=lifespan)
