@@ -161,6 +161,9 @@ class _Group:
     query_pos: torch.Tensor  # [Rg, Q, 1] absolute position of each query
     # Blocks every request of the group starts with, attended once for all (cascade).
     prefix_blocks: torch.Tensor | None = None
+    # No request has context before its queries: key j is position j and SDPA's own
+    # (top-left) causal masking is exact for every real query row.
+    fresh: bool = False
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
     def mask(self, window: int | None) -> torch.Tensor:
@@ -288,6 +291,7 @@ class TorchBatchedBackend(AttentionBackend):
             key_pos=torch.arange(n_prefix * block_size, n_blocks * block_size, device=device),
             query_pos=query_pos[:, :, None],
             prefix_blocks=meta.block_tables[index[0], :n_prefix].long() if n_prefix else None,
+            fresh=all(meta.seq_lens_list[r] == meta.query_lens_list[r] for r in members),
         )
 
     def _gather(
@@ -339,8 +343,11 @@ class TorchBatchedBackend(AttentionBackend):
         r, q_len, hkv, d = group.n_requests, group.q_len, spec.num_kv_heads, spec.head_dim
         kv = self._gather(kv_cache, group.blocks).view(2, r, -1, hkv, d).transpose(2, 3)
         q = query.index_select(0, group.q_src)
-        mask = group.mask(spec.sliding_window)
-        if group.prefix_blocks is not None:
+        # Fresh prompts use the kernel's built-in causal mask, about 2x faster than an
+        # explicit one; padded keys sit after every real query, so they stay masked.
+        builtin_causal = q_len > 1 and group.fresh and spec.sliding_window is None
+        mask = None if builtin_causal else group.mask(spec.sliding_window)
+        if mask is not None and group.prefix_blocks is not None:
             return self._attend_cascade(q, kv, mask, kv_cache, group, spec)
         if q_len == 1:
             folded = q.view(r, hkv, spec.num_heads // hkv, d)
@@ -353,6 +360,7 @@ class TorchBatchedBackend(AttentionBackend):
             kv[0],
             kv[1],
             attn_mask=mask,
+            is_causal=builtin_causal,
             scale=spec.scale,
             enable_gqa=spec.num_heads != hkv,
         )
