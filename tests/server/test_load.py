@@ -32,7 +32,8 @@ def request(index: int) -> dict[str, Any]:
 async def stream_one(client: openai.AsyncOpenAI, index: int) -> tuple[str, list[str]]:
     """The streamed text and tokens of one client's request."""
     stream = await client.chat.completions.create(stream=True, **request(index))
-    text, tokens = [], []
+    text: list[str] = []
+    tokens: list[str] = []
     async for chunk in stream:
         for choice in chunk.choices:
             text.append(choice.delta.content or "")
@@ -59,10 +60,8 @@ def test_concurrent_streaming_clients(server: Server) -> None:
     before = server.wait_idle()
 
     async def run() -> list[tuple[str, list[str]]]:
-        limits = httpx.Limits(max_connections=NUM_CLIENTS + 8)
-        async with openai.AsyncOpenAI(
-                base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300,
-                http_client=httpx.AsyncClient(limits=limits, timeout=300)) as client:
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused",
+                                      max_retries=0, timeout=300) as client:
             return await asyncio.gather(*[stream_one(client, i) for i in range(NUM_CLIENTS)])
 
     started = time.perf_counter()

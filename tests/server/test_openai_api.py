@@ -44,8 +44,8 @@ def test_completion(client: openai.OpenAI) -> None:
 
 def test_completion_stream_equals_non_stream(client: openai.OpenAI) -> None:
     kwargs = dict(model=MODEL_NAME, prompt="Once upon a time", max_tokens=10, temperature=0)
-    whole = client.completions.create(**kwargs).choices[0].text  # type: ignore[call-overload]
-    chunks = list(client.completions.create(stream=True, **kwargs))  # type: ignore[call-overload]
+    whole = client.completions.create(**kwargs).choices[0].text
+    chunks = list(client.completions.create(stream=True, **kwargs))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
     assert chunks[-1].choices[0].finish_reason is not None
 
@@ -86,26 +86,26 @@ def test_chat_max_completion_tokens(client: openai.OpenAI) -> None:
 
 def test_chat_stream_with_usage(client: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": "Name a colour."}]
-    whole = client.chat.completions.create(model=MODEL_NAME, messages=messages,  # type: ignore[arg-type]
+    whole = client.chat.completions.create(model=MODEL_NAME, messages=messages,
                                            max_tokens=8, temperature=0)
     chunks = list(client.chat.completions.create(
-        model=MODEL_NAME, messages=messages, max_tokens=8, temperature=0, stream=True,  # type: ignore[arg-type]
+        model=MODEL_NAME, messages=messages, max_tokens=8, temperature=0, stream=True,
         stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
     assert chunks[-1].choices == []
     assert chunks[-1].usage is not None
-    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens  # type: ignore[union-attr]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
 def test_async_client_chat_stream_and_not(async_client: openai.AsyncOpenAI) -> None:
     async def run() -> tuple[str, str]:
         messages = [{"role": "user", "content": "What is 2 + 2?"}]
         whole = await async_client.chat.completions.create(
-            model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0)  # type: ignore[arg-type]
+            model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0)
         stream = await async_client.chat.completions.create(
-            model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0, stream=True)  # type: ignore[arg-type]
+            model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0, stream=True)
         parts = [c.choices[0].delta.content or "" async for c in stream if c.choices]
         await async_client.close()
         return whole.choices[0].message.content or "", "".join(parts)
@@ -172,8 +172,8 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
     result = client.chat.completions.create(
         model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
         temperature=0, logprobs=True, top_logprobs=2)
-    content = result.choices[0].logprobs.content  # type: ignore[union-attr]
-    assert content is not None and len(content) == result.usage.completion_tokens  # type: ignore[union-attr]
+    content = result.choices[0].logprobs.content
+    assert content is not None and len(content) == result.usage.completion_tokens
     for token in content:
         assert len(token.top_logprobs) == 2
         assert token.top_logprobs[0].logprob >= token.top_logprobs[1].logprob
@@ -182,14 +182,14 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
 def test_repeated_system_prompt_is_served_from_cache(client: openai.OpenAI) -> None:
     salt = uuid.uuid4().hex  # a fresh cache namespace: earlier tests cannot pre-warm it
     first = client.chat.completions.create(
-        model=MODEL_NAME, messages=chat(SYSTEM_PROMPT, "What is a cat?"),  # type: ignore[arg-type]
+        model=MODEL_NAME, messages=chat(SYSTEM_PROMPT, "What is a cat?"),
         max_tokens=4, temperature=0, extra_body={"cache_salt": salt})
     second = client.chat.completions.create(
-        model=MODEL_NAME, messages=chat(SYSTEM_PROMPT, "What is a dog?"),  # type: ignore[arg-type]
+        model=MODEL_NAME, messages=chat(SYSTEM_PROMPT, "What is a dog?"),
         max_tokens=4, temperature=0, extra_body={"cache_salt": salt})
     assert first.usage is not None and second.usage is not None
-    assert first.usage.prompt_tokens_details.cached_tokens == 0  # type: ignore[union-attr]
-    cached = second.usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached >= 32, second.usage
     assert cached % 16 == 0  # whole blocks only
     assert cached < second.usage.prompt_tokens
@@ -199,9 +199,9 @@ def test_cache_salt_isolates_tenants(client: openai.OpenAI) -> None:
     def cached(salt: str | None) -> int:
         extra = {"cache_salt": salt} if salt is not None else {}
         result = client.chat.completions.create(
-            model=MODEL_NAME, messages=chat(SYSTEM_PROMPT, "Name a tree."),  # type: ignore[arg-type]
+            model=MODEL_NAME, messages=chat(SYSTEM_PROMPT, "Name a tree."),
             max_tokens=2, temperature=0, extra_body=extra)
-        return result.usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
+        return result.usage.prompt_tokens_details.cached_tokens
 
     tenant_a, tenant_b = f"a-{uuid.uuid4().hex}", f"b-{uuid.uuid4().hex}"
     assert cached(tenant_a) == 0

@@ -31,7 +31,7 @@ def stats(**changes: object) -> EngineStats:
                        num_free_blocks=10, prefix_cache_queries=0, prefix_cache_hits=0,
                        prefix_cache_hit_rate=0.0, num_evictions=0, num_preemptions=0,
                        prompt_tokens=0, generation_tokens=0, timings={})
-    return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
+    return dataclasses.replace(base, **changes)
 
 
 def test_blocked_tokens_are_reported_as_finite_logprobs() -> None:
