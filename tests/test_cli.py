@@ -39,8 +39,15 @@ def test_top_level_help_lists_the_subcommands(capsys: pytest.CaptureFixture[str]
         main(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    for command in ("serve", "generate", "chat"):
+    for command in ("serve", "generate", "chat", "bench"):
         assert command in out
+
+
+def test_bench_help(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--help"])
+    assert exit_info.value.code == 0
+    assert "--workload" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("command", ["serve", "generate", "chat"])

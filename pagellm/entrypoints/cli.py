@@ -1,8 +1,9 @@
-"""The `pagellm` command: serve, generate, chat.
+"""The `pagellm` command: serve, generate, chat, bench.
 
-Each subcommand takes the engine options (one definition, in engine_args) plus its own;
-options are validated before the model loads, so a typo fails in milliseconds, and a
-model that cannot load ends with one clear line instead of a traceback.
+serve, generate and chat take the engine options (one definition, in engine_args) plus
+their own; options are validated before the model loads, so a typo fails in
+milliseconds, and a model that cannot load ends with one clear line instead of a
+traceback. bench builds its own engines (one per contender) from its own options.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pagellm.bench.cli import add_bench_parser, run_bench
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.entrypoints import chat, generate, serve
 from pagellm.entrypoints.engine_args import engine_config_from_args
@@ -30,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in (serve, generate, chat):
         module.add_parser(subparsers)
+    add_bench_parser(subparsers)
     return parser
 
 
@@ -46,6 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     launch_time = time.perf_counter()
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        return run_bench(args)
     level = args.log_level.upper() if args.command == "serve" else "WARNING"
     logging.basicConfig(level=level, format=LOG_FORMAT)
     try:
