@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from tqdm import tqdm
 
@@ -51,7 +51,7 @@ class LLM:
         """
         single = isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int))
-        prompt_list: list[PromptInput] = [prompts] if single else list(prompts)  # type: ignore[list-item]
+        prompt_list = cast(list[PromptInput], [prompts] if single else list(prompts))
         if isinstance(sampling_params, Sequence):
             if len(sampling_params) != len(prompt_list):
                 raise ValueError(f"got {len(sampling_params)} sampling_params for "
@@ -71,7 +71,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Applies the model's chat template to one conversation or a list of them."""
         single = bool(messages) and isinstance(messages[0], dict)
-        conversations: list[list[Message]] = [messages] if single else messages  # type: ignore[list-item]
+        conversations = cast(list[list[Message]], [messages] if single else messages)
         prompts: list[PromptInput] = [
             {"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt)}
             for c in conversations

@@ -212,6 +212,10 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        vocab = self.model_config.vocab_size
+        for token in params.stop_token_ids:
+            if not 0 <= token < vocab:
+                raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {token}")
         text, token_ids = self.tokenize_prompt(prompt)
         self.check_prompt_length(len(token_ids))
         arrival = time.monotonic() if arrival_time is None else arrival_time

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagellm.model.llama import LlamaForCausalLM
 from pagellm.worker.input_batch import SequenceChunk, prepare_inputs
 from pagellm.worker.kv_cache import KVCache
 from pagellm.worker.sampler import SamplerOutput, SamplingMetadata, sample
@@ -29,7 +30,7 @@ class StepTimings:
 
 @dataclass
 class ModelRunner:
-    model: torch.nn.Module
+    model: LlamaForCausalLM
     kv_cache: KVCache
     device: torch.device
     timings: StepTimings = field(default_factory=StepTimings)

@@ -151,7 +151,8 @@ class SamplingMetadata:
             else:
                 random_rows.append(row)
                 temperature.append(p.temperature)
-                top_k.append(p.top_k)
+                # Any k >= vocab keeps everything; capping keeps huge values within int64.
+                top_k.append(min(p.top_k, 2**62))
                 top_p.append(p.top_p)
                 min_p.append(p.min_p)
                 if p.seed is not None:
