@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hf-batch-size", type=int, default=8)
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs per contender, median reported (3 on a busy machine)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         options = BenchOptions(model_dir=model_dir, contenders=contenders or CONTENDERS,
                                engine_kwargs=dict(engine_kwargs),
                                hf_batch_size=args.hf_batch_size, vllm_python=args.vllm_python,
-                               request_rate=rate, seed=args.seed)
+                               request_rate=rate, seed=args.seed, repeats=args.repeats)
         begin = time.perf_counter()
         workload = build_workload(name, tokenizer, seed=args.seed, **params)
         comparisons.append(run_comparison(workload, mode, options, tokenizer, label))

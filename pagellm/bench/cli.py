@@ -69,6 +69,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--vllm-python", default=None,
                         help="python of a venv with vLLM's CPU build; without it vLLM is "
                              "skipped")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run every contender this many times, alternating the order, "
+                             "and report each one's median run (default: %(default)s)")
     parser.add_argument("--agreement-requests", type=int, default=8,
                         help="compare greedy outputs on this many first requests")
     parser.add_argument("--output-dir", type=Path, default=Path("bench-results"))
@@ -93,7 +96,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         model_dir=resolve_model_path(args.model, cache_dir), contenders=tuple(args.contenders),
         engine_kwargs=engine_kwargs, hf_batch_size=args.hf_batch_size,
         vllm_python=args.vllm_python, request_rate=args.request_rate, seed=args.seed,
-        agreement_requests=args.agreement_requests)
+        agreement_requests=args.agreement_requests, repeats=args.repeats)
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -28,6 +28,7 @@ from pagellm.bench.compare import (
 )
 from pagellm.bench.contender import Contender
 from pagellm.bench.harness import OfflineRun, run_offline
+from pagellm.bench.metrics import RunResult
 from pagellm.bench.online import (
     ServerProcess,
     free_port,
@@ -59,8 +60,11 @@ class BenchOptions:
     request_rate: float = math.inf
     seed: int = 0
     agreement_requests: int = 8
+    repeats: int = 1
 
     def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         unknown = [c for c in self.contenders if c not in CONTENDERS]
         if unknown:
             raise ValueError(f"unknown contender(s) {', '.join(unknown)}; choose from "
@@ -142,43 +146,70 @@ def _server(name: str, options: BenchOptions, workload: Workload) -> ServerProce
                                                 args), port, env)
 
 
+def _run_once(name: str, workload: Workload, mode: str, options: BenchOptions,
+              tokenizer: Tokenizer) -> tuple[RunResult, OfflineRun | None]:
+    if mode == "offline":
+        run = run_offline(_offline_contender(name, options), workload, tokenizer)
+        return run.result, run
+    return run_online(name, _server(name, options, workload), workload, tokenizer,
+                      options.request_rate, options.seed), None
+
+
+def _median_run(results: list[RunResult]) -> RunResult:
+    """The run with the median output throughput (of an odd count; the lower middle of
+    an even one): one disturbed repeat on a shared machine moves the median little."""
+    ordered = sorted(results, key=lambda r: r.output_tokens_per_s)
+    chosen = ordered[(len(ordered) - 1) // 2]
+    if len(results) > 1:
+        figures = ", ".join(f"{r.output_tokens_per_s:.1f}" for r in results)
+        chosen.notes.append(f"median of {len(results)} repeats by output tok/s ({figures})")
+    return chosen
+
+
 def run_comparison(workload: Workload, mode: str, options: BenchOptions, tokenizer: Tokenizer,
                    label: str | None = None) -> Comparison:
-    """Every requested contender on `workload` in `mode`, one after another. A contender
-    that cannot run here is skipped with a note; one that fails is noted and the others
-    still run, so one broken engine never loses the whole comparison."""
+    """Every requested contender on `workload` in `mode`, one after another, `repeats`
+    times (in reverse order on every other repeat, so no contender always runs first);
+    each contender's median repeat is reported. A contender that cannot run here is
+    skipped with a note; one that fails is noted and the others still run, so one broken
+    engine never loses the whole comparison."""
     if mode not in ("offline", "online"):
         raise ValueError(f"mode must be offline or online, got {mode!r}")
     units = len(workload.conversations) if workload.is_multi_turn else workload.num_requests
     comparison = Comparison(label or workload.name, workload.name, mode, dict(workload.params),
                             min(units, options.max_num_seqs))
-    offline_runs: dict[str, OfflineRun] = {}
+    names = []
     for name in options.contenders:
         reason = _skip_reason(name, mode, options)
         if reason:
             comparison.notes.append(reason)
-            continue
-        logger.info("[%s/%s] %s ...", comparison.label, mode, name)
-        try:
-            if mode == "offline":
-                run = run_offline(_offline_contender(name, options), workload, tokenizer)
-                offline_runs[name] = run
-                comparison.runs.append(run.result)
-            else:
-                comparison.runs.append(run_online(name, _server(name, options, workload),
-                                                  workload, tokenizer, options.request_rate,
-                                                  options.seed))
-        except Exception as error:  # noqa: BLE001 - report it and go on with the others
-            logger.exception("%s failed on %s", name, comparison.label)
-            comparison.notes.append(f"{name} failed: {type(error).__name__}: {error}")
-            continue
-        result = comparison.runs[-1]
-        logger.info("[%s/%s] %s: %.1f output tok/s, mean TTFT %.3f s, hit rate %s",
-                    comparison.label, mode, name, result.output_tokens_per_s,
-                    result.ttft["mean"], result.hit_rate)
+        else:
+            names.append(name)
+    results: dict[str, list[RunResult]] = {name: [] for name in names}
+    offline_runs: dict[str, OfflineRun] = {}
+    failed: set[str] = set()
+    for repeat in range(options.repeats):
+        for name in names if repeat % 2 == 0 else names[::-1]:
+            if name in failed:
+                continue
+            logger.info("[%s/%s] %s (repeat %d) ...", comparison.label, mode, name, repeat + 1)
+            try:
+                result, offline = _run_once(name, workload, mode, options, tokenizer)
+            except Exception as error:  # noqa: BLE001 - report it and go on with the others
+                logger.exception("%s failed on %s", name, comparison.label)
+                comparison.notes.append(f"{name} failed: {type(error).__name__}: {error}")
+                failed.add(name)
+                continue
+            results[name].append(result)
+            if offline is not None:
+                offline_runs.setdefault(name, offline)
+            logger.info("[%s/%s] %s: %.1f output tok/s, mean TTFT %.3f s, hit rate %s",
+                        comparison.label, mode, name, result.output_tokens_per_s,
+                        result.ttft["mean"], result.hit_rate)
+    comparison.runs = [_median_run(results[name]) for name in names if results[name]]
     add_ratios(comparison)
     if offline_runs and options.agreement_requests:
-        reference = next(iter(offline_runs.values()))
+        reference = offline_runs[comparison.runs[0].contender]
         for name, run in offline_runs.items():
             comparison.agreement[name] = agreement(reference.records, run.records,
                                                    options.agreement_requests)
@@ -213,6 +244,7 @@ def describe_environment(options: BenchOptions) -> dict[str, Any]:
         "engine settings": options.engine_kwargs or "defaults",
         "transformers generate batch size": options.hf_batch_size,
         "seed": options.seed,
+        "repeats": f"{options.repeats} (each contender's median run is shown)",
     }
 
 

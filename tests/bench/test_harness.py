@@ -3,6 +3,7 @@ multi-turn workloads go round by round with each answer in the next turn's promp
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from pagellm.bench.contender import GenerateRequest
@@ -73,3 +74,28 @@ def test_multi_turn_goes_round_by_round_with_the_answers_in_the_history(tokenize
     assert "Blue whales sing." in tokenizer.decode(list(contender.calls[1].prompts[0]))
     assert tokenizer.decode(list(contender.calls[2].prompts[1])).count("Blue whales sing.") == 2
     assert run.result.num_requests == 6
+
+
+def test_repeats_alternate_the_order_and_report_the_median(tokenizer: Any,
+                                                          monkeypatch: Any) -> None:
+    from pagellm.bench import suite
+
+    order: list[str] = []
+
+    def factory(name: str, options: suite.BenchOptions) -> EchoContender:
+        contender = EchoContender([5, 6])
+        contender.name = name
+        order.append(name)
+        return contender
+
+    monkeypatch.setattr(suite, "_offline_contender", factory)
+    workload = build_workload("shared-prefix", tokenizer, num_requests=2, prefix_len=32,
+                              suffix_len=4, output_len=2)
+    options = suite.BenchOptions(model_dir=Path("unused"),
+                                 contenders=("pagellm", "pagellm-nocache"), repeats=3)
+    comparison = suite.run_comparison(workload, "offline", options, tokenizer)
+    assert order == ["pagellm", "pagellm-nocache", "pagellm-nocache", "pagellm",
+                     "pagellm", "pagellm-nocache"]
+    assert [r.contender for r in comparison.runs] == ["pagellm", "pagellm-nocache"]
+    assert all(any("median of 3 repeats" in n for n in r.notes) for r in comparison.runs)
+    assert comparison.agreement["pagellm-nocache"]["identical"] == 1.0
