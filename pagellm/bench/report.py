@@ -124,7 +124,11 @@ def markdown(report: BenchReport) -> str:
     lines += ["", "TTFT: first token minus arrival (offline: all requests of a call arrive "
               "at its start). ITL: gaps between a request's successive tokens (chunks, when "
               "streamed). Hit rate: prompt tokens served from the prefix cache over prompt "
-              "tokens. Bookkeeping share: (schedule + prepare inputs + update) / step time.",
+              "tokens. Bookkeeping share: (schedule + prepare inputs + update) / step time. "
+              "Peak RSS: the benchmark process and its children (a server, the vLLM "
+              "driver), sampled during the run; in-process contenders share one process, "
+              "so it includes the interpreter, torch and what earlier contenders left to "
+              "the allocator. Start-up is reported apart and not counted in throughput.",
               ""]
     return "\n".join(lines)
 
