@@ -145,11 +145,12 @@ def plot_throughput(report: BenchReport, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     modes = sorted({c.mode for c in report.comparisons}) or ["offline"]
-    names = _contenders(report)
     fig, axes = plt.subplots(len(modes), 1, figsize=(11, 4 * len(modes)), squeeze=False)
     for ax, mode in zip(axes[:, 0], modes, strict=True):
         comps = [c for c in report.comparisons if c.mode == mode]
+        names = _contenders(BenchReport(report.meta, comps))
         width = 0.8 / max(len(names), 1)
+        values: list[float] = []
         for i, name in enumerate(names):
             xs, ys = [], []
             for j, comp in enumerate(comps):
@@ -159,10 +160,14 @@ def plot_throughput(report: BenchReport, path: Path) -> None:
                     ys.append(run.output_tokens_per_s)
             if xs:
                 ax.bar(xs, ys, width, label=name)
+                values += ys
         ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(comps))])
         ax.set_xticklabels([c.label for c in comps], rotation=15)
-        ax.set_yscale("log")
-        ax.set_ylabel("output tokens/s (log)")
+        # A log axis only where the bars span more than a factor of 20, so that small
+        # differences are not drawn as large ones.
+        spread = max(values) / min(values) if values else 1.0
+        ax.set_yscale("log" if spread > 20 else "linear")
+        ax.set_ylabel("output tokens/s" + (" (log)" if spread > 20 else ""))
         ax.set_title(f"Throughput, {mode}")
         ax.legend(fontsize=8)
     fig.tight_layout()
