@@ -7,7 +7,14 @@ and tested without importing torch.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
+
+# OpenMP threads that spin while waiting for work make torch 5-10x slower as soon as any
+# other process wants a core (a benchmark client, a test runner, a second server). Passive
+# waiting costs little when the machine is quiet. OpenMP reads this once, when torch loads
+# it, so it is set here, before PageLLM imports torch; a value the user set is kept.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 _EXPORTS = {
     "LLM": "pagellm.engine.llm",

@@ -55,9 +55,12 @@ def main() -> None:
 
     kwargs = dict(model=config["model"], dtype="float32", seed=0,
                   enable_prefix_caching=config["enable_prefix_caching"],
-                  block_size=config.get("block_size", 16),
                   max_num_seqs=config.get("max_num_seqs", 64),
                   max_num_batched_tokens=config.get("max_num_batched_tokens", 2048))
+    # vLLM's CPU attention needs blocks in multiples of 32; elsewhere vLLM keeps its default.
+    block_size = config.get("block_size", 16)
+    if block_size % 32 == 0:
+        kwargs["block_size"] = block_size
     if config.get("kv_cache_memory_bytes"):
         kwargs["kv_cache_memory_bytes"] = config["kv_cache_memory_bytes"]
     try:
