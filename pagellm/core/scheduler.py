@@ -134,9 +134,10 @@ class Scheduler:
                 break
             hits, num_cached = self.kv_cache.find_cached_prefix(request)
             next_block = len(hits)
-            if next_block < len(request.block_hashes) and (
-                request.block_hashes[next_block] in in_flight
-            ):
+            # Only a block the request could hit next step is worth waiting for: the last
+            # prompt token is always computed, so a hit never reaches past this.
+            max_hit_blocks = (request.num_tokens - 1) // self.kv_cache.block_size
+            if next_block < max_hit_blocks and request.block_hashes[next_block] in in_flight:
                 continue
             num_new = min(request.num_tokens - num_cached, budget)
             if self.kv_cache.allocate(request, num_new, hits) is None:
@@ -161,7 +162,10 @@ class Scheduler:
         return in_flight
 
     def _new_full_blocks(self, request: Request, num_new: int) -> list[BlockHash]:
-        """Hashes of the blocks this step fills for the request."""
+        """Hashes of the blocks this step fills for the request (none without caching:
+        nobody could hit them)."""
+        if not self.kv_cache.enable_caching:
+            return []
         size = self.kv_cache.block_size
         first = request.num_computed_tokens // size
         last = (request.num_computed_tokens + num_new) // size
@@ -220,15 +224,21 @@ class Scheduler:
         return updated
 
     def _fork(self, parent: Request, child: Request) -> None:
-        """Starts a sibling from the parent's computed prompt; if no block is free for its
-        copy-on-write block, it waits instead and recomputes (mostly from the cache)."""
+        """Starts a sibling from the parent's computed prompt; if no seat is left
+        (`max_num_seqs`) or no block is free for its copy-on-write block, it waits instead
+        and recomputes (mostly from the cache)."""
         child.num_cached_tokens = parent.num_cached_tokens
-        try:
-            self._pending_copies.extend(self.kv_cache.fork(parent, child))
-        except OutOfBlocksError:
+        copies: list[BlockCopy] | None = None
+        if len(self.running) < self.config.max_num_seqs:
+            try:
+                copies = self.kv_cache.fork(parent, child)
+            except OutOfBlocksError:
+                pass
+        if copies is None:
             child.status = RequestStatus.PREEMPTED
             self.waiting.appendleft(child)
             return
+        self._pending_copies.extend(copies)
         child.num_computed_tokens = parent.num_computed_tokens
         child.status = RequestStatus.RUNNING
         self.running.append(child)
@@ -264,6 +274,12 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        else:
+            # A sibling still waiting to fork: it must not fork (and run) later.
+            for siblings in self._siblings.values():
+                if request in siblings:
+                    siblings.remove(request)
+                    break
         for sibling in self._siblings.pop(request.request_id, []):
             self.finish(sibling, status)
 
