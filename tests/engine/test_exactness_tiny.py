@@ -194,3 +194,30 @@ def test_bad_prompt_in_batch_does_not_stop_the_others(tiny_models: dict[str, Pat
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate({"prompt_token_ids": [5] * 100}, _greedy(4), use_tqdm=False)
     assert_idle(llm.llm_engine)
+
+
+@pytest.mark.parametrize("name", ["llama-gqa-untied", "llama-mha-tied", "qwen3-qk-norm"])
+def test_long_shared_prefix_takes_cascade_and_matches(name: str, tiny_models: dict[str, Path],
+                                                      hf_models: dict[str, Any],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many requests on one long cached prefix: attention reads the prefix once for all of
+    them (the cascade path, in prefill and decode) and the tokens still equal the
+    reference."""
+    from pagellm.model.attention import TorchBatchedBackend
+
+    calls: list[int] = []
+    original = TorchBatchedBackend._attend_cascade
+
+    def counting(self: TorchBatchedBackend, *args: Any) -> torch.Tensor:
+        calls.append(args[0].shape[0])
+        return original(self, *args)
+
+    monkeypatch.setattr(TorchBatchedBackend, "_attend_cascade", counting)
+    llm = _llm(tiny_models[name], block_size=8)
+    prompts = _prompts(17, 100, [3, 8, 13, 21, 5])
+    outputs = _run(llm, prompts, 12)
+    assert calls, "the shared prefix was never attended through the cascade"
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.num_cached_tokens >= 96 or out is outputs[0]
+        assert_greedy_equal(hf_models[name], prompt, out.outputs[0].token_ids,
+                            hf_greedy(hf_models[name], prompt, 12), f"cascade {name}")

@@ -70,7 +70,13 @@ def make_case(
     )[0]
     tables, histories, queries, new_k, new_v = [], [], [], [], []
     shared_len = shared_blocks * block_size
-    shared_table = [free.pop() for _ in range(shared_blocks)]
+    # Even seeds lay the shared prefix in consecutive blocks (read in place by the cascade),
+    # odd seeds scatter it (gathered).
+    if seed % 2 == 0:
+        shared_table = list(range(shared_blocks))
+        free = [b for b in free if b >= shared_blocks]
+    else:
+        shared_table = [free.pop() for _ in range(shared_blocks)]
     shared_k = torch.randn(shared_len, kv_heads, head_dim, generator=gen)
     shared_v = torch.randn(shared_len, kv_heads, head_dim, generator=gen)
     for context, q_len in shapes:
