@@ -15,6 +15,7 @@ from the leader's logits.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -22,6 +23,8 @@ from pagellm.core.block_hash import BlockHash
 from pagellm.core.config import SchedulerConfig
 from pagellm.core.kv_cache_manager import BlockCopy, KVCacheManager, OutOfBlocksError
 from pagellm.core.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -145,6 +148,11 @@ class Scheduler:
             self.waiting.remove(request)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
+                if logger.isEnabledFor(logging.DEBUG):
+                    logger.debug(
+                        "%s: %d of %d prompt tokens from the prefix cache; the cached prefix "
+                        "ends at block %d of %d", request.request_id, num_cached,
+                        request.num_tokens, len(hits), len(request.block_hashes))
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
