@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 from typing import Any, cast
@@ -29,6 +30,7 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         ensure_visible_logging()
         self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._request_counter = itertools.count()
 
     @property
     def tokenizer(self) -> Any:
@@ -97,7 +99,7 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
         for index, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
-            request_id = f"generate-{id(self)}-{index}-{len(order)}"
+            request_id = str(next(self._request_counter))
             order.append(request_id)
             try:
                 engine.add_request(request_id, prompt, sp, cache_salt=cache_salt)
