@@ -131,6 +131,8 @@ class Scheduler:
         request (a burst of requests sharing a new prefix) waits one step: next step that
         block is cached and it is a hit, instead of a duplicate computation.
         """
+        if not self.waiting:
+            return budget
         in_flight = self._blocks_in_flight(scheduled)
         for request in self._waiting_in_policy_order():
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:

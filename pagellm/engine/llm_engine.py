@@ -110,8 +110,7 @@ class LLMEngine:
         num_blocks = num_blocks_for_budget(
             self.model_config, config.block_size, self.dtype, self.device,
             config.kv_cache_memory_bytes, config.kv_cache_memory_fraction)
-        self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, self.dtype,
-                                self.device)
+        self.kv_cache = KVCache(self.model, num_blocks, config.block_size)
         self.kv_manager = KVCacheManager(num_blocks, config.block_size,
                                          config.enable_prefix_caching)
         self.hasher = BlockHasher(config.block_size, config.prefix_caching_hash_algo)
@@ -393,9 +392,11 @@ class LLMEngine:
 
     def _fail_step(self, scheduled: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         outputs = []
-        groups = {self._core_to_group[i.request.request_id].request_id:
-                  self._core_to_group[i.request.request_id] for i in scheduled.scheduled
-                  if i.request.request_id in self._core_to_group}
+        groups: dict[str, _Group] = {}
+        for item in scheduled.scheduled:
+            group = self._core_to_group.get(item.request.request_id)
+            if group is not None:
+                groups[group.request_id] = group
         for group in groups.values():
             for sample in group.samples:
                 self.scheduler.finish(sample.request, RequestStatus.FINISHED_ERROR)

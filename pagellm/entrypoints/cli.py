@@ -20,8 +20,7 @@ from pagellm.engine.llm_engine import LLMEngine
 from pagellm.entrypoints import chat, generate, serve
 from pagellm.entrypoints.engine_args import engine_config_from_args
 from pagellm.entrypoints.sampling_args import sampling_params_from_args
-
-LOG_FORMAT = "%(levelname)s %(asctime)s %(name)s: %(message)s"
+from pagellm.logger import LOG_FORMAT
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,7 +7,7 @@ import logging
 import psutil
 import torch
 
-from pagellm.model.attention import allocate_kv_caches
+from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -56,18 +56,10 @@ def num_blocks_for_budget(
 class KVCache:
     """One [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer."""
 
-    def __init__(
-        self,
-        model_config: ModelConfig,
-        num_blocks: int,
-        block_size: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
-        shape = model_config.kv_cache_shape(num_blocks, block_size)
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.tensors = allocate_kv_caches(model_config.num_layers, shape, dtype, device)
+        self.tensors = model.allocate_kv_caches(num_blocks, block_size)
         total = sum(t.numel() * t.element_size() for t in self.tensors)
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB",

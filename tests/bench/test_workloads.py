@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from pagellm.bench.compare import common_prefix
 from pagellm.bench.text import TextGenerator
 from pagellm.bench.workloads import (
     WORKLOAD_NAMES,
@@ -15,15 +16,6 @@ from pagellm.bench.workloads import (
     build_workload,
     text_token_ids,
 )
-
-
-def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def test_text_generator_is_deterministic_and_reads_like_english() -> None:
@@ -89,7 +81,7 @@ def test_eviction_prefixes_are_more_than_twice_the_pool(tokenizer: Any) -> None:
 def test_no_sharing_prompts_share_no_first_block(tokenizer: Any) -> None:
     w = build_workload("no-sharing", tokenizer, num_requests=16, prompt_len=96)
     assert all(len(p) == 96 for p in w.prompts)
-    longest = max(_common_prefix(a, b) for i, a in enumerate(w.prompts)
+    longest = max(common_prefix(list(a), list(b)) for i, a in enumerate(w.prompts)
                   for b in w.prompts[i + 1:])
     assert longest < 16
 
