@@ -216,7 +216,7 @@ class HFContinuousBatchingContender:
         return records
 
     def stats(self) -> dict[str, Any]:
-        return {"page_size": self._page_size, "pool_tokens": self._pool_tokens}
+        return {"page_size": self._page_size, "kv_pool_tokens": self._pool_tokens}
 
     def timings(self) -> dict[str, float] | None:
         return None

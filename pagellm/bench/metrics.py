@@ -109,6 +109,13 @@ class RunResult:
         return asdict(self)
 
 
+def pool_note(engine: dict[str, Any]) -> list[str]:
+    """The KV pool each engine really got: a comparison of caches is only fair when
+    their pools hold the same number of tokens."""
+    tokens = engine.get("kv_pool_tokens")
+    return [f"KV pool {tokens:,} tokens"] if tokens else []
+
+
 def load_note() -> str:
     """The machine's 1-minute load average next to its core count: on a shared machine
     this says how far a run's numbers can be trusted."""
@@ -150,5 +157,5 @@ def summarize(contender: str, workload: str, mode: str, records: list[RequestRec
         peak_rss_mb=peak_rss_mb, startup_s=startup_s, engine=dict(engine or {}),
         step_breakdown=breakdown, bookkeeping_share=share,
         hit_rate_timeline=hit_rate_timeline(records), ttft_samples=ttfts,
-        notes=[load_note()],
+        notes=[load_note(), *pool_note(engine or {})],
     )

@@ -95,6 +95,7 @@ class PageLLMContender:
         delta["prefix_cache_hit_rate"] = delta["prefix_cache_hits"] / queries if queries else 0.0
         delta["num_blocks"] = stats.num_blocks
         delta["block_size"] = self.llm.llm_engine.config.block_size
+        delta["kv_pool_tokens"] = stats.num_blocks * delta["block_size"]
         return delta
 
     def timings(self) -> dict[str, float] | None:

@@ -117,6 +117,7 @@ def _skip_reason(name: str, mode: str, options: BenchOptions) -> str | None:
 
 def _server(name: str, options: BenchOptions, workload: Workload) -> ServerProcess:
     from pagellm.bench.pagellm_runner import kv_cache_bytes_for_tokens
+    from pagellm.bench.vllm_runner import DEFAULT_POOL_BYTES
 
     port = free_port()
     # The client sends its own key; a key from the environment would lock it out.
@@ -128,10 +129,11 @@ def _server(name: str, options: BenchOptions, workload: Workload) -> ServerProce
                                              block_size)
     if name in (VLLM, VLLM_NOCACHE):
         assert options.vllm_python is not None
+        # PageLLM's default pool is capped at 1 GiB; vLLM gets the same unless told. Its
+        # legacy whole-GiB variable would override the exact size, so it is dropped.
         command = vllm_server_command(options.vllm_python, options.model_dir, port,
-                                      name == VLLM)
-        # PageLLM's default pool is capped at 1 GiB; vLLM gets the same unless told.
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil((kv_bytes or 1 << 30) / 2**30)))
+                                      name == VLLM, int(kv_bytes or DEFAULT_POOL_BYTES))
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
         return ServerProcess(command, port, env)
     args: list[str] = []
     flags = {"block_size": "--block-size", "max_num_seqs": "--max-num-seqs",

@@ -61,21 +61,22 @@ def main() -> None:
     block_size = config.get("block_size", 16)
     if block_size % 32 == 0:
         kwargs["block_size"] = block_size
+    if config.get("kv_cache_tokens"):
+        # vLLM refuses a pool that cannot hold one request of the model's whole context;
+        # with a small pool (the eviction workload) the context is capped to what fits,
+        # less one of its blocks (128 tokens by default on CPU) of slack.
+        kwargs["max_model_len"] = config["kv_cache_tokens"] - kwargs.get("block_size", 128)
     if config.get("kv_cache_memory_bytes"):
         kwargs["kv_cache_memory_bytes"] = config["kv_cache_memory_bytes"]
-    try:
-        llm = LLM(**kwargs)
-    except TypeError:
-        # Versions without kv_cache_memory_bytes size the CPU pool from
-        # VLLM_CPU_KVCACHE_SPACE, which the harness sets in the environment.
-        kwargs.pop("kv_cache_memory_bytes", None)
-        llm = LLM(**kwargs)
+    llm = LLM(**kwargs)
     warmup = config.get("warmup") or [1, 2, 3, 4]
     llm.generate([{"prompt_token_ids": warmup}], SamplingParams(temperature=0, max_tokens=2),
                  use_tqdm=False)
     if hasattr(llm, "reset_prefix_cache"):
         llm.reset_prefix_cache()
+    cache_config = llm.llm_engine.vllm_config.cache_config
     _emit({"ready": True, "startup_s": time.perf_counter() - begin,
+           "kv_pool_tokens": (cache_config.num_gpu_blocks or 0) * cache_config.block_size,
            "version": getattr(sys.modules.get("vllm"), "__version__", "?")})
     calls = 0
     for line in sys.stdin:

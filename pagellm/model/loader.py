@@ -115,6 +115,7 @@ def load_model(
     # load_weights for which are adopted as they are and which are copied (fused, cast).
     model.load_weights(iter_safetensors(files, target if target.type == "cuda" else "cpu"))
     model.requires_grad_(False)
+    model.pack_weights()
     return model.eval()
 
 

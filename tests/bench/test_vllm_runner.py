@@ -54,8 +54,14 @@ class _Engine:
 
 class LLM:
     def __init__(self, **kwargs):
+        import os
+        if "VLLM_CPU_KVCACHE_SPACE" in os.environ:
+            raise RuntimeError("the whole-GiB variable would override kv_cache_memory_bytes")
         self.kwargs = kwargs
         self.llm_engine = _Engine()
+        # A fake 1 MiB per 128-token block, so the pool shows the bytes asked for.
+        self.llm_engine.vllm_config = types.SimpleNamespace(cache_config=types.SimpleNamespace(
+            num_gpu_blocks=kwargs["kv_cache_memory_bytes"] >> 20, block_size=128))
 
     def reset_prefix_cache(self):
         self.llm_engine.seen.clear()
@@ -74,12 +80,14 @@ def test_vllm_contender_speaks_the_driver_protocol(tmp_path: Path,
     package.mkdir()
     (package / "__init__.py").write_text(FAKE_VLLM)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
     contender = VLLMContender("vllm", sys.executable, tmp_path / "model", True,
                               {"block_size": 16})
     startup = contender.start(kv_cache_tokens=None, warmup=[5, 4, 3])
     try:
         assert startup >= 0
-        assert contender.stats() == {"vllm_version": "0.0-fake"}
+        # PageLLM's default 1 GiB pool, in exact bytes
+        assert contender.stats() == {"vllm_version": "0.0-fake", "kv_pool_tokens": 1024 * 128}
         prompts = [list(range(1, 21)), list(range(1, 18)), [7, 8, 9]]
         origin = time.perf_counter()
         records = contender.generate(GenerateRequest(prompts, 3), origin)

@@ -198,7 +198,9 @@ def test_conversion_restores_hf_weights_and_logits(tmp_path: Path, variant: str)
     with torch.inference_mode():
         want = reference(torch.tensor([tokens])).logits[0]
     ours = PagedSim(load_model(converted), block_size=8).step([("r", tokens)])
-    assert (ours - want).abs().max().item() < 1e-4
+    # Equal up to float32 rounding of another summation order (these random logits reach
+    # the hundreds, so the bound is relative).
+    assert (ours - want).abs().max().item() < 1e-5 * want.abs().max().item()
 
 
 def test_conversion_is_cached_by_file_identity(tmp_path: Path) -> None:
