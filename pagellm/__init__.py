@@ -7,16 +7,11 @@ and tested without importing torch.
 from __future__ import annotations
 
 import importlib
-import os
 from typing import Any
 
-# torch's OpenMP threads spin for a long time (GNU OpenMP: 300,000 iterations) waiting for
-# the next parallel region. As soon as another process wants a core (a benchmark client, a
-# test runner, a second server) that spinning made a step 5-10x slower here. A short spin
-# keeps most of the quiet-machine speed (passive waiting was 25% slower per decode step) and
-# none of the collapse. OpenMP reads this once, when torch loads it, so it is set here,
-# before PageLLM imports torch; a value the user set is kept.
-os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+from pagellm.process_tuning import tune_process
+
+tune_process()
 
 _EXPORTS = {
     "LLM": "pagellm.engine.llm",
