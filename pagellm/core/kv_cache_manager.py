@@ -105,13 +105,15 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         cached_blocks: list[KVBlock] | None = None,
+        reserve: int = 0,
     ) -> list[KVBlock] | None:
         """Gives the request enough blocks to hold its computed tokens plus `num_new_tokens`.
 
         `cached_blocks` (from `find_cached_prefix`) are taken only on the request's first
-        allocation and count as computed. Returns the newly allocated blocks, or None when
-        they do not fit, in which case nothing at all has changed: no references taken on
-        the hits, no blocks taken from the pool.
+        allocation and count as computed. `reserve` blocks must stay free afterwards.
+        Returns the newly allocated blocks, or None when they do not fit, in which case
+        nothing at all has changed: no references taken on the hits, no blocks taken from
+        the pool.
         """
         cached_blocks = cached_blocks or []
         held = self.req_to_blocks.get(request.request_id)
@@ -130,7 +132,7 @@ class KVCacheManager:
         num_needed = max(num_needed, 0)
         # Hits that are cached-free leave the free queue when touched.
         num_revived = sum(1 for block in cached_blocks if block.ref_count == 0)
-        if num_needed + num_revived > self.pool.num_free_blocks:
+        if num_needed + num_revived + reserve > self.pool.num_free_blocks:
             return None
         if held is None:
             held = self.req_to_blocks[request.request_id] = []

@@ -145,7 +145,10 @@ class Scheduler:
             if next_block < max_hit_blocks and request.block_hashes[next_block] in in_flight:
                 continue
             num_new = min(request.num_tokens - num_cached, budget)
-            if self.kv_cache.allocate(request, num_new, hits) is None:
+            # One free block kept per running request for its next block: admitting into
+            # the last free blocks only to preempt (and recompute) someone a few steps
+            # later is slower than waiting for a request to finish.
+            if self.kv_cache.allocate(request, num_new, hits, reserve=len(self.running)) is None:
                 break
             self.waiting.remove(request)
             if request.num_cached_tokens < 0:

@@ -374,6 +374,28 @@ def test_preemption_by_recompute_of_the_most_recent_request() -> None:
             zlib.crc32(f"{r.request_id}:{8 + k}".encode()) % VOCAB for k in range(n)]
 
 
+@pytest.mark.parametrize(("prompt_len", "admitted"), [(12, True), (16, False)])
+def test_admission_keeps_one_free_block_per_running_request(prompt_len: int,
+                                                            admitted: bool) -> None:
+    d = Driver(num_blocks=6)
+    (a,) = d.add("a", prompt_of(16, 7), max_tokens=4)  # holds 2 blocks, will want a third
+    d.step()
+    # 4 blocks free: 3 for b plus 1 kept for a fit; 4 for b would leave a none.
+    (b,) = d.add("b", prompt_of(17, prompt_len), max_tokens=1)
+    out = d.step()
+    assert (d.scheduled_of(out, "b") is not None) == admitted
+    d.run()
+    assert d.sched.num_preemptions == 0
+    assert [r.num_output_tokens for r in (a, b)] == [4, 1]
+
+
+def test_an_idle_scheduler_admits_into_every_free_block() -> None:
+    d = Driver(num_blocks=3)
+    (a,) = d.add("a", prompt_of(18, 11), max_tokens=1)  # 12 tokens: all 3 blocks
+    d.run()
+    assert a.num_output_tokens == 1 and d.sched.num_preemptions == 0
+
+
 def test_request_admitted_with_a_hit_keeps_its_first_hit_across_preemption() -> None:
     d = Driver(num_blocks=6)
     shared = prompt_of(12, 8)
@@ -722,17 +744,19 @@ def test_cache_aware_window_limits_the_reordering() -> None:
 
 @pytest.mark.parametrize("policy", ["fcfs", "cache_aware"])
 def test_preempted_requests_go_first(policy: str) -> None:
-    d = Driver(num_blocks=3, max_num_seqs=2, max_num_batched_tokens=3, policy=policy)
+    d = Driver(num_blocks=4, max_num_seqs=2, max_num_batched_tokens=3, policy=policy)
     shared = prompt_of(33, 8)
-    (a,) = d.add("a", shared, max_tokens=4)  # grows to a third block
-    (b,) = d.add("b", [1, 2], max_tokens=2)
+    (a,) = d.add("a", shared, max_tokens=8)  # grows to a fourth block
+    (b,) = d.add("b", [1, 2], max_tokens=6)  # needs a second block after a takes the last
     d.step()
     d.step()
     d.step()
     assert b.num_computed_tokens > 0
     d.add("c", shared + [5], max_tokens=1)  # a long cached prefix (a's blocks)
     out = d.step()
-    while not out.preempted:
+    for _ in range(10):
+        if out.preempted:
+            break
         out = d.step()
     assert out.preempted == [b]
     assert list(d.sched.waiting) == [b, d.all["c"]]
@@ -743,4 +767,4 @@ def test_preempted_requests_go_first(policy: str) -> None:
         first = fresh[0] if fresh else None
     assert first == "b"
     d.run()
-    assert a.num_output_tokens == 4 and b.num_output_tokens == 2
+    assert a.num_output_tokens == 8 and b.num_output_tokens == 6
