@@ -47,11 +47,13 @@ def pagellm_server_command(model_dir: Path, port: int, enable_prefix_caching: bo
 
 
 def vllm_server_command(python: str, model_dir: Path, port: int,
-                        enable_prefix_caching: bool, kv_cache_bytes: int) -> list[str]:
+                        enable_prefix_caching: bool, kv_cache_bytes: int, max_num_seqs: int,
+                        max_num_batched_tokens: int) -> list[str]:
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--seed", "0",
             "--enable-prefix-caching" if enable_prefix_caching else "--no-enable-prefix-caching",
-            "--kv-cache-memory-bytes", str(kv_cache_bytes)]
+            "--kv-cache-memory-bytes", str(kv_cache_bytes), "--max-num-seqs", str(max_num_seqs),
+            "--max-num-batched-tokens", str(max_num_batched_tokens)]
 
 
 def parse_prometheus(text: str) -> dict[str, float]:

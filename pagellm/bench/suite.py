@@ -10,7 +10,7 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from pagellm.bench.online import (
 )
 from pagellm.bench.report import BenchReport
 from pagellm.bench.workloads import Tokenizer, Workload
+from pagellm.engine.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +73,16 @@ class BenchOptions:
         if self.agreement_requests < 0:
             raise ValueError("agreement_requests must be >= 0")
 
+    def engine_setting(self, name: str) -> Any:
+        """The value PageLLM runs with: the one given, else EngineConfig's default. vLLM
+        is given the same, so neither engine wins by batching differently."""
+        if name in self.engine_kwargs:
+            return self.engine_kwargs[name]
+        return {f.name: f.default for f in fields(EngineConfig)}[name]
+
     @property
     def max_num_seqs(self) -> int:
-        return int(self.engine_kwargs.get("max_num_seqs", 64))
+        return int(self.engine_setting("max_num_seqs"))
 
 
 def _offline_contender(name: str, options: BenchOptions) -> Contender:
@@ -84,8 +92,9 @@ def _offline_contender(name: str, options: BenchOptions) -> Contender:
 
     threads = options.engine_kwargs.get("num_threads")
     vllm_kwargs = {k: v for k, v in options.engine_kwargs.items()
-                   if k in ("block_size", "max_num_seqs", "max_num_batched_tokens",
-                            "kv_cache_memory_bytes")}
+                   if k in ("block_size", "kv_cache_memory_bytes")}
+    for key in ("max_num_seqs", "max_num_batched_tokens"):
+        vllm_kwargs[key] = options.engine_setting(key)
     if name in (PAGELLM, PAGELLM_NOCACHE):
         return PageLLMContender(name, options.model_dir, name == PAGELLM, options.engine_kwargs)
     if name == HF_GENERATE:
@@ -93,7 +102,7 @@ def _offline_contender(name: str, options: BenchOptions) -> Contender:
     if name == HF_CONTINUOUS:
         return HFContinuousBatchingContender(
             name, options.model_dir,
-            max_batch_tokens=int(options.engine_kwargs.get("max_num_batched_tokens", 2048)),
+            max_batch_tokens=int(options.engine_setting("max_num_batched_tokens")),
             num_threads=threads)
     assert options.vllm_python is not None
     return VLLMContender(name, options.vllm_python, options.model_dir, name == VLLM,
@@ -131,8 +140,10 @@ def _server(name: str, options: BenchOptions, workload: Workload) -> ServerProce
         assert options.vllm_python is not None
         # PageLLM's default pool is capped at 1 GiB; vLLM gets the same unless told. Its
         # legacy whole-GiB variable would override the exact size, so it is dropped.
-        command = vllm_server_command(options.vllm_python, options.model_dir, port,
-                                      name == VLLM, int(kv_bytes or DEFAULT_POOL_BYTES))
+        command = vllm_server_command(
+            options.vllm_python, options.model_dir, port, name == VLLM,
+            int(kv_bytes or DEFAULT_POOL_BYTES), options.max_num_seqs,
+            int(options.engine_setting("max_num_batched_tokens")))
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)
         return ServerProcess(command, port, env)
     args: list[str] = []

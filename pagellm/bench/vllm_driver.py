@@ -55,8 +55,8 @@ def main() -> None:
 
     kwargs = dict(model=config["model"], dtype="float32", seed=0,
                   enable_prefix_caching=config["enable_prefix_caching"],
-                  max_num_seqs=config.get("max_num_seqs", 64),
-                  max_num_batched_tokens=config.get("max_num_batched_tokens", 2048))
+                  max_num_seqs=config["max_num_seqs"],
+                  max_num_batched_tokens=config["max_num_batched_tokens"])
     # vLLM's CPU attention needs blocks in multiples of 32; elsewhere vLLM keeps its default.
     block_size = config.get("block_size", 16)
     if block_size % 32 == 0:

@@ -43,7 +43,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     kv_cache_memory_fraction: float | None = None
     max_model_len: int | None = None
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     scheduling_policy: SchedulingPolicy = "fcfs"
     attention_backend: str | None = None

@@ -82,7 +82,7 @@ def test_vllm_contender_speaks_the_driver_protocol(tmp_path: Path,
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
     contender = VLLMContender("vllm", sys.executable, tmp_path / "model", True,
-                              {"block_size": 16})
+                              {"block_size": 16, "max_num_seqs": 64, "max_num_batched_tokens": 512})
     startup = contender.start(kv_cache_tokens=None, warmup=[5, 4, 3])
     try:
         assert startup >= 0
