@@ -28,7 +28,7 @@ from pagellm.bench.compare import (  # noqa: E402
     VLLM,
     VLLM_NOCACHE,
 )
-from pagellm.bench.report import write_report  # noqa: E402
+from pagellm.bench.report import JSON_NAME, read_report, write_report  # noqa: E402
 from pagellm.bench.suite import (  # noqa: E402
     CONTENDERS,
     BenchOptions,
@@ -96,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=None,
                         help="comma-separated labels to run (default: all)")
     parser.add_argument("--skip-online", action="store_true")
+    parser.add_argument("--rerender", action="store_true",
+                        help="rewrite the report and plots from the output directory's "
+                             "results.json (after a change to the report), running nothing")
     parser.add_argument("--hf-batch-size", type=int, default=8)
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
@@ -104,13 +107,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
+    out = args.output_dir or HERE / ("results-quick" if args.quick else "results")
+    if args.rerender:
+        write_report(read_report(out / JSON_NAME), out)
+        print(f"rewrote {out}")
+        return 0
     specs = QUICK if args.quick else FULL
     if args.only:
         wanted = set(args.only.split(","))
         specs = [s for s in specs if s[0] in wanted]
     if args.skip_online:
         specs = [s for s in specs if s[2] != "online"]
-    out = args.output_dir or HERE / ("results-quick" if args.quick else "results")
     if args.quick and args.output_dir is None:
         # Development results are never meant to be committed next to the full ones.
         out.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pagellm.bench.compare import Comparison, Target
+from pagellm.bench.compare import Comparison, Target, evaluate_targets
+from pagellm.bench.metrics import RunResult
 
 JSON_NAME = "results.json"
 MARKDOWN_NAME = "results.md"
@@ -42,6 +43,17 @@ def _clean(value: Any) -> Any:
 
 def write_json(report: BenchReport, path: Path) -> None:
     path.write_text(json.dumps(_clean(report.to_dict()), indent=1, allow_nan=False) + "\n")
+
+
+def read_report(path: Path) -> BenchReport:
+    """A report back from its JSON, targets evaluated afresh, so a change to the report
+    or to the targets can be rendered without running the engines again."""
+    data = json.loads(path.read_text())
+    comparisons = []
+    for raw in data["comparisons"]:
+        fields = dict(raw, runs=[RunResult(**run) for run in raw["runs"]])
+        comparisons.append(Comparison(**fields))
+    return BenchReport(data["meta"], comparisons, evaluate_targets(comparisons))
 
 
 def _num(value: float | None, digits: int = 1, scale: float = 1.0) -> str:

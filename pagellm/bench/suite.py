@@ -190,7 +190,8 @@ def run_comparison(workload: Workload, mode: str, options: BenchOptions, tokeniz
         raise ValueError(f"mode must be offline or online, got {mode!r}")
     units = len(workload.conversations) if workload.is_multi_turn else workload.num_requests
     comparison = Comparison(label or workload.name, workload.name, mode, dict(workload.params),
-                            min(units, options.max_num_seqs))
+                            min(units, options.max_num_seqs),
+                            request_rate=options.request_rate if mode == "online" else None)
     names = []
     for name in options.contenders:
         reason = _skip_reason(name, mode, options)

