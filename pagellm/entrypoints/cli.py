@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pagellm.bench.cli import add_bench_parser, run_bench
+from pagellm.engine.async_engine import AsyncLLMEngine
+from pagellm.engine.config import EngineConfig
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.entrypoints import chat, generate, serve
 from pagellm.entrypoints.engine_args import engine_config_from_args
@@ -35,13 +37,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _runner(args: argparse.Namespace, launch_time: float) -> Callable[[LLMEngine], int]:
+def _runner(args: argparse.Namespace, launch_time: float) -> Callable[[Any], int]:
     """The subcommand to run once the engine is up; checks its own options first."""
     if args.command == "serve":
         return lambda engine: serve.run(args, engine, launch_time)
     sampling_params_from_args(args)
     module: Any = generate if args.command == "generate" else chat
     return lambda engine: int(module.run(args, engine))
+
+
+def _start(args: argparse.Namespace, config: EngineConfig) -> tuple[Any, LLMEngine]:
+    """The engine the subcommand runs and the `LLMEngine` inside it: the server's is built
+    on the thread that will step it (see `AsyncLLMEngine`)."""
+    if args.command == "serve":
+        engine = AsyncLLMEngine(lambda: LLMEngine(config))
+        return engine, engine.engine
+    plain = LLMEngine(config)
+    return plain, plain
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -58,13 +70,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
         parser.error(str(error))
     try:
-        engine = LLMEngine(config)
+        engine, inner = _start(args, config)
     except (ValueError, OSError) as error:
         print(f"pagellm: cannot start the engine: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
-    print(f"PageLLM engine ready in {engine.startup_seconds:.2f} s "
+    print(f"PageLLM engine ready in {inner.startup_seconds:.2f} s "
           f"({time.perf_counter() - launch_time:.2f} s since launch)", file=sys.stderr)
     try:
         return run(engine)

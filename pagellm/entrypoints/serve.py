@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 from pagellm.engine.async_engine import AsyncLLMEngine
-from pagellm.engine.llm_engine import LLMEngine
 from pagellm.entrypoints.engine_args import add_engine_args, byte_size
 
 # The default model is a GGUF inside a package, not a path the user chose; it is served
@@ -54,7 +53,7 @@ def served_model_names(args: argparse.Namespace) -> list[str]:
     return [DEFAULT_MODEL_NAME]
 
 
-def run(args: argparse.Namespace, engine: LLMEngine, launch_time: float) -> int:
+def run(args: argparse.Namespace, engine: AsyncLLMEngine, launch_time: float) -> int:
     # Imported here so the offline subcommands work without the server extra installed.
     from pagellm.entrypoints.openai.api_server import ServerSettings, run_server
 
@@ -63,5 +62,5 @@ def run(args: argparse.Namespace, engine: LLMEngine, launch_time: float) -> int:
         api_key=args.api_key or None, max_request_bytes=args.max_request_bytes,
         log_stats_interval=args.log_stats_interval, shutdown_timeout=args.shutdown_timeout,
         log_level=args.log_level, launch_time=launch_time)
-    run_server(AsyncLLMEngine(engine), settings)
+    run_server(engine, settings)
     return 0
