@@ -164,6 +164,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head: Linear | None = None
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        # A tied head's table is also the embedding, which must stay dense for lookups;
+        # pack_weights may add a packed copy of it for the matmul.
+        self.tied_head: torch.Tensor | None
+        self.register_buffer("tied_head", None, persistent=False)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int]:
         return self.config.kv_cache_shape(num_blocks, block_size)
@@ -191,15 +195,22 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is not None:
             logits: torch.Tensor = self.lm_head(hidden)
             return logits.float()
-        # A tied head's table is also the embedding, which needs it dense.
-        return cpu_matmul.linear(hidden, self.model.embed_tokens.weight, None).float()
+        head = self.tied_head if self.tied_head is not None else self.model.embed_tokens.weight
+        return cpu_matmul.linear(hidden, head, None).float()
 
     def pack_weights(self) -> None:
         """Pack every linear layer's weight for the CPU's fastest matmul (see cpu_matmul);
-        a no-op on devices and dtypes it does not serve. Call once, after load_weights."""
+        a no-op on devices and dtypes it does not serve. Call once, after load_weights.
+
+        A tied head gets a packed copy beside the dense embedding table: the vocabulary
+        matmul is the largest of a decode step (113 MB of float32 for SmolLM2), and packed
+        it takes 2.4 instead of 4.0 ms for 8 rows, for that much more memory."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_for_cpu()
+        table = self.model.embed_tokens.weight
+        if self.lm_head is None and self.tied_head is None and cpu_matmul.serves(table):
+            self.tied_head = cpu_matmul.pack(table)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Put checkpoint tensors (HF names) into our parameters, filling fused shards.
