@@ -168,6 +168,9 @@ class _Group:
     # (top-left) causal masking is exact for every real query row.
     fresh: bool = False
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    additive_masks: dict[tuple[int | None, int, torch.dtype], torch.Tensor] = field(
+        default_factory=dict
+    )
 
     def mask(self, window: int | None) -> torch.Tensor:
         """[Rg, 1, Q, L] causal (and windowed) mask, built once per step per window size."""
@@ -176,6 +179,22 @@ class _Group:
             causal = self.key_pos <= self.query_pos
             cached = _window_mask(causal, self.key_pos, self.query_pos, window)[:, None]
             self.masks[window] = cached
+        return cached
+
+    def additive_mask(self, window: int | None, repeat: int, dtype: torch.dtype) -> torch.Tensor:
+        """`mask` as 0 / -inf scores, each query row repeated `repeat` times in a row
+        ([Rg, 1, Q * repeat, L], the layout of grouped heads folded into the queries).
+        Built once per step: every layer would otherwise rebuild the same tensor."""
+        key = (window, repeat, dtype)
+        cached = self.additive_masks.get(key)
+        if cached is None:
+            mask = self.mask(window)
+            r, _, q, length = mask.shape
+            mask = mask[:, :, :, None, :].expand(r, 1, q, repeat, length)
+            cached = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+            cached.masked_fill_(~mask, float("-inf"))
+            cached = cached.view(r, 1, q * repeat, length)
+            self.additive_masks[key] = cached
         return cached
 
 
@@ -351,9 +370,9 @@ class TorchBatchedBackend(AttentionBackend):
         # Fresh prompts use the kernel's built-in causal mask, about 2x faster than an
         # explicit one; padded keys sit after every real query, so they stay masked.
         builtin_causal = q_len > 1 and group.fresh and spec.sliding_window is None
-        mask = None if builtin_causal else group.mask(spec.sliding_window)
-        if mask is not None and group.prefix_blocks is not None:
-            return self._attend_cascade(q, kv, mask, kv_cache, group, spec)
+        if not builtin_causal and group.prefix_blocks is not None:
+            return self._attend_cascade(q, kv, kv_cache, group, spec)
+        mask = None if builtin_causal else group.additive_mask(spec.sliding_window, 1, q.dtype)
         if q_len == 1:
             folded = q.view(r, hkv, spec.num_heads // hkv, d)
             attn = F.scaled_dot_product_attention(
@@ -376,7 +395,6 @@ class TorchBatchedBackend(AttentionBackend):
         self,
         q: torch.Tensor,
         suffix_kv: torch.Tensor,
-        mask: torch.Tensor,
         kv_cache: torch.Tensor,
         group: _Group,
         spec: AttentionSpec,
@@ -408,14 +426,13 @@ class TorchBatchedBackend(AttentionBackend):
         )
         prefix_out = prefix_out.view(hkv, r, q_len * g, d).transpose(0, 1)
         prefix_lse = prefix_lse.view(hkv, r, q_len * g).transpose(0, 1)
-        own_mask = mask.expand(r, 1, q_len, mask.shape[-1])[:, :, :, None, :]
-        own_mask = own_mask.expand(r, 1, q_len, g, mask.shape[-1]).reshape(r, 1, q_len * g, -1)
+        own_mask = group.additive_mask(spec.sliding_window, g, q.dtype)
         own_out, own_lse = _attention_with_lse(qh, suffix_kv[0], suffix_kv[1], own_mask,
                                                spec.scale)
-        top = torch.maximum(prefix_lse, own_lse)
-        prefix_w = torch.exp(prefix_lse - top)[..., None]
-        own_w = torch.exp(own_lse - top)[..., None]
-        out = ((prefix_out * prefix_w + own_out * own_w) / (prefix_w + own_w)).to(q.dtype)
+        # Softmax over both parts = the parts weighted by their share of the total mass,
+        # exp(lse_p) / (exp(lse_p) + exp(lse_o)) = sigmoid(lse_p - lse_o).
+        prefix_share = torch.sigmoid(prefix_lse - own_lse)[..., None]
+        out = torch.lerp(own_out.float(), prefix_out.float(), prefix_share).to(q.dtype)
         # [r, hkv, Q, G, D] -> [r * Q, H, D]
         out = out.view(r, hkv, q_len, g, d).permute(0, 2, 1, 3, 4)
         return out.reshape(r * q_len, spec.num_heads, d)
@@ -430,23 +447,21 @@ def _consecutive_start(blocks: torch.Tensor | None) -> int | None:
 
 
 def _attention_with_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additive_mask: torch.Tensor | None,
+    scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention [B, H, Q, D] and the log-sum-exp of its scores [B, H, Q] (for merging
-    partial attentions). On CPU, torch's flash kernel returns both without materialising
-    the scores (about 4x faster here); elsewhere the scores are computed explicitly."""
+    partial attentions), `additive_mask` added to the scores. On CPU, torch's flash kernel
+    returns both without materialising the scores (about 4x faster here); elsewhere the
+    scores are computed explicitly."""
     if q.device.type == "cpu":
-        additive = None
-        if mask is not None:
-            additive = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
-            additive.masked_fill_(~mask, float("-inf"))
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, False, attn_mask=additive, scale=scale
+            q, k, v, 0.0, False, attn_mask=additive_mask, scale=scale
         )
         return out, lse
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+    if additive_mask is not None:
+        scores = scores + additive_mask
     lse = torch.logsumexp(scores.float(), dim=-1)
     weights = torch.exp(scores.float() - lse[..., None]).to(v.dtype)
     return torch.matmul(weights, v), lse
