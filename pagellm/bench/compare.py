@@ -113,13 +113,14 @@ def _fmt(value: float, suffix: str = "x") -> str:
 def _throughput_target(comp: Comparison, target: str, where: str, ratio: float,
                        goal: float, note: str = "", shown: str | None = None) -> Target:
     """A throughput ratio is a verdict only where the engine sets the pace: with paced
-    online arrivals both contenders serve what the client sends, so the ratio is shown
-    but the target is n/a there (latency is what such a run compares)."""
+    online arrivals every contender that keeps up serves what the client sends (a
+    multi-turn conversation's later turns follow its answers, but its start is paced), so
+    the ratio is shown but the target is n/a there (latency is what such a run compares)."""
     shown = _fmt(ratio) if shown is None else shown
     if comp.paced:
-        return Target(target, where, shown, "n/a",
-                      f"arrivals paced at {comp.request_rate:g}/s set the throughput; "
-                      "compare TTFT")
+        paced = (f"arrivals paced at {comp.request_rate:g}/s set most of the throughput; "
+                 "compare TTFT")
+        return Target(target, where, shown, "n/a", f"{note}; {paced}" if note else paced)
     return Target(target, where, shown,
                   _status(None if math.isnan(ratio) else ratio >= goal), note)
 
@@ -163,7 +164,7 @@ def evaluate_targets(comparisons: list[Comparison]) -> list[Target]:
                               missing or "vLLM's mean TTFT / PageLLM's"))
         hf = [r for r in comp.runs if r.contender in TRANSFORMERS]
         if hf:
-            best = max(hf, key=lambda r: r.output_tokens_per_s)
+            best = max(hf, key=lambda r: r.output_tokens_per_s or 0.0)
             ratio = _ratio(on.output_tokens_per_s, best.output_tokens_per_s)
             targets.append(_throughput_target(
                 comp, "PageLLM(caching) >= 5x transformers throughput", where, ratio, 5,

@@ -168,14 +168,17 @@ class AsyncLLMEngine:
         built: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, args=(build, built.put),
                                         name="pagellm-engine", daemon=True)
+        self.tokenizer: Any
         self._thread.start()
-        error = built.get()
+        try:
+            error = built.get()
+        except BaseException:
+            # Interrupted while the engine is still being built: the thread drops it as
+            # soon as the build returns instead of waiting for requests nobody will send.
+            self._stopping = True
+            raise
         if error is not None:
             raise error
-        # Hugging Face fast tokenizers are not safe to share between threads (concurrent
-        # use fails with "Already borrowed"), and the engine thread detokenizes on every
-        # step: callers on the event loop get their own copy.
-        self.tokenizer: Any = copy.deepcopy(self.engine.tokenizer)
 
     # ---- what the server reads --------------------------------------------------------
 
@@ -275,6 +278,10 @@ class AsyncLLMEngine:
         try:
             self.engine = build()
             self._stats = self.engine.get_stats()
+            # Hugging Face fast tokenizers are not safe to share between threads
+            # (concurrent use fails with "Already borrowed"), and this thread detokenizes
+            # on every step: callers on the event loop get their own copy.
+            self.tokenizer = copy.deepcopy(self.engine.tokenizer)
         except BaseException as error:  # noqa: BLE001 - the constructor re-raises it
             self._dead = error
             report(error)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -46,11 +47,18 @@ def _runner(args: argparse.Namespace, launch_time: float) -> Callable[[Any], int
     return lambda engine: int(module.run(args, engine))
 
 
-def _start(args: argparse.Namespace, config: EngineConfig) -> tuple[Any, LLMEngine]:
+def _start(args: argparse.Namespace, config: EngineConfig
+           ) -> tuple[LLMEngine | AsyncLLMEngine, LLMEngine]:
     """The engine the subcommand runs and the `LLMEngine` inside it: the server's is built
     on the thread that will step it (see `AsyncLLMEngine`)."""
     if args.command == "serve":
-        engine = AsyncLLMEngine(lambda: LLMEngine(config))
+        try:
+            engine = AsyncLLMEngine(lambda: LLMEngine(config))
+        except KeyboardInterrupt:
+            # The build goes on in its thread, inside torch; an interpreter shutdown around
+            # it can abort the process, so leave at once with the usual status.
+            sys.stderr.flush()
+            os._exit(130)
         return engine, engine.engine
     plain = LLMEngine(config)
     return plain, plain

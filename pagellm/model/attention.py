@@ -167,28 +167,19 @@ class _Group:
     # No request has context before its queries: key j is position j and SDPA's own
     # (top-left) causal masking is exact for every real query row.
     fresh: bool = False
-    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     additive_masks: dict[tuple[int | None, int, torch.dtype], torch.Tensor] = field(
         default_factory=dict
     )
 
-    def mask(self, window: int | None) -> torch.Tensor:
-        """[Rg, 1, Q, L] causal (and windowed) mask, built once per step per window size."""
-        cached = self.masks.get(window)
-        if cached is None:
-            causal = self.key_pos <= self.query_pos
-            cached = _window_mask(causal, self.key_pos, self.query_pos, window)[:, None]
-            self.masks[window] = cached
-        return cached
-
     def additive_mask(self, window: int | None, repeat: int, dtype: torch.dtype) -> torch.Tensor:
-        """`mask` as 0 / -inf scores, each query row repeated `repeat` times in a row
-        ([Rg, 1, Q * repeat, L], the layout of grouped heads folded into the queries).
-        Built once per step: every layer would otherwise rebuild the same tensor."""
+        """The causal (and windowed) mask as 0 / -inf scores, each query row repeated
+        `repeat` times in a row ([Rg, 1, Q * repeat, L], the layout of grouped heads folded
+        into the queries). Built once per step: every layer would rebuild the same tensor."""
         key = (window, repeat, dtype)
         cached = self.additive_masks.get(key)
         if cached is None:
-            mask = self.mask(window)
+            causal = self.key_pos <= self.query_pos
+            mask = _window_mask(causal, self.key_pos, self.query_pos, window)[:, None]
             r, _, q, length = mask.shape
             mask = mask[:, :, :, None, :].expand(r, 1, q, repeat, length)
             cached = torch.zeros(mask.shape, dtype=dtype, device=mask.device)

@@ -221,6 +221,7 @@ class LlamaForCausalLM(nn.Module):
         Raises CorruptModelError naming the first tensor that is missing, unexpected or of
         the wrong shape, instead of leaving a silently half-initialised model.
         """
+        self.tied_head = None  # packed from the old table; pack_weights packs the new one
         params = dict(self.named_parameters())
         filled: dict[str, int] = {}
         for name, tensor in weights:
