@@ -165,10 +165,10 @@ class AsyncLLMEngine:
         self._dead: BaseException | None = None
         self.engine: LLMEngine
         self._stats: EngineStats
+        self.tokenizer: Any
         built: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, args=(build, built.put),
                                         name="pagellm-engine", daemon=True)
-        self.tokenizer: Any
         self._thread.start()
         try:
             error = built.get()
