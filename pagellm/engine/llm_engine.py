@@ -103,8 +103,10 @@ class LLMEngine:
         dtype_name = "float32" if config.dtype == "auto" else config.dtype
         self.dtype = _TORCH_DTYPES[dtype_name]
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(model_path)
-        self.model = load_model(model_path, dtype=self.dtype, device=self.device,
-                                attention_backend=config.attention_backend)
+        self.model = load_model(
+            model_path, dtype=self.dtype, device=self.device,
+            attention_backend=config.attention_backend,
+            kernel_dir=config.cache_dir / "kernels" if config.quantized_kernels else None)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         num_blocks = num_blocks_for_budget(

@@ -10,7 +10,9 @@ conversion. The directory is written under a temporary name and renamed into pla
 crash mid-conversion never leaves a cache that looks complete.
 
 Quantized tensors are stored dequantized in float32: that is exact (their values are
-`scale * q + min` products no 16-bit type holds) and the model casts on load.
+`scale * q + min` products no 16-bit type holds) and the model casts on load. Q4_1 tensors
+are also kept as their raw blocks in `quantized/q4_1.safetensors`, for the matmul kernel
+that reads 4-bit weights directly (see quant_kernels).
 """
 
 from __future__ import annotations
@@ -32,7 +34,11 @@ from pagellm.model.errors import CorruptModelError, ModelNotFoundError, Unsuppor
 from pagellm.model.rotary import rope_inverse_frequencies
 
 # Bump when the conversion output changes, so old caches are not reused.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
+
+# Raw Q4_1 blocks beside the float32 weights: <model dir>/QUANTIZED_DIR/Q4_1_FILE.
+QUANTIZED_DIR = "quantized"
+Q4_1_FILE = "q4_1.safetensors"
 
 # GGUF `general.architecture` -> (HF architecture, HF model_type, q/k stored permuted).
 # llama.cpp reorders the rows of attn_q/attn_k for the "llama" arch (it rotates interleaved
@@ -148,6 +154,7 @@ def _write_hf_directory(source: Path, out: Path) -> None:
     tensor_names = {t.name for t in reader.tensors}
     config = _hf_config(fields, arch_name, tensor_names, reader, source)
     _write_weights(reader, arch_name, config, out)
+    _write_quantized_blocks(reader, arch_name, config, out)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     generation = {
         k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config
@@ -308,6 +315,29 @@ def _iter_tensors(
         elif permuted and ".self_attn.k_proj." in hf_name:
             weight = _unpermute_rows(weight, config["num_key_value_heads"])
         yield hf_name, weight.contiguous()
+
+
+def _write_quantized_blocks(reader: Any, arch: str, config: dict[str, Any], out: Path) -> None:
+    """Save the raw blocks of every Q4_1 tensor (q/k rows put back in HF order, whole
+    rows of blocks move with them) under its HF name; nothing when there are none."""
+    from gguf import GGMLQuantizationType
+
+    permuted = _GGUF_ARCHS[arch][2]
+    blocks: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        hf_name = _hf_tensor_name(tensor.name)
+        if hf_name is None or tensor.tensor_type != GGMLQuantizationType.Q4_1:
+            continue
+        rows = int(tensor.shape[-1]) if len(tensor.shape) > 1 else 1
+        raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(rows, -1))
+        if permuted and ".self_attn.q_proj." in hf_name:
+            raw = _unpermute_rows(raw, config["num_attention_heads"])
+        elif permuted and ".self_attn.k_proj." in hf_name:
+            raw = _unpermute_rows(raw, config["num_key_value_heads"])
+        blocks[hf_name] = raw.contiguous()
+    if blocks:
+        (out / QUANTIZED_DIR).mkdir()
+        save_file(blocks, str(out / QUANTIZED_DIR / Q4_1_FILE), metadata={"format": "gguf-q4_1"})
 
 
 def _write_weights(reader: Any, arch: str, config: dict[str, Any], out: Path) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from pagellm.model import cpu_matmul
+from pagellm.model import cpu_matmul, quant_kernels
 from pagellm.model.attention import (
     AttentionBackend,
     AttentionSpec,
@@ -247,6 +247,40 @@ class LlamaForCausalLM(nn.Module):
         for target in params:
             if filled.get(target, 0) != self._shard_count(target):
                 raise CorruptModelError(f"checkpoint is missing weights for {target!r}")
+
+    def attach_q4_1(self, blocks: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Give linear layers their checkpoint's raw Q4_1 blocks (HF names, GGUF byte
+        order) for the small-batch kernel; returns how many layers got them. A fused layer
+        gets them only when every shard has them.
+
+        Call after load_weights and before pack_weights: rows sampled from every layer are
+        dequantized and must equal the loaded float32 weights bit for bit, else this raises
+        CorruptModelError (blocks that do not belong to these weights).
+        """
+        parts: dict[str, dict[int, torch.Tensor]] = {}
+        for name, raw in blocks:
+            target, shard = self._target(name)
+            parts.setdefault(target, {})[0 if shard is None else shard] = raw
+        modules = dict(self.named_modules())
+        attached = 0
+        for target, shards in parts.items():
+            module = modules.get(target.removesuffix(".weight"))
+            if not isinstance(module, Linear) or len(shards) != self._shard_count(target):
+                continue
+            weight = module.weight
+            raw = torch.cat([shards[i] for i in sorted(shards)])
+            if (weight.is_mkldnn or weight.dtype != torch.float32
+                    or raw.shape[0] != weight.shape[0]
+                    or not quant_kernels.q4_1_packable(*weight.shape)):
+                continue
+            rows = torch.arange(0, weight.shape[0], max(1, weight.shape[0] // 16))
+            sample = quant_kernels.dequantize_q4_1(raw[rows], weight.shape[1])
+            if not torch.equal(sample, weight.detach()[rows]):
+                raise CorruptModelError(
+                    f"the Q4_1 blocks of {target!r} do not match its float32 weights")
+            module.q4_1 = quant_kernels.pack_q4_1(raw, weight.shape[1])
+            attached += 1
+        return attached
 
     @staticmethod
     def _target(name: str) -> tuple[str, int | None]:

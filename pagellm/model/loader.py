@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
+from pagellm.model import quant_kernels
 from pagellm.model.errors import CorruptModelError, ModelNotFoundError
+from pagellm.model.gguf_loader import Q4_1_FILE, QUANTIZED_DIR
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.model_config import ModelConfig, load_model_config
 from pagellm.model.registry import get_model_class
@@ -101,8 +103,13 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     attention_backend: str | None = None,
+    kernel_dir: Path | None = None,
 ) -> LlamaForCausalLM:
-    """Build the model of an HF directory and load its weights, ready for inference."""
+    """Build the model of an HF directory and load its weights, ready for inference.
+
+    With `kernel_dir` (where compiled kernels are kept), a float32 CPU model whose
+    directory has raw Q4_1 blocks (a converted Q4_1 GGUF) runs its small-batch matmuls on
+    them (see quant_kernels); None keeps every matmul on the float32 weights."""
     directory = Path(path)
     config = load_model_config(directory)
     torch_dtype = resolve_dtype(dtype, config)
@@ -115,6 +122,10 @@ def load_model(
     # load_weights for which are adopted as they are and which are copied (fused, cast).
     model.load_weights(iter_safetensors(files, target if target.type == "cuda" else "cpu"))
     model.requires_grad_(False)
+    blocks_file = directory / QUANTIZED_DIR / Q4_1_FILE
+    if (kernel_dir is not None and target.type == "cpu" and torch_dtype == torch.float32
+            and blocks_file.is_file() and quant_kernels.load_kernels(kernel_dir)):
+        model.attach_q4_1(iter_safetensors([blocks_file]))
     model.pack_weights()
     return model.eval()
 

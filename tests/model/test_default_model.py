@@ -65,7 +65,8 @@ def chat_ids(converted: Path) -> list[int]:
 
 def test_converted_directory_is_complete(converted: Path) -> None:
     names = {p.name for p in converted.iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= names
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json",
+            "quantized"} <= names
     config = load_model_config(converted)
     assert config.architecture == "LlamaForCausalLM"
     assert (config.num_hidden_layers, config.num_attention_heads, config.num_kv_heads) == (30, 9, 3)
@@ -109,12 +110,17 @@ def hf_greedy(hf_gguf_model: Any, chat_ids: list[int]) -> tuple[torch.Tensor, li
     return logits, tokens
 
 
-@pytest.mark.parametrize("backend", ["torch_ref", "torch_batched"])
+@pytest.mark.parametrize(("backend", "kernels"),
+                         [("torch_ref", False), ("torch_batched", False), ("torch_batched", True)])
 def test_greedy_logits_match_transformers(
-    converted: Path, hf_greedy: tuple[torch.Tensor, list[int]], chat_ids: list[int], backend: str
+    converted: Path, cache_root: Path, hf_greedy: tuple[torch.Tensor, list[int]],
+    chat_ids: list[int], backend: str, kernels: bool,
 ) -> None:
+    """Against transformers, with every matmul on float32 weights and with decode steps on
+    the 4-bit kernel (where this machine can build it; else both runs are the same)."""
     expected_logits, expected_tokens = hf_greedy
-    model = load_model(converted, "float32", "cpu", attention_backend=backend)
+    model = load_model(converted, "float32", "cpu", attention_backend=backend,
+                       kernel_dir=cache_root / "kernels" if kernels else None)
     sim = PagedSim(model, num_blocks=64, block_size=16)
     got = sim.step([("chat", chat_ids)])[-1]
     assert (got - expected_logits).abs().max().item() < 2e-3
