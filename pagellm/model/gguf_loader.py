@@ -10,9 +10,10 @@ conversion. The directory is written under a temporary name and renamed into pla
 crash mid-conversion never leaves a cache that looks complete.
 
 Quantized tensors are stored dequantized in float32: that is exact (their values are
-`scale * q + min` products no 16-bit type holds) and the model casts on load. Q4_1 tensors
-are also kept as their raw blocks in `quantized/q4_1.safetensors`, for the matmul kernel
-that reads 4-bit weights directly (see quant_kernels).
+`scale * q + min` products no 16-bit type holds) and the model casts on load. Q4_1 and
+Q8_0 tensors are also kept as their raw blocks in `quantized/blocks.safetensors` (the
+metadata names each one's format), for the matmul kernels that read them directly (see
+quant_kernels).
 """
 
 from __future__ import annotations
@@ -34,11 +35,13 @@ from pagellm.model.errors import CorruptModelError, ModelNotFoundError, Unsuppor
 from pagellm.model.rotary import rope_inverse_frequencies
 
 # Bump when the conversion output changes, so old caches are not reused.
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3
 
-# Raw Q4_1 blocks beside the float32 weights: <model dir>/QUANTIZED_DIR/Q4_1_FILE.
+# Raw quantized blocks beside the float32 weights: <model dir>/QUANTIZED_DIR/BLOCKS_FILE,
+# its metadata mapping each tensor name to its GGUF format.
 QUANTIZED_DIR = "quantized"
-Q4_1_FILE = "q4_1.safetensors"
+BLOCKS_FILE = "blocks.safetensors"
+_KEPT_FORMATS = ("Q4_1", "Q8_0")
 
 # GGUF `general.architecture` -> (HF architecture, HF model_type, q/k stored permuted).
 # llama.cpp reorders the rows of attn_q/attn_k for the "llama" arch (it rotates interleaved
@@ -318,15 +321,14 @@ def _iter_tensors(
 
 
 def _write_quantized_blocks(reader: Any, arch: str, config: dict[str, Any], out: Path) -> None:
-    """Save the raw blocks of every Q4_1 tensor (q/k rows put back in HF order, whole
-    rows of blocks move with them) under its HF name; nothing when there are none."""
-    from gguf import GGMLQuantizationType
-
+    """Save the raw blocks of every Q4_1 or Q8_0 tensor (q/k rows put back in HF order,
+    whole rows of blocks move with them) under its HF name; nothing when there are none."""
     permuted = _GGUF_ARCHS[arch][2]
     blocks: dict[str, torch.Tensor] = {}
+    formats: dict[str, str] = {}
     for tensor in reader.tensors:
         hf_name = _hf_tensor_name(tensor.name)
-        if hf_name is None or tensor.tensor_type != GGMLQuantizationType.Q4_1:
+        if hf_name is None or tensor.tensor_type.name not in _KEPT_FORMATS:
             continue
         rows = int(tensor.shape[-1]) if len(tensor.shape) > 1 else 1
         raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(rows, -1))
@@ -335,9 +337,10 @@ def _write_quantized_blocks(reader: Any, arch: str, config: dict[str, Any], out:
         elif permuted and ".self_attn.k_proj." in hf_name:
             raw = _unpermute_rows(raw, config["num_key_value_heads"])
         blocks[hf_name] = raw.contiguous()
+        formats[hf_name] = tensor.tensor_type.name
     if blocks:
         (out / QUANTIZED_DIR).mkdir()
-        save_file(blocks, str(out / QUANTIZED_DIR / Q4_1_FILE), metadata={"format": "gguf-q4_1"})
+        save_file(blocks, str(out / QUANTIZED_DIR / BLOCKS_FILE), metadata=formats)
 
 
 def _write_weights(reader: Any, arch: str, config: dict[str, Any], out: Path) -> None:

@@ -22,12 +22,12 @@ class Linear(nn.Linear):
     device to avoid it, whose first use costs ~2 s of torch start-up) is pure start-up time.
     `pack_for_cpu` replaces the weight by its oneDNN-packed form (see cpu_matmul): the
     dense copy is dropped rather than kept beside it, so packing costs no memory.
-    `q4_1`, when the loader attaches the checkpoint's 4-bit blocks, serves matmuls of fewer
-    than `quant_kernels.MAX_ROWS` rows (decode steps) from them instead (see quant_kernels).
+    `quantized`, when the loader attaches the checkpoint's own quantized blocks, serves
+    matmuls of fewer rows than its format's `max_rows` (decode steps) (see quant_kernels).
     """
 
     packed = False
-    q4_1: quant_kernels.Q4_1Weight | None = None
+    quantized: quant_kernels.QuantizedWeight | None = None
 
     def reset_parameters(self) -> None:
         return None
@@ -42,8 +42,9 @@ class Linear(nn.Linear):
         self.packed = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.q4_1 is not None and x.dim() == 2 and x.shape[0] < quant_kernels.MAX_ROWS:
-            out = quant_kernels.q4_1_linear(x, self.q4_1)
+        quantized = self.quantized
+        if quantized is not None and x.dim() == 2 and x.shape[0] < quantized.format.max_rows:
+            out = quant_kernels.quantized_linear(x, quantized)
             return out if self.bias is None else out + self.bias
         if self.packed:
             return cpu_matmul.linear(x, self.weight, self.bias)

@@ -168,6 +168,8 @@ class LlamaForCausalLM(nn.Module):
         # pack_weights may add a packed copy of it for the matmul.
         self.tied_head: torch.Tensor | None
         self.register_buffer("tied_head", None, persistent=False)
+        # A tied head's own quantized blocks, for the small-batch kernel (attach_quantized).
+        self.quantized_head: quant_kernels.QuantizedWeight | None = None
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int]:
         return self.config.kv_cache_shape(num_blocks, block_size)
@@ -195,6 +197,9 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is not None:
             logits: torch.Tensor = self.lm_head(hidden)
             return logits.float()
+        quantized = self.quantized_head
+        if quantized is not None and hidden.shape[0] < quantized.format.max_rows:
+            return quant_kernels.quantized_linear(hidden, quantized)
         head = self.tied_head if self.tied_head is not None else self.model.embed_tokens.weight
         return cpu_matmul.linear(hidden, head, None).float()
 
@@ -221,7 +226,12 @@ class LlamaForCausalLM(nn.Module):
         Raises CorruptModelError naming the first tensor that is missing, unexpected or of
         the wrong shape, instead of leaving a silently half-initialised model.
         """
-        self.tied_head = None  # packed from the old table; pack_weights packs the new one
+        # Derived from the old weights: pack_weights and attach_quantized redo them.
+        self.tied_head = None
+        self.quantized_head = None
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.quantized = None
         params = dict(self.named_parameters())
         filled: dict[str, int] = {}
         for name, tensor in weights:
@@ -248,37 +258,49 @@ class LlamaForCausalLM(nn.Module):
             if filled.get(target, 0) != self._shard_count(target):
                 raise CorruptModelError(f"checkpoint is missing weights for {target!r}")
 
-    def attach_q4_1(self, blocks: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Give linear layers their checkpoint's raw Q4_1 blocks (HF names, GGUF byte
-        order) for the small-batch kernel; returns how many layers got them. A fused layer
-        gets them only when every shard has them.
+    def attach_quantized(self, blocks: Iterable[tuple[str, str, torch.Tensor]]) -> int:
+        """Give linear layers (and a tied head) their checkpoint's raw quantized blocks,
+        as (HF name, GGUF format, blocks in GGUF byte order), for the small-batch kernels;
+        returns how many weights got them. A fused layer gets them only when every shard
+        has them, in one format.
 
-        Call after load_weights and before pack_weights: rows sampled from every layer are
+        Call after load_weights and before pack_weights: rows sampled from every weight are
         dequantized and must equal the loaded float32 weights bit for bit, else this raises
         CorruptModelError (blocks that do not belong to these weights).
         """
-        parts: dict[str, dict[int, torch.Tensor]] = {}
-        for name, raw in blocks:
+        parts: dict[str, dict[int, tuple[str, torch.Tensor]]] = {}
+        for name, format_name, raw in blocks:
+            if name == "model.embed_tokens.weight" and self.lm_head is None:
+                name = "tied_head"
             target, shard = self._target(name)
-            parts.setdefault(target, {})[0 if shard is None else shard] = raw
+            parts.setdefault(target, {})[0 if shard is None else shard] = (format_name, raw)
         modules = dict(self.named_modules())
         attached = 0
         for target, shards in parts.items():
             module = modules.get(target.removesuffix(".weight"))
-            if not isinstance(module, Linear) or len(shards) != self._shard_count(target):
+            if target == "tied_head":
+                weight = self.model.embed_tokens.weight
+            elif isinstance(module, Linear) and len(shards) == self._shard_count(target):
+                weight = module.weight
+            else:
                 continue
-            weight = module.weight
-            raw = torch.cat([shards[i] for i in sorted(shards)])
-            if (weight.is_mkldnn or weight.dtype != torch.float32
+            names = {name for name, _ in shards.values()}
+            raw = torch.cat([shards[i][1] for i in sorted(shards)])
+            if (len(names) != 1 or weight.is_mkldnn or weight.dtype != torch.float32
                     or raw.shape[0] != weight.shape[0]
-                    or not quant_kernels.q4_1_packable(*weight.shape)):
+                    or not quant_kernels.packable(*weight.shape)):
                 continue
+            fmt = quant_kernels.FORMATS[names.pop()]
             rows = torch.arange(0, weight.shape[0], max(1, weight.shape[0] // 16))
-            sample = quant_kernels.dequantize_q4_1(raw[rows], weight.shape[1])
+            sample = quant_kernels.dequantize(fmt, raw[rows], weight.shape[1])
             if not torch.equal(sample, weight.detach()[rows]):
                 raise CorruptModelError(
-                    f"the Q4_1 blocks of {target!r} do not match its float32 weights")
-            module.q4_1 = quant_kernels.pack_q4_1(raw, weight.shape[1])
+                    f"the {fmt.name} blocks of {target!r} do not match its float32 weights")
+            packed = quant_kernels.pack(fmt, raw, weight.shape[1])
+            if isinstance(module, Linear):
+                module.quantized = packed
+            else:
+                self.quantized_head = packed
             attached += 1
         return attached
 

@@ -17,7 +17,7 @@ import torch
 
 from pagellm.model import quant_kernels
 from pagellm.model.errors import CorruptModelError, ModelNotFoundError
-from pagellm.model.gguf_loader import Q4_1_FILE, QUANTIZED_DIR
+from pagellm.model.gguf_loader import BLOCKS_FILE, QUANTIZED_DIR
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.model_config import ModelConfig, load_model_config
 from pagellm.model.registry import get_model_class
@@ -98,6 +98,21 @@ def iter_safetensors(
             raise CorruptModelError(f"cannot read weight file {file}: {exc}") from exc
 
 
+def iter_quantized_blocks(file: Path) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """Yield (name, GGUF format, raw blocks) from a converted model's blocks file, for
+    the formats the kernels read."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            formats = handle.metadata() or {}
+            for name in handle.keys():
+                if formats.get(name) in quant_kernels.FORMATS:
+                    yield name, formats[name], handle.get_tensor(name)
+    except Exception as exc:  # safetensors raises its own error types and OSError
+        raise CorruptModelError(f"cannot read weight file {file}: {exc}") from exc
+
+
 def load_model(
     path: str | Path,
     dtype: str | torch.dtype = "float32",
@@ -108,7 +123,7 @@ def load_model(
     """Build the model of an HF directory and load its weights, ready for inference.
 
     With `kernel_dir` (where compiled kernels are kept), a float32 CPU model whose
-    directory has raw Q4_1 blocks (a converted Q4_1 GGUF) runs its small-batch matmuls on
+    directory has raw quantized blocks (a converted GGUF) runs its small-batch matmuls on
     them (see quant_kernels); None keeps every matmul on the float32 weights."""
     directory = Path(path)
     config = load_model_config(directory)
@@ -122,10 +137,10 @@ def load_model(
     # load_weights for which are adopted as they are and which are copied (fused, cast).
     model.load_weights(iter_safetensors(files, target if target.type == "cuda" else "cpu"))
     model.requires_grad_(False)
-    blocks_file = directory / QUANTIZED_DIR / Q4_1_FILE
+    blocks_file = directory / QUANTIZED_DIR / BLOCKS_FILE
     if (kernel_dir is not None and target.type == "cpu" and torch_dtype == torch.float32
             and blocks_file.is_file() and quant_kernels.load_kernels(kernel_dir)):
-        model.attach_q4_1(iter_safetensors([blocks_file]))
+        model.attach_quantized(iter_quantized_blocks(blocks_file))
     model.pack_weights()
     return model.eval()
 

@@ -1,22 +1,24 @@
-"""Matrix multiplies that read a GGUF checkpoint's 4-bit weight blocks directly (CPU).
+"""Matrix multiplies that read a GGUF checkpoint's weight blocks directly (CPU).
 
 Why: a decode step multiplies a few rows by every weight of the model, so its speed is
 set by how many weight bytes stream from memory. SmolLM2-135M's linear layers are 425 MB
-as float32 but 66 MB as Q4_1 blocks (5 bits per weight as packed here). Measured on this
-project's 2-core AVX-512 machine, 30 layers' worth of matmuls: 1 row 11.7 -> 2.8 ms,
-8 rows 13.2 -> 6.1 ms, 32 rows 22.6 -> 19.5 ms; from 64 rows on oneDNN's float32 GEMM is as
-fast or faster, so prefill keeps it (`MAX_ROWS`).
+as float32 but 66 MB as Q4_1 blocks (5 bits per weight as packed here), and its tied
+vocabulary head 113 MB but 32 MB as Q8_0. Measured on this project's 2-core AVX-512
+machine: 30 layers' matmuls, 1 row 11.7 -> 2.8 ms, 8 rows 13.2 -> 6.1 ms, 32 rows
+22.6 -> 19.5 ms; the head, 1 row 2.2 -> 0.5 ms, 8 rows 2.5 -> 1.7 ms. With more rows
+oneDNN's float32 GEMM catches up (64 rows for Q4_1, 32 for Q8_0: `BlockFormat.max_rows`),
+so prefill keeps it.
 
-Exactness: the kernel rebuilds each weight as `(scale * code) + min` with the same two
-float32 roundings as the GGUF reader's dequantisation (the loader checks this on sampled
-rows), so it multiplies by exactly the float32 weights the model was loaded with; only the
+Exactness: the kernels rebuild each weight with the GGUF reader's own float32 roundings
+(Q4_1 `(scale * code) + min`, Q8_0 `scale * code`; the loader checks sampled rows), so
+they multiply by exactly the float32 weights the model was loaded with; only the
 summation order differs from another GEMM's, as between any two GEMM libraries.
 
-The C++ kernel (csrc/q4_1_linear.cpp) is compiled on first use with the machine's g++ for
-its own CPU (`-march=native`) into `<cache_dir>/kernels/`, keyed by the source, torch and
-compiler, and loaded as `torch.ops.pagellm.q4_1_linear`. Where that cannot happen (no
-compiler, no AVX-512, another device or dtype), `load_kernels` says so once in the log and
-everything stays on the float32 path.
+The C++ kernels (csrc/quant_linear.cpp) are compiled on first use with the machine's g++
+for its own CPU (`-march=native`) into `<cache_dir>/kernels/`, keyed by the source, torch
+and compiler, and loaded as `torch.ops.pagellm.*`. Where that cannot happen (no compiler,
+no AVX-512, another device or dtype), `load_kernels` says so once in the log and every
+matmul stays on the float32 path.
 """
 
 from __future__ import annotations
@@ -36,28 +38,40 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# Rows below which a matmul takes the 4-bit kernel (at 64 rows oneDNN catches up).
-MAX_ROWS = 64
-
-# GGUF's Q4_1 block: float16 scale, float16 min, 16 bytes of 4-bit codes for 32 weights.
-Q4_1_BLOCK = 32
-Q4_1_BLOCK_BYTES = 20
+BLOCK = 32  # weights per GGUF block, along the input dimension
 _LANES = 16  # output rows per kernel tile (one AVX-512 register of float32)
 
-_SOURCE = Path(__file__).parent / "csrc" / "q4_1_linear.cpp"
-_LIBRARY_NAME = "libpagellm_q4_1.so"
+_SOURCE = Path(__file__).parent / "csrc" / "quant_linear.cpp"
+_LIBRARY_NAME = "libpagellm_quant_linear.so"
 
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet in this process
 
 
 @dataclass(frozen=True)
-class Q4_1Weight:
-    """A [out, in] weight in the kernel's tiled layout (see csrc/q4_1_linear.cpp)."""
+class BlockFormat:
+    """A GGUF block format the kernels read: bytes per block of 32 weights, and the row
+    count from which oneDNN's float32 GEMM is as fast (measured, see the module doc)."""
 
+    name: str
+    block_bytes: int
+    max_rows: int
+
+
+FORMATS: dict[str, BlockFormat] = {
+    "Q4_1": BlockFormat("Q4_1", 20, 64),  # float16 scale, float16 min, 16 bytes of nibbles
+    "Q8_0": BlockFormat("Q8_0", 34, 32),  # float16 scale, 32 int8 codes
+}
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A [out, in] weight in a kernel's tiled layout (see csrc/quant_linear.cpp)."""
+
+    format: BlockFormat
     scales: torch.Tensor  # float32 [out / 16, in / 32, 16]
-    mins: torch.Tensor  # float32 [out / 16, in / 32, 16]
-    codes: torch.Tensor  # uint8 [out / 16, in / 32, 16, 16]
+    codes: torch.Tensor  # Q4_1: uint8 [out / 16, in / 32, 16, 16]; Q8_0: int8 [.., 32, 16]
+    mins: torch.Tensor | None = None  # Q4_1: float32 like scales
 
     @property
     def out_features(self) -> int:
@@ -65,58 +79,74 @@ class Q4_1Weight:
 
     @property
     def in_features(self) -> int:
-        return int(self.scales.shape[1]) * Q4_1_BLOCK
+        return int(self.scales.shape[1]) * BLOCK
 
 
-def q4_1_packable(out_features: int, in_features: int) -> bool:
-    """Whether a weight of this shape fits the kernel's tiles."""
-    return out_features % _LANES == 0 and in_features % Q4_1_BLOCK == 0
+def packable(out_features: int, in_features: int) -> bool:
+    """Whether a weight of this shape fits the kernels' tiles."""
+    return out_features % _LANES == 0 and in_features % BLOCK == 0
 
 
-def dequantize_q4_1(blocks: torch.Tensor, in_features: int) -> torch.Tensor:
-    """Float32 weights [rows, in] of raw Q4_1 blocks [rows, in / 32 * 20], rounded as the
-    GGUF reader rounds them: (scale * code) + min."""
-    raw = blocks.reshape(blocks.shape[0], in_features // Q4_1_BLOCK, Q4_1_BLOCK_BYTES)
-    scale = raw[..., 0:2].contiguous().view(torch.float16).float()
-    minimum = raw[..., 2:4].contiguous().view(torch.float16).float()
-    packed = raw[..., 4:].long()
-    codes = torch.cat([packed & 0xF, packed >> 4], dim=-1).float()
-    return (scale * codes + minimum).reshape(blocks.shape[0], in_features)
+def _fields(fmt: BlockFormat, blocks: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Raw blocks [rows, in / 32 * bytes] as [rows, in / 32, bytes], checked."""
+    expected = (blocks.shape[0], in_features // BLOCK * fmt.block_bytes)
+    if in_features % BLOCK or blocks.dtype != torch.uint8 or tuple(blocks.shape) != expected:
+        raise ValueError(f"{fmt.name} blocks of {in_features} inputs must be uint8 {expected}, "
+                         f"got {blocks.dtype} {tuple(blocks.shape)}")
+    return blocks.reshape(blocks.shape[0], in_features // BLOCK, fmt.block_bytes)
 
 
-def pack_q4_1(blocks: torch.Tensor, in_features: int) -> Q4_1Weight:
-    """The kernel's layout for raw Q4_1 blocks [out, in / 32 * 20] (GGUF's byte order)."""
+def _half(field: torch.Tensor) -> torch.Tensor:
+    """Two-byte little-endian float16 fields [..., 2] as float32 [...]."""
+    return field.contiguous().view(torch.float16).float().squeeze(-1)
+
+
+def dequantize(fmt: BlockFormat, blocks: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Float32 weights [rows, in] of raw blocks, rounded as the GGUF reader rounds them."""
+    raw = _fields(fmt, blocks, in_features)
+    scale = _half(raw[..., 0:2])[..., None]
+    if fmt.name == "Q4_1":
+        packed = raw[..., 4:].long()
+        codes = torch.cat([packed & 0xF, packed >> 4], dim=-1).float()
+        weights = scale * codes + _half(raw[..., 2:4])[..., None]
+    else:
+        weights = scale * raw[..., 2:].contiguous().view(torch.int8).float()
+    return weights.reshape(blocks.shape[0], in_features)
+
+
+def pack(fmt: BlockFormat, blocks: torch.Tensor, in_features: int) -> QuantizedWeight:
+    """The kernel's layout for raw blocks [out, in / 32 * bytes] (GGUF's byte order)."""
     out_features = blocks.shape[0]
-    if not q4_1_packable(out_features, in_features):
-        raise ValueError(f"a [{out_features}, {in_features}] weight does not fit Q4_1 tiles")
-    n_blocks = in_features // Q4_1_BLOCK
-    expected = (out_features, n_blocks * Q4_1_BLOCK_BYTES)
-    if blocks.dtype != torch.uint8 or tuple(blocks.shape) != expected:
-        raise ValueError(f"Q4_1 blocks must be uint8 {expected}, got {blocks.dtype} "
-                         f"{tuple(blocks.shape)}")
-    raw = blocks.reshape(out_features // _LANES, _LANES, n_blocks, Q4_1_BLOCK_BYTES)
+    if not packable(out_features, in_features):
+        raise ValueError(f"a [{out_features}, {in_features}] weight does not fit the tiles")
+    raw = _fields(fmt, blocks, in_features)
+    tiled = raw.reshape(out_features // _LANES, _LANES, in_features // BLOCK, fmt.block_bytes)
 
-    def per_lane(field: torch.Tensor) -> torch.Tensor:  # [tiles, lanes, blocks] -> [t, b, l]
-        return field.contiguous().view(torch.float16).float().squeeze(-1).transpose(1, 2)
+    def per_lane(field: torch.Tensor) -> torch.Tensor:  # [t, lanes, b, 2] -> [t, b, lanes]
+        return _half(field).transpose(1, 2).contiguous()
 
-    return Q4_1Weight(
-        scales=per_lane(raw[..., 0:2]).contiguous(),
-        mins=per_lane(raw[..., 2:4]).contiguous(),
-        codes=raw[..., 4:].permute(0, 2, 3, 1).contiguous(),
-    )
+    if fmt.name == "Q4_1":
+        return QuantizedWeight(fmt, per_lane(tiled[..., 0:2]),
+                               tiled[..., 4:].permute(0, 2, 3, 1).contiguous(),
+                               per_lane(tiled[..., 2:4]))
+    codes = tiled[..., 2:].contiguous().view(torch.int8)
+    return QuantizedWeight(fmt, per_lane(tiled[..., 0:2]), codes.permute(0, 2, 3, 1).contiguous())
 
 
-def q4_1_linear(x: torch.Tensor, weight: Q4_1Weight) -> torch.Tensor:
-    """x [rows, in] @ weight.T through the kernel (call `load_kernels` first)."""
-    out: torch.Tensor = torch.ops.pagellm.q4_1_linear(
-        x.contiguous(), weight.scales, weight.mins, weight.codes
-    )
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """x [rows, in] @ weight.T through its kernel (call `load_kernels` first)."""
+    x = x.contiguous()
+    out: torch.Tensor
+    if weight.mins is not None:
+        out = torch.ops.pagellm.q4_1_linear(x, weight.scales, weight.mins, weight.codes)
+    else:
+        out = torch.ops.pagellm.q8_0_linear(x, weight.scales, weight.codes)
     return out
 
 
 def load_kernels(build_root: Path) -> bool:
-    """Build (once per machine) and load the kernel; False, logged once, where it cannot
-    run here. Safe to call from several threads and many times."""
+    """Build (once per machine) and load the kernels; False, logged once, where they
+    cannot run here. Safe to call from several threads and many times."""
     global _loaded
     with _lock:
         if _loaded is None:
@@ -127,32 +157,32 @@ def load_kernels(build_root: Path) -> bool:
 def _build_and_load(build_root: Path) -> bool:
     reason = _unsupported_reason()
     if reason is not None:
-        logger.info("4-bit matmul kernel off: %s", reason)
+        logger.info("quantized matmul kernels off: %s", reason)
         return False
     if not _SOURCE.is_file():
-        logger.info("4-bit matmul kernel off: its source %s is not installed", _SOURCE)
+        logger.info("quantized matmul kernels off: its source %s is not installed", _SOURCE)
         return False
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
-        logger.info("4-bit matmul kernel off: no C++ compiler found")
+        logger.info("quantized matmul kernels off: no C++ compiler found")
         return False
     command = _compile_command(compiler)
     key = hashlib.sha256(
         _SOURCE.read_bytes() + " ".join(command).encode() + torch.__version__.encode()
         + _compiler_version(compiler).encode()
     ).hexdigest()[:16]
-    directory = build_root / f"q4_1-{key}"
+    directory = build_root / f"quant_linear-{key}"
     library = directory / _LIBRARY_NAME
     failed = directory / "unsupported.txt"
     if failed.is_file():
-        logger.info("4-bit matmul kernel off: an earlier build failed (%s)", failed)
+        logger.info("quantized matmul kernels off: an earlier build failed (%s)", failed)
         return False
     if not library.is_file() and not _compile(command, directory, library, failed):
         return False
     try:
         torch.ops.load_library(str(library))  # type: ignore[no-untyped-call]
     except (OSError, RuntimeError) as exc:
-        logger.warning("4-bit matmul kernel off: cannot load %s: %s", library, exc)
+        logger.warning("quantized matmul kernels off: cannot load %s: %s", library, exc)
         return False
     return True
 
@@ -196,16 +226,16 @@ def _compile(command: list[str], directory: Path, library: Path, failed: Path) -
     starts and interrupted builds never load a half-written library."""
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / f".{_LIBRARY_NAME}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-    logger.info("building the 4-bit matmul kernel into %s (once per machine)", directory)
+    logger.info("building the quantized matmul kernels into %s (once per machine)", directory)
     try:
         done = subprocess.run([*command, "-o", str(tmp)], capture_output=True, text=True,
                               timeout=600, check=False)
     except (OSError, subprocess.SubprocessError) as exc:
-        logger.warning("4-bit matmul kernel off: the compiler did not run: %s", exc)
+        logger.warning("quantized matmul kernels off: the compiler did not run: %s", exc)
         return False
     if done.returncode != 0:
         failed.write_text(done.stderr[-4000:])
-        logger.warning("4-bit matmul kernel off: the build failed (details in %s)", failed)
+        logger.warning("quantized matmul kernels off: the build failed (details in %s)", failed)
         tmp.unlink(missing_ok=True)
         return False
     os.replace(tmp, library)
