@@ -32,9 +32,10 @@ class EngineConfig:
     `max_model_len` None means the model's own context length.
     `skip_tokenizer_init` runs without a tokenizer: prompts are token ids and outputs carry
     no text (for models shipped without one, and for benchmarks that bring their own).
-    `quantized_kernels`: a Q4_1 GGUF model in float32 on an AVX-512 CPU runs small-batch
-    matmuls (decode) straight from its 4-bit blocks, the same weights read in fewer bytes
-    (built once into `cache_dir`/kernels); False keeps every matmul on float32 weights.
+    `cpu_kernels`: a float32 model on an AVX-512 CPU runs decode attention through a
+    compiled paged kernel and, for a Q4_1/Q8_0 GGUF, small-batch matmuls straight from its
+    quantized blocks (the same weights in fewer bytes); built once into `cache_dir`/kernels.
+    False keeps everything on torch ops and float32 weights.
     """
 
     model: str | None = None
@@ -54,7 +55,7 @@ class EngineConfig:
     seed: int = 0
     skip_tokenizer_init: bool = False
     num_threads: int | None = None
-    quantized_kernels: bool = True
+    cpu_kernels: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

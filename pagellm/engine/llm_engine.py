@@ -106,7 +106,7 @@ class LLMEngine:
         self.model = load_model(
             model_path, dtype=self.dtype, device=self.device,
             attention_backend=config.attention_backend,
-            kernel_dir=config.cache_dir / "kernels" if config.quantized_kernels else None)
+            kernel_dir=config.cache_dir / "kernels" if config.cpu_kernels else None)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         num_blocks = num_blocks_for_budget(

@@ -88,11 +88,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="global random seed (default: %(default)s)")
     group.add_argument("--num-threads", type=int, default=_DEFAULTS["num_threads"], metavar="N",
                        help="torch CPU threads (default: torch's choice)")
-    group.add_argument("--quantized-kernels", action=argparse.BooleanOptionalAction,
-                       default=_DEFAULTS["quantized_kernels"],
-                       help="decode-step matmuls read a Q4_1 GGUF's own 4-bit blocks "
-                            "(float32, AVX-512 CPUs; the same weights in fewer bytes) "
-                            "(default: on)")
+    group.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction,
+                       default=_DEFAULTS["cpu_kernels"],
+                       help="compiled CPU kernels for decode steps: paged attention, and "
+                            "matmuls on a GGUF's own quantized blocks (float32, AVX-512; "
+                            "built once into the cache dir) (default: on)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from pagellm.model import quant_kernels
+from pagellm.model import cpu_kernels, quant_kernels
 from pagellm.model.errors import CorruptModelError, ModelNotFoundError
 from pagellm.model.gguf_loader import BLOCKS_FILE, QUANTIZED_DIR
 from pagellm.model.llama import LlamaForCausalLM
@@ -122,9 +122,10 @@ def load_model(
 ) -> LlamaForCausalLM:
     """Build the model of an HF directory and load its weights, ready for inference.
 
-    With `kernel_dir` (where compiled kernels are kept), a float32 CPU model whose
-    directory has raw quantized blocks (a converted GGUF) runs its small-batch matmuls on
-    them (see quant_kernels); None keeps every matmul on the float32 weights."""
+    With `kernel_dir` (where compiled kernels are kept), a float32 CPU model runs decode
+    attention through the compiled paged kernel and, when its directory has raw quantized
+    blocks (a converted GGUF), its small-batch matmuls on them (see cpu_kernels,
+    quant_kernels); None keeps everything on torch ops and float32 weights."""
     directory = Path(path)
     config = load_model_config(directory)
     torch_dtype = resolve_dtype(dtype, config)
@@ -137,10 +138,12 @@ def load_model(
     # load_weights for which are adopted as they are and which are copied (fused, cast).
     model.load_weights(iter_safetensors(files, target if target.type == "cuda" else "cpu"))
     model.requires_grad_(False)
-    blocks_file = directory / QUANTIZED_DIR / BLOCKS_FILE
     if (kernel_dir is not None and target.type == "cpu" and torch_dtype == torch.float32
-            and blocks_file.is_file() and quant_kernels.load_kernels(kernel_dir)):
-        model.attach_quantized(iter_quantized_blocks(blocks_file))
+            and cpu_kernels.load(kernel_dir)):
+        model.attn_backend.use_cpu_kernels()
+        blocks_file = directory / QUANTIZED_DIR / BLOCKS_FILE
+        if blocks_file.is_file():
+            model.attach_quantized(iter_quantized_blocks(blocks_file))
     model.pack_weights()
     return model.eval()
 

@@ -14,38 +14,18 @@ Exactness: the kernels rebuild each weight with the GGUF reader's own float32 ro
 they multiply by exactly the float32 weights the model was loaded with; only the
 summation order differs from another GEMM's, as between any two GEMM libraries.
 
-The C++ kernels (csrc/quant_linear.cpp) are compiled on first use with the machine's g++
-for its own CPU (`-march=native`) into `<cache_dir>/kernels/`, keyed by the source, torch
-and compiler, and loaded as `torch.ops.pagellm.*`. Where that cannot happen (no compiler,
-no AVX-512, another device or dtype), `load_kernels` says so once in the log and every
-matmul stays on the float32 path.
+The kernels are C++ (csrc/quant_linear.cpp), built and loaded by cpu_kernels; where they
+cannot run, nothing is attached and every matmul stays on the float32 path.
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import threading
-import uuid
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
-
 BLOCK = 32  # weights per GGUF block, along the input dimension
 _LANES = 16  # output rows per kernel tile (one AVX-512 register of float32)
-
-_SOURCE = Path(__file__).parent / "csrc" / "quant_linear.cpp"
-_LIBRARY_NAME = "libpagellm_quant_linear.so"
-
-_lock = threading.Lock()
-_loaded: bool | None = None  # None: not tried yet in this process
 
 
 @dataclass(frozen=True)
@@ -134,7 +114,7 @@ def pack(fmt: BlockFormat, blocks: torch.Tensor, in_features: int) -> QuantizedW
 
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-    """x [rows, in] @ weight.T through its kernel (call `load_kernels` first)."""
+    """x [rows, in] @ weight.T through its kernel (once cpu_kernels.load succeeded)."""
     x = x.contiguous()
     out: torch.Tensor
     if weight.mins is not None:
@@ -142,101 +122,3 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     else:
         out = torch.ops.pagellm.q8_0_linear(x, weight.scales, weight.codes)
     return out
-
-
-def load_kernels(build_root: Path) -> bool:
-    """Build (once per machine) and load the kernels; False, logged once, where they
-    cannot run here. Safe to call from several threads and many times."""
-    global _loaded
-    with _lock:
-        if _loaded is None:
-            _loaded = _build_and_load(build_root)
-        return _loaded
-
-
-def _build_and_load(build_root: Path) -> bool:
-    reason = _unsupported_reason()
-    if reason is not None:
-        logger.info("quantized matmul kernels off: %s", reason)
-        return False
-    if not _SOURCE.is_file():
-        logger.info("quantized matmul kernels off: its source %s is not installed", _SOURCE)
-        return False
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        logger.info("quantized matmul kernels off: no C++ compiler found")
-        return False
-    command = _compile_command(compiler)
-    key = hashlib.sha256(
-        _SOURCE.read_bytes() + " ".join(command).encode() + torch.__version__.encode()
-        + _compiler_version(compiler).encode()
-    ).hexdigest()[:16]
-    directory = build_root / f"quant_linear-{key}"
-    library = directory / _LIBRARY_NAME
-    failed = directory / "unsupported.txt"
-    if failed.is_file():
-        logger.info("quantized matmul kernels off: an earlier build failed (%s)", failed)
-        return False
-    if not library.is_file() and not _compile(command, directory, library, failed):
-        return False
-    try:
-        torch.ops.load_library(str(library))  # type: ignore[no-untyped-call]
-    except (OSError, RuntimeError) as exc:
-        logger.warning("quantized matmul kernels off: cannot load %s: %s", library, exc)
-        return False
-    return True
-
-
-def _unsupported_reason() -> str | None:
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return f"needs Linux on x86-64, this is {platform.system()} {platform.machine()}"
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError as exc:
-        return f"cannot read /proc/cpuinfo: {exc}"
-    if " avx512f" not in flags or " avx512bw" not in flags:
-        return "this CPU has no AVX-512"
-    return None
-
-
-def _compile_command(compiler: str) -> list[str]:
-    from torch.utils.cpp_extension import include_paths
-
-    torch_lib = Path(torch.__file__).parent / "lib"
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return [
-        compiler, "-O3", "-march=native", "-ffp-contract=off", "-std=c++20", "-shared",
-        "-fPIC", "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w",
-        *[f"-I{path}" for path in include_paths()],
-        str(_SOURCE), f"-L{torch_lib}", "-lc10", "-ltorch_cpu",
-    ]
-
-
-def _compiler_version(compiler: str) -> str:
-    try:
-        done = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                              timeout=30, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return done.stdout
-
-
-def _compile(command: list[str], directory: Path, library: Path, failed: Path) -> bool:
-    """Compile into a temporary name and rename it into place, so that concurrent
-    starts and interrupted builds never load a half-written library."""
-    directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / f".{_LIBRARY_NAME}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-    logger.info("building the quantized matmul kernels into %s (once per machine)", directory)
-    try:
-        done = subprocess.run([*command, "-o", str(tmp)], capture_output=True, text=True,
-                              timeout=600, check=False)
-    except (OSError, subprocess.SubprocessError) as exc:
-        logger.warning("quantized matmul kernels off: the compiler did not run: %s", exc)
-        return False
-    if done.returncode != 0:
-        failed.write_text(done.stderr[-4000:])
-        logger.warning("quantized matmul kernels off: the build failed (details in %s)", failed)
-        tmp.unlink(missing_ok=True)
-        return False
-    os.replace(tmp, library)
-    return True

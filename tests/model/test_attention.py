@@ -9,11 +9,14 @@ attention over each request's logical K/V history.
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
 from paged_sim import build_metadata
 
+from pagellm.engine.config import default_cache_dir
+from pagellm.model import cpu_kernels
 from pagellm.model.attention import (
     ATTENTION_BACKENDS,
     DEFAULT_ATTENTION_BACKEND,
@@ -24,6 +27,12 @@ from pagellm.model.attention import (
 )
 
 BACKENDS = sorted(ATTENTION_BACKENDS)
+# The batched backend with the compiled CPU kernels (decode groups read the cache in place).
+KERNELS = "torch_batched+cpu_kernels"
+
+
+def kernels_loaded() -> bool:
+    return cpu_kernels.load(default_cache_dir() / "kernels")
 
 
 def dense_attention(
@@ -49,6 +58,7 @@ def make_case(
     window: int | None = None,
     shared_blocks: int = 0,
     block_size: int | None = None,
+    head_dim: int | None = None,
 ) -> dict:
     """Requests given as (cached tokens, new tokens); everything else drawn from `seed`.
 
@@ -57,9 +67,10 @@ def make_case(
     """
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    kv_heads, group, head_dim = rng.choice([(1, 4), (2, 2), (3, 3), (4, 1)]) + (
+    kv_heads, group, drawn_dim = rng.choice([(1, 4), (2, 2), (3, 3), (4, 1)]) + (
         rng.choice([8, 16]),
     )
+    head_dim = head_dim or drawn_dim
     block_size = block_size or rng.choice([1, 2, 4, 16])
     needed = sum(-(-(c + q) // block_size) for c, q in shapes)
     num_blocks = needed + 5
@@ -124,8 +135,12 @@ def make_case(
 
 
 def run_backend(name: str, case: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    backend = get_attention_backend(name)
+    backend = get_attention_backend(name.removesuffix("+cpu_kernels"))
     backend.configure([case["spec"]])
+    if name == KERNELS:
+        if not kernels_loaded():
+            pytest.skip("the CPU kernels cannot be built or run on this machine")
+        backend.use_cpu_kernels()
     cache = case["cache"].clone()
     plan = backend.prepare(case["meta"])
     out = backend.forward(case["query"], case["key"], case["value"], cache, plan, case["spec"])
@@ -156,12 +171,13 @@ SCENARIOS = {
 }
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [*BACKENDS, KERNELS])
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 @pytest.mark.parametrize("window", [None, 5])
 def test_backend_matches_dense_reference(backend: str, scenario: str, window: int | None) -> None:
+    head_dim = 64 if backend == KERNELS else None  # a size the kernel serves
     for seed in range(3):
-        check(backend, make_case(seed, SCENARIOS[scenario], window))
+        check(backend, make_case(seed, SCENARIOS[scenario], window, head_dim=head_dim))
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -186,7 +202,7 @@ SHARED_PREFIX_SCENARIOS = {
 }
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [*BACKENDS, KERNELS])
 @pytest.mark.parametrize("scenario", sorted(SHARED_PREFIX_SCENARIOS))
 @pytest.mark.parametrize("window", [None, 5])
 def test_shared_prefix_batches_match_dense_reference(
@@ -194,10 +210,48 @@ def test_shared_prefix_batches_match_dense_reference(
 ) -> None:
     """Requests whose block tables begin with the same blocks (the cascade path of the
     batched backend attends that prefix once for all of them)."""
+    head_dim = 64 if backend == KERNELS else None
     for seed in range(3):
         case = make_case(seed, SHARED_PREFIX_SCENARIOS[scenario], window, shared_blocks=8,
-                         block_size=4)
+                         block_size=4, head_dim=head_dim)
         check(backend, case)
+
+
+@pytest.mark.parametrize("shared_blocks", [0, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_kernel_is_taken_and_exact(
+    monkeypatch: pytest.MonkeyPatch, shared_blocks: int, head_dim: int
+) -> None:
+    """Decode groups go through the paged kernel (alone, or after a cascade's shared
+    prefix), and agree with the dense float64 reference; blocks of 16 and of 64."""
+    calls = []
+    original = TorchBatchedBackend._decode_with_kernel
+
+    def counting(*args: Any) -> Any:
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(TorchBatchedBackend, "_decode_with_kernel", staticmethod(counting))
+    for seed, block_size in ((0, 16), (1, 64), (2, 4)):
+        shapes = [(max(shared_blocks * block_size, c), 1) for c in (5, 40, 130, 71)]
+        before = len(calls)
+        check(KERNELS, make_case(seed, shapes, shared_blocks=shared_blocks,
+                                 block_size=block_size, head_dim=head_dim))
+        assert len(calls) > before
+
+
+def test_decode_kernel_rejects_bad_inputs() -> None:
+    if not kernels_loaded():
+        pytest.skip("the CPU kernels cannot be built or run on this machine")
+    cache = torch.zeros(2, 4, 16, 2, 64)
+    q = torch.randn(1, 4, 64)
+    tables = torch.zeros(1, 2, dtype=torch.int32)
+    attend = torch.ops.pagellm.paged_decode_attention
+    with pytest.raises(RuntimeError, match="keys for 2 blocks"):
+        attend(q, cache[0], cache[1], tables, torch.tensor([33], dtype=torch.int32), 0.125)
+    with pytest.raises(RuntimeError, match="not supported"):
+        attend(torch.randn(1, 4, 48), torch.zeros(4, 16, 2, 48), torch.zeros(4, 16, 2, 48),
+               tables, torch.tensor([3], dtype=torch.int32), 0.125)
 
 
 def test_shared_prefix_takes_the_cascade_path(monkeypatch: pytest.MonkeyPatch) -> None:

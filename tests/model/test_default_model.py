@@ -116,8 +116,9 @@ def test_greedy_logits_match_transformers(
     converted: Path, cache_root: Path, hf_greedy: tuple[torch.Tensor, list[int]],
     chat_ids: list[int], backend: str, kernels: bool,
 ) -> None:
-    """Against transformers, with every matmul on float32 weights and with decode steps on
-    the 4-bit kernel (where this machine can build it; else both runs are the same)."""
+    """Against transformers, on torch ops and float32 weights alone, and with decode steps
+    on the compiled CPU kernels: paged attention and matmuls on the GGUF's own quantized
+    blocks (where this machine can build them; else both runs are the same)."""
     expected_logits, expected_tokens = hf_greedy
     model = load_model(converted, "float32", "cpu", attention_backend=backend,
                        kernel_dir=cache_root / "kernels" if kernels else None)

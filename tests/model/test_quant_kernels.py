@@ -14,6 +14,7 @@ from pagellm.engine.config import default_cache_dir
 from pagellm.model import (
     CorruptModelError,
     LlamaForCausalLM,
+    cpu_kernels,
     load_model,
     load_model_config,
     resolve_model_path,
@@ -39,7 +40,7 @@ def _blocks(fmt: str, out_features: int, in_features: int,
 
 @pytest.fixture(scope="module")
 def kernels() -> bool:
-    if not qk.load_kernels(default_cache_dir() / "kernels"):
+    if not cpu_kernels.load(default_cache_dir() / "kernels"):
         pytest.skip("the quantized kernels cannot be built or run on this machine")
     return True
 

@@ -1,0 +1,131 @@
+"""C++ kernels for the CPU (csrc/): quantized matmuls and paged decode attention.
+
+They are compiled on first use with the machine's g++ for its own CPU (`-march=native`)
+into `<cache_dir>/kernels/`, keyed by the sources, torch and the compiler, and loaded into
+torch as `torch.ops.pagellm.*` (they run on torch's own thread pool). Building takes
+about 10 s, once per machine. Where it cannot happen (no compiler, no AVX-512, not
+Linux on x86-64), `load` says why once in the log and returns False: the model then runs
+on torch ops alone, with the same results to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import threading
+import uuid
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = tuple(Path(__file__).parent / "csrc" / name
+                 for name in ("quant_linear.cpp", "paged_attention.cpp"))
+_LIBRARY_NAME = "libpagellm_cpu_kernels.so"
+
+_lock = threading.Lock()
+_loaded: bool | None = None  # None: not tried yet in this process
+
+
+def load(build_root: Path) -> bool:
+    """Build (once per machine) and load the kernels; False, logged once, where they
+    cannot run here. Safe to call from several threads and many times."""
+    global _loaded
+    with _lock:
+        if _loaded is None:
+            _loaded = _build_and_load(build_root)
+        return _loaded
+
+
+def _build_and_load(build_root: Path) -> bool:
+    reason = _unsupported_reason()
+    if reason is not None:
+        logger.info("CPU kernels off: %s", reason)
+        return False
+    missing = [str(source) for source in _SOURCES if not source.is_file()]
+    if missing:
+        logger.info("CPU kernels off: sources not installed: %s", ", ".join(missing))
+        return False
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        logger.info("CPU kernels off: no C++ compiler found")
+        return False
+    command = _compile_command(compiler)
+    key = hashlib.sha256(
+        b"".join(source.read_bytes() for source in _SOURCES) + " ".join(command).encode() + torch.__version__.encode()
+        + _compiler_version(compiler).encode()
+    ).hexdigest()[:16]
+    directory = build_root / f"cpu-{key}"
+    library = directory / _LIBRARY_NAME
+    failed = directory / "unsupported.txt"
+    if failed.is_file():
+        logger.info("CPU kernels off: an earlier build failed (%s)", failed)
+        return False
+    if not library.is_file() and not _compile(command, directory, library, failed):
+        return False
+    try:
+        torch.ops.load_library(str(library))  # type: ignore[no-untyped-call]
+    except (OSError, RuntimeError) as exc:
+        logger.warning("CPU kernels off: cannot load %s: %s", library, exc)
+        return False
+    return True
+
+
+def _unsupported_reason() -> str | None:
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"needs Linux on x86-64, this is {platform.system()} {platform.machine()}"
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError as exc:
+        return f"cannot read /proc/cpuinfo: {exc}"
+    if " avx512f" not in flags or " avx512bw" not in flags:
+        return "this CPU has no AVX-512"
+    return None
+
+
+def _compile_command(compiler: str) -> list[str]:
+    from torch.utils.cpp_extension import include_paths
+
+    torch_lib = Path(torch.__file__).parent / "lib"
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [
+        compiler, "-O3", "-march=native", "-ffp-contract=off", "-std=c++20", "-shared",
+        "-fPIC", "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w",
+        *[f"-I{path}" for path in include_paths()],
+        *[str(source) for source in _SOURCES], f"-L{torch_lib}", "-lc10", "-ltorch_cpu",
+    ]
+
+
+def _compiler_version(compiler: str) -> str:
+    try:
+        done = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                              timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return done.stdout
+
+
+def _compile(command: list[str], directory: Path, library: Path, failed: Path) -> bool:
+    """Compile into a temporary name and rename it into place, so that concurrent
+    starts and interrupted builds never load a half-written library."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".{_LIBRARY_NAME}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    logger.info("building the CPU kernels into %s (once per machine)", directory)
+    try:
+        done = subprocess.run([*command, "-o", str(tmp)], capture_output=True, text=True,
+                              timeout=600, check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.warning("CPU kernels off: the compiler did not run: %s", exc)
+        return False
+    if done.returncode != 0:
+        failed.write_text(done.stderr[-4000:])
+        logger.warning("CPU kernels off: the build failed (details in %s)", failed)
+        tmp.unlink(missing_ok=True)
+        return False
+    os.replace(tmp, library)
+    return True

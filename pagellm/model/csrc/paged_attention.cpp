@@ -1,0 +1,220 @@
+// Decode attention straight from the paged KV cache: one query token per request, read
+// through its block table, so no copy of the request's keys and values is ever made.
+//
+// Why: with the torch ops, a decode step first gathers every request's blocks into a
+// contiguous buffer (a full extra write and read of the context) and then runs a flash
+// kernel whose tiles are sized for long queries, not for G = heads / kv_heads rows.
+// Here each (request, kv head) pair streams its keys and values once, block by block,
+// with the G query heads that share that kv head (grouped-query attention).
+//
+// Softmax is the usual online one, rescaled once per block of keys; the result is the
+// same attention in another order of float32 operations. The log-sum-exp of the scores is
+// returned too, so a partial attention (a request's own blocks after a shared prefix) can
+// be merged with another exactly.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <limits>
+#include <tuple>
+
+namespace {
+
+constexpr int kMaxBlock = 64;  // tokens per KV block the kernel handles
+
+// exp(x) for 16 floats: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial for
+// exp(r), scaled by 2^n. Accurate to about 2 ulp; exp(-inf) = 0 (masked scores).
+inline __m512 exp16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-103.0f);
+  const __m512 hi = _mm512_set1_ps(88.7f);
+  const __m512 clamped = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504088896341f)),
+      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), clamped);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __m512 result = _mm512_scalef_ps(p, n);
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_GT_OQ), result);
+}
+
+// One (request, kv head): G query heads of NV * 16 dims against `len` keys.
+template <int G, int NV>
+void attend(const float* q, const float* k_cache, const float* v_cache, const int32_t* blocks,
+            int64_t len, int64_t block_size, int64_t block_stride, int64_t token_stride,
+            float scale, float* out, float* lse) {
+  __m512 qv[G][NV], acc[G][NV];
+  float m[G], l[G];
+  for (int g = 0; g < G; ++g) {
+    for (int v = 0; v < NV; ++v) {
+      qv[g][v] = _mm512_mul_ps(_mm512_loadu_ps(q + g * NV * 16 + v * 16), _mm512_set1_ps(scale));
+      acc[g][v] = _mm512_setzero_ps();
+    }
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.0f;
+  }
+  alignas(64) float s[G][kMaxBlock];
+  for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
+    const int64_t n = std::min(block_size, len - start);
+    const float* kb = k_cache + blocks[b] * block_stride;
+    const float* vb = v_cache + blocks[b] * block_stride;
+    // The next block lies anywhere in the pool, out of the hardware prefetcher's sight:
+    // ask for its rows of this head while this block is computed.
+    const bool more = start + block_size < len;
+    const float* next_k = more ? k_cache + blocks[b + 1] * block_stride : nullptr;
+    const float* next_v = more ? v_cache + blocks[b + 1] * block_stride : nullptr;
+    for (int64_t t = 0; t < n; ++t) {
+      if (more) {
+        for (int v = 0; v < NV; ++v) {
+          _mm_prefetch(reinterpret_cast<const char*>(next_k + t * token_stride + v * 16),
+                       _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(next_v + t * token_stride + v * 16),
+                       _MM_HINT_T0);
+        }
+      }
+      const float* k = kb + t * token_stride;
+      __m512 kv[NV];
+      for (int v = 0; v < NV; ++v) kv[v] = _mm512_loadu_ps(k + v * 16);
+      for (int g = 0; g < G; ++g) {
+        __m512 dot = _mm512_mul_ps(qv[g][0], kv[0]);
+        for (int v = 1; v < NV; ++v) dot = _mm512_fmadd_ps(qv[g][v], kv[v], dot);
+        s[g][t] = _mm512_reduce_add_ps(dot);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      float block_max = s[g][0];
+      for (int64_t t = 1; t < n; ++t) block_max = std::max(block_max, s[g][t]);
+      const float new_m = std::max(m[g], block_max);
+      const float correction = std::exp(m[g] - new_m);
+      m[g] = new_m;
+      float sum = 0.0f;
+      for (int64_t t0 = 0; t0 < n; t0 += 16) {
+        const __mmask16 valid = n - t0 >= 16 ? 0xFFFF : (1u << (n - t0)) - 1;
+        const __m512 e = exp16(_mm512_sub_ps(
+            _mm512_maskz_loadu_ps(valid, s[g] + t0), _mm512_set1_ps(new_m)));
+        const __m512 p = _mm512_maskz_mov_ps(valid, e);
+        _mm512_storeu_ps(s[g] + t0, p);
+        sum += _mm512_reduce_add_ps(p);
+      }
+      l[g] = l[g] * correction + sum;
+      const __m512 c = _mm512_set1_ps(correction);
+      for (int v = 0; v < NV; ++v) acc[g][v] = _mm512_mul_ps(acc[g][v], c);
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const float* vt = vb + t * token_stride;
+      for (int v = 0; v < NV; ++v) {
+        const __m512 val = _mm512_loadu_ps(vt + v * 16);
+        for (int g = 0; g < G; ++g) {
+          acc[g][v] = _mm512_fmadd_ps(_mm512_set1_ps(s[g][t]), val, acc[g][v]);
+        }
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const __m512 inv = _mm512_set1_ps(1.0f / l[g]);
+    for (int v = 0; v < NV; ++v) {
+      _mm512_storeu_ps(out + g * NV * 16 + v * 16, _mm512_mul_ps(acc[g][v], inv));
+    }
+    lse[g] = m[g] + std::log(l[g]);
+  }
+}
+
+using AttendFn = void (*)(const float*, const float*, const float*, const int32_t*, int64_t,
+                          int64_t, int64_t, int64_t, float, float*, float*);
+
+template <int G>
+AttendFn pick_dims(int64_t nv) {
+  switch (nv) {
+    case 4: return attend<G, 4>;
+    case 8: return attend<G, 8>;
+    default: return nullptr;
+  }
+}
+
+AttendFn pick(int64_t group, int64_t nv) {
+  switch (group) {
+    case 1: return pick_dims<1>(nv);
+    case 2: return pick_dims<2>(nv);
+    case 3: return pick_dims<3>(nv);
+    case 4: return pick_dims<4>(nv);
+    case 5: return pick_dims<5>(nv);
+    case 6: return pick_dims<6>(nv);
+    case 7: return pick_dims<7>(nv);
+    case 8: return pick_dims<8>(nv);
+    default: return nullptr;
+  }
+}
+
+// q [R, H, D]; k_cache, v_cache [N, B, Hkv, D]; block_tables [R, W] int32, row r the
+// blocks of request r's keys from its first; lens [R] keys per request (>= 1).
+// Returns out [R, H, D] and the log-sum-exp of the (scaled) scores [R, H].
+std::tuple<at::Tensor, at::Tensor> paged_decode_attention(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& block_tables, const at::Tensor& lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
+              "paged_decode_attention: q must be a contiguous float32 [R, H, D] tensor");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat &&
+                  k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
+              "paged_decode_attention: caches must be contiguous float32 [N, B, Hkv, D]");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt &&
+                  block_tables.size(0) == q.size(0) && block_tables.stride(1) == 1,
+              "paged_decode_attention: block_tables must be int32 [R, W], rows contiguous");
+  TORCH_CHECK(lens.dim() == 1 && lens.scalar_type() == at::kInt && lens.size(0) == q.size(0) &&
+                  lens.is_contiguous(),
+              "paged_decode_attention: lens must be int32 [R]");
+  const int64_t requests = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == dim && heads % kv_heads == 0 && block_size <= kMaxBlock,
+              "paged_decode_attention: shapes do not match");
+  const AttendFn fn = dim % 16 == 0 ? pick(heads / kv_heads, dim / 16) : nullptr;
+  TORCH_CHECK(fn != nullptr, "paged_decode_attention: ", heads / kv_heads,
+              " query heads per kv head of ", dim, " dims are not supported");
+  at::Tensor out = at::empty({requests, heads, dim}, q.options());
+  at::Tensor lse = at::empty({requests, heads}, q.options());
+  const int32_t* len_p = lens.data_ptr<int32_t>();
+  const int64_t width = block_tables.size(1);
+  for (int64_t r = 0; r < requests; ++r) {
+    TORCH_CHECK(len_p[r] >= 1 && len_p[r] <= width * block_size,
+                "paged_decode_attention: request ", r, " has ", len_p[r], " keys for ", width,
+                " blocks");
+  }
+  const int64_t group = heads / kv_heads;
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t table_stride = block_tables.stride(0);
+  float* op = out.data_ptr<float>();
+  float* lp = lse.data_ptr<float>();
+  const int64_t token_stride = kv_heads * dim, block_stride = block_size * token_stride;
+  const float s = static_cast<float>(scale);
+  at::parallel_for(0, requests * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = i / kv_heads, h = i % kv_heads;
+      const int64_t q_offset = (r * heads + h * group) * dim;
+      fn(qp + q_offset, kp + h * dim, vp + h * dim, tables + r * table_stride, len_p[r],
+         block_size, block_stride, token_stride, s, op + q_offset, lp + r * heads + h * group);
+    }
+  });
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagellm, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor lens, float scale) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(pagellm, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
