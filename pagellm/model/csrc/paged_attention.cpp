@@ -18,6 +18,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <tuple>
@@ -210,11 +211,182 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention(
   return {out, lse};
 }
 
+// Many queries against one run of keys with no mask: every query of every request of a
+// cascade group against their shared prefix (`blocks`, whole blocks, read in place).
+// Keys go in chunks of 64, transposed into d-major tiles so that scores come out of
+// broadcast FMAs with no horizontal sums, four query rows sharing each tile load; the
+// online softmax is rescaled once per chunk.
+constexpr int kChunk = 64;
+constexpr int kChunkVecs = kChunk / 16;
+constexpr int kRowsPerPass = 4;
+
+template <int NV>
+void attend_chunk_rows(const float* q, int64_t rows, const float* kt, const float* vt,
+                       int valid, float* m, float* l, float* acc) {
+  constexpr int D = NV * 16;
+  __mmask16 masks[kChunkVecs];
+  for (int c = 0; c < kChunkVecs; ++c) {
+    const int left = valid - c * 16;
+    masks[c] = left >= 16 ? 0xFFFF : left <= 0 ? 0 : (1u << left) - 1;
+  }
+  const int used = (valid + 15) / 16;
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass) {
+    const int n = static_cast<int>(std::min<int64_t>(kRowsPerPass, rows - r0));
+    __m512 s[kRowsPerPass][kChunkVecs];
+    for (int i = 0; i < kRowsPerPass; ++i) {
+      for (int c = 0; c < kChunkVecs; ++c) s[i][c] = _mm512_setzero_ps();
+    }
+    for (int d = 0; d < D; ++d) {
+      for (int c = 0; c < kChunkVecs; ++c) {
+        if (c >= used) break;
+        const __m512 k = _mm512_load_ps(kt + d * kChunk + c * 16);
+        for (int i = 0; i < kRowsPerPass; ++i) {
+          if (i < n) s[i][c] = _mm512_fmadd_ps(_mm512_set1_ps(q[(r0 + i) * D + d]), k, s[i][c]);
+        }
+      }
+    }
+    const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int i = 0; i < n; ++i) {
+      const int64_t row = r0 + i;
+      __m512 top = neg_inf;
+      for (int c = 0; c < used; ++c) {
+        s[i][c] = _mm512_mask_mov_ps(neg_inf, masks[c], s[i][c]);
+        top = _mm512_max_ps(top, s[i][c]);
+      }
+      const float new_m = std::max(m[row], _mm512_reduce_max_ps(top));
+      const float correction = std::exp(m[row] - new_m);
+      const __m512 shift = _mm512_set1_ps(new_m);
+      alignas(64) float probs[kChunk];
+      __m512 total = _mm512_setzero_ps();
+      for (int c = 0; c < used; ++c) {
+        const __m512 p = _mm512_maskz_mov_ps(masks[c], exp16(_mm512_sub_ps(s[i][c], shift)));
+        total = _mm512_add_ps(total, p);
+        _mm512_store_ps(probs + c * 16, p);
+      }
+      m[row] = new_m;
+      l[row] = l[row] * correction + _mm512_reduce_add_ps(total);
+      float* a = acc + row * D;
+      __m512 out[NV];
+      const __m512 corr = _mm512_set1_ps(correction);
+      for (int v = 0; v < NV; ++v) out[v] = _mm512_mul_ps(_mm512_loadu_ps(a + v * 16), corr);
+      for (int t = 0; t < valid; ++t) {
+        const __m512 pt = _mm512_set1_ps(probs[t]);
+        for (int v = 0; v < NV; ++v) {
+          out[v] = _mm512_fmadd_ps(pt, _mm512_load_ps(vt + t * D + v * 16), out[v]);
+        }
+      }
+      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(a + v * 16, out[v]);
+    }
+  }
+}
+
+// One (kv head, tile of query rows) against every key of the prefix.
+constexpr int64_t kPrefixRowTile = 64;
+
+template <int NV>
+void attend_prefix(const float* q, int64_t rows, float scale, const float* k_cache,
+                   const float* v_cache, const int32_t* blocks, int64_t keys,
+                   int64_t block_size, int64_t block_stride, int64_t token_stride, float* out,
+                   float* lse, float* m, float* l) {
+  constexpr int D = NV * 16;
+  alignas(64) float kt[D * kChunk];
+  alignas(64) float vt[kChunk * D];
+  alignas(64) float qs[kPrefixRowTile * D];
+  for (int64_t i = 0; i < rows * D; ++i) qs[i] = q[i] * scale;
+  for (int64_t row = 0; row < rows; ++row) {
+    m[row] = -std::numeric_limits<float>::infinity();
+    l[row] = 0.0f;
+  }
+  std::fill(out, out + rows * D, 0.0f);
+  for (int64_t start = 0; start < keys; start += kChunk) {
+    const int valid = static_cast<int>(std::min<int64_t>(kChunk, keys - start));
+    for (int t = 0; t < kChunk; ++t) {
+      if (t < valid) {
+        const int64_t j = start + t;
+        const int64_t offset = blocks[j / block_size] * block_stride +
+                               (j % block_size) * token_stride;
+        const float* k = k_cache + offset;
+        for (int d = 0; d < D; ++d) kt[d * kChunk + t] = k[d];
+        std::copy(v_cache + offset, v_cache + offset + D, vt + t * D);
+      } else {
+        for (int d = 0; d < D; ++d) kt[d * kChunk + t] = 0.0f;
+      }
+    }
+    attend_chunk_rows<NV>(qs, rows, kt, vt, valid, m, l, out);
+  }
+  for (int64_t row = 0; row < rows; ++row) {
+    const __m512 inv = _mm512_set1_ps(1.0f / l[row]);
+    for (int v = 0; v < NV; ++v) {
+      float* o = out + row * D + v * 16;
+      _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(o), inv));
+    }
+    lse[row] = m[row] + std::log(l[row]);
+  }
+}
+
+// q [Hkv, M, D]; k_cache, v_cache
+// [N, B, Hkv, D]; blocks [nb] int32. Returns out [Hkv, M, D], lse [Hkv, M].
+std::tuple<at::Tensor, at::Tensor> paged_prefix_attention(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& blocks, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
+              "paged_prefix_attention: q must be a contiguous float32 [Hkv, M, D] tensor");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat &&
+                  k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
+              "paged_prefix_attention: caches must be contiguous float32 [N, B, Hkv, D]");
+  TORCH_CHECK(blocks.dim() == 1 && blocks.scalar_type() == at::kInt && blocks.is_contiguous() &&
+                  blocks.numel() >= 1,
+              "paged_prefix_attention: blocks must be a non-empty int32 vector");
+  const int64_t kv_heads = q.size(0), rows = q.size(1), dim = q.size(2);
+  const int64_t block_size = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(2) == kv_heads && k_cache.size(3) == dim,
+              "paged_prefix_attention: shapes do not match");
+  TORCH_CHECK(dim == 64 || dim == 128, "paged_prefix_attention: ", dim,
+              " dims are not supported");
+  at::Tensor out = at::empty({kv_heads, rows, dim}, q.options());
+  at::Tensor lse = at::empty({kv_heads, rows}, q.options());
+  at::Tensor stats = at::empty({kv_heads, rows, 2}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  const int32_t* bp = blocks.data_ptr<int32_t>();
+  float* op = out.data_ptr<float>();
+  float* lp = lse.data_ptr<float>();
+  float* sp = stats.data_ptr<float>();
+  const int64_t keys = blocks.numel() * block_size;
+  const int64_t token_stride = kv_heads * dim, block_stride = block_size * token_stride;
+  const int64_t tiles = (rows + kPrefixRowTile - 1) / kPrefixRowTile;
+  at::parallel_for(0, kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t h = i / tiles, r0 = (i % tiles) * kPrefixRowTile;
+      const int64_t n = std::min(kPrefixRowTile, rows - r0);
+      const int64_t base = h * rows + r0;
+      float* m = sp + base * 2;
+      float* l = m + n;  // the tile's 2n floats of stats: n maxima, then n sums
+      if (dim == 64) {
+        attend_prefix<4>(qp + base * dim, n, sc, kp + h * dim, vp + h * dim, bp, keys, block_size,
+                         block_stride, token_stride, op + base * dim, lp + base, m, l);
+      } else {
+        attend_prefix<8>(qp + base * dim, n, sc, kp + h * dim, vp + h * dim, bp, keys, block_size,
+                         block_stride, token_stride, op + base * dim, lp + base, m, l);
+      }
+    }
+  });
+  return {out, lse};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor lens, float scale) -> (Tensor, Tensor)");
+  m.def("paged_prefix_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor blocks, "
+        "float scale) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(pagellm, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_prefix_attention", &paged_prefix_attention);
+}
