@@ -1,4 +1,4 @@
-"""C++ kernels for the CPU (csrc/): quantized matmuls and paged decode attention.
+"""C++ kernels for the CPU (csrc/): quantized matmuls, paged attention, fused small ops.
 
 They are compiled on first use with the machine's g++ for its own CPU (`-march=native`)
 into `<cache_dir>/kernels/`, keyed by the sources, torch and the compiler, and loaded into
@@ -25,7 +25,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = tuple(Path(__file__).parent / "csrc" / name
-                 for name in ("quant_linear.cpp", "paged_attention.cpp"))
+                 for name in ("quant_linear.cpp", "paged_attention.cpp", "fused_ops.cpp"))
 _LIBRARY_NAME = "libpagellm_cpu_kernels.so"
 
 _lock = threading.Lock()

@@ -58,8 +58,18 @@ class Embedding(nn.Embedding):
         return None
 
 
+def _fusable(x: torch.Tensor) -> bool:
+    """Whether the compiled fused ops (cpu_kernels) take this tensor."""
+    return x.device.type == "cpu" and x.dtype == torch.float32
+
+
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm with a learned per-channel scale."""
+    """Root-mean-square layer norm with a learned per-channel scale.
+
+    `fused` (set by the loader once the compiled CPU kernels are loaded) runs each call as
+    one op instead of seven small ones (see csrc/fused_ops.cpp)."""
+
+    fused = False
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -67,10 +77,24 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and _fusable(x):
+            out: torch.Tensor = torch.ops.pagellm.rms_norm(
+                x.reshape(-1, x.shape[-1]).contiguous(), self.weight, self.eps)
+            return out.view(x.shape)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): a pre-norm block's residual add and the next
+        norm, in one op when fused."""
+        if self.fused and _fusable(x) and x.dim() == 2:
+            normed, total = torch.ops.pagellm.add_rms_norm(
+                x.contiguous(), residual.contiguous(), self.weight, self.eps)
+            return normed, total
+        total = residual + x
+        return self(total), total
 
 
 class GatedMLP(nn.Module):
@@ -81,6 +105,8 @@ class GatedMLP(nn.Module):
     from the checkpoint's separate gate_proj/up_proj tensors.
     """
 
+    fused = False  # silu(gate) * up as one compiled op (see RMSNorm.fused)
+
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
@@ -88,6 +114,11 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        out: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        if self.fused and _fusable(gate_up) and gate_up.dim() == 2:
+            activated = torch.ops.pagellm.silu_mul(gate_up.contiguous())
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            activated = F.silu(gate) * up
+        out: torch.Tensor = self.down_proj(activated)
         return out

@@ -54,6 +54,9 @@ class LlamaAttention(nn.Module):
             sliding_window=config.layer_sliding_window(layer_idx),
         )
         self.backend = backend
+        # Rotate q and k in place in the qkv output with one compiled op (set by the
+        # loader with the CPU kernels; not with q/k norms, which come before the rotation).
+        self.fused_rotary = False
 
     def forward(
         self,
@@ -64,22 +67,31 @@ class LlamaAttention(nn.Module):
         plan: StepPlan,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)
+        fused = self.fused_rotary and qkv.dtype == torch.float32 and qkv.is_contiguous()
+        if fused:
+            torch.ops.pagellm.rotary_(qkv, self.num_heads + self.num_kv_heads, cos, sin)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        if not fused:
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
         out = self.backend.forward(q, k, v, kv_cache, plan, self.spec)
         projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, self.q_size))
         return projected
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    The residual stream is carried beside the block's output, as vLLM does: a layer
+    returns (mlp output, stream) and the next one adds them in the same op as its input
+    norm (`RMSNorm.add_norm`), so each add + norm is one op when fused."""
 
     def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
         super().__init__()
@@ -91,15 +103,23 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         plan: StepPlan,
-    ) -> torch.Tensor:
-        attn: torch.Tensor = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, plan)
-        hidden = hidden + attn
-        mlp: torch.Tensor = self.mlp(self.post_attention_layernorm(hidden))
-        return hidden + mlp
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`hidden`: the previous layer's output not yet added to `residual`, the stream
+        (None before the first layer, when `hidden` is the embedding)."""
+        if residual is None:
+            residual = hidden
+            normed = self.input_layernorm(hidden)
+        else:
+            normed, residual = self.input_layernorm.add_norm(hidden, residual)
+        attn: torch.Tensor = self.self_attn(normed, cos, sin, kv_cache, plan)
+        normed, residual = self.post_attention_layernorm.add_norm(attn, residual)
+        mlp: torch.Tensor = self.mlp(normed)
+        return mlp, residual
 
 
 class LlamaModel(nn.Module):
@@ -124,10 +144,11 @@ class LlamaModel(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
         hidden = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, plan)
-        normed: torch.Tensor = self.norm(hidden)
-        return normed
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, plan)
+        assert residual is not None, "a model has at least one layer"
+        return self.norm.add_norm(hidden, residual)[0]
 
 
 # Checkpoint tensors that land in a slice of one of our fused weights:
@@ -202,6 +223,16 @@ class LlamaForCausalLM(nn.Module):
             return quant_kernels.quantized_linear(hidden, quantized)
         head = self.tied_head if self.tied_head is not None else self.model.embed_tokens.weight
         return cpu_matmul.linear(hidden, head, None).float()
+
+    def use_cpu_kernels(self) -> None:
+        """Switch to the compiled CPU kernels (cpu_kernels, once loaded): paged attention
+        paths, fused norms, silu * up and rotary (csrc/fused_ops.cpp)."""
+        self.attn_backend.use_cpu_kernels()
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, GatedMLP)):
+                module.fused = True
+            elif isinstance(module, LlamaAttention):
+                module.fused_rotary = module.q_norm is None
 
     def pack_weights(self) -> None:
         """Pack every linear layer's weight for the CPU's fastest matmul (see cpu_matmul);

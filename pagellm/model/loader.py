@@ -140,7 +140,7 @@ def load_model(
     model.requires_grad_(False)
     if (kernel_dir is not None and target.type == "cpu" and torch_dtype == torch.float32
             and cpu_kernels.load(kernel_dir)):
-        model.attn_backend.use_cpu_kernels()
+        model.use_cpu_kernels()
         blocks_file = directory / QUANTIZED_DIR / BLOCKS_FILE
         if blocks_file.is_file():
             model.attach_quantized(iter_quantized_blocks(blocks_file))

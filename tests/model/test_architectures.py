@@ -24,7 +24,8 @@ from transformers import (
     Qwen3Config,
 )
 
-from pagellm.model import ATTENTION_BACKENDS, load_model
+from pagellm.engine.config import default_cache_dir
+from pagellm.model import ATTENTION_BACKENDS, cpu_kernels, load_model
 
 ATOL = 1e-4
 SMALL = dict(
@@ -65,9 +66,16 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
         **SMALL, num_key_value_heads=2, tie_word_embeddings=True
     ),
     "qwen3_qknorm": lambda: Qwen3Config(**SMALL, num_key_value_heads=2, head_dim=24),
+    # 64-dim heads: the size the compiled attention kernels serve.
+    "llama_head64": lambda: LlamaConfig(
+        **{**SMALL, "hidden_size": 128, "num_attention_heads": 2}, num_key_value_heads=1
+    ),
 }
 
-BACKENDS = sorted(ATTENTION_BACKENDS)
+# The batched backend with the compiled CPU kernels: fused norms, silu and rotary, paged
+# attention kernels where the head size fits (see cpu_kernels).
+KERNELS = "torch_batched+cpu_kernels"
+BACKENDS = [*sorted(ATTENTION_BACKENDS), KERNELS]
 
 
 class Reference:
@@ -106,7 +114,14 @@ def reference(
 
 @pytest.fixture(params=BACKENDS)
 def sim(request: pytest.FixtureRequest, reference: Reference) -> PagedSim:
-    model = load_model(reference.path, "float32", "cpu", attention_backend=request.param)
+    kernel_dir = None
+    if request.param == KERNELS:
+        kernel_dir = default_cache_dir() / "kernels"
+        if not cpu_kernels.load(kernel_dir):
+            pytest.skip("the CPU kernels cannot be built or run on this machine")
+    model = load_model(reference.path, "float32", "cpu",
+                       attention_backend=request.param.removesuffix("+cpu_kernels"),
+                       kernel_dir=kernel_dir)
     return PagedSim(model, block_size=4, seed=hash(request.param) % 1000)
 
 

@@ -1,5 +1,7 @@
-"""The quantized (Q4_1, Q8_0) matmul kernels: exact dequantisation, results against
-float64, the layout, and their use by the default model (attached and checked)."""
+"""The compiled CPU kernels: quantized (Q4_1, Q8_0) matmuls (exact dequantisation,
+results against float64, the layout, their use by the default model) and the fused small
+ops against the torch formulas they replace. The paged attention kernels are tested
+with the other attention backends (test_attention.py)."""
 
 from __future__ import annotations
 
@@ -21,8 +23,9 @@ from pagellm.model import (
 )
 from pagellm.model import quant_kernels as qk
 from pagellm.model.gguf_loader import BLOCKS_FILE, QUANTIZED_DIR
-from pagellm.model.layers import Linear
+from pagellm.model.layers import GatedMLP, Linear, RMSNorm
 from pagellm.model.loader import iter_quantized_blocks, iter_safetensors, safetensors_files
+from pagellm.model.rotary import apply_rotary
 
 FORMATS = sorted(qk.FORMATS)
 
@@ -145,3 +148,51 @@ def test_blocks_of_another_layer_are_refused(converted: Path) -> None:
     # Reloading the weights drops the blocks attached to the old ones.
     model.load_weights(iter_safetensors(safetensors_files(converted)))
     assert all(m.quantized is None for m in model.modules() if isinstance(m, Linear))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.parametrize("width", [64, 100])
+def test_fused_norms_match_torch(kernels: bool, rows: int, width: int) -> None:
+    gen = torch.Generator().manual_seed(rows * width)
+    norm = RMSNorm(width, 1e-5)
+    norm.weight.data = torch.randn(width, generator=gen)
+    x, residual = torch.randn(2, rows, width, generator=gen)
+    expected = norm(x)
+    expected_sum_norm, expected_sum = norm.add_norm(x, residual)
+    norm.fused = True
+    torch.testing.assert_close(norm(x), expected, rtol=1e-6, atol=1e-6)
+    # A 3-D input (per-head q/k norms) is normalised along its last dimension.
+    torch.testing.assert_close(norm(x.view(rows, 1, width)), expected.view(rows, 1, width),
+                               rtol=1e-6, atol=1e-6)
+    got_norm, got_sum = norm.add_norm(x, residual)
+    assert torch.equal(got_sum, expected_sum)
+    torch.testing.assert_close(got_norm, expected_sum_norm, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 33])
+def test_fused_silu_mul_matches_torch(kernels: bool, rows: int) -> None:
+    mlp = GatedMLP(32, 48, bias=False)
+    gen = torch.Generator().manual_seed(rows)
+    mlp.gate_up_proj.weight.data = torch.randn(96, 32, generator=gen)
+    mlp.down_proj.weight.data = torch.randn(32, 48, generator=gen)
+    x = torch.randn(rows, 32, generator=gen) * 3
+    expected = mlp(x)
+    mlp.fused = True
+    torch.testing.assert_close(mlp(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_rotary_is_bit_exact(kernels: bool) -> None:
+    gen = torch.Generator().manual_seed(0)
+    rows, heads, kv_heads, dim = 6, 4, 2, 64
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=gen)
+    angles = torch.randn(rows, dim // 2, generator=gen) * 20
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    expected_q = apply_rotary(q.reshape(rows, heads, dim), cos, sin)
+    expected_k = apply_rotary(k.reshape(rows, kv_heads, dim), cos, sin)
+    expected_v = v.clone()
+    torch.ops.pagellm.rotary_(qkv, heads + kv_heads, cos, sin)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    assert torch.equal(q.reshape(rows, heads, dim), expected_q)
+    assert torch.equal(k.reshape(rows, kv_heads, dim), expected_k)
+    assert torch.equal(v, expected_v)
