@@ -248,10 +248,14 @@ class TorchBatchedBackend(AttentionBackend):
         device = meta.slot_mapping.device
         buckets: dict[tuple[int, int, int], list[int]] = {}
         first_blocks = self._shared_first_blocks(meta)
+        kernel = (self._decode_kernel and device.type == "cpu"
+                  and meta.block_size <= MAX_KERNEL_BLOCK_SIZE)
         lengths = zip(meta.query_lens_list, meta.seq_lens_list, strict=True)
         for r, (q_len, seq_len) in enumerate(lengths):
             shared = first_blocks.get(r, -1)
-            if shared >= 0:
+            if kernel and q_len == 1:
+                key = (0, 0, -2)  # the decode kernel takes any lengths in one call
+            elif shared >= 0:
                 # Requests that start on the same cached block share a prefix: one group
                 # (decodes apart from prefills, so decodes are not padded to a chunk).
                 key = (min(q_len - 1, 1), -1, shared)
@@ -260,8 +264,6 @@ class TorchBatchedBackend(AttentionBackend):
                 key = ((q_len - 1).bit_length(), n_blocks.bit_length(), -1)
             buckets.setdefault(key, []).append(r)
         whole = len(buckets) == 1
-        kernel = (self._decode_kernel and device.type == "cpu"
-                  and meta.block_size <= MAX_KERNEL_BLOCK_SIZE)
         groups = [
             self._group(meta, members, device, whole, self._cascade, kernel)
             for members in buckets.values()
@@ -306,7 +308,11 @@ class TorchBatchedBackend(AttentionBackend):
         max_seq = max(meta.seq_lens_list[r] for r in members)
         n_blocks = -(-max_seq // block_size)
         index = torch.tensor(members, device=device)
-        n_prefix = _shared_prefix_blocks(meta, members) if cascade else 0
+        # The decode kernel reads each request's whole table faster than a cascade splits
+        # it (a shared prefix stays in cache between requests; measured 4 to 64 requests
+        # over 128 to 1,024 shared tokens), so decode groups never cascade with it.
+        decode = kernel and max_q == 1
+        n_prefix = _shared_prefix_blocks(meta, members) if cascade and not decode else 0
         prefix_blocks = meta.block_tables[index[0], :n_prefix].long() if n_prefix else None
         blocks = meta.block_tables[index, n_prefix:n_blocks].long().flatten()
         starts = meta.query_start_loc[index].long()
@@ -323,7 +329,6 @@ class TorchBatchedBackend(AttentionBackend):
         # past its end; their results are dropped anyway.
         context = (seq_lens - q_lens_t)[:, None]
         query_pos = torch.minimum(context + offsets[None, :], seq_lens[:, None] - 1)
-        decode = kernel and max_q == 1
         return _Group(
             blocks=blocks,
             n_requests=len(members),
