@@ -312,7 +312,10 @@ class TorchBatchedBackend(AttentionBackend):
         # it (a shared prefix stays in cache between requests; measured 4 to 64 requests
         # over 128 to 1,024 shared tokens), so decode groups never cascade with it.
         decode = kernel and max_q == 1
-        n_prefix = _shared_prefix_blocks(meta, members) if cascade and not decode else 0
+        # A prefill over context splits it off as well with the prefix kernel, even for one
+        # request (a later chunk of a long prompt): its context is unmasked for every query.
+        n_prefix = (_shared_prefix_blocks(meta, members, single=kernel)
+                    if cascade and not decode else 0)
         prefix_blocks = meta.block_tables[index[0], :n_prefix].long() if n_prefix else None
         blocks = meta.block_tables[index, n_prefix:n_blocks].long().flatten()
         starts = meta.query_start_loc[index].long()
@@ -545,10 +548,11 @@ MAX_KERNEL_BLOCK_SIZE = 64
 MIN_CASCADE_BLOCKS = 4
 
 
-def _shared_prefix_blocks(meta: AttentionMetadata, members: list[int]) -> int:
+def _shared_prefix_blocks(meta: AttentionMetadata, members: list[int], single: bool) -> int:
     """How many leading blocks all `members` share and have fully computed before their
-    first query (0 when too few to be worth a cascade, or for a single request)."""
-    if len(members) < 2:
+    first query (0 when too few to be worth a cascade, or for a single request unless
+    `single`)."""
+    if len(members) < (1 if single else 2):
         return 0
     block_size = meta.block_size
     visible = min(

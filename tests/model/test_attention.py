@@ -289,3 +289,23 @@ def test_default_backend_is_known() -> None:
 def test_unknown_backend_names_the_choices() -> None:
     with pytest.raises(ValueError, match="torch_batched"):
         get_attention_backend("flash_nonexistent")
+
+
+def test_prefill_over_context_splits_it_off_with_the_kernels(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the kernels, a prefill chunk over context (one request, or several sharing a
+    prefix) attends that context through the prefix kernel, read in place."""
+    calls = []
+    original = TorchBatchedBackend._attend_prefix
+
+    def counting(self: TorchBatchedBackend, *args: Any) -> Any:
+        calls.append(1)
+        return original(self, *args)
+
+    monkeypatch.setattr(TorchBatchedBackend, "_attend_prefix", counting)
+    for seed, shapes in enumerate([[(40, 9)], [(37, 12)], [(32, 5), (44, 3)]]):
+        before = len(calls)
+        check(KERNELS, make_case(seed, shapes, block_size=4, head_dim=64,
+                                 shared_blocks=8 if len(shapes) > 1 else 0))
+        assert len(calls) > before
