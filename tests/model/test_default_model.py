@@ -17,6 +17,7 @@ import torch
 from paged_sim import PagedSim
 from safetensors.torch import load_file
 
+from pagellm.engine.config import default_cache_dir
 from pagellm.model import (
     default_model_file,
     load_model,
@@ -113,7 +114,7 @@ def hf_greedy(hf_gguf_model: Any, chat_ids: list[int]) -> tuple[torch.Tensor, li
 @pytest.mark.parametrize(("backend", "kernels"),
                          [("torch_ref", False), ("torch_batched", False), ("torch_batched", True)])
 def test_greedy_logits_match_transformers(
-    converted: Path, cache_root: Path, hf_greedy: tuple[torch.Tensor, list[int]],
+    converted: Path, hf_greedy: tuple[torch.Tensor, list[int]],
     chat_ids: list[int], backend: str, kernels: bool,
 ) -> None:
     """Against transformers, on torch ops and float32 weights alone, and with decode steps
@@ -121,7 +122,7 @@ def test_greedy_logits_match_transformers(
     blocks (where this machine can build them; else both runs are the same)."""
     expected_logits, expected_tokens = hf_greedy
     model = load_model(converted, "float32", "cpu", attention_backend=backend,
-                       kernel_dir=cache_root / "kernels" if kernels else None)
+                       kernel_dir=default_cache_dir() / "kernels" if kernels else None)
     sim = PagedSim(model, num_blocks=64, block_size=16)
     got = sim.step([("chat", chat_ids)])[-1]
     assert (got - expected_logits).abs().max().item() < 2e-3
