@@ -115,7 +115,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.fused and _fusable(gate_up) and gate_up.dim() == 2:
+        if (self.fused and _fusable(gate_up) and gate_up.dim() == 2
+                and self.intermediate_size % 16 == 0):
             activated = torch.ops.pagellm.silu_mul(gate_up.contiguous())
         else:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
