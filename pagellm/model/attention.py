@@ -177,6 +177,10 @@ class _Group:
     prefix_ids: torch.Tensor | None = None
     tables: torch.Tensor | None = None
     key_lens: torch.Tensor | None = None
+    # A lone request's prompt chunk with the kernels: its blocks (int32, context and new
+    # tokens) and how many tokens of context come before its queries.
+    causal_table: torch.Tensor | None = None
+    causal_context: int = 0
     additive_masks: dict[tuple[int | None, int, torch.dtype], torch.Tensor] = field(
         default_factory=dict
     )
@@ -312,10 +316,11 @@ class TorchBatchedBackend(AttentionBackend):
         # it (a shared prefix stays in cache between requests; measured 4 to 64 requests
         # over 128 to 1,024 shared tokens), so decode groups never cascade with it.
         decode = kernel and max_q == 1
-        # A prefill over context splits it off as well with the prefix kernel, even for one
-        # request (a later chunk of a long prompt): its context is unmasked for every query.
-        n_prefix = (_shared_prefix_blocks(meta, members, single=kernel)
-                    if cascade and not decode else 0)
+        n_prefix = _shared_prefix_blocks(meta, members) if cascade and not decode else 0
+        # One request's prompt chunk (fresh, or after its context), not split by a cascade:
+        # the kernel reads its whole table in place, causally (about 2x faster than SDPA's
+        # flash kernel with the built-in causal mask, here).
+        one = kernel and max_q > 1 and len(members) == 1 and n_prefix == 0
         prefix_blocks = meta.block_tables[index[0], :n_prefix].long() if n_prefix else None
         blocks = meta.block_tables[index, n_prefix:n_blocks].long().flatten()
         starts = meta.query_start_loc[index].long()
@@ -346,6 +351,8 @@ class TorchBatchedBackend(AttentionBackend):
             prefix_ids=prefix_blocks.int() if kernel and prefix_blocks is not None else None,
             tables=meta.block_tables[index, n_prefix:n_blocks].contiguous() if decode else None,
             key_lens=(seq_lens - n_prefix * block_size).int() if decode else None,
+            causal_table=meta.block_tables[members[0], :n_blocks].contiguous() if one else None,
+            causal_context=meta.seq_lens_list[members[0]] - max_q if one else 0,
         )
 
     def _gather(
@@ -396,6 +403,8 @@ class TorchBatchedBackend(AttentionBackend):
         """Attention for one group: [Rg * Q, H, D], padded rows included."""
         r, q_len, hkv, d = group.n_requests, group.q_len, spec.num_kv_heads, spec.head_dim
         q = query.index_select(0, group.q_src)
+        if group.causal_table is not None and q.dtype == torch.float32:
+            return self._prefill_with_kernel(q, kv_cache, group, spec)
         if group.tables is not None and q.dtype == torch.float32:
             own = self._decode_with_kernel(q, kv_cache, group, spec)
             if group.prefix_blocks is None:
@@ -449,6 +458,21 @@ class TorchBatchedBackend(AttentionBackend):
             shared_q[None], prefix[0].transpose(0, 1)[None], prefix[1].transpose(0, 1)[None],
             None, spec.scale)
         return out[0], lse[0]
+
+    @staticmethod
+    def _prefill_with_kernel(
+        q: torch.Tensor, kv_cache: torch.Tensor, group: _Group, spec: AttentionSpec
+    ) -> torch.Tensor:
+        """One request's queries [Q, H, D] against its whole table, causally, through the
+        prefix kernel with per-row limits: output [Q, H, D]."""
+        assert group.causal_table is not None
+        q_len, hkv, d = group.q_len, spec.num_kv_heads, spec.head_dim
+        g = spec.num_heads // hkv
+        rows = q.view(q_len, hkv, g, d).transpose(0, 1).reshape(hkv, q_len * g, d).contiguous()
+        result: tuple[torch.Tensor, torch.Tensor] = torch.ops.pagellm.paged_prefix_attention(
+            rows, kv_cache[0], kv_cache[1], group.causal_table, spec.scale,
+            group.causal_context, g)
+        return result[0].view(hkv, q_len, g, d).transpose(0, 1).reshape(q_len, spec.num_heads, d)
 
     @staticmethod
     def _decode_with_kernel(
@@ -548,11 +572,10 @@ MAX_KERNEL_BLOCK_SIZE = 64
 MIN_CASCADE_BLOCKS = 4
 
 
-def _shared_prefix_blocks(meta: AttentionMetadata, members: list[int], single: bool) -> int:
+def _shared_prefix_blocks(meta: AttentionMetadata, members: list[int]) -> int:
     """How many leading blocks all `members` share and have fully computed before their
-    first query (0 when too few to be worth a cascade, or for a single request unless
-    `single`)."""
-    if len(members) < (1 if single else 2):
+    first query (0 when too few to be worth a cascade, or for a single request)."""
+    if len(members) < 2:
         return 0
     block_size = meta.block_size
     visible = min(

@@ -291,21 +291,38 @@ def test_unknown_backend_names_the_choices() -> None:
         get_attention_backend("flash_nonexistent")
 
 
-def test_prefill_over_context_splits_it_off_with_the_kernels(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """With the kernels, a prefill chunk over context (one request, or several sharing a
-    prefix) attends that context through the prefix kernel, read in place."""
-    calls = []
-    original = TorchBatchedBackend._attend_prefix
+def test_lone_prefill_chunks_take_the_causal_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the kernels, one request's prompt chunk (fresh or after its context) is read
+    in place by the causal prefill kernel, and several requests sharing a prefix still
+    attend it once through the prefix kernel."""
+    calls: dict[str, int] = {"prefill": 0, "prefix": 0}
+    prefill = TorchBatchedBackend._prefill_with_kernel
+    prefix = TorchBatchedBackend._attend_prefix
 
-    def counting(self: TorchBatchedBackend, *args: Any) -> Any:
-        calls.append(1)
-        return original(self, *args)
+    def counting_prefill(*args: Any) -> Any:
+        calls["prefill"] += 1
+        return prefill(*args)
 
-    monkeypatch.setattr(TorchBatchedBackend, "_attend_prefix", counting)
-    for seed, shapes in enumerate([[(40, 9)], [(37, 12)], [(32, 5), (44, 3)]]):
-        before = len(calls)
-        check(KERNELS, make_case(seed, shapes, block_size=4, head_dim=64,
-                                 shared_blocks=8 if len(shapes) > 1 else 0))
-        assert len(calls) > before
+    def counting_prefix(self: TorchBatchedBackend, *args: Any) -> Any:
+        calls["prefix"] += 1
+        return prefix(self, *args)
+
+    monkeypatch.setattr(TorchBatchedBackend, "_prefill_with_kernel",
+                        staticmethod(counting_prefill))
+    monkeypatch.setattr(TorchBatchedBackend, "_attend_prefix", counting_prefix)
+    for seed, shapes in enumerate([[(0, 70)], [(40, 9)], [(37, 12)], [(130, 66)]]):
+        before = calls["prefill"]
+        check(KERNELS, make_case(seed, shapes, block_size=[4, 16, 1, 64][seed], head_dim=64))
+        assert calls["prefill"] > before
+    check(KERNELS, make_case(5, [(32, 5), (44, 3)], block_size=4, head_dim=64, shared_blocks=8))
+    assert calls["prefix"] > 0
+
+
+def test_causal_kernel_rejects_rows_that_are_not_whole_groups() -> None:
+    if not kernels_loaded():
+        pytest.skip("the CPU kernels cannot be built or run on this machine")
+    cache = torch.zeros(2, 4, 16, 2, 64)
+    with pytest.raises(RuntimeError, match="whole groups"):
+        torch.ops.pagellm.paged_prefix_attention(
+            torch.randn(2, 5, 64), cache[0], cache[1], torch.zeros(2, dtype=torch.int32),
+            0.125, 0, 2)

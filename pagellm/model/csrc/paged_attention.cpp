@@ -220,15 +220,13 @@ constexpr int kChunk = 64;
 constexpr int kChunkVecs = kChunk / 16;
 constexpr int kRowsPerPass = 4;
 
+// `limits`, when given, holds each row's number of visible keys (causal attention): key
+// start + t is masked for a row once start + t >= limits[row].
 template <int NV>
 void attend_chunk_rows(const float* q, int64_t rows, const float* kt, const float* vt,
-                       int valid, float* m, float* l, float* acc) {
+                       int valid, const int64_t* limits, int64_t start, float* m, float* l,
+                       float* acc) {
   constexpr int D = NV * 16;
-  __mmask16 masks[kChunkVecs];
-  for (int c = 0; c < kChunkVecs; ++c) {
-    const int left = valid - c * 16;
-    masks[c] = left >= 16 ? 0xFFFF : left <= 0 ? 0 : (1u << left) - 1;
-  }
   const int used = (valid + 15) / 16;
   for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass) {
     const int n = static_cast<int>(std::min<int64_t>(kRowsPerPass, rows - r0));
@@ -248,6 +246,14 @@ void attend_chunk_rows(const float* q, int64_t rows, const float* kt, const floa
     const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     for (int i = 0; i < n; ++i) {
       const int64_t row = r0 + i;
+      const int row_valid = limits == nullptr ? valid
+          : static_cast<int>(std::clamp<int64_t>(limits[row] - start, 0, valid));
+      if (row_valid == 0) continue;
+      __mmask16 masks[kChunkVecs];
+      for (int c = 0; c < kChunkVecs; ++c) {
+        const int left = row_valid - c * 16;
+        masks[c] = left >= 16 ? 0xFFFF : left <= 0 ? 0 : (1u << left) - 1;
+      }
       __m512 top = neg_inf;
       for (int c = 0; c < used; ++c) {
         s[i][c] = _mm512_mask_mov_ps(neg_inf, masks[c], s[i][c]);
@@ -269,7 +275,7 @@ void attend_chunk_rows(const float* q, int64_t rows, const float* kt, const floa
       __m512 out[NV];
       const __m512 corr = _mm512_set1_ps(correction);
       for (int v = 0; v < NV; ++v) out[v] = _mm512_mul_ps(_mm512_loadu_ps(a + v * 16), corr);
-      for (int t = 0; t < valid; ++t) {
+      for (int t = 0; t < row_valid; ++t) {
         const __m512 pt = _mm512_set1_ps(probs[t]);
         for (int v = 0; v < NV; ++v) {
           out[v] = _mm512_fmadd_ps(pt, _mm512_load_ps(vt + t * D + v * 16), out[v]);
@@ -280,14 +286,15 @@ void attend_chunk_rows(const float* q, int64_t rows, const float* kt, const floa
   }
 }
 
-// One (kv head, tile of query rows) against every key of the prefix.
+// One (kv head, tile of query rows) against every key of the prefix (or, with `limits`,
+// ascending, each row's first limits[row] keys).
 constexpr int64_t kPrefixRowTile = 64;
 
 template <int NV>
 void attend_prefix(const float* q, int64_t rows, float scale, const float* k_cache,
                    const float* v_cache, const int32_t* blocks, int64_t keys,
-                   int64_t block_size, int64_t block_stride, int64_t token_stride, float* out,
-                   float* lse, float* m, float* l) {
+                   int64_t block_size, int64_t block_stride, int64_t token_stride,
+                   const int64_t* limits, float* out, float* lse, float* m, float* l) {
   constexpr int D = NV * 16;
   alignas(64) float kt[D * kChunk];
   alignas(64) float vt[kChunk * D];
@@ -298,8 +305,9 @@ void attend_prefix(const float* q, int64_t rows, float scale, const float* k_cac
     l[row] = 0.0f;
   }
   std::fill(out, out + rows * D, 0.0f);
-  for (int64_t start = 0; start < keys; start += kChunk) {
-    const int valid = static_cast<int>(std::min<int64_t>(kChunk, keys - start));
+  const int64_t end = limits == nullptr ? keys : std::min(keys, limits[rows - 1]);
+  for (int64_t start = 0; start < end; start += kChunk) {
+    const int valid = static_cast<int>(std::min<int64_t>(kChunk, end - start));
     for (int t = 0; t < kChunk; ++t) {
       if (t < valid) {
         const int64_t j = start + t;
@@ -312,7 +320,7 @@ void attend_prefix(const float* q, int64_t rows, float scale, const float* k_cac
         for (int d = 0; d < D; ++d) kt[d * kChunk + t] = 0.0f;
       }
     }
-    attend_chunk_rows<NV>(qs, rows, kt, vt, valid, m, l, out);
+    attend_chunk_rows<NV>(qs, rows, kt, vt, valid, limits, start, m, l, out);
   }
   for (int64_t row = 0; row < rows; ++row) {
     const __m512 inv = _mm512_set1_ps(1.0f / l[row]);
@@ -324,11 +332,14 @@ void attend_prefix(const float* q, int64_t rows, float scale, const float* k_cac
   }
 }
 
-// q [Hkv, M, D]; k_cache, v_cache
-// [N, B, Hkv, D]; blocks [nb] int32. Returns out [Hkv, M, D], lse [Hkv, M].
+// q [Hkv, M, D]; k_cache, v_cache [N, B, Hkv, D]; blocks [nb] int32. Returns out
+// [Hkv, M, D], lse [Hkv, M]. With `causal_context` >= 0 the rows are one request's
+// queries in (query, head of the group) order, `group` heads per query, query i at
+// position causal_context + i: it sees keys 0 .. causal_context + i (a prefill chunk
+// after its context, read in place with its own new keys).
 std::tuple<at::Tensor, at::Tensor> paged_prefix_attention(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-    const at::Tensor& blocks, double scale) {
+    const at::Tensor& blocks, double scale, int64_t causal_context, int64_t group) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
               "paged_prefix_attention: q must be a contiguous float32 [Hkv, M, D] tensor");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat &&
@@ -344,6 +355,8 @@ std::tuple<at::Tensor, at::Tensor> paged_prefix_attention(
               "paged_prefix_attention: shapes do not match");
   TORCH_CHECK(dim == 64 || dim == 128, "paged_prefix_attention: ", dim,
               " dims are not supported");
+  TORCH_CHECK(group >= 1 && (causal_context < 0 || rows % group == 0),
+              "paged_prefix_attention: rows must be whole groups of query heads");
   at::Tensor out = at::empty({kv_heads, rows, dim}, q.options());
   at::Tensor lse = at::empty({kv_heads, rows}, q.options());
   at::Tensor stats = at::empty({kv_heads, rows, 2}, q.options());
@@ -365,12 +378,18 @@ std::tuple<at::Tensor, at::Tensor> paged_prefix_attention(
       const int64_t base = h * rows + r0;
       float* m = sp + base * 2;
       float* l = m + n;  // the tile's 2n floats of stats: n maxima, then n sums
+      int64_t tile_limits[kPrefixRowTile];
+      const int64_t* limits = nullptr;
+      if (causal_context >= 0) {
+        for (int64_t j = 0; j < n; ++j) tile_limits[j] = causal_context + (r0 + j) / group + 1;
+        limits = tile_limits;
+      }
       if (dim == 64) {
         attend_prefix<4>(qp + base * dim, n, sc, kp + h * dim, vp + h * dim, bp, keys, block_size,
-                         block_stride, token_stride, op + base * dim, lp + base, m, l);
+                         block_stride, token_stride, limits, op + base * dim, lp + base, m, l);
       } else {
         attend_prefix<8>(qp + base * dim, n, sc, kp + h * dim, vp + h * dim, bp, keys, block_size,
-                         block_stride, token_stride, op + base * dim, lp + base, m, l);
+                         block_stride, token_stride, limits, op + base * dim, lp + base, m, l);
       }
     }
   });
@@ -383,7 +402,7 @@ TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor lens, float scale) -> (Tensor, Tensor)");
   m.def("paged_prefix_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor blocks, "
-        "float scale) -> (Tensor, Tensor)");
+        "float scale, int causal_context=-1, int group=1) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
