@@ -24,8 +24,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = tuple(Path(__file__).parent / "csrc" / name
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = tuple(_CSRC / name
                  for name in ("quant_linear.cpp", "paged_attention.cpp", "fused_ops.cpp"))
+_HEADERS = (_CSRC / "vec_math.h",)
 _LIBRARY_NAME = "libpagellm_cpu_kernels.so"
 
 _lock = threading.Lock()
@@ -47,7 +49,7 @@ def _build_and_load(build_root: Path) -> bool:
     if reason is not None:
         logger.info("CPU kernels off: %s", reason)
         return False
-    missing = [str(source) for source in _SOURCES if not source.is_file()]
+    missing = [str(source) for source in (*_SOURCES, *_HEADERS) if not source.is_file()]
     if missing:
         logger.info("CPU kernels off: sources not installed: %s", ", ".join(missing))
         return False
@@ -57,7 +59,8 @@ def _build_and_load(build_root: Path) -> bool:
         return False
     command = _compile_command(compiler)
     key = hashlib.sha256(
-        b"".join(source.read_bytes() for source in _SOURCES) + " ".join(command).encode() + torch.__version__.encode()
+        b"".join(source.read_bytes() for source in (*_SOURCES, *_HEADERS))
+        + " ".join(command).encode() + torch.__version__.encode()
         + _compiler_version(compiler).encode()
     ).hexdigest()[:16]
     directory = build_root / f"cpu-{key}"

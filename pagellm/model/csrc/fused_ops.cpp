@@ -15,10 +15,14 @@
 
 #include <immintrin.h>
 
+#include "vec_math.h"
+
 #include <cmath>
 #include <tuple>
 
 namespace {
+
+using pagellm_kernels::exp16;
 
 // Rows per parallel task: small batches stay on one thread (waking the pool costs more
 // than the work).
@@ -82,26 +86,6 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
     }
   });
   return {out, sum};
-}
-
-// exp(x) for 16 floats, as in paged_attention.cpp (about 2 ulp).
-inline __m512 exp16(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-103.0f);
-  const __m512 clamped = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(88.7f));
-  const __m512 n = _mm512_roundscale_ps(
-      _mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504088896341f)),
-      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), clamped);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_GT_OQ),
-                             _mm512_scalef_ps(p, n));
 }
 
 // gate_up [rows, 2I] -> silu(gate) * up [rows, I], silu(g) = g / (1 + exp(-g)).
