@@ -172,8 +172,8 @@ class _Group:
     # (top-left) causal masking is exact for every real query row.
     fresh: bool = False
     # With the compiled kernels: the shared prefix's block ids as int32 (read in place by
-    # the prefix kernel); for decode groups (one query per request) each request's blocks
-    # after the prefix [Rg, W] int32 and how many keys they hold [Rg] (the decode kernel).
+    # the prefix kernel); for decode groups (one query per request, never a cascade) each
+    # request's blocks [Rg, W] int32 and how many keys they hold [Rg] (the decode kernel).
     prefix_ids: torch.Tensor | None = None
     tables: torch.Tensor | None = None
     key_lens: torch.Tensor | None = None
@@ -349,8 +349,8 @@ class TorchBatchedBackend(AttentionBackend):
             prefix_start=_consecutive_start(prefix_blocks),
             fresh=all(meta.seq_lens_list[r] == meta.query_lens_list[r] for r in members),
             prefix_ids=prefix_blocks.int() if kernel and prefix_blocks is not None else None,
-            tables=meta.block_tables[index, n_prefix:n_blocks].contiguous() if decode else None,
-            key_lens=(seq_lens - n_prefix * block_size).int() if decode else None,
+            tables=meta.block_tables[index, :n_blocks].contiguous() if decode else None,
+            key_lens=seq_lens.int() if decode else None,
             causal_table=meta.block_tables[members[0], :n_blocks].contiguous() if one else None,
             causal_context=meta.seq_lens_list[members[0]] - max_q if one else 0,
         )
@@ -406,17 +406,13 @@ class TorchBatchedBackend(AttentionBackend):
         if group.causal_table is not None and q.dtype == torch.float32:
             return self._prefill_with_kernel(q, kv_cache, group, spec)
         if group.tables is not None and q.dtype == torch.float32:
-            own = self._decode_with_kernel(q, kv_cache, group, spec)
-            if group.prefix_blocks is None:
-                return own[0]
-            return self._attend_cascade(q, own, kv_cache, group, spec)
+            return self._decode_with_kernel(q, kv_cache, group, spec)
         kv = self._gather(kv_cache, group.blocks).view(2, r, -1, hkv, d).transpose(2, 3)
         # Fresh prompts use the kernel's built-in causal mask, about 2x faster than an
         # explicit one; padded keys sit after every real query, so they stay masked.
         builtin_causal = q_len > 1 and group.fresh and spec.sliding_window is None
         if not builtin_causal and group.prefix_blocks is not None:
-            return self._attend_cascade(q, self._attend_own(q, kv, group, spec), kv_cache,
-                                        group, spec)
+            return self._attend_cascade(q, kv, kv_cache, group, spec)
         mask = None if builtin_causal else group.additive_mask(spec.sliding_window, 1, q.dtype)
         if q_len == 1:
             folded = q.view(r, hkv, spec.num_heads // hkv, d)
@@ -477,31 +473,18 @@ class TorchBatchedBackend(AttentionBackend):
     @staticmethod
     def _decode_with_kernel(
         q: torch.Tensor, kv_cache: torch.Tensor, group: _Group, spec: AttentionSpec
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One query per request against its own blocks (after any shared prefix), read
-        in place: output [r, H, D] and log-sum-exp [r, H]."""
+    ) -> torch.Tensor:
+        """One query per request against all its blocks, read in place: [r, H, D]."""
         assert group.tables is not None and group.key_lens is not None
         out: tuple[torch.Tensor, torch.Tensor] = torch.ops.pagellm.paged_decode_attention(
             q.view(group.n_requests, spec.num_heads, spec.head_dim), kv_cache[0], kv_cache[1],
             group.tables, group.key_lens, spec.scale)
-        return out
-
-    @staticmethod
-    def _attend_own(
-        q: torch.Tensor, own_kv: torch.Tensor, group: _Group, spec: AttentionSpec
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each request's queries against its own gathered blocks after the shared prefix,
-        causally: output [r, Hkv, Q * G, D] and log-sum-exp [r, Hkv, Q * G]."""
-        r, q_len, hkv, d = group.n_requests, group.q_len, spec.num_kv_heads, spec.head_dim
-        g = spec.num_heads // hkv
-        qh = q.view(r, q_len, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(r, hkv, q_len * g, d)
-        own_mask = group.additive_mask(spec.sliding_window, g, q.dtype)
-        return _attention_with_lse(qh, own_kv[0], own_kv[1], own_mask, spec.scale)
+        return out[0]
 
     def _attend_cascade(
         self,
         q: torch.Tensor,
-        own: tuple[torch.Tensor, torch.Tensor],
+        suffix_kv: torch.Tensor,
         kv_cache: torch.Tensor,
         group: _Group,
         spec: AttentionSpec,
@@ -513,8 +496,7 @@ class TorchBatchedBackend(AttentionBackend):
         usual. The two partial results are merged exactly through their log-sum-exps (the
         same attention, computed in another order). Every query sees the whole prefix (it
         lies before every query) and at least itself among its own keys, so neither part
-        has a fully masked row. `own` is that second part (output and log-sum-exp, from
-        `_attend_own` or the decode kernel, in either's layout).
+        has a fully masked row.
         """
         assert group.prefix_blocks is not None
         r, q_len, hkv, d = group.n_requests, group.q_len, spec.num_kv_heads, spec.head_dim
@@ -525,8 +507,9 @@ class TorchBatchedBackend(AttentionBackend):
         prefix_out, prefix_lse = self._attend_prefix(shared_q, kv_cache, group, spec)
         prefix_out = prefix_out.view(hkv, r, q_len * g, d).transpose(0, 1)
         prefix_lse = prefix_lse.view(hkv, r, q_len * g).transpose(0, 1)
-        own_out = own[0].view(r, hkv, q_len * g, d)
-        own_lse = own[1].view(r, hkv, q_len * g)
+        own_mask = group.additive_mask(spec.sliding_window, g, q.dtype)
+        own_out, own_lse = _attention_with_lse(qh, suffix_kv[0], suffix_kv[1], own_mask,
+                                               spec.scale)
         # Softmax over both parts = the parts weighted by their share of the total mass,
         # exp(lse_p) / (exp(lse_p) + exp(lse_o)) = sigmoid(lse_p - lse_o).
         prefix_share = torch.sigmoid(prefix_lse - own_lse)[..., None]
