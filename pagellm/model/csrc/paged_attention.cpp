@@ -193,124 +193,148 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention(
   return {out, lse};
 }
 
-// Many queries against one run of keys with no mask: every query of every request of a
-// cascade group against their shared prefix (`blocks`, whole blocks, read in place).
-// Keys go in chunks of 64, transposed into d-major tiles so that scores come out of
-// broadcast FMAs with no horizontal sums, four query rows sharing each tile load; the
-// online softmax is rescaled once per chunk.
-constexpr int kChunk = 64;
-constexpr int kChunkVecs = kChunk / 16;
-constexpr int kRowsPerPass = 4;
-
-// `limits`, when given, holds each row's number of visible keys (causal attention): key
-// start + t is masked for a row once start + t >= limits[row].
-template <int NV>
-void attend_chunk_rows(const float* q, int64_t rows, const float* kt, const float* vt,
-                       int valid, const int64_t* limits, int64_t start, float* m, float* l,
-                       float* acc) {
-  constexpr int D = NV * 16;
-  const int used = (valid + 15) / 16;
-  for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass) {
-    const int n = static_cast<int>(std::min<int64_t>(kRowsPerPass, rows - r0));
-    __m512 s[kRowsPerPass][kChunkVecs];
-    for (int i = 0; i < kRowsPerPass; ++i) {
-      for (int c = 0; c < kChunkVecs; ++c) s[i][c] = _mm512_setzero_ps();
-    }
-    for (int d = 0; d < D; ++d) {
-      for (int c = 0; c < kChunkVecs; ++c) {
-        if (c >= used) break;
-        const __m512 k = _mm512_load_ps(kt + d * kChunk + c * 16);
-        for (int i = 0; i < kRowsPerPass; ++i) {
-          if (i < n) s[i][c] = _mm512_fmadd_ps(_mm512_set1_ps(q[(r0 + i) * D + d]), k, s[i][c]);
-        }
-      }
-    }
-    const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int i = 0; i < n; ++i) {
-      const int64_t row = r0 + i;
-      const int row_valid = limits == nullptr ? valid
-          : static_cast<int>(std::clamp<int64_t>(limits[row] - start, 0, valid));
-      if (row_valid == 0) continue;
-      __mmask16 masks[kChunkVecs];
-      for (int c = 0; c < kChunkVecs; ++c) {
-        const int left = row_valid - c * 16;
-        masks[c] = left >= 16 ? 0xFFFF : left <= 0 ? 0 : (1u << left) - 1;
-      }
-      __m512 top = neg_inf;
-      for (int c = 0; c < used; ++c) {
-        s[i][c] = _mm512_mask_mov_ps(neg_inf, masks[c], s[i][c]);
-        top = _mm512_max_ps(top, s[i][c]);
-      }
-      const float new_m = std::max(m[row], _mm512_reduce_max_ps(top));
-      const float correction = std::exp(m[row] - new_m);
-      const __m512 shift = _mm512_set1_ps(new_m);
-      alignas(64) float probs[kChunk];
-      __m512 total = _mm512_setzero_ps();
-      for (int c = 0; c < used; ++c) {
-        const __m512 p = _mm512_maskz_mov_ps(masks[c], exp16(_mm512_sub_ps(s[i][c], shift)));
-        total = _mm512_add_ps(total, p);
-        _mm512_store_ps(probs + c * 16, p);
-      }
-      m[row] = new_m;
-      l[row] = l[row] * correction + _mm512_reduce_add_ps(total);
-      float* a = acc + row * D;
-      __m512 out[NV];
-      const __m512 corr = _mm512_set1_ps(correction);
-      for (int v = 0; v < NV; ++v) out[v] = _mm512_mul_ps(_mm512_loadu_ps(a + v * 16), corr);
-      for (int t = 0; t < row_valid; ++t) {
-        const __m512 pt = _mm512_set1_ps(probs[t]);
-        for (int v = 0; v < NV; ++v) {
-          out[v] = _mm512_fmadd_ps(pt, _mm512_load_ps(vt + t * D + v * 16), out[v]);
-        }
-      }
-      for (int v = 0; v < NV; ++v) _mm512_storeu_ps(a + v * 16, out[v]);
-    }
-  }
-}
-
-// One (kv head, tile of query rows) against every key of the prefix (or, with `limits`,
-// ascending, each row's first limits[row] keys).
+// Many queries against one run of keys: every query of every request of a cascade group
+// against their shared prefix (`blocks`, whole blocks), or one request's prompt chunk
+// against its context and itself (causal). Keys and values are read in place.
+//
+// Both products are register-blocked like a GEMM, with no transposed copy of the keys and
+// no horizontal sums: scores are computed key-major (a key's scalar broadcast against 16
+// query rows at once, 6 keys x 4 row vectors per pass), so the online softmax runs down
+// each row vector with vertical max and sum; then the output takes 6 rows (3 for 128
+// dims) x the whole head per pass, each value row loaded once for all of them. The
+// softmax is rescaled once per chunk of 48 keys.
+constexpr int kKeyChunk = 48;
+constexpr int kKeysPerPass = 6;
 constexpr int64_t kPrefixRowTile = 64;
 
-template <int NV>
+// One (kv head, tile of at most RV * 16 query rows) against the prefix's keys; `limits`,
+// when given, holds each row's number of visible keys (ascending, causal attention).
+template <int NV, int RV>
 void attend_prefix(const float* q, int64_t rows, float scale, const float* k_cache,
                    const float* v_cache, const int32_t* blocks, int64_t keys,
                    int64_t block_size, int64_t block_stride, int64_t token_stride,
-                   const int64_t* limits, float* out, float* lse, float* m, float* l) {
+                   const int64_t* limits, float* out, float* lse) {
   constexpr int D = NV * 16;
-  alignas(64) float kt[D * kChunk];
-  alignas(64) float vt[kChunk * D];
-  alignas(64) float qs[kPrefixRowTile * D];
-  for (int64_t i = 0; i < rows * D; ++i) qs[i] = q[i] * scale;
-  for (int64_t row = 0; row < rows; ++row) {
+  constexpr int W = RV * 16;                   // rows, padded to whole vectors
+  constexpr int kPvRows = NV == 4 ? 6 : 3;     // output rows per pass: 24 accumulators
+  alignas(64) float qt[D * W];                 // scaled queries, d-major: qt[d * W + row]
+  alignas(64) float st[kKeyChunk * W + kPvRows];  // scores, then probabilities: [key][row]
+  alignas(64) float acc[(W + kPvRows) * D];    // unnormalised outputs
+  alignas(64) float m[W], l[W], corr[W + kPvRows];
+  alignas(64) int32_t lim[W];
+  for (int d = 0; d < D; ++d) {
+    for (int row = 0; row < W; ++row) qt[d * W + row] = row < rows ? q[row * D + d] * scale : 0.0f;
+  }
+  int64_t end = keys;
+  for (int row = 0; row < W; ++row) {
+    // Padding rows copy the last real row's limit: they never widen the key range.
+    const int64_t limit = limits == nullptr ? keys : limits[std::min<int64_t>(row, rows - 1)];
+    lim[row] = static_cast<int32_t>(std::min(limit, keys));
     m[row] = -std::numeric_limits<float>::infinity();
     l[row] = 0.0f;
   }
-  std::fill(out, out + rows * D, 0.0f);
-  const int64_t end = limits == nullptr ? keys : std::min(keys, limits[rows - 1]);
-  for (int64_t start = 0; start < end; start += kChunk) {
-    const int valid = static_cast<int>(std::min<int64_t>(kChunk, end - start));
-    for (int t = 0; t < kChunk; ++t) {
-      if (t < valid) {
-        const int64_t j = start + t;
-        const int64_t offset = blocks[j / block_size] * block_stride +
-                               (j % block_size) * token_stride;
-        const float* k = k_cache + offset;
-        for (int d = 0; d < D; ++d) kt[d * kChunk + t] = k[d];
-        std::copy(v_cache + offset, v_cache + offset + D, vt + t * D);
-      } else {
-        for (int d = 0; d < D; ++d) kt[d * kChunk + t] = 0.0f;
+  if (limits != nullptr) end = std::min(keys, limits[rows - 1]);
+  std::fill(acc, acc + (W + kPvRows) * D, 0.0f);
+  std::fill(corr, corr + W + kPvRows, 0.0f);
+  st[kKeyChunk * W] = 0.0f;
+  const float* kp[kKeyChunk];
+  const float* vp[kKeyChunk];
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t start = 0; start < end; start += kKeyChunk) {
+    const int n = static_cast<int>(std::min<int64_t>(kKeyChunk, end - start));
+    for (int t = 0; t < kKeyChunk; ++t) {
+      // Keys past the end point at the last one: computed, then masked.
+      const int64_t j = start + std::min(t, n - 1);
+      const int64_t offset = blocks[j / block_size] * block_stride + (j % block_size) * token_stride;
+      kp[t] = k_cache + offset;
+      vp[t] = v_cache + offset;
+    }
+    for (int t0 = 0; t0 < n; t0 += kKeysPerPass) {
+      __m512 s[kKeysPerPass][RV];
+      for (int j = 0; j < kKeysPerPass; ++j) {
+        for (int r = 0; r < RV; ++r) s[j][r] = _mm512_setzero_ps();
+      }
+      for (int d = 0; d < D; ++d) {
+        __m512 qv[RV];
+        for (int r = 0; r < RV; ++r) qv[r] = _mm512_load_ps(qt + d * W + r * 16);
+        for (int j = 0; j < kKeysPerPass; ++j) {
+          const __m512 k = _mm512_set1_ps(kp[t0 + j][d]);
+          for (int r = 0; r < RV; ++r) s[j][r] = _mm512_fmadd_ps(k, qv[r], s[j][r]);
+        }
+      }
+      for (int j = 0; j < kKeysPerPass; ++j) {
+        for (int r = 0; r < RV; ++r) _mm512_store_ps(st + (t0 + j) * W + r * 16, s[j][r]);
       }
     }
-    attend_chunk_rows<NV>(qs, rows, kt, vt, valid, limits, start, m, l, out);
+    for (int r = 0; r < RV; ++r) {
+      // Key start + t is visible to a row while start + t < its limit.
+      const __m512i visible = _mm512_sub_epi32(_mm512_load_si512(lim + r * 16),
+                                               _mm512_set1_epi32(static_cast<int32_t>(start)));
+      __m512 top = neg_inf;
+      for (int t = 0; t < n; ++t) {
+        const __mmask16 mask = _mm512_cmpgt_epi32_mask(visible, _mm512_set1_epi32(t));
+        top = _mm512_max_ps(top, _mm512_mask_load_ps(neg_inf, mask, st + t * W + r * 16));
+      }
+      const __m512 old_m = _mm512_load_ps(m + r * 16);
+      const __m512 new_m = _mm512_max_ps(old_m, top);
+      // A row with nothing visible yet keeps m = -inf; shifting it by 0 keeps exp at 0.
+      const __m512 shift = _mm512_mask_mov_ps(new_m, _mm512_cmp_ps_mask(new_m, neg_inf, _CMP_EQ_OQ),
+                                              _mm512_setzero_ps());
+      const __m512 c = exp16(_mm512_sub_ps(old_m, shift));
+      __m512 sum = _mm512_setzero_ps();
+      for (int t = 0; t < n; ++t) {
+        const __mmask16 mask = _mm512_cmpgt_epi32_mask(visible, _mm512_set1_epi32(t));
+        float* p = st + t * W + r * 16;
+        const __m512 e = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(_mm512_load_ps(p), shift)));
+        _mm512_store_ps(p, e);
+        sum = _mm512_add_ps(sum, e);
+      }
+      _mm512_store_ps(m + r * 16, new_m);
+      _mm512_store_ps(l + r * 16, _mm512_fmadd_ps(_mm512_load_ps(l + r * 16), c, sum));
+      _mm512_store_ps(corr + r * 16, c);
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += kPvRows) {
+      __m512 o[kPvRows][NV];
+      for (int i = 0; i < kPvRows; ++i) {
+        const __m512 c = _mm512_set1_ps(corr[r0 + i]);
+        for (int v = 0; v < NV; ++v) {
+          o[i][v] = _mm512_mul_ps(_mm512_load_ps(acc + (r0 + i) * D + v * 16), c);
+        }
+      }
+      for (int t = 0; t < n; ++t) {
+        __m512 val[NV];
+        for (int v = 0; v < NV; ++v) val[v] = _mm512_loadu_ps(vp[t] + v * 16);
+        const float* p = st + t * W + r0;
+        for (int i = 0; i < kPvRows; ++i) {
+          const __m512 pt = _mm512_set1_ps(p[i]);
+          for (int v = 0; v < NV; ++v) o[i][v] = _mm512_fmadd_ps(pt, val[v], o[i][v]);
+        }
+      }
+      for (int i = 0; i < kPvRows; ++i) {
+        for (int v = 0; v < NV; ++v) _mm512_store_ps(acc + (r0 + i) * D + v * 16, o[i][v]);
+      }
+    }
   }
   for (int64_t row = 0; row < rows; ++row) {
     const __m512 inv = _mm512_set1_ps(1.0f / l[row]);
     for (int v = 0; v < NV; ++v) {
-      float* o = out + row * D + v * 16;
-      _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(o), inv));
+      _mm512_storeu_ps(out + row * D + v * 16, _mm512_mul_ps(_mm512_load_ps(acc + row * D + v * 16), inv));
     }
     lse[row] = m[row] + std::log(l[row]);
+  }
+}
+
+using PrefixFn = void (*)(const float*, int64_t, float, const float*, const float*,
+                          const int32_t*, int64_t, int64_t, int64_t, int64_t, const int64_t*,
+                          float*, float*);
+
+template <int NV>
+PrefixFn pick_prefix_rows(int64_t rows) {
+  switch ((rows + 15) / 16) {
+    case 1: return attend_prefix<NV, 1>;
+    case 2: return attend_prefix<NV, 2>;
+    case 3: return attend_prefix<NV, 3>;
+    default: return attend_prefix<NV, 4>;
   }
 }
 
@@ -341,7 +365,6 @@ std::tuple<at::Tensor, at::Tensor> paged_prefix_attention(
               "paged_prefix_attention: rows must be whole groups of query heads");
   at::Tensor out = at::empty({kv_heads, rows, dim}, q.options());
   at::Tensor lse = at::empty({kv_heads, rows}, q.options());
-  at::Tensor stats = at::empty({kv_heads, rows, 2}, q.options());
   const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>();
@@ -349,7 +372,6 @@ std::tuple<at::Tensor, at::Tensor> paged_prefix_attention(
   const int32_t* bp = blocks.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
-  float* sp = stats.data_ptr<float>();
   const int64_t keys = blocks.numel() * block_size;
   const int64_t token_stride = kv_heads * dim, block_stride = block_size * token_stride;
   const int64_t tiles = (rows + kPrefixRowTile - 1) / kPrefixRowTile;
@@ -358,21 +380,15 @@ std::tuple<at::Tensor, at::Tensor> paged_prefix_attention(
       const int64_t h = i / tiles, r0 = (i % tiles) * kPrefixRowTile;
       const int64_t n = std::min(kPrefixRowTile, rows - r0);
       const int64_t base = h * rows + r0;
-      float* m = sp + base * 2;
-      float* l = m + n;  // the tile's 2n floats of stats: n maxima, then n sums
       int64_t tile_limits[kPrefixRowTile];
       const int64_t* limits = nullptr;
       if (causal_context >= 0) {
         for (int64_t j = 0; j < n; ++j) tile_limits[j] = causal_context + (r0 + j) / group + 1;
         limits = tile_limits;
       }
-      if (dim == 64) {
-        attend_prefix<4>(qp + base * dim, n, sc, kp + h * dim, vp + h * dim, bp, keys, block_size,
-                         block_stride, token_stride, limits, op + base * dim, lp + base, m, l);
-      } else {
-        attend_prefix<8>(qp + base * dim, n, sc, kp + h * dim, vp + h * dim, bp, keys, block_size,
-                         block_stride, token_stride, limits, op + base * dim, lp + base, m, l);
-      }
+      const PrefixFn fn = dim == 64 ? pick_prefix_rows<4>(n) : pick_prefix_rows<8>(n);
+      fn(qp + base * dim, n, sc, kp + h * dim, vp + h * dim, bp, keys, block_size, block_stride,
+         token_stride, limits, op + base * dim, lp + base);
     }
   });
   return {out, lse};
