@@ -16,7 +16,7 @@ import torch
 from paged_sim import build_metadata
 
 from pagellm.engine.config import default_cache_dir
-from pagellm.model import cpu_kernels
+from pagellm.model import attention, cpu_kernels
 from pagellm.model.attention import (
     ATTENTION_BACKENDS,
     DEFAULT_ATTENTION_BACKEND,
@@ -223,21 +223,34 @@ def test_decode_kernel_is_taken_and_exact(
     monkeypatch: pytest.MonkeyPatch, shared_blocks: int, head_dim: int
 ) -> None:
     """Decode groups go through the paged kernel (alone, or after a cascade's shared
-    prefix), and agree with the dense float64 reference; blocks of 16 and of 64."""
-    calls = []
-    original = TorchBatchedBackend._decode_with_kernel
+    prefix), and agree with the dense float64 reference; blocks of 16 and of 64. The
+    cascade is forced here; a small group keeps to the decode kernel alone."""
+    calls: list[str] = []
+    decode = TorchBatchedBackend._decode_with_kernel
+    prefix = TorchBatchedBackend._attend_prefix
 
-    def counting(*args: Any) -> Any:
-        calls.append(1)
-        return original(*args)
+    def counting_decode(*args: Any) -> Any:
+        calls.append("decode")
+        return decode(*args)
 
-    monkeypatch.setattr(TorchBatchedBackend, "_decode_with_kernel", staticmethod(counting))
+    def counting_prefix(*args: Any) -> Any:
+        calls.append("prefix")
+        return prefix(*args)
+
+    monkeypatch.setattr(TorchBatchedBackend, "_decode_with_kernel", counting_decode)
+    monkeypatch.setattr(TorchBatchedBackend, "_attend_prefix", counting_prefix)
+    check(KERNELS, make_case(3, [(40, 1), (41, 1)], shared_blocks=8, block_size=4,
+                             head_dim=head_dim))
+    assert calls == ["decode"]
+    monkeypatch.setattr(attention, "MIN_DECODE_CASCADE_KEYS", 1)
     for seed, block_size in ((0, 16), (1, 64), (2, 4)):
         shapes = [(max(shared_blocks * block_size, c), 1) for c in (5, 40, 130, 71)]
-        before = len(calls)
+        calls.clear()
         check(KERNELS, make_case(seed, shapes, shared_blocks=shared_blocks,
                                  block_size=block_size, head_dim=head_dim))
-        assert len(calls) > before
+        assert "decode" in calls
+        # A shared prefix is attended once for all requests (the cascade), then merged.
+        assert ("prefix" in calls) == (shared_blocks > 0)
 
 
 def test_decode_kernel_rejects_bad_inputs() -> None:
@@ -252,6 +265,47 @@ def test_decode_kernel_rejects_bad_inputs() -> None:
     with pytest.raises(RuntimeError, match="not supported"):
         attend(torch.randn(1, 4, 48), torch.zeros(4, 16, 2, 48), torch.zeros(4, 16, 2, 48),
                tables, torch.tensor([3], dtype=torch.int32), 0.125)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_kernel_merges_a_prior_attention_exactly(head_dim: int) -> None:
+    """The prefix kernel over some blocks, then the decode kernel over others with that
+    result as its prior, equals attention over all the keys (float64 reference), for
+    prefixes up to a score scale where the prior dominates or vanishes."""
+    if not kernels_loaded():
+        pytest.skip("the CPU kernels cannot be built or run on this machine")
+    gen = torch.Generator().manual_seed(3)
+    requests, heads, kv_heads, block_size = 5, 6, 2, 4
+    group = heads // kv_heads
+    cache = torch.randn(2, 24, block_size, kv_heads, head_dim, generator=gen)
+    prefix = torch.tensor([7, 3, 11], dtype=torch.int32)
+    own = torch.tensor([[0, 1], [2, 4], [5, 6], [8, 9], [10, 12]], dtype=torch.int32)
+    own_lens = torch.tensor([1, 3, 4, 6, 8], dtype=torch.int32)
+    for scale in (0.125, 2.0):
+        q = torch.randn(requests, heads, head_dim, generator=gen)
+        shared_q = q.view(requests, kv_heads, group, head_dim).transpose(0, 1)
+        prior = torch.ops.pagellm.paged_prefix_attention(
+            shared_q.reshape(kv_heads, -1, head_dim).contiguous(), cache[0], cache[1], prefix,
+            scale)
+        out, lse = torch.ops.pagellm.paged_decode_attention(
+            q, cache[0], cache[1], own, own_lens, scale, *prior)
+        for r in range(requests):
+            blocks = torch.cat([prefix, own[r]]).long()
+            n_keys = len(prefix) * block_size + int(own_lens[r])
+            k, v = (cache[i][blocks].reshape(-1, kv_heads, head_dim)[:n_keys].double()
+                    for i in range(2))
+            k, v = (t.repeat_interleave(group, dim=1).transpose(0, 1) for t in (k, v))
+            scores = q[r].double()[:, None, :] @ k.transpose(1, 2) * scale
+            expected = torch.softmax(scores, dim=-1) @ v
+            torch.testing.assert_close(out[r].double(), expected[:, 0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(lse[r].double(), torch.logsumexp(scores, -1)[:, 0],
+                                       atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="go together"):
+        torch.ops.pagellm.paged_decode_attention(q, cache[0], cache[1], own, own_lens, 0.1,
+                                                 prior[0], None)
+    with pytest.raises(RuntimeError, match="prior_out must be"):
+        torch.ops.pagellm.paged_decode_attention(q, cache[0], cache[1], own, own_lens, 0.1,
+                                                 prior[0][:1], prior[1])
 
 
 def test_shared_prefix_takes_the_cascade_path(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,9 +8,9 @@
 // with the G query heads that share that kv head (grouped-query attention).
 //
 // Softmax is the usual online one, rescaled once per block of keys; the result is the
-// same attention in another order of float32 operations. The log-sum-exp of the scores is
-// returned too, so a partial attention (a request's own blocks after a shared prefix) can
-// be merged with another exactly.
+// same attention in another order of float32 operations. A prior partial attention over
+// other keys (a shared prefix, from the prefix kernel) can be given with its log-sum-exp:
+// the two are merged exactly in the epilogue, so a cascade costs no extra pass.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <tuple>
 
 namespace {
@@ -35,7 +36,8 @@ constexpr int kMaxBlock = 64;  // tokens per KV block the kernel handles
 template <int G, int NV>
 void attend(const float* q, const float* k_cache, const float* v_cache, const int32_t* blocks,
             int64_t len, int64_t block_size, int64_t block_stride, int64_t token_stride,
-            float scale, float* out, float* lse) {
+            float scale, const float* prior_out, const float* prior_lse, float* out,
+            float* lse) {
   __m512 qv[G][NV], acc[G][NV];
   float m[G], l[G];
   for (int g = 0; g < G; ++g) {
@@ -104,16 +106,31 @@ void attend(const float* q, const float* k_cache, const float* v_cache, const in
     }
   }
   for (int g = 0; g < G; ++g) {
-    const __m512 inv = _mm512_set1_ps(1.0f / l[g]);
-    for (int v = 0; v < NV; ++v) {
-      _mm512_storeu_ps(out + g * NV * 16 + v * 16, _mm512_mul_ps(acc[g][v], inv));
+    if (prior_lse == nullptr) {
+      const __m512 inv = _mm512_set1_ps(1.0f / l[g]);
+      for (int v = 0; v < NV; ++v) {
+        _mm512_storeu_ps(out + g * NV * 16 + v * 16, _mm512_mul_ps(acc[g][v], inv));
+      }
+      lse[g] = m[g] + std::log(l[g]);
+      continue;
     }
-    lse[g] = m[g] + std::log(l[g]);
+    // Both parts weighted by their share of the total mass exp(lse_own) + exp(lse_prior).
+    const float top = std::max(m[g], prior_lse[g]);
+    const float own_w = std::exp(m[g] - top), prior_w = std::exp(prior_lse[g] - top);
+    const float total = l[g] * own_w + prior_w;
+    const __m512 a = _mm512_set1_ps(own_w / total), b = _mm512_set1_ps(prior_w / total);
+    for (int v = 0; v < NV; ++v) {
+      const __m512 prior = _mm512_loadu_ps(prior_out + g * NV * 16 + v * 16);
+      _mm512_storeu_ps(out + g * NV * 16 + v * 16,
+                       _mm512_fmadd_ps(acc[g][v], a, _mm512_mul_ps(prior, b)));
+    }
+    lse[g] = top + std::log(total);
   }
 }
 
 using AttendFn = void (*)(const float*, const float*, const float*, const int32_t*, int64_t,
-                          int64_t, int64_t, int64_t, float, float*, float*);
+                          int64_t, int64_t, int64_t, float, const float*, const float*, float*,
+                          float*);
 
 template <int G>
 AttendFn pick_dims(int64_t nv) {
@@ -140,10 +157,13 @@ AttendFn pick(int64_t group, int64_t nv) {
 
 // q [R, H, D]; k_cache, v_cache [N, B, Hkv, D]; block_tables [R, W] int32, row r the
 // blocks of request r's keys from its first; lens [R] keys per request (>= 1).
+// prior_out [Hkv, R * G, D] and prior_lse [Hkv, R * G] (the prefix kernel's layout, G =
+// H / Hkv), optional: the same queries' attention over other keys, merged into the result.
 // Returns out [R, H, D] and the log-sum-exp of the (scaled) scores [R, H].
 std::tuple<at::Tensor, at::Tensor> paged_decode_attention(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-    const at::Tensor& block_tables, const at::Tensor& lens, double scale) {
+    const at::Tensor& block_tables, const at::Tensor& lens, double scale,
+    const std::optional<at::Tensor>& prior_out, const std::optional<at::Tensor>& prior_lse) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
               "paged_decode_attention: q must be a contiguous float32 [R, H, D] tensor");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat &&
@@ -160,6 +180,15 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention(
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == dim && heads % kv_heads == 0 && block_size <= kMaxBlock,
               "paged_decode_attention: shapes do not match");
+  TORCH_CHECK(prior_out.has_value() == prior_lse.has_value(),
+              "paged_decode_attention: prior_out and prior_lse go together");
+  if (prior_out.has_value()) {
+    TORCH_CHECK(prior_out->scalar_type() == at::kFloat && prior_out->is_contiguous() &&
+                    prior_out->numel() == q.numel() && prior_lse->scalar_type() == at::kFloat &&
+                    prior_lse->is_contiguous() && prior_lse->numel() == q.size(0) * q.size(1),
+                "paged_decode_attention: prior_out must be contiguous float32 [Hkv, R * G, D] "
+                "and prior_lse [Hkv, R * G]");
+  }
   const AttendFn fn = dim % 16 == 0 ? pick(heads / kv_heads, dim / 16) : nullptr;
   TORCH_CHECK(fn != nullptr, "paged_decode_attention: ", heads / kv_heads,
               " query heads per kv head of ", dim, " dims are not supported");
@@ -180,14 +209,18 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention(
   const int64_t table_stride = block_tables.stride(0);
   float* op = out.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
+  const float* po = prior_out.has_value() ? prior_out->data_ptr<float>() : nullptr;
+  const float* pl = prior_lse.has_value() ? prior_lse->data_ptr<float>() : nullptr;
   const int64_t token_stride = kv_heads * dim, block_stride = block_size * token_stride;
   const float s = static_cast<float>(scale);
   at::parallel_for(0, requests * kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / kv_heads, h = i % kv_heads;
       const int64_t q_offset = (r * heads + h * group) * dim;
+      const int64_t prior_row = (h * requests + r) * group;
       fn(qp + q_offset, kp + h * dim, vp + h * dim, tables + r * table_stride, len_p[r],
-         block_size, block_stride, token_stride, s, op + q_offset, lp + r * heads + h * group);
+         block_size, block_stride, token_stride, s, po == nullptr ? nullptr : po + prior_row * dim,
+         pl == nullptr ? nullptr : pl + prior_row, op + q_offset, lp + r * heads + h * group);
     }
   });
   return {out, lse};
@@ -398,7 +431,8 @@ std::tuple<at::Tensor, at::Tensor> paged_prefix_attention(
 
 TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor lens, float scale) -> (Tensor, Tensor)");
+        "Tensor lens, float scale, Tensor? prior_out=None, Tensor? prior_lse=None) "
+        "-> (Tensor, Tensor)");
   m.def("paged_prefix_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor blocks, "
         "float scale, int causal_context=-1, int group=1) -> (Tensor, Tensor)");
 }
