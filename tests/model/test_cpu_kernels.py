@@ -72,16 +72,21 @@ def test_kernel_rebuilds_the_weights_exactly(kernels: bool, fmt: str) -> None:
     # Multiplying by the identity reads the weights back, bit for bit.
     assert torch.equal(qk.quantized_linear(torch.eye(64)[:16], packed), dense.T[:16])
     assert torch.equal(qk.quantized_linear(torch.eye(64)[48:], packed), dense.T[48:])
+    # Past 24 rows the weights are unpacked once per panel of two tiles, then multiplied.
+    assert torch.equal(qk.quantized_linear(torch.eye(64), packed), dense.T)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17, 63])
-def test_kernel_matches_float64(kernels: bool, fmt: str, rows: int) -> None:
-    blocks, dense = _blocks(fmt, 96, 576, seed=rows)
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17, 25, 37, 63])
+@pytest.mark.parametrize("out", [96, 48])
+def test_kernel_matches_float64(kernels: bool, fmt: str, rows: int, out: int) -> None:
+    """Every row-count path: register tiles (<= 8 rows per pass), panels of two tiles
+    (> 24 rows), and an odd tile count, which keeps to the register tiles."""
+    blocks, dense = _blocks(fmt, out, 576, seed=rows)
     x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
     got = qk.quantized_linear(x, qk.pack(qk.FORMATS[fmt], blocks, 576))
     expected = x.double() @ dense.double().T
-    assert got.dtype == torch.float32 and got.shape == (rows, 96)
+    assert got.dtype == torch.float32 and got.shape == (rows, out)
     # float32 accumulation over 576 products: the same error as any float32 GEMM's.
     assert (got.double() - expected).abs().max().item() < 1e-5
 
