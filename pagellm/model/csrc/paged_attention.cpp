@@ -407,11 +407,14 @@ std::tuple<at::Tensor, at::Tensor> paged_prefix_attention(
   float* lp = lse.data_ptr<float>();
   const int64_t keys = blocks.numel() * block_size;
   const int64_t token_stride = kv_heads * dim, block_stride = block_size * token_stride;
+  // Rows split evenly over the fewest tiles (96 rows: two of 48, not 64 + 32), so the
+  // tasks the threads share are the same size.
   const int64_t tiles = (rows + kPrefixRowTile - 1) / kPrefixRowTile;
+  const int64_t tile_rows = ((rows + tiles - 1) / tiles + 15) / 16 * 16;
   at::parallel_for(0, kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t h = i / tiles, r0 = (i % tiles) * kPrefixRowTile;
-      const int64_t n = std::min(kPrefixRowTile, rows - r0);
+      const int64_t h = i / tiles, r0 = (i % tiles) * tile_rows;
+      const int64_t n = std::min(tile_rows, rows - r0);  // >= 1: (tiles - 1) * 64 < rows
       const int64_t base = h * rows + r0;
       int64_t tile_limits[kPrefixRowTile];
       const int64_t* limits = nullptr;
