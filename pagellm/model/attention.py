@@ -477,8 +477,8 @@ class TorchBatchedBackend(AttentionBackend):
         With a shared prefix (a cascade), the prefix kernel first attends every request's
         query heads to it at once, streaming the prefix once per step instead of once per
         request (32 requests over 1,024 shared tokens: 0.51-0.74 -> 0.26-0.28 ms per layer
-        here, in two measurements);
-        the decode kernel then attends each request's own blocks and merges the two."""
+        here, in two measurements); the decode kernel then attends each request's own
+        blocks and merges the two."""
         assert group.tables is not None and group.key_lens is not None
         r, hkv, d = group.n_requests, spec.num_kv_heads, spec.head_dim
         prior: tuple[torch.Tensor, torch.Tensor] | tuple[None, None] = (None, None)
