@@ -269,7 +269,9 @@ void attend_prefix(const float* q, int64_t rows, float scale, const float* k_cac
   if (limits != nullptr) end = std::min(keys, limits[rows - 1]);
   std::fill(acc, acc + (W + kPvRows) * D, 0.0f);
   std::fill(corr, corr + W + kPvRows, 0.0f);
-  st[kKeyChunk * W] = 0.0f;
+  // The output passes read up to kPvRows - 1 rows past the last real one, into padding,
+  // the next key's row or the tail: all of it starts as zeros, never as stale bits.
+  std::fill(st, st + kKeyChunk * W + kPvRows, 0.0f);
   const float* kp[kKeyChunk];
   const float* vp[kKeyChunk];
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
