@@ -267,6 +267,8 @@ class TorchBatchedBackend(AttentionBackend):
                 n_blocks = -(-seq_len // meta.block_size)
                 key = ((q_len - 1).bit_length(), n_blocks.bit_length(), -1)
             buckets.setdefault(key, []).append(r)
+        if kernel:
+            _fold_small_decode_groups(meta, buckets)
         whole = len(buckets) == 1
         groups = [
             self._group(meta, members, device, whole, self._cascade, kernel)
@@ -568,6 +570,20 @@ MIN_CASCADE_BLOCKS = 4
 # whole table, is as fast (measured here: a tie at 8 requests x 256 shared tokens or 32 x
 # 64; the cascade 2.6x faster at 32 x 1,024).
 MIN_DECODE_CASCADE_KEYS = 2048
+
+
+def _fold_small_decode_groups(
+    meta: AttentionMetadata, buckets: dict[tuple[int, int, int], list[int]]
+) -> None:
+    """Decodes that share a prefix too small for a cascade join the one decode-kernel
+    call instead of making a call of their own (each costs a kernel launch per layer)."""
+    for key in [k for k in buckets if k[0] == 0 and k[2] >= 0]:
+        members = buckets[key]
+        shared_keys = len(members) * _shared_prefix_blocks(meta, members) * meta.block_size
+        if shared_keys < MIN_DECODE_CASCADE_KEYS:
+            # In batch order: a lone group over the whole batch skips the result scatter.
+            folded = buckets.pop(key) + buckets.pop((0, 0, -2), [])
+            buckets[(0, 0, -2)] = sorted(folded)
 
 
 def _shared_prefix_blocks(meta: AttentionMetadata, members: list[int]) -> int:

@@ -253,6 +253,26 @@ def test_decode_kernel_is_taken_and_exact(
         assert ("prefix" in calls) == (shared_blocks > 0)
 
 
+def test_small_shared_decode_groups_join_the_decode_call() -> None:
+    """Decodes sharing a prefix too short to cascade go in the one decode-kernel group
+    with the others (in batch order); a group large enough keeps its own cascade."""
+    backend = get_attention_backend("torch_batched")
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=64, scale=0.125)
+    backend.configure([spec])
+    backend.use_cpu_kernels()  # only the plan is built: no kernel runs
+    shared = list(range(8))
+    tables = [shared + [20], [30, 31, 32, 33, 34, 35, 36, 37, 38], shared + [21]]
+    meta = build_metadata(tables, [140, 140, 140], [1, 1, 1], block_size=16)
+    plan = backend.prepare(meta)
+    assert len(plan.groups) == 1 and plan.groups[0].prefix_blocks is None
+    assert plan.groups[0].out_dst is None  # the whole batch, in order
+    many = [shared + [40 + r] for r in range(20)]
+    meta = build_metadata([*many, tables[1]], [140] * 21, [1] * 21, block_size=16)
+    groups = backend.prepare(meta).groups
+    assert sorted(g.n_requests for g in groups) == [1, 20]
+    assert [g.prefix_blocks is not None for g in groups if g.n_requests == 20] == [True]
+
+
 def test_decode_kernel_rejects_bad_inputs() -> None:
     if not kernels_loaded():
         pytest.skip("the CPU kernels cannot be built or run on this machine")
