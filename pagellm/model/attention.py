@@ -258,7 +258,7 @@ class TorchBatchedBackend(AttentionBackend):
         for r, (q_len, seq_len) in enumerate(lengths):
             shared = first_blocks.get(r, -1)
             if kernel and q_len == 1 and shared < 0:
-                key = (0, 0, -2)  # the decode kernel takes any lengths in one call
+                key = _DECODE_CALL
             elif shared >= 0:
                 # Requests that start on the same cached block share a prefix: one group
                 # (decodes apart from prefills, so decodes are not padded to a chunk).
@@ -270,9 +270,12 @@ class TorchBatchedBackend(AttentionBackend):
         if kernel:
             _fold_small_decode_groups(meta, buckets)
         whole = len(buckets) == 1
+        # The one decode-kernel call never cascades: a group sharing enough to pay has a
+        # bucket of its own (see _fold_small_decode_groups).
         groups = [
-            self._group(meta, members, device, whole, self._cascade, kernel)
-            for members in buckets.values()
+            self._group(meta, members, device, whole, self._cascade and key != _DECODE_CALL,
+                        kernel)
+            for key, members in buckets.items()
         ]
         return _BatchedPlan(meta, groups)
 
@@ -316,8 +319,6 @@ class TorchBatchedBackend(AttentionBackend):
         index = torch.tensor(members, device=device)
         decode = kernel and max_q == 1
         n_prefix = _shared_prefix_blocks(meta, members) if cascade else 0
-        if decode and len(members) * n_prefix * block_size < MIN_DECODE_CASCADE_KEYS:
-            n_prefix = 0
         # One request's prompt chunk (fresh, or after its context), not split by a cascade:
         # the kernel reads its whole table in place, causally (about 2x faster than SDPA's
         # flash kernel with the built-in causal mask, here).
@@ -572,6 +573,11 @@ MIN_CASCADE_BLOCKS = 4
 MIN_DECODE_CASCADE_KEYS = 2048
 
 
+# With the kernels, the bucket of decodes attended in one call of the decode kernel (any
+# lengths), with no cascade.
+_DECODE_CALL = (0, 0, -2)
+
+
 def _fold_small_decode_groups(
     meta: AttentionMetadata, buckets: dict[tuple[int, int, int], list[int]]
 ) -> None:
@@ -582,8 +588,8 @@ def _fold_small_decode_groups(
         shared_keys = len(members) * _shared_prefix_blocks(meta, members) * meta.block_size
         if shared_keys < MIN_DECODE_CASCADE_KEYS:
             # In batch order: a lone group over the whole batch skips the result scatter.
-            folded = buckets.pop(key) + buckets.pop((0, 0, -2), [])
-            buckets[(0, 0, -2)] = sorted(folded)
+            folded = buckets.pop(key) + buckets.pop(_DECODE_CALL, [])
+            buckets[_DECODE_CALL] = sorted(folded)
 
 
 def _shared_prefix_blocks(meta: AttentionMetadata, members: list[int]) -> int:

@@ -34,6 +34,15 @@ constexpr int64_t kMaxRows = 8;  // rows whose accumulators stay in registers pe
 struct Q4_1 {
   static constexpr int64_t kCodeBytes = kLanes * kLanes;
 
+  // The 16 lanes' weights of inputs j (low nibbles) and j + 16 (high nibbles).
+  static void weights(__m512 d, __m512 m, const uint8_t* q, int j, __m512& lo, __m512& hi) {
+    const __m512i v = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * kLanes)));
+    lo = _mm512_add_ps(
+        _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF)))), m);
+    hi = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4))), m);
+  }
+
   // Inputs j and j + 16 go to separate accumulators: twice the independent FMA chains
   // (one row alone would otherwise wait on each FMA's latency) and shorter sums.
   template <int R>
@@ -41,14 +50,9 @@ struct Q4_1 {
                     const uint8_t* q, __m512* acc_a, __m512* acc_b) {
     const __m512 d = _mm512_loadu_ps(scales);
     const __m512 m = _mm512_loadu_ps(mins);
-    const __m512i low = _mm512_set1_epi32(0xF);
     for (int j = 0; j < 16; ++j) {
-      const __m512i v = _mm512_cvtepu8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * kLanes)));
-      const __m512 w_lo = _mm512_add_ps(
-          _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(v, low))), m);
-      const __m512 w_hi = _mm512_add_ps(
-          _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4))), m);
+      __m512 w_lo, w_hi;
+      weights(d, m, q, j, w_lo, w_hi);
       for (int r = 0; r < R; ++r) {
         acc_a[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + j]), w_lo, acc_a[r]);
         acc_b[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + j + 16]), w_hi, acc_b[r]);
@@ -61,14 +65,11 @@ struct Q4_1 {
                      int64_t ld) {
     const __m512 d = _mm512_loadu_ps(scales);
     const __m512 m = _mm512_loadu_ps(mins);
-    const __m512i low = _mm512_set1_epi32(0xF);
     for (int j = 0; j < 16; ++j) {
-      const __m512i v = _mm512_cvtepu8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * kLanes)));
-      _mm512_store_ps(w + j * ld, _mm512_add_ps(
-          _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(v, low))), m));
-      _mm512_store_ps(w + (j + 16) * ld, _mm512_add_ps(
-          _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4))), m));
+      __m512 lo, hi;
+      weights(d, m, q, j, lo, hi);
+      _mm512_store_ps(w + j * ld, lo);
+      _mm512_store_ps(w + (j + 16) * ld, hi);
     }
   }
 };
@@ -76,16 +77,20 @@ struct Q4_1 {
 struct Q8_0 {
   static constexpr int64_t kCodeBytes = kBlock * kLanes;
 
+  // The 16 lanes' weights of input j.
+  static __m512 weight(__m512 d, const uint8_t* q, int j) {
+    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * kLanes)))));
+  }
+
   // Even and odd inputs go to separate accumulators (see Q4_1).
   template <int R>
   static void block(const float* xb, int64_t ldx, const float* scales, const float*,
                     const uint8_t* q, __m512* acc_a, __m512* acc_b) {
     const __m512 d = _mm512_loadu_ps(scales);
     for (int j = 0; j < 32; j += 2) {
-      const __m512 w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * kLanes)))));
-      const __m512 w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (j + 1) * kLanes)))));
+      const __m512 w0 = weight(d, q, j);
+      const __m512 w1 = weight(d, q, j + 1);
       for (int r = 0; r < R; ++r) {
         acc_a[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + j]), w0, acc_a[r]);
         acc_b[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + j + 1]), w1, acc_b[r]);
@@ -96,10 +101,7 @@ struct Q8_0 {
   static void unpack(const float* scales, const float*, const uint8_t* q, float* w,
                      int64_t ld) {
     const __m512 d = _mm512_loadu_ps(scales);
-    for (int j = 0; j < 32; ++j) {
-      _mm512_store_ps(w + j * ld, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * kLanes))))));
-    }
+    for (int j = 0; j < 32; ++j) _mm512_store_ps(w + j * ld, weight(d, q, j));
   }
 };
 
