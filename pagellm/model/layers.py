@@ -23,7 +23,8 @@ class Linear(nn.Linear):
     `pack_for_cpu` replaces the weight by its oneDNN-packed form (see cpu_matmul): the
     dense copy is dropped rather than kept beside it, so packing costs no memory.
     `quantized`, when the loader attaches the checkpoint's own quantized blocks, serves
-    matmuls of fewer rows than its format's `max_rows` (decode steps) (see quant_kernels).
+    matmuls of fewer rows than its format's `max_rows` (decodes and most prompt chunks; see
+    quant_kernels).
     """
 
     packed = False

@@ -66,22 +66,26 @@ def test_pack_rejects_shapes_the_tiles_do_not_fit(fmt: str) -> None:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_kernel_rebuilds_the_weights_exactly(kernels: bool, fmt: str) -> None:
-    blocks, dense = _blocks(fmt, 32, 64)
+    blocks, dense = _blocks(fmt, 96, 64)
     packed = qk.pack(qk.FORMATS[fmt], blocks, 64)
-    assert (packed.out_features, packed.in_features) == (32, 64)
-    # Multiplying by the identity reads the weights back, bit for bit.
-    assert torch.equal(qk.quantized_linear(torch.eye(64)[:16], packed), dense.T[:16])
-    assert torch.equal(qk.quantized_linear(torch.eye(64)[48:], packed), dense.T[48:])
-    # Past 24 rows the weights are unpacked once per panel of two tiles, then multiplied.
+    assert (packed.out_features, packed.in_features) == (96, 64)
+    # Multiplying by the identity reads the weights back, bit for bit: up to 8 rows
+    # through the register tiles,
+    assert torch.equal(qk.quantized_linear(torch.eye(64)[:8], packed), dense.T[:8])
+    assert torch.equal(qk.quantized_linear(torch.eye(64)[56:], packed), dense.T[56:])
+    # past that through float32 panels of two tiles, three of them here (so a thread
+    # fetches its next panel's blocks while it multiplies one).
+    assert torch.equal(qk.quantized_linear(torch.eye(64)[:9], packed), dense.T[:9])
     assert torch.equal(qk.quantized_linear(torch.eye(64), packed), dense.T)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17, 25, 37, 63])
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 13, 16, 25, 37, 63, 130])
 @pytest.mark.parametrize("out", [96, 48])
 def test_kernel_matches_float64(kernels: bool, fmt: str, rows: int, out: int) -> None:
-    """Every row-count path: register tiles (<= 8 rows per pass), panels of two tiles
-    (> 24 rows), and an odd tile count, which keeps to the register tiles."""
+    """Every row-count path: register tiles (<= 8 rows), panels of two tiles (more rows,
+    split evenly into passes of at most 12), and an odd tile count, which keeps to the
+    register tiles."""
     blocks, dense = _blocks(fmt, out, 576, seed=rows)
     x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
     got = qk.quantized_linear(x, qk.pack(qk.FORMATS[fmt], blocks, 576))
