@@ -283,6 +283,18 @@ void attend_prefix(const float* q, int64_t rows, float scale, const float* k_cac
       const int64_t offset = blocks[j / block_size] * block_stride + (j % block_size) * token_stride;
       kp[t] = k_cache + offset;
       vp[t] = v_cache + offset;
+      // The next chunk's rows of this head, fetched while this chunk is computed: each
+      // key's row is a short piece of a token's slot, too scattered for the hardware
+      // prefetcher to run ahead of (a decode cascade, 96 rows x 768 keys, 30 layers
+      // streamed from memory: 6.6-7.2 -> 5.7-6.0 ms).
+      const int64_t next = start + kKeyChunk + t;
+      if (next < end) {
+        const int64_t at = blocks[next / block_size] * block_stride + (next % block_size) * token_stride;
+        for (int line = 0; line < D; line += 16) {
+          _mm_prefetch(reinterpret_cast<const char*>(k_cache + at + line), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(v_cache + at + line), _MM_HINT_T0);
+        }
+      }
     }
     for (int t0 = 0; t0 < n; t0 += kKeysPerPass) {
       __m512 s[kKeysPerPass][RV];
