@@ -44,6 +44,11 @@ def load(build_root: Path) -> bool:
         return _loaded
 
 
+def loaded() -> bool:
+    """Whether `load` has succeeded in this process (the `torch.ops.pagellm` ops exist)."""
+    return _loaded is True
+
+
 def _build_and_load(build_root: Path) -> bool:
     reason = _unsupported_reason()
     if reason is not None:

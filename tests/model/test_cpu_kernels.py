@@ -205,3 +205,30 @@ def test_fused_rotary_is_bit_exact(kernels: bool) -> None:
     assert torch.equal(q.reshape(rows, heads, dim), expected_q)
     assert torch.equal(k.reshape(rows, kv_heads, dim), expected_k)
     assert torch.equal(v, expected_v)
+
+
+@pytest.mark.parametrize("width", [1, 5, 16, 17, 40, 1000])
+def test_argmax_rows_follows_torch_argmax(kernels: bool, width: int) -> None:
+    """Lowest index on ties (within a vector's lanes, across them and in the tail), the
+    first NaN when there is one, index 0 for a row of -inf."""
+    gen = torch.Generator().manual_seed(width)
+    x = torch.randint(-3, 4, (12, width), generator=gen).float()  # many ties
+    x[1] = float("-inf")
+    x[2, width // 2] = float("nan")
+    x[3, width - 1] = float("nan")
+    x[3, 0] = float("inf")
+    x[4, width - 1] = 10.0
+    x[5] = torch.randn(width, generator=gen)
+    if width > 16:
+        x[6, 17:] = float("nan")  # a NaN in the second vector and the tail
+        x[7, width - 1] = x[7, 3] = 20.0  # a tie between the first vector and the tail
+    got = torch.ops.pagellm.argmax_rows(x)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, x.argmax(dim=-1))
+
+
+def test_argmax_rows_rejects_bad_inputs(kernels: bool) -> None:
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.pagellm.argmax_rows(torch.zeros(2, 3, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="empty"):
+        torch.ops.pagellm.argmax_rows(torch.zeros(2, 0))

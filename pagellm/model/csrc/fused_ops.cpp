@@ -143,6 +143,55 @@ void rotary_(at::Tensor qkv, int64_t heads, const at::Tensor& cos, const at::Ten
   });
 }
 
+// The index of a row's largest value by torch.argmax's rules: the lowest index on ties, and
+// the first NaN if there is one (NaN counts as the largest).
+int64_t argmax_row(const float* x, int64_t n) {
+  int64_t i = 0, best = 0;
+  float top = x[0];
+  if (n >= 16) {
+    // Each lane keeps its largest value and where it first saw it.
+    __m512 lane_top = _mm512_loadu_ps(x);
+    __m512i lane_at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __mmask16 nan = _mm512_cmp_ps_mask(lane_top, lane_top, _CMP_UNORD_Q);
+    __m512i at = lane_at;
+    for (i = 16; nan == 0 && i + 16 <= n; i += 16) {
+      const __m512 v = _mm512_loadu_ps(x + i);
+      at = _mm512_add_epi32(at, _mm512_set1_epi32(16));
+      nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      const __mmask16 greater = _mm512_cmp_ps_mask(v, lane_top, _CMP_GT_OQ);
+      lane_top = _mm512_mask_mov_ps(lane_top, greater, v);
+      lane_at = _mm512_mask_mov_epi32(lane_at, greater, at);
+    }
+    if (nan != 0) return i - 16 + __builtin_ctz(nan);
+    top = _mm512_reduce_max_ps(lane_top);
+    const __mmask16 tied = _mm512_cmp_ps_mask(lane_top, _mm512_set1_ps(top), _CMP_EQ_OQ);
+    best = _mm512_mask_reduce_min_epi32(tied, lane_at);
+  }
+  for (; i < n; ++i) {
+    if (std::isnan(x[i])) return i;
+    if (x[i] > top || (i == 0 && n < 16)) {
+      top = x[i];
+      best = i;
+    }
+  }
+  return best;
+}
+
+// x [rows, n] -> the index of each row's largest value [rows] (int64), as torch.argmax.
+// Why: torch's CPU argmax runs ~0.9 ms on a decode step's [32, 49152] logits, its max 0.05.
+at::Tensor argmax_rows(const at::Tensor& x) {
+  check_rows("argmax_rows", x);
+  const int64_t n = x.size(1);
+  TORCH_CHECK(n >= 1, "argmax_rows: rows must not be empty");
+  at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, x.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * n, n);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagellm, m) {
@@ -150,6 +199,7 @@ TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rotary_(Tensor(a!) qkv, int heads, Tensor cos, Tensor sin) -> ()");
+  m.def("argmax_rows(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
@@ -157,4 +207,5 @@ TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_mul", &silu_mul);
   m.impl("rotary_", &rotary_);
+  m.impl("argmax_rows", &argmax_rows);
 }
