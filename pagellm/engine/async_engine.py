@@ -18,6 +18,7 @@ another decoded 30-50% slower on 2 cores (21.8 -> 33 ms per token, one request).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import functools
 import logging
@@ -243,9 +244,13 @@ class AsyncLLMEngine:
         self._submit(abort)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Aborts every request (their streams get EngineDeadError) and stops the thread."""
+        """Aborts every request (their streams get EngineDeadError) and stops the thread.
+
+        Safe to call again while a first call is still stopping it (the server's grace
+        period and its lifespan both call it): the later call just waits for the thread."""
         if self._thread.is_alive():
-            self._submit(self._stop)
+            with contextlib.suppress(EngineDeadError):  # already stopping or stopped
+                self._submit(self._stop)
             self._thread.join(timeout)
 
     # ---- the thread -------------------------------------------------------------------

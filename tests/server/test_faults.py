@@ -179,3 +179,27 @@ def test_a_failing_build_raises_from_the_constructor() -> None:
 
     with pytest.raises(ValueError, match="no such model"):
         AsyncLLMEngine(build)
+
+
+def test_a_second_shutdown_during_the_first_waits_instead_of_raising(
+        llm_engine: LLMEngine) -> None:
+    """The server's grace-period abort and its lifespan both shut the engine down, and
+    the second call can come while the first is finishing: it once raised
+    EngineDeadError there (a traceback in the log of a SIGTERM mid-stream)."""
+    engine = AsyncLLMEngine(lambda: llm_engine)
+    finishing, release = threading.Event(), threading.Event()
+    drain = engine._drain_inbox
+
+    def slow_drain() -> None:  # the thread has marked itself dead and is finishing
+        finishing.set()
+        release.wait(10)
+        drain()
+
+    engine._drain_inbox = slow_drain  # type: ignore[method-assign]
+    first = threading.Thread(target=engine.shutdown)
+    first.start()
+    assert finishing.wait(10)
+    threading.Timer(0.2, release.set).start()
+    engine.shutdown()
+    first.join(10)
+    assert not engine._thread.is_alive() and not first.is_alive()
