@@ -20,11 +20,10 @@ class Linear(nn.Linear):
 
     Every weight is overwritten from a checkpoint, and random init (or building on the meta
     device to avoid it, whose first use costs ~2 s of torch start-up) is pure start-up time.
-    `pack_for_cpu` replaces the weight by its oneDNN-packed form (see cpu_matmul): the
-    dense copy is dropped rather than kept beside it, so packing costs no memory.
     `quantized`, when the loader attaches the checkpoint's own quantized blocks, serves
-    matmuls of fewer rows than its format's `max_rows` (decodes and most prompt chunks; see
-    quant_kernels).
+    every matmul (see quant_kernels). Otherwise `pack_for_cpu` replaces the weight by its
+    oneDNN-packed form (see cpu_matmul): the dense copy is dropped rather than kept beside
+    it, so packing costs no memory.
     """
 
     packed = False
@@ -34,8 +33,9 @@ class Linear(nn.Linear):
         return None
 
     def pack_for_cpu(self) -> None:
-        """Switch to the oneDNN packed weight where it serves; call after loading."""
-        if self.packed or not cpu_matmul.serves(self.weight):
+        """Switch to the oneDNN packed weight where it serves and no quantized blocks do;
+        call after loading (and after attaching blocks)."""
+        if self.packed or self.quantized is not None or not cpu_matmul.serves(self.weight):
             return
         packed = cpu_matmul.pack(self.weight)
         del self.weight
@@ -44,7 +44,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         quantized = self.quantized
-        if quantized is not None and x.dim() == 2 and x.shape[0] < quantized.format.max_rows:
+        if quantized is not None and x.dim() == 2:
             out = quant_kernels.quantized_linear(x, quantized)
             return out if self.bias is None else out + self.bias
         if self.packed:

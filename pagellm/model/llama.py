@@ -189,7 +189,7 @@ class LlamaForCausalLM(nn.Module):
         # pack_weights may add a packed copy of it for the matmul.
         self.tied_head: torch.Tensor | None
         self.register_buffer("tied_head", None, persistent=False)
-        # A tied head's own quantized blocks, for the small-batch kernel (attach_quantized).
+        # A tied head's own quantized blocks, for the kernel (attach_quantized).
         self.quantized_head: quant_kernels.QuantizedWeight | None = None
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int]:
@@ -218,9 +218,8 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is not None:
             logits: torch.Tensor = self.lm_head(hidden)
             return logits.float()
-        quantized = self.quantized_head
-        if quantized is not None and hidden.shape[0] < quantized.format.max_rows:
-            return quant_kernels.quantized_linear(hidden, quantized)
+        if self.quantized_head is not None:
+            return quant_kernels.quantized_linear(hidden, self.quantized_head)
         head = self.tied_head if self.tied_head is not None else self.model.embed_tokens.weight
         return cpu_matmul.linear(hidden, head, None).float()
 
@@ -235,17 +234,19 @@ class LlamaForCausalLM(nn.Module):
                 module.fused_rotary = module.q_norm is None
 
     def pack_weights(self) -> None:
-        """Pack every linear layer's weight for the CPU's fastest matmul (see cpu_matmul);
-        a no-op on devices and dtypes it does not serve. Call once, after load_weights.
+        """Pack every linear layer's weight for oneDNN (see cpu_matmul) unless its quantized
+        blocks serve it; a no-op on devices and dtypes oneDNN does not serve. Call once,
+        after load_weights and attach_quantized.
 
-        A tied head gets a packed copy beside the dense embedding table: the vocabulary
-        matmul is the largest of a decode step (113 MB of float32 for SmolLM2), and packed
-        it takes 2.4 instead of 4.0 ms for 8 rows, for that much more memory."""
+        A tied head without blocks gets a packed copy beside the dense embedding table: the
+        vocabulary matmul is the largest of a decode step (113 MB of float32 for SmolLM2),
+        and packed it takes 2.4 instead of 4.0 ms for 8 rows, for that much more memory."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_for_cpu()
         table = self.model.embed_tokens.weight
-        if self.lm_head is None and self.tied_head is None and cpu_matmul.serves(table):
+        if (self.lm_head is None and self.tied_head is None and self.quantized_head is None
+                and cpu_matmul.serves(table)):
             self.tied_head = cpu_matmul.pack(table)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -291,7 +292,7 @@ class LlamaForCausalLM(nn.Module):
 
     def attach_quantized(self, blocks: Iterable[tuple[str, str, torch.Tensor]]) -> int:
         """Give linear layers (and a tied head) their checkpoint's raw quantized blocks,
-        as (HF name, GGUF format, blocks in GGUF byte order), for the small-batch kernels;
+        as (HF name, GGUF format, blocks in GGUF byte order), for the kernels;
         returns how many weights got them. A fused layer gets them only when every shard
         has them, in one format.
 

@@ -124,7 +124,7 @@ def load_model(
 
     With `kernel_dir` (where compiled kernels are kept), a float32 CPU model runs decode
     attention through the compiled paged kernel and, when its directory has raw quantized
-    blocks (a converted GGUF), its small-batch matmuls on them (see cpu_kernels,
+    blocks (a converted GGUF), its matmuls on them (see cpu_kernels,
     quant_kernels); None keeps everything on torch ops and float32 weights."""
     directory = Path(path)
     config = load_model_config(directory)

@@ -3,14 +3,16 @@
 Why: a decode step multiplies a few rows by every weight of the model, so its speed is
 set by how many weight bytes stream from memory. SmolLM2-135M's linear layers are 425 MB
 as float32 but 66 MB as Q4_1 blocks (5 bits per weight as packed here), and its tied
-vocabulary head 113 MB but 32 MB as Q8_0. Measured on this project's 2-core AVX-512 machine, with 30 layers'
-weights streamed from memory as in a real step, against oneDNN's float32 GEMM: 1 row 13.9
--> 2.9 ms, 8 rows 16.1 -> 6.8 ms, 32 rows 26.5 -> 18.2 ms, 128 rows 70.1 -> 64.6 ms, 512
-rows 268 -> 264 ms; the head, 1 row 1.8 -> 0.5 ms, 32 rows 5.4 -> 4.8 ms. From 9 rows the
-kernel unpacks each pair of tiles into float32 once and multiplies every row by it, like a
-GEMM, while the next pair's blocks are fetched (see csrc/quant_linear.cpp). oneDNN catches
-up only with many rows (1,024 for Q4_1, 256 for Q8_0: `BlockFormat.max_rows`), so it stays
-for long prompt chunks.
+vocabulary head 113 MB but 32 MB as Q8_0. Measured on this project's 2-core AVX-512
+machine, with 30 layers' weights streamed from memory as in a real step, against
+oneDNN's float32 GEMM: 1 row 13.9 -> 2.9 ms, 8 rows 16.1 -> 6.8 ms, 32 rows 26.5 -> 18.2
+ms, 128 rows 70.1 -> 64.6 ms, 512 rows 268 -> 264 ms; the head, 1 row 1.8 -> 0.5 ms, 32
+rows 5.4 -> 4.8 ms. From 9 rows the kernel unpacks each pair of tiles into float32 once
+and multiplies every row by it, like a GEMM, while the next pair's blocks are fetched
+(see csrc/quant_linear.cpp). A layer with blocks uses them for every matmul: oneDNN is
+ahead only from 1,024 rows, by 3% (510 vs 526 ms), more than a step of the default
+512-token budget holds, and without its packed float32 copies the default model's
+process holds 2,040 instead of 2,481 MB after loading.
 
 Exactness: the kernels rebuild each weight with the GGUF reader's own float32 roundings
 (Q4_1 `(scale * code) + min`, Q8_0 `scale * code`; the loader checks sampled rows), so
@@ -33,17 +35,15 @@ _LANES = 16  # output rows per kernel tile (one AVX-512 register of float32)
 
 @dataclass(frozen=True)
 class BlockFormat:
-    """A GGUF block format the kernels read: bytes per block of 32 weights, and the row
-    count from which oneDNN's float32 GEMM is as fast (measured, see the module doc)."""
+    """A GGUF block format the kernels read: bytes per block of 32 weights."""
 
     name: str
     block_bytes: int
-    max_rows: int
 
 
 FORMATS: dict[str, BlockFormat] = {
-    "Q4_1": BlockFormat("Q4_1", 20, 1024),  # float16 scale, float16 min, 16 bytes of nibbles
-    "Q8_0": BlockFormat("Q8_0", 34, 256),  # float16 scale, 32 int8 codes
+    "Q4_1": BlockFormat("Q4_1", 20),  # float16 scale, float16 min, 16 bytes of nibbles
+    "Q8_0": BlockFormat("Q8_0", 34),  # float16 scale, 32 int8 codes
 }
 
 

@@ -80,12 +80,12 @@ def test_kernel_rebuilds_the_weights_exactly(kernels: bool, fmt: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 13, 16, 25, 37, 63, 130])
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 13, 16, 25, 37, 63, 130, 600])
 @pytest.mark.parametrize("out", [96, 48])
 def test_kernel_matches_float64(kernels: bool, fmt: str, rows: int, out: int) -> None:
     """Every row-count path: register tiles (<= 8 rows), panels of two tiles (more rows,
-    split evenly into passes of at most 12), and an odd tile count, which keeps to the
-    register tiles."""
+    split evenly into passes of at most 12, in sweeps of 512 rows), and an odd tile count,
+    which keeps to the register tiles."""
     blocks, dense = _blocks(fmt, out, 576, seed=rows)
     x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
     got = qk.quantized_linear(x, qk.pack(qk.FORMATS[fmt], blocks, 576))
@@ -105,18 +105,19 @@ def test_kernel_rejects_bad_inputs(kernels: bool, fmt: str) -> None:
         qk.quantized_linear(torch.randn(2, 64, dtype=torch.float64), packed)
 
 
-def test_linear_takes_the_kernel_only_for_small_batches(kernels: bool) -> None:
+def test_linear_with_blocks_takes_the_kernel_for_every_batch(kernels: bool) -> None:
     blocks, dense = _blocks("Q4_1", 64, 128)
     layer = Linear(128, 64, bias=True)
     layer.weight.data = dense.clone()
     layer.bias.data = torch.randn(64)
     layer.quantized = qk.pack(qk.FORMATS["Q4_1"], blocks, 128)
     layer.pack_for_cpu()
-    small = torch.randn(3, 128)
-    assert torch.equal(layer(small), qk.quantized_linear(small, layer.quantized) + layer.bias)
-    large = torch.randn(qk.FORMATS["Q4_1"].max_rows, 128)
-    expected = large.double() @ dense.double().T + layer.bias.double()
-    assert (layer(large).double() - expected).abs().max().item() < 1e-5
+    assert not layer.packed  # no oneDNN copy beside the blocks
+    for rows in (3, 1100):
+        x = torch.randn(rows, 128)
+        assert torch.equal(layer(x), qk.quantized_linear(x, layer.quantized) + layer.bias)
+        expected = x.double() @ dense.double().T + layer.bias.double()
+        assert (layer(x).double() - expected).abs().max().item() < 1e-5
 
 
 @pytest.fixture(scope="module")
