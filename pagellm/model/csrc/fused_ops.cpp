@@ -18,6 +18,7 @@
 #include "vec_math.h"
 
 #include <cmath>
+#include <limits>
 #include <tuple>
 
 namespace {
@@ -147,7 +148,7 @@ void rotary_(at::Tensor qkv, int64_t heads, const at::Tensor& cos, const at::Ten
 // the first NaN if there is one (NaN counts as the largest).
 int64_t argmax_row(const float* x, int64_t n) {
   int64_t i = 0, best = 0;
-  float top = x[0];
+  float top = -std::numeric_limits<float>::infinity();  // a row of -inf: index 0
   if (n >= 16) {
     // Each lane keeps its largest value and where it first saw it.
     __m512 lane_top = _mm512_loadu_ps(x);
@@ -169,7 +170,7 @@ int64_t argmax_row(const float* x, int64_t n) {
   }
   for (; i < n; ++i) {
     if (std::isnan(x[i])) return i;
-    if (x[i] > top || (i == 0 && n < 16)) {
+    if (x[i] > top) {
       top = x[i];
       best = i;
     }

@@ -214,7 +214,7 @@ void panel(const float* x, int64_t rows, int64_t in, int64_t blocks, const float
   float* w = panel_scratch(in * kWidth);
   Prefetch next;
   if (prefetch_next) {
-    const int64_t scale_bytes = kPanel * tile_scales * 4;
+    const int64_t scale_bytes = kPanel * tile_scales * static_cast<int64_t>(sizeof(float));
     next.region[0] = reinterpret_cast<const char*>(codes + kPanel * tile_codes);
     next.lines[0] = kPanel * tile_codes / 64;
     next.region[1] = reinterpret_cast<const char*>(scales + kPanel * tile_scales);
