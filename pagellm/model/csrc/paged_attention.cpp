@@ -272,30 +272,51 @@ void attend_prefix(const float* q, int64_t rows, float scale, const float* k_cac
   // The output passes read up to kPvRows - 1 rows past the last real one, into padding,
   // the next key's row or the tail: all of it starts as zeros, never as stale bits.
   std::fill(st, st + kKeyChunk * W + kPvRows, 0.0f);
+  // Row pointers of a chunk's keys, walked block by block (no division per key). Keys
+  // past the end point at the last one: computed, then masked or, in a chunk every row
+  // sees whole, harmless duplicates of a real key.
+  const auto locate = [&](int64_t first, int count, const float** k_rows, const float** v_rows) {
+    int64_t b = first / block_size, slot = first % block_size;
+    for (int t = 0; t < kKeyChunk; ++t) {
+      const int64_t offset = blocks[b] * block_stride + slot * token_stride;
+      k_rows[t] = k_cache + offset;
+      v_rows[t] = v_cache + offset;
+      if (t + 1 < count && ++slot == block_size) {
+        slot = 0;
+        ++b;
+      }
+    }
+  };
   const float* kp[kKeyChunk];
   const float* vp[kKeyChunk];
+  const float* next_kp[kKeyChunk];
+  const float* next_vp[kKeyChunk];
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  if (end > 0) locate(0, static_cast<int>(std::min<int64_t>(kKeyChunk, end)), next_kp, next_vp);
   for (int64_t start = 0; start < end; start += kKeyChunk) {
     const int n = static_cast<int>(std::min<int64_t>(kKeyChunk, end - start));
-    for (int t = 0; t < kKeyChunk; ++t) {
-      // Keys past the end point at the last one: computed, then masked.
-      const int64_t j = start + std::min(t, n - 1);
-      const int64_t offset = blocks[j / block_size] * block_stride + (j % block_size) * token_stride;
-      kp[t] = k_cache + offset;
-      vp[t] = v_cache + offset;
-      // The next chunk's rows of this head, fetched while this chunk is computed: each
-      // key's row is a short piece of a token's slot, too scattered for the hardware
-      // prefetcher to run ahead of (a decode cascade, 96 rows x 768 keys, 30 layers
-      // streamed from memory: 6.6-7.2 -> 5.7-6.0 ms).
-      const int64_t next = start + kKeyChunk + t;
-      if (next < end) {
-        const int64_t at = blocks[next / block_size] * block_stride + (next % block_size) * token_stride;
+    std::copy(next_kp, next_kp + kKeyChunk, kp);
+    std::copy(next_vp, next_vp + kKeyChunk, vp);
+    // The next chunk's rows of this head, fetched while this chunk is computed: each
+    // key's row is a short piece of a token's slot, too scattered for the hardware
+    // prefetcher to run ahead of (a decode cascade, 96 rows x 768 keys, 30 layers
+    // streamed from memory: 6.6-7.2 -> 5.7-6.0 ms).
+    const int64_t next = start + kKeyChunk;
+    if (next < end) {
+      const int next_n = static_cast<int>(std::min<int64_t>(kKeyChunk, end - next));
+      locate(next, next_n, next_kp, next_vp);
+      for (int t = 0; t < next_n; ++t) {
         for (int line = 0; line < D; line += 16) {
-          _mm_prefetch(reinterpret_cast<const char*>(k_cache + at + line), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(v_cache + at + line), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(next_kp[t] + line), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(next_vp[t] + line), _MM_HINT_T0);
         }
       }
     }
+    // Rows' limits ascend: when the first row sees the whole chunk, every row does, and
+    // the softmax needs no masks; its maximum is then taken from the score registers.
+    const bool whole = start + n <= lim[0];
+    __m512 top[RV];
+    for (int r = 0; r < RV; ++r) top[r] = neg_inf;
     for (int t0 = 0; t0 < n; t0 += kKeysPerPass) {
       __m512 s[kKeysPerPass][RV];
       for (int j = 0; j < kKeysPerPass; ++j) {
@@ -310,31 +331,44 @@ void attend_prefix(const float* q, int64_t rows, float scale, const float* k_cac
         }
       }
       for (int j = 0; j < kKeysPerPass; ++j) {
-        for (int r = 0; r < RV; ++r) _mm512_store_ps(st + (t0 + j) * W + r * 16, s[j][r]);
+        for (int r = 0; r < RV; ++r) {
+          _mm512_store_ps(st + (t0 + j) * W + r * 16, s[j][r]);
+          if (whole) top[r] = _mm512_max_ps(top[r], s[j][r]);
+        }
       }
     }
     for (int r = 0; r < RV; ++r) {
       // Key start + t is visible to a row while start + t < its limit.
       const __m512i visible = _mm512_sub_epi32(_mm512_load_si512(lim + r * 16),
                                                _mm512_set1_epi32(static_cast<int32_t>(start)));
-      __m512 top = neg_inf;
-      for (int t = 0; t < n; ++t) {
-        const __mmask16 mask = _mm512_cmpgt_epi32_mask(visible, _mm512_set1_epi32(t));
-        top = _mm512_max_ps(top, _mm512_mask_load_ps(neg_inf, mask, st + t * W + r * 16));
+      if (!whole) {
+        for (int t = 0; t < n; ++t) {
+          const __mmask16 mask = _mm512_cmpgt_epi32_mask(visible, _mm512_set1_epi32(t));
+          top[r] = _mm512_max_ps(top[r], _mm512_mask_load_ps(neg_inf, mask, st + t * W + r * 16));
+        }
       }
       const __m512 old_m = _mm512_load_ps(m + r * 16);
-      const __m512 new_m = _mm512_max_ps(old_m, top);
+      const __m512 new_m = _mm512_max_ps(old_m, top[r]);
       // A row with nothing visible yet keeps m = -inf; shifting it by 0 keeps exp at 0.
       const __m512 shift = _mm512_mask_mov_ps(new_m, _mm512_cmp_ps_mask(new_m, neg_inf, _CMP_EQ_OQ),
                                               _mm512_setzero_ps());
       const __m512 c = exp16(_mm512_sub_ps(old_m, shift));
       __m512 sum = _mm512_setzero_ps();
-      for (int t = 0; t < n; ++t) {
-        const __mmask16 mask = _mm512_cmpgt_epi32_mask(visible, _mm512_set1_epi32(t));
-        float* p = st + t * W + r * 16;
-        const __m512 e = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(_mm512_load_ps(p), shift)));
-        _mm512_store_ps(p, e);
-        sum = _mm512_add_ps(sum, e);
+      if (whole) {
+        for (int t = 0; t < n; ++t) {
+          float* p = st + t * W + r * 16;
+          const __m512 e = exp16(_mm512_sub_ps(_mm512_load_ps(p), shift));
+          _mm512_store_ps(p, e);
+          sum = _mm512_add_ps(sum, e);
+        }
+      } else {
+        for (int t = 0; t < n; ++t) {
+          const __mmask16 mask = _mm512_cmpgt_epi32_mask(visible, _mm512_set1_epi32(t));
+          float* p = st + t * W + r * 16;
+          const __m512 e = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(_mm512_load_ps(p), shift)));
+          _mm512_store_ps(p, e);
+          sum = _mm512_add_ps(sum, e);
+        }
       }
       _mm512_store_ps(m + r * 16, new_m);
       _mm512_store_ps(l + r * 16, _mm512_fmadd_ps(_mm512_load_ps(l + r * 16), c, sum));
