@@ -107,6 +107,9 @@ class GatedMLP(nn.Module):
     """
 
     fused = False  # silu(gate) * up as one compiled op (see RMSNorm.fused)
+    # gate_up_proj's quantized blocks in (gate, up) pairs: one kernel call computes the
+    # product and silu(gate) * up together (see use_gated_kernel).
+    gated: quant_kernels.QuantizedWeight | None = None
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
         super().__init__()
@@ -114,13 +117,32 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
+    def use_gated_kernel(self) -> bool:
+        """Move gate_up_proj's quantized blocks into the gated kernel's order, when it has
+        blocks, no bias (it lands between the product and the silu) and halves of whole
+        tiles; returns whether it did. The layer keeps its float32 weight for other inputs.
+
+        Why: silu_mul after the matmul reads the [rows, 2I] product back and writes
+        [rows, I]; in the epilogue the product never leaves the registers (a no-sharing run,
+        32 x 1,056 prompt tokens: silu_mul took 0.67 of 31 s)."""
+        quantized = self.gate_up_proj.quantized
+        if (quantized is None or self.gate_up_proj.bias is not None
+                or self.intermediate_size % 16):
+            return False
+        self.gated = quant_kernels.gate_up_pairs(quantized)
+        self.gate_up_proj.quantized = None
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if (self.fused and _fusable(gate_up) and gate_up.dim() == 2
-                and self.intermediate_size % 16 == 0):
-            activated = torch.ops.pagellm.silu_mul(gate_up.contiguous())
+        if self.gated is not None and x.dim() == 2:
+            activated = quant_kernels.quantized_linear(x, self.gated)
         else:
-            gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            activated = F.silu(gate) * up
+            gate_up = self.gate_up_proj(x)
+            if (self.fused and _fusable(gate_up) and gate_up.dim() == 2
+                    and self.intermediate_size % 16 == 0):
+                activated = torch.ops.pagellm.silu_mul(gate_up.contiguous())
+            else:
+                gate, up = gate_up.split(self.intermediate_size, dim=-1)
+                activated = F.silu(gate) * up
         out: torch.Tensor = self.down_proj(activated)
         return out

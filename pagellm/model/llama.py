@@ -264,6 +264,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.quantized = None
+            elif isinstance(module, GatedMLP):
+                module.gated = None
         params = dict(self.named_parameters())
         filled: dict[str, int] = {}
         for name, tensor in weights:
@@ -334,6 +336,9 @@ class LlamaForCausalLM(nn.Module):
             else:
                 self.quantized_head = packed
             attached += 1
+        for module in self.modules():
+            if isinstance(module, GatedMLP):
+                module.use_gated_kernel()
         return attached
 
     @staticmethod

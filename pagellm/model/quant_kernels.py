@@ -55,10 +55,15 @@ class QuantizedWeight:
     scales: torch.Tensor  # float32 [out / 16, in / 32, 16]
     codes: torch.Tensor  # Q4_1: uint8 [out / 16, in / 32, 16, 16]; Q8_0: int8 [.., 32, 16]
     mins: torch.Tensor | None = None  # Q4_1: float32 like scales
+    # A gated MLP's gate and up halves, tiles in (gate, up) pairs: the kernel returns
+    # silu(gate) * up [rows, out / 2] (see gate_up_pairs).
+    gated: bool = False
 
     @property
     def out_features(self) -> int:
-        return int(self.scales.shape[0]) * _LANES
+        """Outputs of the kernel: half the tiles' rows when gated."""
+        rows = int(self.scales.shape[0]) * _LANES
+        return rows // 2 if self.gated else rows
 
     @property
     def in_features(self) -> int:
@@ -116,12 +121,31 @@ def pack(fmt: BlockFormat, blocks: torch.Tensor, in_features: int) -> QuantizedW
     return QuantizedWeight(fmt, per_lane(tiled[..., 0:2]), codes.permute(0, 2, 3, 1).contiguous())
 
 
+def gate_up_pairs(weight: QuantizedWeight) -> QuantizedWeight:
+    """A fused [gate; up] weight with its tiles reordered (gate 0, up 0, gate 1, up 1, ...)
+    for the gated kernel: each pair of tiles is one panel of the kernel, whose epilogue
+    writes silu(gate) * up straight from its accumulators."""
+    tiles = weight.scales.shape[0]
+    if weight.gated or tiles % 2:
+        raise ValueError(f"a gated weight needs an even number of unpaired tiles, got {tiles}")
+    order = torch.arange(tiles).view(2, tiles // 2).t().reshape(-1)
+
+    def paired(field: torch.Tensor | None) -> torch.Tensor | None:
+        return None if field is None else field[order].contiguous()
+
+    codes, scales = paired(weight.codes), paired(weight.scales)
+    assert codes is not None and scales is not None
+    return QuantizedWeight(weight.format, scales, codes, paired(weight.mins), gated=True)
+
+
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-    """x [rows, in] @ weight.T through its kernel (once cpu_kernels.load succeeded)."""
+    """x [rows, in] @ weight.T through its kernel (once cpu_kernels.load succeeded); for a
+    gated weight, silu(gate) * up of that product."""
     x = x.contiguous()
     out: torch.Tensor
     if weight.mins is not None:
-        out = torch.ops.pagellm.q4_1_linear(x, weight.scales, weight.mins, weight.codes)
+        out = torch.ops.pagellm.q4_1_linear(x, weight.scales, weight.mins, weight.codes,
+                                            weight.gated)
     else:
-        out = torch.ops.pagellm.q8_0_linear(x, weight.scales, weight.codes)
+        out = torch.ops.pagellm.q8_0_linear(x, weight.scales, weight.codes, weight.gated)
     return out

@@ -96,6 +96,50 @@ def test_kernel_matches_float64(kernels: bool, fmt: str, rows: int, out: int) ->
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", [1, 8, 9, 13, 40, 600])
+def test_gated_kernel_is_silu_mul_of_the_product_bit_for_bit(
+        kernels: bool, fmt: str, rows: int) -> None:
+    """The gated kernel (tiles in (gate, up) pairs, silu(gate) * up in the epilogue) gives
+    exactly the plain product followed by the silu_mul op, through the register tiles and
+    the panels; its reported width is half the tiles' rows."""
+    blocks, _ = _blocks(fmt, 2 * 96, 64, seed=rows)
+    plain = qk.pack(qk.FORMATS[fmt], blocks, 64)
+    gated = qk.gate_up_pairs(plain)
+    assert gated.gated and (gated.out_features, gated.in_features) == (96, 64)
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+    expected = torch.ops.pagellm.silu_mul(qk.quantized_linear(x, plain))
+    assert torch.equal(qk.quantized_linear(x, gated), expected)
+    with pytest.raises(ValueError, match="even number of unpaired tiles"):
+        qk.gate_up_pairs(gated)
+    with pytest.raises(ValueError, match="even number of unpaired tiles"):
+        qk.gate_up_pairs(qk.pack(qk.FORMATS[fmt], blocks[:48], 64))
+
+
+def test_gated_mlp_takes_the_gated_kernel_only_where_it_fits(kernels: bool) -> None:
+    blocks, dense = _blocks("Q4_1", 2 * 32, 64)
+    mlp = GatedMLP(64, 32, bias=False)
+    mlp.fused = True
+    mlp.gate_up_proj.weight.data = dense.clone()
+    mlp.down_proj.weight.data = torch.randn(64, 32) * 0.1
+    x = torch.randn(5, 64)
+    unfused = mlp(x)
+    assert not mlp.use_gated_kernel()  # no blocks yet
+    mlp.gate_up_proj.quantized = qk.pack(qk.FORMATS["Q4_1"], blocks, 64)
+    assert mlp.use_gated_kernel()
+    assert mlp.gated is not None and mlp.gate_up_proj.quantized is None
+    # Same float32 weights, other summation order than the dense GEMM's.
+    torch.testing.assert_close(mlp(x), unfused, atol=1e-6, rtol=1e-5)
+    # A 3-D input keeps the layer's float32 weight.
+    torch.testing.assert_close(mlp(x[None])[0], unfused, atol=1e-6, rtol=1e-5)
+    odd = GatedMLP(64, 24, bias=False)  # halves of 1.5 tiles
+    odd.gate_up_proj.quantized = qk.pack(qk.FORMATS["Q4_1"], _blocks("Q4_1", 48, 64)[0], 64)
+    assert not odd.use_gated_kernel() and odd.gated is None
+    biased = GatedMLP(64, 32, bias=True)
+    biased.gate_up_proj.quantized = mlp.gated
+    assert not biased.use_gated_kernel()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_kernel_rejects_bad_inputs(kernels: bool, fmt: str) -> None:
     blocks, _ = _blocks(fmt, 32, 64)
     packed = qk.pack(qk.FORMATS[fmt], blocks, 64)
@@ -131,7 +175,12 @@ def test_default_model_gets_its_blocks(kernels: bool, converted: Path) -> None:
     assert formats == {"Q4_1", "Q8_0"}  # the layers, and the tied embedding / head
     model = load_model(converted, "float32", "cpu", kernel_dir=default_cache_dir() / "kernels")
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert len(linears) == 4 * 30 and all(m.quantized is not None for m in linears)
+    mlps = [m for m in model.modules() if isinstance(m, GatedMLP)]
+    # gate_up's blocks move to its MLP's gated kernel.
+    assert len(linears) == 4 * 30 and len(mlps) == 30
+    assert all(m.gated is not None and m.gate_up_proj.quantized is None for m in mlps)
+    assert all(m.quantized is not None for m in linears
+               if all(m is not mlp.gate_up_proj for mlp in mlps))
     assert model.quantized_head is not None
     hidden = torch.randn(5, model.config.hidden_size)
     table = model.model.embed_tokens.weight
@@ -140,6 +189,7 @@ def test_default_model_gets_its_blocks(kernels: bool, converted: Path) -> None:
     off = load_model(converted, "float32", "cpu")
     assert off.quantized_head is None
     assert all(m.quantized is None for m in off.modules() if isinstance(m, Linear))
+    assert all(m.gated is None for m in off.modules() if isinstance(m, GatedMLP))
 
 
 @pytest.mark.slow
@@ -156,8 +206,13 @@ def test_blocks_of_another_layer_are_refused(converted: Path) -> None:
     q = blocks["model.layers.2.self_attn.q_proj.weight"]
     assert model.attach_quantized([("model.layers.2.self_attn.q_proj.weight", "Q4_1", q)]) == 0
     # Reloading the weights drops the blocks attached to the old ones.
+    gate_up = blocks["model.layers.3.mlp.gate_proj.weight"], blocks["model.layers.3.mlp.up_proj.weight"]
+    assert model.attach_quantized([("model.layers.3.mlp.gate_proj.weight", "Q4_1", gate_up[0]),
+                                   ("model.layers.3.mlp.up_proj.weight", "Q4_1", gate_up[1])]) == 1
+    assert model.model.layers[3].mlp.gated is not None
     model.load_weights(iter_safetensors(safetensors_files(converted)))
     assert all(m.quantized is None for m in model.modules() if isinstance(m, Linear))
+    assert all(m.gated is None for m in model.modules() if isinstance(m, GatedMLP))
 
 
 @pytest.mark.parametrize("rows", [1, 5, 40])

@@ -23,7 +23,7 @@
 
 namespace {
 
-using pagellm_kernels::exp16;
+using pagellm_kernels::silu_mul16;
 
 // Rows per parallel task: small batches stay on one thread (waking the pool costs more
 // than the work).
@@ -98,16 +98,13 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   at::Tensor out = at::empty({gate_up.size(0), width}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const __m512 one = _mm512_set1_ps(1.0f);
   at::parallel_for(0, gate_up.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* g = gp + r * 2 * width;
       const float* u = g + width;
       for (int64_t i = 0; i < width; i += 16) {
-        const __m512 gate = _mm512_loadu_ps(g + i);
-        const __m512 silu = _mm512_div_ps(
-            gate, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
-        _mm512_storeu_ps(op + r * width + i, _mm512_mul_ps(silu, _mm512_loadu_ps(u + i)));
+        _mm512_storeu_ps(op + r * width + i,
+                         silu_mul16(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i)));
       }
     }
   });

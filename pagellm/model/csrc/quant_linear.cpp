@@ -12,12 +12,19 @@
 //   Q4_1: scales[16], mins[16] float32; codes[16][16] bytes, byte j of lane n holding
 //         input j in its low nibble and input j + 16 in its high one;
 //   Q8_0: scales[16] float32; codes[32][16] int8, input j of lane n.
+//
+// Gated (a gated MLP's fused gate and up weight): tiles come in pairs, the gate's 16 rows
+// then the up's same 16 rows, and the result is silu(gate) * up [rows, out / 2], taken
+// from the accumulators as they are stored. The [rows, out] product is never written out
+// and read back by a separate op: for a 512-token step that is 6 MB each way per layer.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
+
+#include "vec_math.h"
 
 #include <new>
 
@@ -26,6 +33,8 @@
 #endif
 
 namespace {
+
+using pagellm_kernels::silu_mul16;
 
 constexpr int64_t kLanes = 16;
 constexpr int64_t kBlock = 32;
@@ -179,7 +188,7 @@ struct Prefetch {
 
 template <int R>
 void panel_rows(const float* x, int64_t ldx, int64_t in, const float* w, float* y,
-                int64_t ldy, const Prefetch* prefetch) {
+                int64_t ldy, const Prefetch* prefetch, bool gated) {
   constexpr int64_t kWidth = kPanel * kLanes;
   __m512 acc[R][kPanel];
   for (int r = 0; r < R; ++r) {
@@ -194,13 +203,18 @@ void panel_rows(const float* x, int64_t ldx, int64_t in, const float* w, float* 
       for (int p = 0; p < kPanel; ++p) acc[r][p] = _mm512_fmadd_ps(xv, wv[p], acc[r][p]);
     }
   }
+  static_assert(kPanel == 2, "a gated panel is one (gate, up) pair of tiles");
   for (int r = 0; r < R; ++r) {
+    if (gated) {
+      _mm512_storeu_ps(y + r * ldy, silu_mul16(acc[r][0], acc[r][1]));
+      continue;
+    }
     for (int p = 0; p < kPanel; ++p) _mm512_storeu_ps(y + r * ldy + p * kLanes, acc[r][p]);
   }
 }
 
 using PanelFn = void (*)(const float*, int64_t, int64_t, const float*, float*, int64_t,
-                        const Prefetch*);
+                        const Prefetch*, bool);
 
 constexpr PanelFn kPanelRowFns[kPanelRows] = {
     panel_rows<1>, panel_rows<2>, panel_rows<3>, panel_rows<4>,  panel_rows<5>,  panel_rows<6>,
@@ -209,7 +223,7 @@ constexpr PanelFn kPanelRowFns[kPanelRows] = {
 template <class Format>
 void panel(const float* x, int64_t rows, int64_t in, int64_t blocks, const float* scales,
            const float* mins, const uint8_t* codes, int64_t tile_scales, int64_t tile_codes,
-           float* y, int64_t ldy, bool prefetch_next) {
+           float* y, int64_t ldy, bool prefetch_next, bool gated) {
   constexpr int64_t kWidth = kPanel * kLanes;
   float* w = panel_scratch(in * kWidth);
   Prefetch next;
@@ -237,14 +251,14 @@ void panel(const float* x, int64_t rows, int64_t in, int64_t blocks, const float
   for (int64_t i = 0, r0 = 0; i < passes; ++i) {
     const int64_t n = (rows - r0) / (passes - i);
     kPanelRowFns[n - 1](x + r0 * in, in, in, w, y + r0 * ldy, ldy,
-                        i == 0 && prefetch_next ? &next : nullptr);
+                        i == 0 && prefetch_next ? &next : nullptr, gated);
     r0 += n;
   }
 }
 
 template <class Format>
 at::Tensor quantized_linear(const char* name, const at::Tensor& x, const at::Tensor& scales,
-                            const float* mins, const at::Tensor& codes) {
+                            const float* mins, const at::Tensor& codes, bool gated) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), name,
               ": x must be a contiguous float32 [rows, in] tensor");
   TORCH_CHECK(scales.dim() == 3 && scales.size(2) == kLanes && scales.is_contiguous() &&
@@ -258,7 +272,10 @@ at::Tensor quantized_linear(const char* name, const at::Tensor& x, const at::Ten
   const int64_t rows = x.size(0), in = x.size(1), out = tiles * kLanes;
   TORCH_CHECK(in == blocks * kBlock, name, ": x has ", in, " inputs, the weight ",
               blocks * kBlock);
-  at::Tensor y = at::empty({rows, out}, x.options());
+  TORCH_CHECK(!gated || tiles % kPanel == 0, name,
+              ": a gated weight has (gate, up) pairs of tiles");
+  const int64_t width = gated ? out / 2 : out;
+  at::Tensor y = at::empty({rows, width}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* sp = scales.data_ptr<float>();
   const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
@@ -274,44 +291,60 @@ at::Tensor quantized_linear(const char* name, const at::Tensor& x, const at::Ten
           const int64_t t = i * kPanel;
           panel<Format>(xp + r0 * in, n, in, blocks, sp + t * tile_scales,
                         mins == nullptr ? nullptr : mins + t * tile_scales, cp + t * tile_codes,
-                        tile_scales, tile_codes, yp + r0 * out + t * kLanes, out, i + 1 < end);
+                        tile_scales, tile_codes,
+                        yp + r0 * width + (gated ? i : t) * kLanes, width, i + 1 < end, gated);
         }
       });
     }
     return y;
   }
+  // Few rows: each tile on its own, then a gated weight's pairs are combined (a few rows
+  // of scratch, next to the weights streamed).
+  at::Tensor full = gated ? at::empty({rows, out}, x.options()) : y;
+  float* fp = full.data_ptr<float>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
         const int64_t n = std::min(kMaxRows, rows - r0);
         kTiles<Format>[n - 1](xp + r0 * in, in, blocks, sp + t * tile_scales,
                               mins == nullptr ? nullptr : mins + t * tile_scales,
-                              cp + t * tile_codes, yp + r0 * out + t * kLanes, out);
+                              cp + t * tile_codes, fp + r0 * out + t * kLanes, out);
       }
     }
   });
+  if (gated) {
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t i = 0; i < width / kLanes; ++i) {
+        const float* pair = fp + r * out + i * 2 * kLanes;
+        _mm512_storeu_ps(yp + r * width + i * kLanes,
+                         silu_mul16(_mm512_loadu_ps(pair), _mm512_loadu_ps(pair + kLanes)));
+      }
+    }
+  }
   return y;
 }
 
 at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& scales, const at::Tensor& mins,
-                       const at::Tensor& codes) {
+                       const at::Tensor& codes, bool gated) {
   TORCH_CHECK(mins.sizes() == scales.sizes() && mins.is_contiguous() &&
                   mins.scalar_type() == at::kFloat,
               "q4_1_linear: mins must match scales");
   TORCH_CHECK(codes.scalar_type() == at::kByte, "q4_1_linear: codes must be uint8");
-  return quantized_linear<Q4_1>("q4_1_linear", x, scales, mins.data_ptr<float>(), codes);
+  return quantized_linear<Q4_1>("q4_1_linear", x, scales, mins.data_ptr<float>(), codes, gated);
 }
 
-at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& scales, const at::Tensor& codes) {
+at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& scales, const at::Tensor& codes,
+                       bool gated) {
   TORCH_CHECK(codes.scalar_type() == at::kChar, "q8_0_linear: codes must be int8");
-  return quantized_linear<Q8_0>("q8_0_linear", x, scales, nullptr, codes);
+  return quantized_linear<Q8_0>("q8_0_linear", x, scales, nullptr, codes, gated);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(pagellm, m) {
-  m.def("q4_1_linear(Tensor x, Tensor scales, Tensor mins, Tensor codes) -> Tensor");
-  m.def("q8_0_linear(Tensor x, Tensor scales, Tensor codes) -> Tensor");
+  m.def("q4_1_linear(Tensor x, Tensor scales, Tensor mins, Tensor codes, bool gated=False) "
+        "-> Tensor");
+  m.def("q8_0_linear(Tensor x, Tensor scales, Tensor codes, bool gated=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagellm, CPU, m) {

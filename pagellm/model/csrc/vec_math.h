@@ -27,4 +27,12 @@ inline __m512 exp16(__m512 x) {
   return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lo, _CMP_GT_OQ), result);
 }
 
+// silu(gate) * up for 16 lanes, silu(g) = g / (1 + exp(-g)): one definition, so the
+// matmul's fused epilogue and the standalone op round alike.
+inline __m512 silu_mul16(__m512 gate, __m512 up) {
+  const __m512 silu = _mm512_div_ps(
+      gate, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
+  return _mm512_mul_ps(silu, up);
+}
+
 }  // namespace pagellm_kernels
