@@ -231,6 +231,7 @@ class TorchBatchedBackend(AttentionBackend):
         self._cascade = True
         self._specs: list[AttentionSpec] = []
         self._decode_kernel = False
+        self._write_kernel = False
 
     def configure(self, specs: list[AttentionSpec]) -> None:
         # A shared prefix is attended whole, which a sliding-window layer must not do.
@@ -241,7 +242,8 @@ class TorchBatchedBackend(AttentionBackend):
         """Decode groups read the cache through the compiled paged kernel instead of a
         gather and SDPA (about half the attention time of a decode step measured here),
         where every layer fits it: no sliding window, G <= 8 query heads per kv head of
-        64 or 128 dims."""
+        64 or 128 dims. New K/V rows are stored by one compiled op per layer."""
+        self._write_kernel = True
         self._decode_kernel = bool(self._specs) and all(
             spec.sliding_window is None and spec.head_dim in (64, 128)
             and spec.num_heads % spec.num_kv_heads == 0
@@ -388,7 +390,10 @@ class TorchBatchedBackend(AttentionBackend):
         spec: AttentionSpec,
     ) -> torch.Tensor:
         assert isinstance(plan, _BatchedPlan)
-        write_kv_cache(kv_cache, key, value, plan.meta.slot_mapping)
+        if self._write_kernel and kv_cache.dtype == torch.float32 and kv_cache.is_cpu:
+            torch.ops.pagellm.write_kv_cache_(kv_cache, key, value, plan.meta.slot_mapping)
+        else:
+            write_kv_cache(kv_cache, key, value, plan.meta.slot_mapping)
         num_tokens = query.shape[0]
         if len(plan.groups) == 1 and plan.groups[0].out_dst is None:
             return self._attend(query, kv_cache, plan.groups[0], spec)

@@ -434,3 +434,28 @@ def test_prefix_kernel_over_many_key_chunks_is_exact(head_dim: int, block_size: 
         torch.testing.assert_close(out.double(), expected, atol=5e-5, rtol=1e-4)
         torch.testing.assert_close(lse.double(), torch.logsumexp(scores, -1), atol=1e-5,
                                    rtol=1e-5)
+
+
+def test_kv_write_kernel_stores_strided_rows_like_index_copy() -> None:
+    """The compiled K/V store takes the k and v column ranges of a fused qkv output as they
+    are (strided rows) and leaves the cache as the torch path does; a slot outside the
+    cache is refused before anything is written."""
+    if not kernels_loaded():
+        pytest.skip("the CPU kernels cannot be built or run on this machine")
+    gen = torch.Generator().manual_seed(5)
+    for tokens in (1, 3, 200):
+        qkv = torch.randn(tokens, (4 + 2 + 2) * 16, generator=gen)
+        _, k, v = qkv.split([64, 32, 32], dim=-1)
+        k, v = k.view(tokens, 2, 16), v.view(tokens, 2, 16)
+        slots = torch.randperm(40 * 8, generator=gen)[:tokens]
+        expected = torch.randn(2, 40, 8, 2, 16, generator=gen)
+        got = expected.clone()
+        attention.write_kv_cache(expected, k, v, slots)
+        torch.ops.pagellm.write_kv_cache_(got, k, v, slots)
+        assert torch.equal(got, expected)
+    before = got.clone()
+    with pytest.raises(RuntimeError, match="outside the cache's 320 slots"):
+        torch.ops.pagellm.write_kv_cache_(got, k[:2], v[:2], torch.tensor([3, 320]))
+    with pytest.raises(RuntimeError, match="one per slot"):
+        torch.ops.pagellm.write_kv_cache_(got, k[:2], v[:1], torch.tensor([3, 4]))
+    assert torch.equal(got, before)

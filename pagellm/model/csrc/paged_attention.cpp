@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <tuple>
@@ -478,6 +479,46 @@ std::tuple<at::Tensor, at::Tensor> paged_prefix_attention(
   return {out, lse};
 }
 
+// Stores a step's new key and value rows [T, Hkv, D] (rows may be strided, as the k and v
+// column ranges of the fused qkv output are) at flat slots of kv_cache [2, N, B, Hkv, D].
+// Why: torch's two index_copy_ calls cost ~25 us each per layer even for a decode step's
+// few rows, in TensorIterator set-up; here a row is a memcpy.
+void write_kv_cache_(at::Tensor kv_cache, const at::Tensor& key, const at::Tensor& value,
+                     const at::Tensor& slots) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
+                  kv_cache.scalar_type() == at::kFloat,
+              "write_kv_cache_: kv_cache must be a contiguous float32 [2, N, B, Hkv, D] tensor");
+  const int64_t kv_heads = kv_cache.size(3), dim = kv_cache.size(4);
+  for (const at::Tensor* rows : {&key, &value}) {
+    TORCH_CHECK(rows->dim() == 3 && rows->scalar_type() == at::kFloat &&
+                    rows->size(1) == kv_heads && rows->size(2) == dim && rows->stride(2) == 1 &&
+                    rows->stride(1) == dim && rows->size(0) == slots.numel(),
+                "write_kv_cache_: key and value must be float32 [T, Hkv, D] with contiguous "
+                "rows, one per slot");
+  }
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous(),
+              "write_kv_cache_: slots must be a contiguous int64 vector");
+  const int64_t tokens = slots.numel(), capacity = kv_cache.size(1) * kv_cache.size(2);
+  const int64_t row = kv_heads * dim;
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < capacity, "write_kv_cache_: slot ", sp[t],
+                " is outside the cache's ", capacity, " slots");
+  }
+  float* kp = kv_cache.data_ptr<float>();
+  float* vp = kp + capacity * row;
+  const float* keys = key.data_ptr<float>();
+  const float* values = value.data_ptr<float>();
+  const int64_t key_stride = key.stride(0), value_stride = value.stride(0);
+  // A decode step's rows stay on one thread: waking the pool costs more than the copy.
+  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      std::memcpy(kp + sp[t] * row, keys + t * key_stride, row * sizeof(float));
+      std::memcpy(vp + sp[t] * row, values + t * value_stride, row * sizeof(float));
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagellm, m) {
@@ -486,9 +527,11 @@ TORCH_LIBRARY_FRAGMENT(pagellm, m) {
         "-> (Tensor, Tensor)");
   m.def("paged_prefix_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor blocks, "
         "float scale, int causal_context=-1, int group=1) -> (Tensor, Tensor)");
+  m.def("write_kv_cache_(Tensor(a!) kv_cache, Tensor key, Tensor value, Tensor slots) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("paged_prefix_attention", &paged_prefix_attention);
+  m.impl("write_kv_cache_", &write_kv_cache_);
 }
