@@ -241,8 +241,12 @@ class LlamaForCausalLM(nn.Module):
         A tied head without blocks gets a packed copy beside the dense embedding table: the
         vocabulary matmul is the largest of a decode step (113 MB of float32 for SmolLM2),
         and packed it takes 2.4 instead of 4.0 ms for 8 rows, for that much more memory."""
+        # A gated MLP's gate_up serves the model through its blocks (GatedMLP.gated): a
+        # packed copy of its float32 weight would never run.
+        served = {id(m.gate_up_proj) for m in self.modules()
+                  if isinstance(m, GatedMLP) and m.gated is not None}
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, Linear) and id(module) not in served:
                 module.pack_for_cpu()
         table = self.model.embed_tokens.weight
         if (self.lm_head is None and self.tied_head is None and self.quantized_head is None

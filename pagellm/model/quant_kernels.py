@@ -52,8 +52,9 @@ class QuantizedWeight:
     """A [out, in] weight in a kernel's tiled layout (see csrc/quant_linear.cpp)."""
 
     format: BlockFormat
-    scales: torch.Tensor  # float32 [out / 16, in / 32, 16]
-    codes: torch.Tensor  # Q4_1: uint8 [out / 16, in / 32, 16, 16]; Q8_0: int8 [.., 32, 16]
+    # tiles = the weight's rows / 16 (when gated, twice out_features / 16)
+    scales: torch.Tensor  # float32 [tiles, in / 32, 16]
+    codes: torch.Tensor  # Q4_1: uint8 [tiles, in / 32, 16, 16]; Q8_0: int8 [.., 32, 16]
     mins: torch.Tensor | None = None  # Q4_1: float32 like scales
     # A gated MLP's gate and up halves, tiles in (gate, up) pairs: the kernel returns
     # silu(gate) * up [rows, out / 2] (see gate_up_pairs).

@@ -414,11 +414,12 @@ def test_prefix_kernel_over_many_key_chunks_is_exact(head_dim: int, block_size: 
     gen = torch.Generator().manual_seed(11)
     kv_heads, group, n_blocks = 2, 3, 31
     cache = torch.randn(2, 40, block_size, kv_heads, head_dim, generator=gen)
-    # Later keys point more and more along the queries' shared direction.
-    ramp = torch.linspace(0.0, 3.0, 40 * block_size).view(40, block_size, 1, 1)
-    cache[0] += ramp * torch.ones(head_dim) / head_dim**0.5
     blocks = torch.randperm(40, generator=gen)[:n_blocks].to(torch.int32)
     n_keys = n_blocks * block_size
+    # Later keys (in the table's order) point more and more along the queries' shared
+    # direction, so the scores' maximum moves on with every chunk.
+    ramp = torch.linspace(0.0, 3.0, n_keys).view(n_blocks, block_size, 1, 1)
+    cache[0][blocks.long()] += ramp * torch.ones(head_dim) / head_dim**0.5
     k, v = (cache[i][blocks.long()].reshape(n_keys, kv_heads, head_dim).double()
             for i in range(2))
     for rows, context in ((1, -1), (40, -1), (100, -1), (9, 90), (150, n_keys - 50), (48, 0)):

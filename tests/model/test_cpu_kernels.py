@@ -179,6 +179,7 @@ def test_default_model_gets_its_blocks(kernels: bool, converted: Path) -> None:
     # gate_up's blocks move to its MLP's gated kernel.
     assert len(linears) == 4 * 30 and len(mlps) == 30
     assert all(m.gated is not None and m.gate_up_proj.quantized is None for m in mlps)
+    assert not any(m.gate_up_proj.packed for m in mlps)  # no oneDNN copy that never runs
     assert all(m.quantized is not None for m in linears
                if all(m is not mlp.gate_up_proj for mlp in mlps))
     assert model.quantized_head is not None

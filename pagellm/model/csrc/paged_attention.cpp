@@ -491,8 +491,9 @@ void write_kv_cache_(at::Tensor kv_cache, const at::Tensor& key, const at::Tenso
   const int64_t kv_heads = kv_cache.size(3), dim = kv_cache.size(4);
   for (const at::Tensor* rows : {&key, &value}) {
     TORCH_CHECK(rows->dim() == 3 && rows->scalar_type() == at::kFloat &&
-                    rows->size(1) == kv_heads && rows->size(2) == dim && rows->stride(2) == 1 &&
-                    rows->stride(1) == dim && rows->size(0) == slots.numel(),
+                    rows->size(1) == kv_heads && rows->size(2) == dim &&
+                    (rows->stride(2) == 1 || dim == 1) &&
+                    (rows->stride(1) == dim || kv_heads == 1) && rows->size(0) == slots.numel(),
                 "write_kv_cache_: key and value must be float32 [T, Hkv, D] with contiguous "
                 "rows, one per slot");
   }
