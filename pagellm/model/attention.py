@@ -76,7 +76,6 @@ class AttentionBackend(ABC):
         """Called by the loader once the compiled CPU kernels are loaded (cpu_kernels), for
         a backend that has paths using them (the default has none)."""
 
-    @abstractmethod
     def forward(
         self,
         query: torch.Tensor,
@@ -87,6 +86,21 @@ class AttentionBackend(ABC):
         spec: AttentionSpec,
     ) -> torch.Tensor:
         """Write key/value [T, Hkv, D] into the cache, return attention output [T, H, D]."""
+        self.write(kv_cache, key, value, plan)
+        return self.attend(query, kv_cache, plan, spec)
+
+    def write(
+        self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: StepPlan
+    ) -> None:
+        """Store the step's new key/value rows [T, Hkv, D] at their slots."""
+        write_kv_cache(kv_cache, key, value, plan.meta.slot_mapping)
+
+    @abstractmethod
+    def attend(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, plan: StepPlan, spec: AttentionSpec
+    ) -> torch.Tensor:
+        """Attention output [T, H, D] of the step's queries [T, H, D] over the cache, which
+        already holds the step's new keys and values (a fused layer stores them itself)."""
 
 
 def _window_mask(
@@ -109,17 +123,10 @@ class TorchRefBackend(AttentionBackend):
 
     name = "torch_ref"
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        plan: StepPlan,
-        spec: AttentionSpec,
+    def attend(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, plan: StepPlan, spec: AttentionSpec
     ) -> torch.Tensor:
         meta = plan.meta
-        write_kv_cache(kv_cache, key, value, meta.slot_mapping)
         block_size = kv_cache.shape[2]
         out = torch.empty_like(query)
         start = 0
@@ -380,20 +387,18 @@ class TorchBatchedBackend(AttentionBackend):
             torch.index_select(kv_cache[i].flatten(1), 0, blocks, out=out[i].view(n, -1))
         return out
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        plan: StepPlan,
-        spec: AttentionSpec,
-    ) -> torch.Tensor:
-        assert isinstance(plan, _BatchedPlan)
+    def write(
+        self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: StepPlan
+    ) -> None:
         if self._write_kernel and kv_cache.dtype == torch.float32 and kv_cache.is_cpu:
             torch.ops.pagellm.write_kv_cache_(kv_cache, key, value, plan.meta.slot_mapping)
         else:
             write_kv_cache(kv_cache, key, value, plan.meta.slot_mapping)
+
+    def attend(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, plan: StepPlan, spec: AttentionSpec
+    ) -> torch.Tensor:
+        assert isinstance(plan, _BatchedPlan)
         num_tokens = query.shape[0]
         if len(plan.groups) == 1 and plan.groups[0].out_dst is None:
             return self._attend(query, kv_cache, plan.groups[0], spec)

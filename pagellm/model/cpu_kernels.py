@@ -26,7 +26,8 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = tuple(_CSRC / name
-                 for name in ("quant_linear.cpp", "paged_attention.cpp", "fused_ops.cpp"))
+                 for name in ("quant_linear.cpp", "paged_attention.cpp", "fused_ops.cpp",
+                              "decoder_layer.cpp"))
 _HEADERS = (_CSRC / "vec_math.h",)
 _LIBRARY_NAME = "libpagellm_cpu_kernels.so"
 

@@ -70,6 +70,11 @@ class QuantizedWeight:
     def in_features(self) -> int:
         return int(self.scales.shape[1]) * BLOCK
 
+    def op_args(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(scales, mins, codes) as the compiled layer ops take a weight: Q4_1 when mins
+        is given, else Q8_0."""
+        return self.scales, self.mins, self.codes
+
 
 def packable(out_features: int, in_features: int) -> bool:
     """Whether a weight of this shape fits the kernels' tiles."""

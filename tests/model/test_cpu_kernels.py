@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
+from paged_sim import PagedSim
 
 from pagellm.engine.config import default_cache_dir
 from pagellm.model import (
@@ -25,6 +26,7 @@ from pagellm.model import quant_kernels as qk
 from pagellm.model.gguf_loader import BLOCKS_FILE, QUANTIZED_DIR
 from pagellm.model.layers import GatedMLP, Linear, RMSNorm
 from pagellm.model.loader import iter_quantized_blocks, iter_safetensors, safetensors_files
+from pagellm.model.model_config import ModelConfig
 from pagellm.model.rotary import apply_rotary
 
 FORMATS = sorted(qk.FORMATS)
@@ -183,6 +185,7 @@ def test_default_model_gets_its_blocks(kernels: bool, converted: Path) -> None:
     assert all(m.quantized is not None for m in linears
                if all(m is not mlp.gate_up_proj for mlp in mlps))
     assert model.quantized_head is not None
+    assert all(layer.fused_weights is not None for layer in model.model.layers)
     hidden = torch.randn(5, model.config.hidden_size)
     table = model.model.embed_tokens.weight
     expected = hidden.double() @ table.double().T
@@ -191,6 +194,7 @@ def test_default_model_gets_its_blocks(kernels: bool, converted: Path) -> None:
     assert off.quantized_head is None
     assert all(m.quantized is None for m in off.modules() if isinstance(m, Linear))
     assert all(m.gated is None for m in off.modules() if isinstance(m, GatedMLP))
+    assert all(layer.fused_weights is None for layer in off.model.layers)
 
 
 @pytest.mark.slow
@@ -289,3 +293,81 @@ def test_argmax_rows_rejects_bad_inputs(kernels: bool) -> None:
         torch.ops.pagellm.argmax_rows(torch.zeros(2, 3, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="empty"):
         torch.ops.pagellm.argmax_rows(torch.zeros(2, 0))
+
+
+def _quantized_tiny_llama(
+    fmt: str,
+) -> tuple[LlamaForCausalLM, list[tuple[str, torch.Tensor]]]:
+    """A 3-layer random Llama whose every linear weight is exactly its `fmt` blocks (64-dim
+    heads, 2 kv heads), with the kernels on and the blocks attached, as the loader does;
+    and its checkpoint (HF names)."""
+    config = ModelConfig.from_dict({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 256, "intermediate_size": 320,
+        "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 200, "max_position_embeddings": 512, "tie_word_embeddings": False})
+    model = LlamaForCausalLM(config)
+    weights, blocks = [], []
+    for seed, (name, param) in enumerate(model.named_parameters()):
+        if name.endswith("norm.weight"):
+            weights.append((name, 1 + 0.1 * torch.randn(param.shape)))
+        elif name == "model.embed_tokens.weight" or name == "lm_head.weight":
+            weights.append((name, torch.randn(param.shape) * 0.5))
+        else:
+            for part, rows in _checkpoint_shards(name, param.shape[0], config):
+                raw, dense = _blocks(fmt, rows, param.shape[1], seed=seed * 3 + len(weights))
+                weights.append((part, dense))
+                blocks.append((part, fmt, raw))
+    model.load_weights(weights)
+    model.use_cpu_kernels()
+    assert model.attach_quantized(blocks) == 4 * config.num_hidden_layers
+    return model, weights
+
+
+def _checkpoint_shards(name: str, rows: int, config: ModelConfig) -> list[tuple[str, int]]:
+    """The checkpoint tensors (HF names, rows) that make up one of our fused weights."""
+    if ".qkv_proj." in name:
+        q = config.num_attention_heads * config.head_dim
+        kv = config.num_key_value_heads * config.head_dim
+        return [(name.replace("qkv_proj", p), n) for p, n in (("q_proj", q), ("k_proj", kv),
+                                                             ("v_proj", kv))]
+    if ".gate_up_proj." in name:
+        return [(name.replace("gate_up_proj", p), rows // 2) for p in ("gate_proj", "up_proj")]
+    return [(name, rows)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fused_layers_match_the_module_path_bit_for_bit(kernels: bool, fmt: str) -> None:
+    """The two compiled layer ops are the same kernels in the same order as the modules'
+    calls, so a mixed step (a prompt, a chunk after cached context, decodes) and the
+    K/V they store must be identical either way."""
+    model, _ = _quantized_tiny_llama(fmt)
+    layers = list(model.model.layers)
+    assert all(layer.fused_weights is not None for layer in layers)
+    saved = [layer.fused_weights for layer in layers]
+    results = []
+    for fused in (True, False):
+        for layer, weights in zip(layers, saved, strict=True):
+            layer.fused_weights = weights if fused else None
+        sim = PagedSim(model, num_blocks=64, block_size=16)
+        steps = [sim.step([("a", list(range(1, 40)))]),
+                 sim.step([("a", [7]), ("b", list(range(3, 70)))]),
+                 sim.step([("a", [9]), ("b", [11]), ("c", list(range(5, 30)))])]
+        results.append((steps, [cache.clone() for cache in sim.kv_caches]))
+    (fused_steps, fused_caches), (module_steps, module_caches) = results
+    for ours, theirs in zip(fused_steps + fused_caches, module_steps + module_caches,
+                            strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def test_a_layer_without_every_kernel_is_not_fused(kernels: bool) -> None:
+    model, checkpoint = _quantized_tiny_llama("Q4_1")
+    first, second, third = model.model.layers
+    second.self_attn.o_proj.bias = torch.nn.Parameter(torch.zeros(256))
+    third.mlp.gated = None
+    assert first.use_fused_layer()
+    assert not second.use_fused_layer() and second.fused_weights is None
+    assert not third.use_fused_layer()
+    # Reloading the weights drops the blocks, and with them the fused path.
+    second.self_attn.o_proj.bias = None
+    model.load_weights(checkpoint)
+    assert all(layer.fused_weights is None for layer in model.model.layers)
