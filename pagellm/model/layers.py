@@ -21,7 +21,7 @@ class Linear(nn.Linear):
     Every weight is overwritten from a checkpoint, and random init (or building on the meta
     device to avoid it, whose first use costs ~2 s of torch start-up) is pure start-up time.
     `quantized`, when the loader attaches the checkpoint's own quantized blocks, serves
-    every matmul (see quant_kernels). Otherwise `pack_for_cpu` replaces the weight by its
+    every matmul (see quant_kernels), except gated blocks: those serve their GatedMLP. Otherwise `pack_for_cpu` replaces the weight by its
     oneDNN-packed form (see cpu_matmul): the dense copy is dropped rather than kept beside
     it, so packing costs no memory.
     """
@@ -44,7 +44,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         quantized = self.quantized
-        if quantized is not None and x.dim() == 2:
+        if quantized is not None and not quantized.gated and x.dim() == 2:
             out = quant_kernels.quantized_linear(x, quantized)
             return out if self.bias is None else out + self.bias
         if self.packed:
@@ -107,9 +107,6 @@ class GatedMLP(nn.Module):
     """
 
     fused = False  # silu(gate) * up as one compiled op (see RMSNorm.fused)
-    # gate_up_proj's quantized blocks in (gate, up) pairs: one kernel call computes the
-    # product and silu(gate) * up together (see use_gated_kernel).
-    gated: quant_kernels.QuantizedWeight | None = None
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
         super().__init__()
@@ -118,9 +115,10 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def use_gated_kernel(self) -> bool:
-        """Move gate_up_proj's quantized blocks into the gated kernel's order, when it has
-        blocks, no bias (it lands between the product and the silu) and halves of whole
-        tiles; returns whether it did. The layer keeps its float32 weight for other inputs.
+        """Put gate_up_proj's quantized blocks in the gated kernel's (gate, up) pairs, when
+        it has blocks, no bias (it lands between the product and the silu) and halves of
+        whole tiles; returns whether they are. One kernel call then computes the product
+        and silu(gate) * up together. The layer keeps its float32 weight for other inputs.
 
         Why: silu_mul after the matmul reads the [rows, 2I] product back and writes
         [rows, I]; in the epilogue the product never leaves the registers (a no-sharing run,
@@ -129,13 +127,14 @@ class GatedMLP(nn.Module):
         if (quantized is None or self.gate_up_proj.bias is not None
                 or self.intermediate_size % 16):
             return False
-        self.gated = quant_kernels.gate_up_pairs(quantized)
-        self.gate_up_proj.quantized = None
+        if not quantized.gated:
+            self.gate_up_proj.quantized = quant_kernels.gate_up_pairs(quantized)
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gated is not None and x.dim() == 2:
-            activated = quant_kernels.quantized_linear(x, self.gated)
+        quantized = self.gate_up_proj.quantized
+        if quantized is not None and quantized.gated and x.dim() == 2:
+            activated = quant_kernels.quantized_linear(x, quantized)
         else:
             gate_up = self.gate_up_proj(x)
             if (self.fused and _fusable(gate_up) and gate_up.dim() == 2

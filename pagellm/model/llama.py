@@ -147,9 +147,11 @@ class LlamaDecoderLayer(nn.Module):
         the gated MLP kernel, and the fused norms and rotary; returns whether it does.
         Decided once here, not per call: the checks cost ~25 us per layer per step."""
         attn, mlp = self.self_attn, self.mlp
-        weights = (attn.qkv_proj.quantized, attn.o_proj.quantized, mlp.gated,
+        gate_up = mlp.gate_up_proj.quantized
+        weights = (attn.qkv_proj.quantized, attn.o_proj.quantized, gate_up,
                    mlp.down_proj.quantized)
-        fits = (all(weight is not None for weight in weights) and attn.fused_rotary
+        fits = (all(weight is not None for weight in weights) and gate_up is not None
+                and gate_up.gated and attn.fused_rotary
                 and self.input_layernorm.fused and self.post_attention_layernorm.fused
                 and attn.qkv_proj.bias is None and attn.o_proj.bias is None
                 and mlp.down_proj.bias is None)
@@ -284,12 +286,8 @@ class LlamaForCausalLM(nn.Module):
         A tied head without blocks gets a packed copy beside the dense embedding table: the
         vocabulary matmul is the largest of a decode step (113 MB of float32 for SmolLM2),
         and packed it takes 2.4 instead of 4.0 ms for 8 rows, for that much more memory."""
-        # A gated MLP's gate_up serves the model through its blocks (GatedMLP.gated): a
-        # packed copy of its float32 weight would never run.
-        served = {id(m.gate_up_proj) for m in self.modules()
-                  if isinstance(m, GatedMLP) and m.gated is not None}
         for module in self.modules():
-            if isinstance(module, Linear) and id(module) not in served:
+            if isinstance(module, Linear):
                 module.pack_for_cpu()
         table = self.model.embed_tokens.weight
         if (self.lm_head is None and self.tied_head is None and self.quantized_head is None
@@ -311,8 +309,6 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.quantized = None
-            elif isinstance(module, GatedMLP):
-                module.gated = None
         self._use_fused_layers()
         params = dict(self.named_parameters())
         filled: dict[str, int] = {}

@@ -127,18 +127,21 @@ def test_gated_mlp_takes_the_gated_kernel_only_where_it_fits(kernels: bool) -> N
     unfused = mlp(x)
     assert not mlp.use_gated_kernel()  # no blocks yet
     mlp.gate_up_proj.quantized = qk.pack(qk.FORMATS["Q4_1"], blocks, 64)
-    assert mlp.use_gated_kernel()
-    assert mlp.gated is not None and mlp.gate_up_proj.quantized is None
+    assert mlp.use_gated_kernel() and mlp.use_gated_kernel()  # pairs once, then a no-op
+    gated = mlp.gate_up_proj.quantized
+    assert gated is not None and gated.gated and gated.out_features == 32
+    # Its blocks serve the MLP, not the Linear itself (whose output is the whole product).
+    assert torch.equal(mlp.gate_up_proj(x), torch.nn.functional.linear(x, dense))
     # Same float32 weights, other summation order than the dense GEMM's.
     torch.testing.assert_close(mlp(x), unfused, atol=1e-6, rtol=1e-5)
     # A 3-D input keeps the layer's float32 weight.
     torch.testing.assert_close(mlp(x[None])[0], unfused, atol=1e-6, rtol=1e-5)
     odd = GatedMLP(64, 24, bias=False)  # halves of 1.5 tiles
     odd.gate_up_proj.quantized = qk.pack(qk.FORMATS["Q4_1"], _blocks("Q4_1", 48, 64)[0], 64)
-    assert not odd.use_gated_kernel() and odd.gated is None
+    assert not odd.use_gated_kernel() and not odd.gate_up_proj.quantized.gated
     biased = GatedMLP(64, 32, bias=True)
-    biased.gate_up_proj.quantized = mlp.gated
-    assert not biased.use_gated_kernel()
+    biased.gate_up_proj.quantized = qk.pack(qk.FORMATS["Q4_1"], blocks, 64)
+    assert not biased.use_gated_kernel() and not biased.gate_up_proj.quantized.gated
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -180,10 +183,10 @@ def test_default_model_gets_its_blocks(kernels: bool, converted: Path) -> None:
     mlps = [m for m in model.modules() if isinstance(m, GatedMLP)]
     # gate_up's blocks move to its MLP's gated kernel.
     assert len(linears) == 4 * 30 and len(mlps) == 30
-    assert all(m.gated is not None and m.gate_up_proj.quantized is None for m in mlps)
-    assert not any(m.gate_up_proj.packed for m in mlps)  # no oneDNN copy that never runs
-    assert all(m.quantized is not None for m in linears
-               if all(m is not mlp.gate_up_proj for mlp in mlps))
+    assert all(m.gate_up_proj.quantized is not None and m.gate_up_proj.quantized.gated
+               for m in mlps)
+    assert not any(m.packed for m in linears)  # no oneDNN copy that never runs
+    assert all(m.quantized is not None for m in linears)
     assert model.quantized_head is not None
     assert all(layer.fused_weights is not None for layer in model.model.layers)
     hidden = torch.randn(5, model.config.hidden_size)
@@ -193,7 +196,6 @@ def test_default_model_gets_its_blocks(kernels: bool, converted: Path) -> None:
     off = load_model(converted, "float32", "cpu")
     assert off.quantized_head is None
     assert all(m.quantized is None for m in off.modules() if isinstance(m, Linear))
-    assert all(m.gated is None for m in off.modules() if isinstance(m, GatedMLP))
     assert all(layer.fused_weights is None for layer in off.model.layers)
 
 
@@ -214,10 +216,10 @@ def test_blocks_of_another_layer_are_refused(converted: Path) -> None:
     gate_up = blocks["model.layers.3.mlp.gate_proj.weight"], blocks["model.layers.3.mlp.up_proj.weight"]
     assert model.attach_quantized([("model.layers.3.mlp.gate_proj.weight", "Q4_1", gate_up[0]),
                                    ("model.layers.3.mlp.up_proj.weight", "Q4_1", gate_up[1])]) == 1
-    assert model.model.layers[3].mlp.gated is not None
+    gated = model.model.layers[3].mlp.gate_up_proj.quantized
+    assert gated is not None and gated.gated
     model.load_weights(iter_safetensors(safetensors_files(converted)))
     assert all(m.quantized is None for m in model.modules() if isinstance(m, Linear))
-    assert all(m.gated is None for m in model.modules() if isinstance(m, GatedMLP))
 
 
 @pytest.mark.parametrize("rows", [1, 5, 40])
@@ -363,7 +365,7 @@ def test_a_layer_without_every_kernel_is_not_fused(kernels: bool) -> None:
     model, checkpoint = _quantized_tiny_llama("Q4_1")
     first, second, third = model.model.layers
     second.self_attn.o_proj.bias = torch.nn.Parameter(torch.zeros(256))
-    third.mlp.gated = None
+    third.mlp.gate_up_proj.quantized = None
     assert first.use_fused_layer()
     assert not second.use_fused_layer() and second.fused_weights is None
     assert not third.use_fused_layer()
