@@ -185,9 +185,11 @@ class _Group:
     tables: torch.Tensor | None = None
     key_lens: torch.Tensor | None = None
     # A lone request's prompt chunk with the kernels: its blocks (int32, context and new
-    # tokens) and how many tokens of context come before its queries.
+    # tokens), how many tokens of context come before its queries, and its first row in
+    # the batch (its queries are rows causal_start .. causal_start + q_len).
     causal_table: torch.Tensor | None = None
     causal_context: int = 0
+    causal_start: int = 0
     additive_masks: dict[tuple[int | None, int, torch.dtype], torch.Tensor] = field(
         default_factory=dict
     )
@@ -364,6 +366,7 @@ class TorchBatchedBackend(AttentionBackend):
             key_lens=(seq_lens - n_prefix * block_size).int() if decode else None,
             causal_table=meta.block_tables[members[0], :n_blocks].contiguous() if one else None,
             causal_context=meta.seq_lens_list[members[0]] - max_q if one else 0,
+            causal_start=sum(meta.query_lens_list[: members[0]]) if one else 0,
         )
 
     def _gather(
@@ -414,9 +417,10 @@ class TorchBatchedBackend(AttentionBackend):
     ) -> torch.Tensor:
         """Attention for one group: [Rg * Q, H, D], padded rows included."""
         r, q_len, hkv, d = group.n_requests, group.q_len, spec.num_kv_heads, spec.head_dim
+        if group.causal_table is not None and query.dtype == torch.float32:
+            rows = query[group.causal_start : group.causal_start + q_len]
+            return self._prefill_with_kernel(rows, kv_cache, group, spec)
         q = query.index_select(0, group.q_src)
-        if group.causal_table is not None and q.dtype == torch.float32:
-            return self._prefill_with_kernel(q, kv_cache, group, spec)
         if group.tables is not None and q.dtype == torch.float32:
             return self._decode_with_kernel(q, kv_cache, group, spec)
         kv = self._gather(kv_cache, group.blocks).view(2, r, -1, hkv, d).transpose(2, 3)
@@ -472,15 +476,15 @@ class TorchBatchedBackend(AttentionBackend):
         q: torch.Tensor, kv_cache: torch.Tensor, group: _Group, spec: AttentionSpec
     ) -> torch.Tensor:
         """One request's queries [Q, H, D] against its whole table, causally, through the
-        prefix kernel with per-row limits: output [Q, H, D]."""
+        prefix kernel with per-row limits: output [Q, H, D]. The kernel reads the queries
+        where they are (a strided view of the qkv output) and writes the output in this
+        layout: a 512-token chunk's three copies (gather, transpose in, transpose out) are
+        gone."""
         assert group.causal_table is not None
-        q_len, hkv, d = group.q_len, spec.num_kv_heads, spec.head_dim
-        g = spec.num_heads // hkv
-        rows = q.view(q_len, hkv, g, d).transpose(0, 1).reshape(hkv, q_len * g, d).contiguous()
         result: tuple[torch.Tensor, torch.Tensor] = torch.ops.pagellm.paged_prefix_attention(
-            rows, kv_cache[0], kv_cache[1], group.causal_table, spec.scale,
-            group.causal_context, g)
-        return result[0].view(hkv, q_len, g, d).transpose(0, 1).reshape(q_len, spec.num_heads, d)
+            q, kv_cache[0], kv_cache[1], group.causal_table, spec.scale,
+            group.causal_context, spec.num_heads // spec.num_kv_heads)
+        return result[0]
 
     def _decode_with_kernel(
         self, q: torch.Tensor, kv_cache: torch.Tensor, group: _Group, spec: AttentionSpec

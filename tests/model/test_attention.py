@@ -400,6 +400,10 @@ def test_causal_kernel_rejects_rows_that_are_not_whole_groups() -> None:
         torch.ops.pagellm.paged_prefix_attention(
             torch.randn(2, 5, 64), cache[0], cache[1], torch.zeros(2, dtype=torch.int32),
             0.125, 0, 2)
+    with pytest.raises(RuntimeError, match="contiguous heads"):
+        torch.ops.pagellm.paged_prefix_attention(
+            torch.randn(4, 2, 64).transpose(0, 1), cache[0], cache[1],
+            torch.zeros(2, dtype=torch.int32), 0.125, 0, 2)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -424,8 +428,21 @@ def test_prefix_kernel_over_many_key_chunks_is_exact(head_dim: int, block_size: 
             for i in range(2))
     for rows, context in ((1, -1), (40, -1), (100, -1), (9, 90), (150, n_keys - 50), (48, 0)):
         q = torch.randn(kv_heads, rows, head_dim, generator=gen) + 1.0
-        out, lse = torch.ops.pagellm.paged_prefix_attention(
-            q, cache[0], cache[1], blocks, 0.5, context, group)
+        if context < 0:
+            out, lse = torch.ops.pagellm.paged_prefix_attention(
+                q, cache[0], cache[1], blocks, 0.5, context, group)
+        else:
+            # A causal chunk is read and written as the model lays out queries, [Q, H, D],
+            # here a strided view of a wider tensor (as of the fused qkv output).
+            wide = torch.randn(rows // group, kv_heads * group + 5, head_dim, generator=gen)
+            model_q = wide[:, 2 : 2 + kv_heads * group]
+            model_q.copy_(q.view(kv_heads, rows // group, group, head_dim).transpose(0, 1)
+                          .reshape(rows // group, kv_heads * group, head_dim))
+            model_out, lse = torch.ops.pagellm.paged_prefix_attention(
+                model_q, cache[0], cache[1], blocks, 0.5, context, group)
+            assert model_out.shape == model_q.shape
+            out = (model_out.view(rows // group, kv_heads, group, head_dim).transpose(0, 1)
+                   .reshape(kv_heads, rows, head_dim))
         scores = torch.einsum("hmd,khd->hmk", q.double(), k) * 0.5
         if context >= 0:
             limits = context + torch.arange(rows) // group + 1

@@ -241,13 +241,21 @@ constexpr int kKeyChunk = 48;
 constexpr int kKeysPerPass = 6;
 constexpr int64_t kPrefixRowTile = 64;
 
-// One (kv head, tile of at most RV * 16 query rows) against the prefix's keys; `limits`,
-// when given, holds each row's number of visible keys (ascending, causal attention).
+// Where a kv head's query and output rows lie: row r is head r % group of query
+// r / group; queries are `q_stride` (`out_stride`) floats apart and a query's heads D
+// apart. A contiguous [M, D] run of rows is group 1 with strides D.
+struct RowLayout {
+  int64_t group, q_stride, out_stride;
+};
+
+// One (kv head, tile of at most RV * 16 query rows, from row `first`) against the
+// prefix's keys; `limits`, when given, holds each row's number of visible keys
+// (ascending, causal attention).
 template <int NV, int RV>
-void attend_prefix(const float* q, int64_t rows, float scale, const float* k_cache,
-                   const float* v_cache, const int32_t* blocks, int64_t keys,
-                   int64_t block_size, int64_t block_stride, int64_t token_stride,
-                   const int64_t* limits, float* out, float* lse) {
+void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout, float scale,
+                   const float* k_cache, const float* v_cache, const int32_t* blocks,
+                   int64_t keys, int64_t block_size, int64_t block_stride,
+                   int64_t token_stride, const int64_t* limits, float* out, float* lse) {
   constexpr int D = NV * 16;
   constexpr int W = RV * 16;                   // rows, padded to whole vectors
   constexpr int kPvRows = NV == 4 ? 6 : 3;     // output rows per pass: 24 accumulators
@@ -256,8 +264,16 @@ void attend_prefix(const float* q, int64_t rows, float scale, const float* k_cac
   alignas(64) float acc[(W + kPvRows) * D];    // unnormalised outputs
   alignas(64) float m[W], l[W], corr[W + kPvRows];
   alignas(64) int32_t lim[W];
+  int64_t q_at[W], out_at[W];
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t query = (first + row) / layout.group, head = (first + row) % layout.group;
+    q_at[row] = query * layout.q_stride + head * D;
+    out_at[row] = query * layout.out_stride + head * D;
+  }
   for (int d = 0; d < D; ++d) {
-    for (int row = 0; row < W; ++row) qt[d * W + row] = row < rows ? q[row * D + d] * scale : 0.0f;
+    for (int row = 0; row < W; ++row) {
+      qt[d * W + row] = row < rows ? q[q_at[row] + d] * scale : 0.0f;
+    }
   }
   int64_t end = keys;
   for (int row = 0; row < W; ++row) {
@@ -400,15 +416,16 @@ void attend_prefix(const float* q, int64_t rows, float scale, const float* k_cac
   for (int64_t row = 0; row < rows; ++row) {
     const __m512 inv = _mm512_set1_ps(1.0f / l[row]);
     for (int v = 0; v < NV; ++v) {
-      _mm512_storeu_ps(out + row * D + v * 16, _mm512_mul_ps(_mm512_load_ps(acc + row * D + v * 16), inv));
+      _mm512_storeu_ps(out + out_at[row] + v * 16,
+                       _mm512_mul_ps(_mm512_load_ps(acc + row * D + v * 16), inv));
     }
     lse[row] = m[row] + std::log(l[row]);
   }
 }
 
-using PrefixFn = void (*)(const float*, int64_t, float, const float*, const float*,
-                          const int32_t*, int64_t, int64_t, int64_t, int64_t, const int64_t*,
-                          float*, float*);
+using PrefixFn = void (*)(const float*, int64_t, int64_t, RowLayout, float, const float*,
+                          const float*, const int32_t*, int64_t, int64_t, int64_t, int64_t,
+                          const int64_t*, float*, float*);
 
 template <int NV>
 PrefixFn pick_prefix_rows(int64_t rows) {
@@ -421,15 +438,22 @@ PrefixFn pick_prefix_rows(int64_t rows) {
 }
 
 // q [Hkv, M, D]; k_cache, v_cache [N, B, Hkv, D]; blocks [nb] int32. Returns out
-// [Hkv, M, D], lse [Hkv, M]. With `causal_context` >= 0 the rows are one request's
-// queries in (query, head of the group) order, `group` heads per query, query i at
-// position causal_context + i: it sees keys 0 .. causal_context + i (a prefill chunk
-// after its context, read in place with its own new keys).
+// [Hkv, M, D], lse [Hkv, M]. With `causal_context` >= 0, q is one request's queries
+// [Q, Hkv * group, D] as the model lays them out (queries may be strided, as in the
+// fused qkv output; each query's heads contiguous), query i at position
+// causal_context + i seeing keys 0 .. causal_context + i (a prefill chunk after its
+// context, read in place with its own new keys); out is then [Q, Hkv * group, D] and
+// lse [Hkv, Q * group], so no transposed copy is made on either side.
 std::tuple<at::Tensor, at::Tensor> paged_prefix_attention(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& blocks, double scale, int64_t causal_context, int64_t group) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
-              "paged_prefix_attention: q must be a contiguous float32 [Hkv, M, D] tensor");
+  const bool causal = causal_context >= 0;
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat &&
+                  (causal ? q.stride(2) == 1 && (q.size(1) == 1 || q.stride(1) == q.size(2)) &&
+                                (q.size(0) == 1 || q.stride(0) >= q.size(1) * q.size(2))
+                          : q.is_contiguous()),
+              "paged_prefix_attention: q must be float32 [Hkv, M, D], contiguous, or with a "
+              "causal context [Q, H, D] with contiguous heads");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat &&
                   k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
                   v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
@@ -437,15 +461,17 @@ std::tuple<at::Tensor, at::Tensor> paged_prefix_attention(
   TORCH_CHECK(blocks.dim() == 1 && blocks.scalar_type() == at::kInt && blocks.is_contiguous() &&
                   blocks.numel() >= 1,
               "paged_prefix_attention: blocks must be a non-empty int32 vector");
-  const int64_t kv_heads = q.size(0), rows = q.size(1), dim = q.size(2);
-  const int64_t block_size = k_cache.size(1);
+  TORCH_CHECK(group >= 1 && (!causal || q.size(1) % group == 0),
+              "paged_prefix_attention: rows must be whole groups of query heads");
+  const int64_t dim = q.size(2), block_size = k_cache.size(1);
+  const int64_t kv_heads = causal ? q.size(1) / group : q.size(0);
+  const int64_t rows = causal ? q.size(0) * group : q.size(1);
   TORCH_CHECK(k_cache.size(2) == kv_heads && k_cache.size(3) == dim,
               "paged_prefix_attention: shapes do not match");
   TORCH_CHECK(dim == 64 || dim == 128, "paged_prefix_attention: ", dim,
               " dims are not supported");
-  TORCH_CHECK(group >= 1 && (causal_context < 0 || rows % group == 0),
-              "paged_prefix_attention: rows must be whole groups of query heads");
-  at::Tensor out = at::empty({kv_heads, rows, dim}, q.options());
+  at::Tensor out = causal ? at::empty({q.size(0), q.size(1), dim}, q.options())
+                          : at::empty({kv_heads, rows, dim}, q.options());
   at::Tensor lse = at::empty({kv_heads, rows}, q.options());
   const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
@@ -464,16 +490,19 @@ std::tuple<at::Tensor, at::Tensor> paged_prefix_attention(
     for (int64_t i = begin; i < end; ++i) {
       const int64_t h = i / tiles, r0 = (i % tiles) * tile_rows;
       const int64_t n = std::min(tile_rows, rows - r0);  // >= 1: (tiles - 1) * 64 < rows
-      const int64_t base = h * rows + r0;
       int64_t tile_limits[kPrefixRowTile];
       const int64_t* limits = nullptr;
-      if (causal_context >= 0) {
+      if (causal) {
         for (int64_t j = 0; j < n; ++j) tile_limits[j] = causal_context + (r0 + j) / group + 1;
         limits = tile_limits;
       }
+      // A head's rows: its group's slice of every query (causal), or a contiguous run.
+      const RowLayout layout = causal ? RowLayout{group, q.stride(0), out.stride(0)}
+                                      : RowLayout{1, dim, dim};
+      const int64_t head_offset = causal ? h * group * dim : h * rows * dim;
       const PrefixFn fn = dim == 64 ? pick_prefix_rows<4>(n) : pick_prefix_rows<8>(n);
-      fn(qp + base * dim, n, sc, kp + h * dim, vp + h * dim, bp, keys, block_size, block_stride,
-         token_stride, limits, op + base * dim, lp + base);
+      fn(qp + head_offset, r0, n, layout, sc, kp + h * dim, vp + h * dim, bp, keys, block_size,
+         block_stride, token_stride, limits, op + head_offset, lp + h * rows + r0);
     }
   });
   return {out, lse};
