@@ -21,9 +21,10 @@ class Linear(nn.Linear):
     Every weight is overwritten from a checkpoint, and random init (or building on the meta
     device to avoid it, whose first use costs ~2 s of torch start-up) is pure start-up time.
     `quantized`, when the loader attaches the checkpoint's own quantized blocks, serves
-    every matmul (see quant_kernels), except gated blocks: those serve their GatedMLP. Otherwise `pack_for_cpu` replaces the weight by its
-    oneDNN-packed form (see cpu_matmul): the dense copy is dropped rather than kept beside
-    it, so packing costs no memory.
+    every matmul (see quant_kernels), except gated blocks: those serve their GatedMLP.
+    Otherwise `pack_for_cpu` replaces the weight by its oneDNN-packed form (see
+    cpu_matmul): the dense copy is dropped rather than kept beside it, so packing costs no
+    memory.
     """
 
     packed = False
