@@ -150,8 +150,8 @@ class LlamaDecoderLayer(nn.Module):
         gate_up = mlp.gate_up_proj.quantized
         weights = (attn.qkv_proj.quantized, attn.o_proj.quantized, gate_up,
                    mlp.down_proj.quantized)
-        fits = (all(weight is not None for weight in weights) and gate_up is not None
-                and gate_up.gated and attn.fused_rotary
+        fits = (gate_up is not None and gate_up.gated
+                and all(weight is not None for weight in weights) and attn.fused_rotary
                 and self.input_layernorm.fused and self.post_attention_layernorm.fused
                 and attn.qkv_proj.bias is None and attn.o_proj.bias is None
                 and mlp.down_proj.bias is None)
