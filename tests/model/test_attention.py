@@ -454,6 +454,34 @@ def test_prefix_kernel_over_many_key_chunks_is_exact(head_dim: int, block_size: 
                                    rtol=1e-5)
 
 
+def test_prefix_kernel_results_do_not_depend_on_the_threads() -> None:
+    """Threads take the (kv head, row tile) tasks as they free up, so which thread computes
+    a tile changes from call to call; every tile is computed alone, so the result is the
+    same bits on one thread as on several, causal and not."""
+    if not kernels_loaded():
+        pytest.skip("the CPU kernels cannot be built or run on this machine")
+    gen = torch.Generator().manual_seed(5)
+    cache = torch.randn(2, 80, 16, 3, 64, generator=gen)
+    blocks = torch.randperm(80, generator=gen)[:70].to(torch.int32)
+    causal_q = torch.randn(300, 9, 64, generator=gen)  # 900 rows a head: 15 tiles
+    shared_q = torch.randn(3, 200, 64, generator=gen)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append((
+                torch.ops.pagellm.paged_prefix_attention(
+                    causal_q, cache[0], cache[1], blocks, 0.125, 70 * 16 - 300, 3),
+                torch.ops.pagellm.paged_prefix_attention(
+                    shared_q, cache[0], cache[1], blocks, 0.125)))
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        for (out, lse), (out_ref, lse_ref) in zip(other, results[0], strict=True):
+            assert torch.equal(out, out_ref) and torch.equal(lse, lse_ref)
+
+
 def test_kv_write_kernel_stores_strided_rows_like_index_copy() -> None:
     """The compiled K/V store takes the k and v column ranges of a fused qkv output as they
     are (strided rows) and leaves the cache as the torch path does; a slot outside the
