@@ -465,6 +465,7 @@ def test_prefix_kernel_results_do_not_depend_on_the_threads() -> None:
     blocks = torch.randperm(80, generator=gen)[:70].to(torch.int32)
     causal_q = torch.randn(300, 9, 64, generator=gen)  # 900 rows a head: 15 tiles
     shared_q = torch.randn(3, 200, 64, generator=gen)
+    few_q = torch.randn(3, 6, 64, generator=gen)  # 3 tasks: its keys are split too
     threads = torch.get_num_threads()
     results = []
     try:
@@ -474,12 +475,41 @@ def test_prefix_kernel_results_do_not_depend_on_the_threads() -> None:
                 torch.ops.pagellm.paged_prefix_attention(
                     causal_q, cache[0], cache[1], blocks, 0.125, 70 * 16 - 300, 3),
                 torch.ops.pagellm.paged_prefix_attention(
-                    shared_q, cache[0], cache[1], blocks, 0.125)))
+                    shared_q, cache[0], cache[1], blocks, 0.125),
+                torch.ops.pagellm.paged_prefix_attention(
+                    few_q, cache[0], cache[1], blocks, 0.125)))
     finally:
         torch.set_num_threads(threads)
     for other in results[1:]:
         for (out, lse), (out_ref, lse_ref) in zip(other, results[0], strict=True):
             assert torch.equal(out, out_ref) and torch.equal(lse, lse_ref)
+
+
+@pytest.mark.parametrize("n_blocks", [1, 2, 3, 7])
+@pytest.mark.parametrize("rows", [1, 6, 64, 65])
+def test_prefix_kernel_splits_the_keys_of_a_small_cascade_exactly(
+    n_blocks: int, rows: int
+) -> None:
+    """A cascade with fewer (kv head, row tile) tasks than the kernel wants splits its keys
+    into up to 4 parts at block boundaries (never more parts than blocks) and merges them
+    through their log-sum-exp; the result is attention over all the keys (float64
+    reference), for one kv head (4 parts), three (2 parts) and rows in one or two tiles,
+    with scores steep enough that one part holds almost all of a row's mass."""
+    if not kernels_loaded():
+        pytest.skip("the CPU kernels cannot be built or run on this machine")
+    gen = torch.Generator().manual_seed(rows * 10 + n_blocks)
+    for kv_heads in (1, 3):
+        cache = torch.randn(2, 12, 16, kv_heads, 64, generator=gen)
+        blocks = torch.randperm(12, generator=gen)[:n_blocks].to(torch.int32)
+        q = torch.randn(kv_heads, rows, 64, generator=gen) * 2.0
+        cache[0][blocks[-1].long(), :3] += 2.0 * q.mean(1)[None].sign()
+        out, lse = torch.ops.pagellm.paged_prefix_attention(q, cache[0], cache[1], blocks, 0.3)
+        k, v = (cache[i][blocks.long()].reshape(-1, kv_heads, 64).double() for i in range(2))
+        scores = torch.einsum("hmd,khd->hmk", q.double(), k) * 0.3
+        expected = torch.einsum("hmk,khd->hmd", scores.softmax(-1), v)
+        torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(lse.double(), torch.logsumexp(scores, -1), atol=2e-5,
+                                   rtol=1e-5)
 
 
 def test_kv_write_kernel_stores_strided_rows_like_index_copy() -> None:

@@ -259,6 +259,7 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention(
 constexpr int kKeyChunk = 48;
 constexpr int kKeysPerPass = 6;
 constexpr int64_t kPrefixRowTile = 64;
+constexpr int64_t kMinPrefixTasks = 4;  // see paged_prefix_attention
 
 // Where a kv head's query and output rows lie: row r is head r % group of query
 // r / group; queries are `q_stride` (`out_stride`) floats apart and a query's heads D
@@ -499,17 +500,33 @@ std::tuple<at::Tensor, at::Tensor> paged_prefix_attention(
   const int32_t* bp = blocks.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
-  const int64_t keys = blocks.numel() * block_size;
   const int64_t token_stride = kv_heads * dim, block_stride = block_size * token_stride;
   // Rows split evenly over the fewest tiles (96 rows: two of 48, not 64 + 32), so the
-  // tasks the threads share are the same size.
+  // tasks the threads share are the same size. Where that leaves fewer than
+  // kMinPrefixTasks (a cascade of a few requests: 3 kv heads, one tile each), the keys
+  // are split too, each part attended alone and the parts merged through their
+  // log-sum-exp. Why: 3 tasks on 2 threads left one thread idle half the time; 30
+  // layers, in-process A/B: 6 rows x 1,024 keys 4.71 -> 3.87 ms, 48 rows x 2,048 keys
+  // 14.4 -> 10.7 ms. The count is fixed, not taken from the thread pool, so a result
+  // does not depend on how many threads computed it.
   const int64_t tiles = (rows + kPrefixRowTile - 1) / kPrefixRowTile;
   const int64_t tile_rows = ((rows + tiles - 1) / tiles + 15) / 16 * 16;
+  const int64_t n_blocks = blocks.numel(), tasks = kv_heads * tiles;
+  const int64_t splits = causal || tasks >= kMinPrefixTasks
+      ? 1 : std::min(n_blocks, (kMinPrefixTasks + tasks - 1) / tasks);
+  at::Tensor part_out, part_lse;
+  if (splits > 1) {
+    part_out = at::empty({splits, kv_heads, rows, dim}, q.options());
+    part_lse = at::empty({splits, kv_heads, rows}, q.options());
+  }
+  float* pop = splits > 1 ? part_out.data_ptr<float>() : nullptr;
+  float* plp = splits > 1 ? part_lse.data_ptr<float>() : nullptr;
   // Tasks go head by head, so a thread's next task mostly reads the keys its last one
   // left in L2, and last tile first within a head: under a causal mask the last tiles see
   // the most keys, and a head's short tasks even out the end.
-  for_each_task(kv_heads * tiles, [&](int64_t i) {
-    const int64_t h = i / tiles, r0 = (tiles - 1 - i % tiles) * tile_rows;
+  for_each_task(tasks * splits, [&](int64_t i) {
+    const int64_t split = i % splits, task = i / splits;
+    const int64_t h = task / tiles, r0 = (tiles - 1 - task % tiles) * tile_rows;
     const int64_t n = std::min(tile_rows, rows - r0);  // >= 1: (tiles - 1) * 64 < rows
     int64_t tile_limits[kPrefixRowTile];
     const int64_t* limits = nullptr;
@@ -517,14 +534,38 @@ std::tuple<at::Tensor, at::Tensor> paged_prefix_attention(
       for (int64_t j = 0; j < n; ++j) tile_limits[j] = causal_context + (r0 + j) / group + 1;
       limits = tile_limits;
     }
-    // A head's rows: its group's slice of every query (causal), or a contiguous run.
     const RowLayout layout = causal ? RowLayout{group, q.stride(0), out.stride(0)}
                                     : RowLayout{1, dim, dim};
     const int64_t head_offset = causal ? h * group * dim : h * rows * dim;
     const PrefixFn fn = dim == 64 ? pick_prefix_rows<4>(n) : pick_prefix_rows<8>(n);
-    fn(qp + head_offset, r0, n, layout, sc, kp + h * dim, vp + h * dim, bp, keys, block_size,
-       block_stride, token_stride, limits, op + head_offset, lp + h * rows + r0);
+    const int64_t b0 = n_blocks * split / splits, b1 = n_blocks * (split + 1) / splits;
+    float* o = splits > 1 ? pop + split * kv_heads * rows * dim + head_offset : op + head_offset;
+    float* l = splits > 1 ? plp + split * kv_heads * rows + h * rows + r0 : lp + h * rows + r0;
+    fn(qp + head_offset, r0, n, layout, sc, kp + h * dim, vp + h * dim, bp + b0,
+       (b1 - b0) * block_size, block_size, block_stride, token_stride, limits, o, l);
   });
+  if (splits > 1) {
+    const int64_t part_stride = kv_heads * rows;
+    for (int64_t row = 0; row < kv_heads * rows; ++row) {
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t s = 0; s < splits; ++s) top = std::max(top, plp[s * part_stride + row]);
+      float total = 0.0f;
+      float w[kMinPrefixTasks];
+      for (int64_t s = 0; s < splits; ++s) {
+        w[s] = std::exp(plp[s * part_stride + row] - top);
+        total += w[s];
+      }
+      for (int64_t d0 = 0; d0 < dim; d0 += 16) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t s = 0; s < splits; ++s) {
+          acc = _mm512_fmadd_ps(_mm512_set1_ps(w[s] / total),
+                                _mm512_loadu_ps(pop + (s * part_stride + row) * dim + d0), acc);
+        }
+        _mm512_storeu_ps(op + row * dim + d0, acc);
+      }
+      lp[row] = top + std::log(total);
+    }
+  }
   return {out, lse};
 }
 
