@@ -534,6 +534,7 @@ std::tuple<at::Tensor, at::Tensor> paged_prefix_attention(
       for (int64_t j = 0; j < n; ++j) tile_limits[j] = causal_context + (r0 + j) / group + 1;
       limits = tile_limits;
     }
+    // A head's rows: its group's slice of every query (causal), or a contiguous run.
     const RowLayout layout = causal ? RowLayout{group, q.stride(0), out.stride(0)}
                                     : RowLayout{1, dim, dim};
     const int64_t head_offset = causal ? h * group * dim : h * rows * dim;
