@@ -3,9 +3,11 @@
 They are compiled on first use with the machine's g++ for its own CPU (`-march=native`)
 into `<cache_dir>/kernels/`, keyed by the sources, torch and the compiler, and loaded into
 torch as `torch.ops.pagellm.*` (they run on torch's own thread pool). Building takes
-about 10 s, once per machine. Where it cannot happen (no compiler, no AVX-512, not
-Linux on x86-64), `load` says why once in the log and returns False: the model then runs
-on torch ops alone, with the same results to float32 rounding.
+about 10 s, once per machine. They are written once in 16-lane vectors (csrc/simd.h)
+and built for AVX-512 or, where the CPU has none, AVX2 with FMA. Where they cannot be
+built (no compiler, neither instruction set, not Linux on x86-64), `load` says why once
+in the log and returns False: the model then runs on torch ops alone, with the same
+results to float32 rounding.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = tuple(_CSRC / name
                  for name in ("quant_linear.cpp", "paged_attention.cpp", "fused_ops.cpp",
                               "decoder_layer.cpp"))
-_HEADERS = (_CSRC / "vec_math.h",)
+_HEADERS = (_CSRC / "simd.h", _CSRC / "vec_math.h")
 _LIBRARY_NAME = "libpagellm_cpu_kernels.so"
 
 _lock = threading.Lock()
@@ -51,7 +53,7 @@ def loaded() -> bool:
 
 
 def _build_and_load(build_root: Path) -> bool:
-    reason = _unsupported_reason()
+    isa, reason = _instruction_set()
     if reason is not None:
         logger.info("CPU kernels off: %s", reason)
         return False
@@ -67,7 +69,7 @@ def _build_and_load(build_root: Path) -> bool:
     key = hashlib.sha256(
         b"".join(source.read_bytes() for source in (*_SOURCES, *_HEADERS))
         + " ".join(command).encode() + torch.__version__.encode()
-        + _compiler_version(compiler).encode()
+        + _compiler_version(compiler).encode() + isa.encode()
     ).hexdigest()[:16]
     directory = build_root / f"cpu-{key}"
     library = directory / _LIBRARY_NAME
@@ -85,16 +87,23 @@ def _build_and_load(build_root: Path) -> bool:
     return True
 
 
-def _unsupported_reason() -> str | None:
+def _instruction_set() -> tuple[str, str | None]:
+    """(the vector instructions the kernels will be built for, why they cannot be).
+
+    The set is part of the build's key: `-march=native` builds for the machine at hand,
+    and a cache directory shared with another machine must not hand it a library built
+    for instructions it lacks."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return f"needs Linux on x86-64, this is {platform.system()} {platform.machine()}"
+        return "", f"needs Linux on x86-64, this is {platform.system()} {platform.machine()}"
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        flags = set(Path("/proc/cpuinfo").read_text().split())
     except OSError as exc:
-        return f"cannot read /proc/cpuinfo: {exc}"
-    if " avx512f" not in flags or " avx512bw" not in flags:
-        return "this CPU has no AVX-512"
-    return None
+        return "", f"cannot read /proc/cpuinfo: {exc}"
+    if {"avx512f", "avx512bw"} <= flags:
+        return "avx512", None
+    if {"avx2", "fma"} <= flags:
+        return "avx2", None
+    return "", "this CPU has neither AVX-512 nor AVX2 with FMA"
 
 
 def _compile_command(compiler: str) -> list[str]:

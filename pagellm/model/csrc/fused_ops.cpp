@@ -13,8 +13,6 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
-
 #include "vec_math.h"
 
 #include <cmath>
@@ -23,6 +21,7 @@
 
 namespace {
 
+using namespace pagellm_kernels::simd;
 using pagellm_kernels::silu_mul16;
 
 // Rows per parallel task: small batches stay on one thread (waking the pool costs more
@@ -35,13 +34,13 @@ void check_rows(const char* name, const at::Tensor& x) {
 }
 
 void norm_row(const float* x, const float* w, float eps, int64_t n, float* out) {
-  __m512 acc = _mm512_setzero_ps();
+  vf acc = zero();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
-    acc = _mm512_fmadd_ps(v, v, acc);
+    const vf v = loadu(x + i);
+    acc = fmadd(v, v, acc);
   }
-  float sum = _mm512_reduce_add_ps(acc);
+  float sum = reduce_add(acc);
   for (; i < n; ++i) sum += x[i] * x[i];
   const float inv = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
   for (i = 0; i < n; ++i) out[i] = w[i] * (x[i] * inv);
@@ -103,8 +102,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
       const float* g = gp + r * 2 * width;
       const float* u = g + width;
       for (int64_t i = 0; i < width; i += 16) {
-        _mm512_storeu_ps(op + r * width + i,
-                         silu_mul16(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i)));
+        storeu(op + r * width + i, silu_mul16(loadu(g + i), loadu(u + i)));
       }
     }
   });
@@ -148,22 +146,21 @@ int64_t argmax_row(const float* x, int64_t n) {
   float top = -std::numeric_limits<float>::infinity();  // a row of -inf: index 0
   if (n >= 16) {
     // Each lane keeps its largest value and where it first saw it.
-    __m512 lane_top = _mm512_loadu_ps(x);
-    __m512i lane_at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    __mmask16 nan = _mm512_cmp_ps_mask(lane_top, lane_top, _CMP_UNORD_Q);
-    __m512i at = lane_at;
+    vf lane_top = loadu(x);
+    vi lane_at = iota_i();
+    unsigned nan = bits(is_nan(lane_top));
+    vi at = lane_at;
     for (i = 16; nan == 0 && i + 16 <= n; i += 16) {
-      const __m512 v = _mm512_loadu_ps(x + i);
-      at = _mm512_add_epi32(at, _mm512_set1_epi32(16));
-      nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-      const __mmask16 greater = _mm512_cmp_ps_mask(v, lane_top, _CMP_GT_OQ);
-      lane_top = _mm512_mask_mov_ps(lane_top, greater, v);
-      lane_at = _mm512_mask_mov_epi32(lane_at, greater, at);
+      const vf v = loadu(x + i);
+      at = add_i(at, set1_i(16));
+      nan = bits(is_nan(v));
+      const vmask greater = gt(v, lane_top);
+      lane_top = select(greater, v, lane_top);
+      lane_at = select_i(greater, at, lane_at);
     }
     if (nan != 0) return i - 16 + __builtin_ctz(nan);
-    top = _mm512_reduce_max_ps(lane_top);
-    const __mmask16 tied = _mm512_cmp_ps_mask(lane_top, _mm512_set1_ps(top), _CMP_EQ_OQ);
-    best = _mm512_mask_reduce_min_epi32(tied, lane_at);
+    top = reduce_max(lane_top);
+    best = reduce_min_i(eq(lane_top, set1(top)), lane_at);
   }
   for (; i < n; ++i) {
     if (std::isnan(x[i])) return i;

@@ -16,8 +16,6 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
-
 #include "vec_math.h"
 
 #include <algorithm>
@@ -30,6 +28,7 @@
 
 namespace {
 
+using namespace pagellm_kernels::simd;
 using pagellm_kernels::exp16;
 
 constexpr int kMaxBlock = 64;  // tokens per KV block the kernel handles
@@ -58,12 +57,14 @@ void attend(const float* q, const float* k_cache, const float* v_cache, const in
             int64_t len, int64_t block_size, int64_t block_stride, int64_t token_stride,
             float scale, const float* prior_out, const float* prior_lse, float* out,
             float* lse) {
-  __m512 qv[G][NV], acc[G][NV];
+  vf qv[G][NV], acc[G][NV];
   float m[G], l[G];
+  PAGELLM_UNROLL
   for (int g = 0; g < G; ++g) {
+    PAGELLM_UNROLL
     for (int v = 0; v < NV; ++v) {
-      qv[g][v] = _mm512_mul_ps(_mm512_loadu_ps(q + g * NV * 16 + v * 16), _mm512_set1_ps(scale));
-      acc[g][v] = _mm512_setzero_ps();
+      qv[g][v] = mul(loadu(q + g * NV * 16 + v * 16), set1(scale));
+      acc[g][v] = zero();
     }
     m[g] = -std::numeric_limits<float>::infinity();
     l[g] = 0.0f;
@@ -80,6 +81,7 @@ void attend(const float* q, const float* k_cache, const float* v_cache, const in
     const float* next_v = more ? v_cache + blocks[b + 1] * block_stride : nullptr;
     for (int64_t t = 0; t < n; ++t) {
       if (more) {
+        PAGELLM_UNROLL
         for (int v = 0; v < NV; ++v) {
           _mm_prefetch(reinterpret_cast<const char*>(next_k + t * token_stride + v * 16),
                        _MM_HINT_T0);
@@ -88,14 +90,18 @@ void attend(const float* q, const float* k_cache, const float* v_cache, const in
         }
       }
       const float* k = kb + t * token_stride;
-      __m512 kv[NV];
-      for (int v = 0; v < NV; ++v) kv[v] = _mm512_loadu_ps(k + v * 16);
+      vf kv[NV];
+      PAGELLM_UNROLL
+      for (int v = 0; v < NV; ++v) kv[v] = loadu(k + v * 16);
+      PAGELLM_UNROLL
       for (int g = 0; g < G; ++g) {
-        __m512 dot = _mm512_mul_ps(qv[g][0], kv[0]);
-        for (int v = 1; v < NV; ++v) dot = _mm512_fmadd_ps(qv[g][v], kv[v], dot);
-        s[g][t] = _mm512_reduce_add_ps(dot);
+        vf dot = mul(qv[g][0], kv[0]);
+        PAGELLM_UNROLL
+        for (int v = 1; v < NV; ++v) dot = fmadd(qv[g][v], kv[v], dot);
+        s[g][t] = reduce_add(dot);
       }
     }
+    PAGELLM_UNROLL
     for (int g = 0; g < G; ++g) {
       float block_max = s[g][0];
       for (int64_t t = 1; t < n; ++t) block_max = std::max(block_max, s[g][t]);
@@ -104,32 +110,36 @@ void attend(const float* q, const float* k_cache, const float* v_cache, const in
       m[g] = new_m;
       float sum = 0.0f;
       for (int64_t t0 = 0; t0 < n; t0 += 16) {
-        const __mmask16 valid = n - t0 >= 16 ? 0xFFFF : (1u << (n - t0)) - 1;
-        const __m512 e = exp16(_mm512_sub_ps(
-            _mm512_maskz_loadu_ps(valid, s[g] + t0), _mm512_set1_ps(new_m)));
-        const __m512 p = _mm512_maskz_mov_ps(valid, e);
-        _mm512_storeu_ps(s[g] + t0, p);
-        sum += _mm512_reduce_add_ps(p);
+        const int valid = static_cast<int>(std::min<int64_t>(16, n - t0));
+        const vf e = exp16(sub(loadu_first(s[g] + t0, valid), set1(new_m)));
+        const vf p = keep(first_lanes(valid), e);
+        storeu(s[g] + t0, p);
+        sum += reduce_add(p);
       }
       l[g] = l[g] * correction + sum;
-      const __m512 c = _mm512_set1_ps(correction);
-      for (int v = 0; v < NV; ++v) acc[g][v] = _mm512_mul_ps(acc[g][v], c);
+      const vf c = set1(correction);
+      PAGELLM_UNROLL
+      for (int v = 0; v < NV; ++v) acc[g][v] = mul(acc[g][v], c);
     }
     for (int64_t t = 0; t < n; ++t) {
       const float* vt = vb + t * token_stride;
+      PAGELLM_UNROLL
       for (int v = 0; v < NV; ++v) {
-        const __m512 val = _mm512_loadu_ps(vt + v * 16);
+        const vf val = loadu(vt + v * 16);
+        PAGELLM_UNROLL
         for (int g = 0; g < G; ++g) {
-          acc[g][v] = _mm512_fmadd_ps(_mm512_set1_ps(s[g][t]), val, acc[g][v]);
+          acc[g][v] = fmadd(set1(s[g][t]), val, acc[g][v]);
         }
       }
     }
   }
+  PAGELLM_UNROLL
   for (int g = 0; g < G; ++g) {
     if (prior_lse == nullptr) {
-      const __m512 inv = _mm512_set1_ps(1.0f / l[g]);
+      const vf inv = set1(1.0f / l[g]);
+      PAGELLM_UNROLL
       for (int v = 0; v < NV; ++v) {
-        _mm512_storeu_ps(out + g * NV * 16 + v * 16, _mm512_mul_ps(acc[g][v], inv));
+        storeu(out + g * NV * 16 + v * 16, mul(acc[g][v], inv));
       }
       lse[g] = m[g] + std::log(l[g]);
       continue;
@@ -138,11 +148,12 @@ void attend(const float* q, const float* k_cache, const float* v_cache, const in
     const float top = std::max(m[g], prior_lse[g]);
     const float own_w = std::exp(m[g] - top), prior_w = std::exp(prior_lse[g] - top);
     const float total = l[g] * own_w + prior_w;
-    const __m512 a = _mm512_set1_ps(own_w / total), b = _mm512_set1_ps(prior_w / total);
+    const vf a = set1(own_w / total), b = set1(prior_w / total);
+    PAGELLM_UNROLL
     for (int v = 0; v < NV; ++v) {
-      const __m512 prior = _mm512_loadu_ps(prior_out + g * NV * 16 + v * 16);
-      _mm512_storeu_ps(out + g * NV * 16 + v * 16,
-                       _mm512_fmadd_ps(acc[g][v], a, _mm512_mul_ps(prior, b)));
+      const vf prior = loadu(prior_out + g * NV * 16 + v * 16);
+      storeu(out + g * NV * 16 + v * 16,
+                       fmadd(acc[g][v], a, mul(prior, b)));
     }
     lse[g] = top + std::log(total);
   }
@@ -256,8 +267,12 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention(
 // each row vector with vertical max and sum; then the output takes 6 rows (3 for 128
 // dims) x the whole head per pass, each value row loaded once for all of them. The
 // softmax is rescaled once per chunk of 48 keys.
+// With AVX2's 16 registers of 8 lanes, the passes are smaller: 3 keys x 2 row vectors of
+// scores, and 3 rows x 32 dims of output, 12 registers each.
 constexpr int kKeyChunk = 48;
-constexpr int kKeysPerPass = 6;
+constexpr int kKeysPerPass = kWideRegisters ? 6 : 3;
+constexpr int kScoreVecs = kWideRegisters ? 4 : 2;  // row vectors per score pass
+constexpr int kPvVecs = kWideRegisters ? 8 : 2;     // output vectors of a row per pass
 constexpr int64_t kPrefixRowTile = 64;
 constexpr int64_t kMinPrefixTasks = 4;  // see paged_prefix_attention
 
@@ -267,6 +282,39 @@ constexpr int64_t kMinPrefixTasks = 4;  // see paged_prefix_attention
 struct RowLayout {
   int64_t group, q_stride, out_stride;
 };
+
+// Scores of kKeysPerPass keys (rows `keys`) against C row vectors from vector r0 of the
+// d-major queries `qt`, stored key-major at `st` (a key's W rows); `top` gathers each row
+// vector's largest score when the whole pass is visible.
+template <int D, int W, int C>
+inline void score_pass(const float* qt, const float* const* keys, int r0, float* st,
+                       bool whole, vf* top) {
+  vf s[kKeysPerPass][C];
+  PAGELLM_UNROLL
+  for (int j = 0; j < kKeysPerPass; ++j) {
+    PAGELLM_UNROLL
+    for (int r = 0; r < C; ++r) s[j][r] = zero();
+  }
+  for (int d = 0; d < D; ++d) {
+    vf qv[C];
+    PAGELLM_UNROLL
+    for (int r = 0; r < C; ++r) qv[r] = load(qt + d * W + (r0 + r) * 16);
+    PAGELLM_UNROLL
+    for (int j = 0; j < kKeysPerPass; ++j) {
+      const vf k = set1(keys[j][d]);
+      PAGELLM_UNROLL
+      for (int r = 0; r < C; ++r) s[j][r] = fmadd(k, qv[r], s[j][r]);
+    }
+  }
+  PAGELLM_UNROLL
+  for (int j = 0; j < kKeysPerPass; ++j) {
+    PAGELLM_UNROLL
+    for (int r = 0; r < C; ++r) {
+      store(st + j * W + (r0 + r) * 16, s[j][r]);
+      if (whole) top[r0 + r] = max(top[r0 + r], s[j][r]);
+    }
+  }
+}
 
 // One (kv head, tile of at most RV * 16 query rows, from row `first`) against the
 // prefix's keys; `limits`, when given, holds each row's number of visible keys
@@ -278,7 +326,8 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
                    int64_t token_stride, const int64_t* limits, float* out, float* lse) {
   constexpr int D = NV * 16;
   constexpr int W = RV * 16;                   // rows, padded to whole vectors
-  constexpr int kPvRows = NV == 4 ? 6 : 3;     // output rows per pass: 24 accumulators
+  constexpr int kPvDims = std::min(NV, kPvVecs);
+  constexpr int kPvRows = kWideRegisters ? 24 / NV : 3;  // output rows per pass
   alignas(64) float qt[D * W];                 // scaled queries, d-major: qt[d * W + row]
   alignas(64) float st[kKeyChunk * W + kPvRows];  // scores, then probabilities: [key][row]
   alignas(64) float acc[(W + kPvRows) * D];    // unnormalised outputs
@@ -328,7 +377,7 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
   const float* vp[kKeyChunk];
   const float* next_kp[kKeyChunk];
   const float* next_vp[kKeyChunk];
-  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const vf neg_inf = set1(-std::numeric_limits<float>::infinity());
   if (end > 0) locate(0, static_cast<int>(std::min<int64_t>(kKeyChunk, end)), next_kp, next_vp);
   for (int64_t start = 0; start < end; start += kKeyChunk) {
     const int n = static_cast<int>(std::min<int64_t>(kKeyChunk, end - start));
@@ -352,92 +401,89 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
     // Rows' limits ascend: when the first row sees the whole chunk, every row does, and
     // the softmax needs no masks; its maximum is then taken from the score registers.
     const bool whole = start + n <= lim[0];
-    __m512 top[RV];
+    vf top[RV];
+    PAGELLM_UNROLL
     for (int r = 0; r < RV; ++r) top[r] = neg_inf;
     for (int t0 = 0; t0 < n; t0 += kKeysPerPass) {
-      __m512 s[kKeysPerPass][RV];
-      for (int j = 0; j < kKeysPerPass; ++j) {
-        for (int r = 0; r < RV; ++r) s[j][r] = _mm512_setzero_ps();
+      int r0 = 0;
+      for (; r0 + kScoreVecs <= RV; r0 += kScoreVecs) {
+        score_pass<D, W, kScoreVecs>(qt, kp + t0, r0, st + t0 * W, whole, top);
       }
-      for (int d = 0; d < D; ++d) {
-        __m512 qv[RV];
-        for (int r = 0; r < RV; ++r) qv[r] = _mm512_load_ps(qt + d * W + r * 16);
-        for (int j = 0; j < kKeysPerPass; ++j) {
-          const __m512 k = _mm512_set1_ps(kp[t0 + j][d]);
-          for (int r = 0; r < RV; ++r) s[j][r] = _mm512_fmadd_ps(k, qv[r], s[j][r]);
-        }
-      }
-      for (int j = 0; j < kKeysPerPass; ++j) {
-        for (int r = 0; r < RV; ++r) {
-          _mm512_store_ps(st + (t0 + j) * W + r * 16, s[j][r]);
-          if (whole) top[r] = _mm512_max_ps(top[r], s[j][r]);
-        }
+      if constexpr (RV % kScoreVecs != 0) {
+        score_pass<D, W, RV % kScoreVecs>(qt, kp + t0, r0, st + t0 * W, whole, top);
       }
     }
     for (int r = 0; r < RV; ++r) {
       // Key start + t is visible to a row while start + t < its limit.
-      const __m512i visible = _mm512_sub_epi32(_mm512_load_si512(lim + r * 16),
-                                               _mm512_set1_epi32(static_cast<int32_t>(start)));
+      const vi visible = sub_i(load_i(lim + r * 16), set1_i(static_cast<int32_t>(start)));
       if (!whole) {
         for (int t = 0; t < n; ++t) {
-          const __mmask16 mask = _mm512_cmpgt_epi32_mask(visible, _mm512_set1_epi32(t));
-          top[r] = _mm512_max_ps(top[r], _mm512_mask_load_ps(neg_inf, mask, st + t * W + r * 16));
+          const vmask mask = gt_i(visible, set1_i(t));
+          top[r] = max(top[r], select(mask, load(st + t * W + r * 16), neg_inf));
         }
       }
-      const __m512 old_m = _mm512_load_ps(m + r * 16);
-      const __m512 new_m = _mm512_max_ps(old_m, top[r]);
+      const vf old_m = load(m + r * 16);
+      const vf new_m = max(old_m, top[r]);
       // A row with nothing visible yet keeps m = -inf; shifting it by 0 keeps exp at 0.
-      const __m512 shift = _mm512_mask_mov_ps(new_m, _mm512_cmp_ps_mask(new_m, neg_inf, _CMP_EQ_OQ),
-                                              _mm512_setzero_ps());
-      const __m512 c = exp16(_mm512_sub_ps(old_m, shift));
-      __m512 sum = _mm512_setzero_ps();
+      const vf shift = select(eq(new_m, neg_inf), zero(), new_m);
+      const vf c = exp16(sub(old_m, shift));
+      vf sum = zero();
       if (whole) {
         for (int t = 0; t < n; ++t) {
           float* p = st + t * W + r * 16;
-          const __m512 e = exp16(_mm512_sub_ps(_mm512_load_ps(p), shift));
-          _mm512_store_ps(p, e);
-          sum = _mm512_add_ps(sum, e);
+          const vf e = exp16(sub(load(p), shift));
+          store(p, e);
+          sum = add(sum, e);
         }
       } else {
         for (int t = 0; t < n; ++t) {
-          const __mmask16 mask = _mm512_cmpgt_epi32_mask(visible, _mm512_set1_epi32(t));
+          const vmask mask = gt_i(visible, set1_i(t));
           float* p = st + t * W + r * 16;
-          const __m512 e = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(_mm512_load_ps(p), shift)));
-          _mm512_store_ps(p, e);
-          sum = _mm512_add_ps(sum, e);
+          const vf e = keep(mask, exp16(sub(load(p), shift)));
+          store(p, e);
+          sum = add(sum, e);
         }
       }
-      _mm512_store_ps(m + r * 16, new_m);
-      _mm512_store_ps(l + r * 16, _mm512_fmadd_ps(_mm512_load_ps(l + r * 16), c, sum));
-      _mm512_store_ps(corr + r * 16, c);
+      store(m + r * 16, new_m);
+      store(l + r * 16, fmadd(load(l + r * 16), c, sum));
+      store(corr + r * 16, c);
     }
     for (int64_t r0 = 0; r0 < rows; r0 += kPvRows) {
-      __m512 o[kPvRows][NV];
-      for (int i = 0; i < kPvRows; ++i) {
-        const __m512 c = _mm512_set1_ps(corr[r0 + i]);
-        for (int v = 0; v < NV; ++v) {
-          o[i][v] = _mm512_mul_ps(_mm512_load_ps(acc + (r0 + i) * D + v * 16), c);
-        }
-      }
-      for (int t = 0; t < n; ++t) {
-        __m512 val[NV];
-        for (int v = 0; v < NV; ++v) val[v] = _mm512_loadu_ps(vp[t] + v * 16);
-        const float* p = st + t * W + r0;
+      for (int d0 = 0; d0 < D; d0 += kPvDims * 16) {
+        vf o[kPvRows][kPvDims];
+        PAGELLM_UNROLL
         for (int i = 0; i < kPvRows; ++i) {
-          const __m512 pt = _mm512_set1_ps(p[i]);
-          for (int v = 0; v < NV; ++v) o[i][v] = _mm512_fmadd_ps(pt, val[v], o[i][v]);
+          const vf c = set1(corr[r0 + i]);
+          PAGELLM_UNROLL
+          for (int v = 0; v < kPvDims; ++v) {
+            o[i][v] = mul(load(acc + (r0 + i) * D + d0 + v * 16), c);
+          }
         }
-      }
-      for (int i = 0; i < kPvRows; ++i) {
-        for (int v = 0; v < NV; ++v) _mm512_store_ps(acc + (r0 + i) * D + v * 16, o[i][v]);
+        for (int t = 0; t < n; ++t) {
+          vf val[kPvDims];
+          PAGELLM_UNROLL
+          for (int v = 0; v < kPvDims; ++v) val[v] = loadu(vp[t] + d0 + v * 16);
+          const float* p = st + t * W + r0;
+          PAGELLM_UNROLL
+          for (int i = 0; i < kPvRows; ++i) {
+            const vf pt = set1(p[i]);
+            PAGELLM_UNROLL
+            for (int v = 0; v < kPvDims; ++v) o[i][v] = fmadd(pt, val[v], o[i][v]);
+          }
+        }
+        PAGELLM_UNROLL
+        for (int i = 0; i < kPvRows; ++i) {
+          PAGELLM_UNROLL
+          for (int v = 0; v < kPvDims; ++v) store(acc + (r0 + i) * D + d0 + v * 16, o[i][v]);
+        }
       }
     }
   }
   for (int64_t row = 0; row < rows; ++row) {
-    const __m512 inv = _mm512_set1_ps(1.0f / l[row]);
+    const vf inv = set1(1.0f / l[row]);
+    PAGELLM_UNROLL
     for (int v = 0; v < NV; ++v) {
-      _mm512_storeu_ps(out + out_at[row] + v * 16,
-                       _mm512_mul_ps(_mm512_load_ps(acc + row * D + v * 16), inv));
+      storeu(out + out_at[row] + v * 16, mul(load(acc + row * D + v * 16), inv));
     }
     lse[row] = m[row] + std::log(l[row]);
   }
@@ -557,12 +603,12 @@ std::tuple<at::Tensor, at::Tensor> paged_prefix_attention(
         total += w[s];
       }
       for (int64_t d0 = 0; d0 < dim; d0 += 16) {
-        __m512 acc = _mm512_setzero_ps();
+        vf acc = zero();
         for (int64_t s = 0; s < splits; ++s) {
-          acc = _mm512_fmadd_ps(_mm512_set1_ps(w[s] / total),
-                                _mm512_loadu_ps(pop + (s * part_stride + row) * dim + d0), acc);
+          acc = fmadd(set1(w[s] / total),
+                                loadu(pop + (s * part_stride + row) * dim + d0), acc);
         }
-        _mm512_storeu_ps(op + row * dim + d0, acc);
+        storeu(op + row * dim + d0, acc);
       }
       lp[row] = top + std::log(total);
     }

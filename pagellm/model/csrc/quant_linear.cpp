@@ -22,49 +22,48 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
-
 #include "vec_math.h"
 
+#include <array>
 #include <new>
-
-#if !defined(__AVX512F__) || !defined(__AVX512BW__)
-#error "the quantized matmul kernels need AVX-512 (F and BW)"
-#endif
+#include <utility>
 
 namespace {
 
+using namespace pagellm_kernels::simd;
 using pagellm_kernels::silu_mul16;
 
 constexpr int64_t kLanes = 16;
 constexpr int64_t kBlock = 32;
-constexpr int64_t kMaxRows = 8;  // rows whose accumulators stay in registers per pass
+// Rows whose accumulators stay in registers per pass (two vectors a row).
+constexpr int64_t kMaxRows = kWideRegisters ? 8 : 2;
 
 struct Q4_1 {
   static constexpr int64_t kCodeBytes = kLanes * kLanes;
 
   // The 16 lanes' weights of inputs j (low nibbles) and j + 16 (high nibbles).
-  static void weights(__m512 d, __m512 m, const uint8_t* q, int j, __m512& lo, __m512& hi) {
-    const __m512i v = _mm512_cvtepu8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * kLanes)));
-    lo = _mm512_add_ps(
-        _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF)))), m);
-    hi = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4))), m);
+  static void weights(vf d, vf m, const uint8_t* q, int j, vf& lo, vf& hi) {
+    vf low_codes, high_codes;
+    from_nibbles(q + j * kLanes, low_codes, high_codes);
+    lo = add(mul(d, low_codes), m);
+    hi = add(mul(d, high_codes), m);
   }
 
   // Inputs j and j + 16 go to separate accumulators: twice the independent FMA chains
   // (one row alone would otherwise wait on each FMA's latency) and shorter sums.
   template <int R>
   static void block(const float* xb, int64_t ldx, const float* scales, const float* mins,
-                    const uint8_t* q, __m512* acc_a, __m512* acc_b) {
-    const __m512 d = _mm512_loadu_ps(scales);
-    const __m512 m = _mm512_loadu_ps(mins);
+                    const uint8_t* q, vf* acc_a, vf* acc_b) {
+    const vf d = loadu(scales);
+    const vf m = loadu(mins);
+    PAGELLM_UNROLL
     for (int j = 0; j < 16; ++j) {
-      __m512 w_lo, w_hi;
+      vf w_lo, w_hi;
       weights(d, m, q, j, w_lo, w_hi);
+      PAGELLM_UNROLL
       for (int r = 0; r < R; ++r) {
-        acc_a[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + j]), w_lo, acc_a[r]);
-        acc_b[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + j + 16]), w_hi, acc_b[r]);
+        acc_a[r] = fmadd(set1(xb[r * ldx + j]), w_lo, acc_a[r]);
+        acc_b[r] = fmadd(set1(xb[r * ldx + j + 16]), w_hi, acc_b[r]);
       }
     }
   }
@@ -72,13 +71,14 @@ struct Q4_1 {
   // The block's 32 x 16 weights as float32, input-major with row stride `ld`.
   static void unpack(const float* scales, const float* mins, const uint8_t* q, float* w,
                      int64_t ld) {
-    const __m512 d = _mm512_loadu_ps(scales);
-    const __m512 m = _mm512_loadu_ps(mins);
+    const vf d = loadu(scales);
+    const vf m = loadu(mins);
+    PAGELLM_UNROLL
     for (int j = 0; j < 16; ++j) {
-      __m512 lo, hi;
+      vf lo, hi;
       weights(d, m, q, j, lo, hi);
-      _mm512_store_ps(w + j * ld, lo);
-      _mm512_store_ps(w + (j + 16) * ld, hi);
+      store(w + j * ld, lo);
+      store(w + (j + 16) * ld, hi);
     }
   }
 };
@@ -87,30 +87,32 @@ struct Q8_0 {
   static constexpr int64_t kCodeBytes = kBlock * kLanes;
 
   // The 16 lanes' weights of input j.
-  static __m512 weight(__m512 d, const uint8_t* q, int j) {
-    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * kLanes)))));
+  static vf weight(vf d, const uint8_t* q, int j) {
+    return mul(d, from_i8(reinterpret_cast<const int8_t*>(q + j * kLanes)));
   }
 
   // Even and odd inputs go to separate accumulators (see Q4_1).
   template <int R>
   static void block(const float* xb, int64_t ldx, const float* scales, const float*,
-                    const uint8_t* q, __m512* acc_a, __m512* acc_b) {
-    const __m512 d = _mm512_loadu_ps(scales);
+                    const uint8_t* q, vf* acc_a, vf* acc_b) {
+    const vf d = loadu(scales);
+    PAGELLM_UNROLL
     for (int j = 0; j < 32; j += 2) {
-      const __m512 w0 = weight(d, q, j);
-      const __m512 w1 = weight(d, q, j + 1);
+      const vf w0 = weight(d, q, j);
+      const vf w1 = weight(d, q, j + 1);
+      PAGELLM_UNROLL
       for (int r = 0; r < R; ++r) {
-        acc_a[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + j]), w0, acc_a[r]);
-        acc_b[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + j + 1]), w1, acc_b[r]);
+        acc_a[r] = fmadd(set1(xb[r * ldx + j]), w0, acc_a[r]);
+        acc_b[r] = fmadd(set1(xb[r * ldx + j + 1]), w1, acc_b[r]);
       }
     }
   }
 
   static void unpack(const float* scales, const float*, const uint8_t* q, float* w,
                      int64_t ld) {
-    const __m512 d = _mm512_loadu_ps(scales);
-    for (int j = 0; j < 32; ++j) _mm512_store_ps(w + j * ld, weight(d, q, j));
+    const vf d = loadu(scales);
+    PAGELLM_UNROLL
+    for (int j = 0; j < 32; ++j) store(w + j * ld, weight(d, q, j));
   }
 };
 
@@ -118,23 +120,28 @@ struct Q8_0 {
 template <class Format, int R>
 void tile(const float* x, int64_t ldx, int64_t blocks, const float* scales,
           const float* mins, const uint8_t* codes, float* y, int64_t ldy) {
-  __m512 acc_a[R], acc_b[R];
-  for (int r = 0; r < R; ++r) acc_a[r] = acc_b[r] = _mm512_setzero_ps();
+  vf acc_a[R], acc_b[R];
+  PAGELLM_UNROLL
+  for (int r = 0; r < R; ++r) acc_a[r] = acc_b[r] = zero();
   for (int64_t b = 0; b < blocks; ++b) {
     Format::template block<R>(x + b * kBlock, ldx, scales + b * kLanes,
                               mins == nullptr ? nullptr : mins + b * kLanes,
                               codes + b * Format::kCodeBytes, acc_a, acc_b);
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, _mm512_add_ps(acc_a[r], acc_b[r]));
+  PAGELLM_UNROLL
+  for (int r = 0; r < R; ++r) storeu(y + r * ldy, add(acc_a[r], acc_b[r]));
 }
 
 using TileFn = void (*)(const float*, int64_t, int64_t, const float*, const float*,
                         const uint8_t*, float*, int64_t);
 
+template <class Format, std::size_t... R>
+constexpr std::array<TileFn, sizeof...(R)> tile_table(std::index_sequence<R...>) {
+  return {tile<Format, R + 1>...};
+}
+
 template <class Format>
-constexpr TileFn kTiles[kMaxRows] = {tile<Format, 1>, tile<Format, 2>, tile<Format, 3>,
-                                     tile<Format, 4>, tile<Format, 5>, tile<Format, 6>,
-                                     tile<Format, 7>, tile<Format, 8>};
+constexpr auto kTiles = tile_table<Format>(std::make_index_sequence<kMaxRows>());
 
 // More than kPanelFrom rows: a panel of kPanel tiles is unpacked once into float32
 // (input-major, kPanel * 16 lanes per input) and every row streams it, kPanelRows rows x
@@ -145,7 +152,8 @@ constexpr TileFn kTiles[kMaxRows] = {tile<Format, 1>, tile<Format, 2>, tile<Form
 // 14.3 ms; and against oneDNN's float32 GEMM: 32 rows 26.5 -> 18.2 ms, 128 rows 70.1 ->
 // 64.6 ms, 512 rows 268 -> 264 ms (oneDNN ahead from 1,024 rows: 510 vs 526 ms).
 constexpr int64_t kPanel = 2;
-constexpr int kPanelRows = 12;  // 12 rows x 2 vectors: 24 accumulators
+// Rows per pass, two vectors each: 24 accumulators (AVX-512), or 12 registers of 8 lanes.
+constexpr int kPanelRows = kWideRegisters ? 12 : 3;
 constexpr int64_t kRowBlock = 512;  // rows per sweep over the panels (see quantized_linear)
 constexpr int64_t kPanelFrom = 8;
 
@@ -190,35 +198,45 @@ template <int R>
 void panel_rows(const float* x, int64_t ldx, int64_t in, const float* w, float* y,
                 int64_t ldy, const Prefetch* prefetch, bool gated) {
   constexpr int64_t kWidth = kPanel * kLanes;
-  __m512 acc[R][kPanel];
+  vf acc[R][kPanel];
+  PAGELLM_UNROLL
   for (int r = 0; r < R; ++r) {
-    for (int p = 0; p < kPanel; ++p) acc[r][p] = _mm512_setzero_ps();
+    PAGELLM_UNROLL
+    for (int p = 0; p < kPanel; ++p) acc[r][p] = zero();
   }
   for (int64_t k = 0; k < in; ++k) {
     if (prefetch != nullptr) prefetch->line(k);
-    __m512 wv[kPanel];
-    for (int p = 0; p < kPanel; ++p) wv[p] = _mm512_load_ps(w + k * kWidth + p * kLanes);
+    vf wv[kPanel];
+    PAGELLM_UNROLL
+    for (int p = 0; p < kPanel; ++p) wv[p] = load(w + k * kWidth + p * kLanes);
+    PAGELLM_UNROLL
     for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
-      for (int p = 0; p < kPanel; ++p) acc[r][p] = _mm512_fmadd_ps(xv, wv[p], acc[r][p]);
+      const vf xv = set1(x[r * ldx + k]);
+      PAGELLM_UNROLL
+      for (int p = 0; p < kPanel; ++p) acc[r][p] = fmadd(xv, wv[p], acc[r][p]);
     }
   }
   static_assert(kPanel == 2, "a gated panel is one (gate, up) pair of tiles");
+  PAGELLM_UNROLL
   for (int r = 0; r < R; ++r) {
     if (gated) {
-      _mm512_storeu_ps(y + r * ldy, silu_mul16(acc[r][0], acc[r][1]));
+      storeu(y + r * ldy, silu_mul16(acc[r][0], acc[r][1]));
       continue;
     }
-    for (int p = 0; p < kPanel; ++p) _mm512_storeu_ps(y + r * ldy + p * kLanes, acc[r][p]);
+    PAGELLM_UNROLL
+    for (int p = 0; p < kPanel; ++p) storeu(y + r * ldy + p * kLanes, acc[r][p]);
   }
 }
 
 using PanelFn = void (*)(const float*, int64_t, int64_t, const float*, float*, int64_t,
                         const Prefetch*, bool);
 
-constexpr PanelFn kPanelRowFns[kPanelRows] = {
-    panel_rows<1>, panel_rows<2>, panel_rows<3>, panel_rows<4>,  panel_rows<5>,  panel_rows<6>,
-    panel_rows<7>, panel_rows<8>, panel_rows<9>, panel_rows<10>, panel_rows<11>, panel_rows<12>};
+template <std::size_t... R>
+constexpr std::array<PanelFn, sizeof...(R)> panel_table(std::index_sequence<R...>) {
+  return {panel_rows<R + 1>...};
+}
+
+constexpr auto kPanelRowFns = panel_table(std::make_index_sequence<kPanelRows>());
 
 template <class Format>
 void panel(const float* x, int64_t rows, int64_t in, int64_t blocks, const float* scales,
@@ -316,8 +334,8 @@ at::Tensor quantized_linear(const char* name, const at::Tensor& x, const at::Ten
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t i = 0; i < width / kLanes; ++i) {
         const float* pair = fp + r * out + i * 2 * kLanes;
-        _mm512_storeu_ps(yp + r * width + i * kLanes,
-                         silu_mul16(_mm512_loadu_ps(pair), _mm512_loadu_ps(pair + kLanes)));
+        storeu(yp + r * width + i * kLanes,
+                         silu_mul16(loadu(pair), loadu(pair + kLanes)));
       }
     }
   }

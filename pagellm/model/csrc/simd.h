@@ -1,0 +1,242 @@
+// 16 float32 lanes for the kernels, on AVX-512 (one register) or on AVX2 with FMA (two).
+//
+// Why one type for both: the kernels are written once, in 16-lane vectors (a weight tile's
+// 16 output rows, a head's 64 dims as 4 vectors), and the compiler picks the instruction
+// set the machine has (-march=native). AVX2 machines are common (most AMD EPYC guests
+// expose no AVX-512); on them a kernel's register tiles must be smaller, since AVX2 has
+// 16 registers of 8 lanes where AVX-512 has 32 of 16: `kWideRegisters` says which, and
+// each kernel sizes its tiles by it.
+//
+// Masks select lanes: `gt`, `eq`, `is_nan` make them, `select` and `keep` use them, and
+// `bits` gives lane i as bit i.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+// Before a loop over a register tile (a constant trip count): unrolled early, so that
+// GCC keeps the tile's vectors in registers. Without it, the two-register vectors of AVX2
+// were spilled to the stack on every step of a matmul's inner loop.
+#define PAGELLM_UNROLL _Pragma("GCC unroll 16")
+
+namespace pagellm_kernels::simd {
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+
+constexpr bool kWideRegisters = true;
+
+using vf = __m512;
+using vi = __m512i;
+using vmask = __mmask16;
+
+inline vf zero() { return _mm512_setzero_ps(); }
+inline vf set1(float x) { return _mm512_set1_ps(x); }
+inline vf loadu(const float* p) { return _mm512_loadu_ps(p); }
+inline vf load(const float* p) { return _mm512_load_ps(p); }  // 64-byte aligned
+inline void storeu(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline void store(float* p, vf v) { _mm512_store_ps(p, v); }  // 64-byte aligned
+
+inline vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf div(vf a, vf b) { return _mm512_div_ps(a, b); }
+inline vf fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }    // a * b + c
+inline vf fnmadd(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
+inline vf max(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf min(vf a, vf b) { return _mm512_min_ps(a, b); }
+inline float reduce_add(vf v) { return _mm512_reduce_add_ps(v); }
+inline float reduce_max(vf v) { return _mm512_reduce_max_ps(v); }
+inline vf round_nearest(vf v) {
+  return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+// p * 2^n for whole numbers n in [-252, 252], rounded once.
+inline vf scale_pow2(vf p, vf n) { return _mm512_scalef_ps(p, n); }
+
+inline vmask gt(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+inline vmask eq(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+inline vmask is_nan(vf v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q); }
+inline vf select(vmask m, vf if_set, vf if_clear) { return _mm512_mask_mov_ps(if_clear, m, if_set); }
+inline vf keep(vmask m, vf v) { return _mm512_maskz_mov_ps(m, v); }  // zero where clear
+inline unsigned bits(vmask m) { return m; }
+// Lanes 0 .. n - 1 (n in [0, 16]).
+inline vmask first_lanes(int n) { return n >= 16 ? 0xFFFF : (1u << n) - 1; }
+// The first n floats at p, zeros after them; nothing past p + n is read.
+inline vf loadu_first(const float* p, int n) { return _mm512_maskz_loadu_ps(first_lanes(n), p); }
+
+inline vi set1_i(int32_t x) { return _mm512_set1_epi32(x); }
+inline vi load_i(const int32_t* p) { return _mm512_load_si512(p); }  // 64-byte aligned
+inline vi iota_i() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+inline vi add_i(vi a, vi b) { return _mm512_add_epi32(a, b); }
+inline vi sub_i(vi a, vi b) { return _mm512_sub_epi32(a, b); }
+inline vmask gt_i(vi a, vi b) { return _mm512_cmpgt_epi32_mask(a, b); }
+inline vi select_i(vmask m, vi if_set, vi if_clear) {
+  return _mm512_mask_mov_epi32(if_clear, m, if_set);
+}
+inline int32_t reduce_min_i(vmask m, vi v) { return _mm512_mask_reduce_min_epi32(m, v); }
+
+// 16 int8 codes as floats.
+inline vf from_i8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+// 16 bytes' low nibbles and high nibbles as floats.
+inline void from_nibbles(const uint8_t* p, vf& lo, vf& hi) {
+  const __m512i v =
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF)));
+  hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+
+constexpr bool kWideRegisters = false;
+
+struct vf {
+  __m256 lo, hi;
+};
+struct vi {
+  __m256i lo, hi;
+};
+struct vmask {
+  __m256 lo, hi;  // all ones where set
+};
+
+inline vf zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline vf set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline vf loadu(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline vf load(const float* p) { return {_mm256_load_ps(p), _mm256_load_ps(p + 8)}; }
+inline void storeu(float* p, vf v) {
+  _mm256_storeu_ps(p, v.lo);
+  _mm256_storeu_ps(p + 8, v.hi);
+}
+inline void store(float* p, vf v) {
+  _mm256_store_ps(p, v.lo);
+  _mm256_store_ps(p + 8, v.hi);
+}
+
+inline vf add(vf a, vf b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline vf sub(vf a, vf b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline vf mul(vf a, vf b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline vf div(vf a, vf b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+inline vf fmadd(vf a, vf b, vf c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline vf fnmadd(vf a, vf b, vf c) {
+  return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline vf max(vf a, vf b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline vf min(vf a, vf b) { return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
+inline float reduce_add(vf v) {
+  const __m256 s = _mm256_add_ps(v.lo, v.hi);
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+inline float reduce_max(vf v) {
+  const __m256 s = _mm256_max_ps(v.lo, v.hi);
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_max_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+inline vf round_nearest(vf v) {
+  constexpr int kMode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return {_mm256_round_ps(v.lo, kMode), _mm256_round_ps(v.hi, kMode)};
+}
+// p * 2^n for whole numbers n in [-252, 252], rounded once: n is split into two halves
+// whose powers of two are normal floats, and p * 2^(first half) is exact for the p that
+// exp() gives (near 1), so only the second product rounds.
+inline __m256 scale_pow2_8(__m256 p, __m256 n) {
+  const __m256i whole = _mm256_cvtps_epi32(n);
+  const __m256i first = _mm256_srai_epi32(whole, 1);
+  const __m256i second = _mm256_sub_epi32(whole, first);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(first, bias), 23));
+  const __m256 b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(second, bias), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(p, a), b);
+}
+inline vf scale_pow2(vf p, vf n) { return {scale_pow2_8(p.lo, n.lo), scale_pow2_8(p.hi, n.hi)}; }
+
+inline vmask gt(vf a, vf b) {
+  return {_mm256_cmp_ps(a.lo, b.lo, _CMP_GT_OQ), _mm256_cmp_ps(a.hi, b.hi, _CMP_GT_OQ)};
+}
+inline vmask eq(vf a, vf b) {
+  return {_mm256_cmp_ps(a.lo, b.lo, _CMP_EQ_OQ), _mm256_cmp_ps(a.hi, b.hi, _CMP_EQ_OQ)};
+}
+inline vmask is_nan(vf v) {
+  return {_mm256_cmp_ps(v.lo, v.lo, _CMP_UNORD_Q), _mm256_cmp_ps(v.hi, v.hi, _CMP_UNORD_Q)};
+}
+inline vf select(vmask m, vf if_set, vf if_clear) {
+  return {_mm256_blendv_ps(if_clear.lo, if_set.lo, m.lo),
+          _mm256_blendv_ps(if_clear.hi, if_set.hi, m.hi)};
+}
+inline vf keep(vmask m, vf v) { return {_mm256_and_ps(m.lo, v.lo), _mm256_and_ps(m.hi, v.hi)}; }
+inline unsigned bits(vmask m) {
+  return static_cast<unsigned>(_mm256_movemask_ps(m.lo)) |
+         static_cast<unsigned>(_mm256_movemask_ps(m.hi)) << 8;
+}
+
+inline vi set1_i(int32_t x) { return {_mm256_set1_epi32(x), _mm256_set1_epi32(x)}; }
+inline vi load_i(const int32_t* p) {
+  return {_mm256_load_si256(reinterpret_cast<const __m256i*>(p)),
+          _mm256_load_si256(reinterpret_cast<const __m256i*>(p + 8))};
+}
+inline vi iota_i() {
+  return {_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15)};
+}
+inline vi add_i(vi a, vi b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
+inline vi sub_i(vi a, vi b) { return {_mm256_sub_epi32(a.lo, b.lo), _mm256_sub_epi32(a.hi, b.hi)}; }
+inline vmask gt_i(vi a, vi b) {
+  return {_mm256_castsi256_ps(_mm256_cmpgt_epi32(a.lo, b.lo)),
+          _mm256_castsi256_ps(_mm256_cmpgt_epi32(a.hi, b.hi))};
+}
+inline vi select_i(vmask m, vi if_set, vi if_clear) {
+  const auto blend = [](__m256i clear, __m256i set, __m256 mask) {
+    return _mm256_castps_si256(
+        _mm256_blendv_ps(_mm256_castsi256_ps(clear), _mm256_castsi256_ps(set), mask));
+  };
+  return {blend(if_clear.lo, if_set.lo, m.lo), blend(if_clear.hi, if_set.hi, m.hi)};
+}
+inline int32_t reduce_min_i(vmask m, vi v) {
+  alignas(32) int32_t lanes[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), v.lo);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes + 8), v.hi);
+  const unsigned set = bits(m);
+  int32_t best = INT32_MAX;
+  for (int i = 0; i < 16; ++i) {
+    if ((set >> i & 1u) != 0 && lanes[i] < best) best = lanes[i];
+  }
+  return best;
+}
+// Lanes 0 .. n - 1 (n in [0, 16]).
+inline vmask first_lanes(int n) { return gt_i(set1_i(n), iota_i()); }
+// The first n floats at p, zeros after them; nothing past p + n is read.
+inline vf loadu_first(const float* p, int n) {
+  const vmask m = first_lanes(n);
+  return {_mm256_maskload_ps(p, _mm256_castps_si256(m.lo)),
+          _mm256_maskload_ps(p + 8, _mm256_castps_si256(m.hi))};
+}
+
+// 16 int8 codes as floats.
+inline vf from_i8(const int8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)),
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v)))};
+}
+// 16 bytes' low nibbles and high nibbles as floats.
+inline void from_nibbles(const uint8_t* p, vf& lo, vf& hi) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i a = _mm256_cvtepu8_epi32(v);
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(v, v));
+  const __m256i low = _mm256_set1_epi32(0xF);
+  lo = {_mm256_cvtepi32_ps(_mm256_and_si256(a, low)), _mm256_cvtepi32_ps(_mm256_and_si256(b, low))};
+  hi = {_mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4))};
+}
+
+#else
+#error "the CPU kernels need AVX-512 (F and BW) or AVX2 with FMA"
+#endif
+
+}  // namespace pagellm_kernels::simd
