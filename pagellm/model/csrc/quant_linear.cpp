@@ -36,7 +36,7 @@ using pagellm_kernels::silu_mul16;
 constexpr int64_t kLanes = 16;
 constexpr int64_t kBlock = 32;
 // Rows whose accumulators stay in registers per pass (two vectors a row).
-constexpr int64_t kMaxRows = kWideRegisters ? 8 : 2;
+constexpr int64_t kMaxRows = kWideRegisters ? 8 : 4;
 
 struct Q4_1 {
   static constexpr int64_t kCodeBytes = kLanes * kLanes;
@@ -153,26 +153,33 @@ constexpr auto kTiles = tile_table<Format>(std::make_index_sequence<kMaxRows>())
 // 64.6 ms, 512 rows 268 -> 264 ms (oneDNN ahead from 1,024 rows: 510 vs 526 ms).
 constexpr int64_t kPanel = 2;
 // Rows per pass, two vectors each: 24 accumulators (AVX-512), or 12 registers of 8 lanes.
-constexpr int kPanelRows = kWideRegisters ? 12 : 3;
+constexpr int kPanelRows = kWideRegisters ? 12 : 2;
 constexpr int64_t kRowBlock = 512;  // rows per sweep over the panels (see quantized_linear)
+// Inputs per sweep of the row passes over a panel: with AVX2, 128 inputs' slice of the
+// panel (16 KB) stays in L1 for all the passes, where the whole panel (72 KB for 576
+// inputs) streamed from L2 for each pass of 3 rows; with AVX-512 a pass of 12 rows does 4x
+// the FMAs per panel load, and the whole panel is one chunk.
+constexpr int64_t kDepthChunk = kWideRegisters ? int64_t{1} << 40 : 128;
 constexpr int64_t kPanelFrom = 8;
 
-// A thread's scratch for unpacked panels: 64-byte aligned (aligned vector loads), grown
-// as needed and kept, so a decode step allocates nothing.
-float* panel_scratch(int64_t floats) {
+// A thread's scratch, one per `slot` (0: an unpacked panel, 1: its partial sums): 64-byte
+// aligned (aligned vector loads), grown as needed and kept, so a decode step allocates
+// nothing.
+float* thread_scratch(int slot, int64_t floats) {
   struct Scratch {
     float* data = nullptr;
     int64_t size = 0;
     ~Scratch() { ::operator delete(data, std::align_val_t{64}); }
   };
-  thread_local Scratch scratch;
-  if (scratch.size < floats) {
-    ::operator delete(scratch.data, std::align_val_t{64});
-    scratch.data = static_cast<float*>(
+  thread_local Scratch scratch[2];
+  Scratch& s = scratch[slot];
+  if (s.size < floats) {
+    ::operator delete(s.data, std::align_val_t{64});
+    s.data = static_cast<float*>(
         ::operator new(static_cast<std::size_t>(floats) * sizeof(float), std::align_val_t{64}));
-    scratch.size = floats;
+    s.size = floats;
   }
-  return scratch.data;
+  return s.data;
 }
 
 // The next panel's blocks (codes, scales, mins), fetched into L2 a cache line per input
@@ -194,21 +201,30 @@ struct Prefetch {
   }
 };
 
+// R rows against inputs [0, depth) of a panel, from the partial sums at `partial` (R x
+// the panel's lanes) unless `first`; the sums go back to `partial`, or, when `y` is given
+// (the panel's last inputs), to y as the result.
 template <int R>
-void panel_rows(const float* x, int64_t ldx, int64_t in, const float* w, float* y,
-                int64_t ldy, const Prefetch* prefetch, bool gated) {
+void panel_rows(const float* x, int64_t ldx, int64_t depth, const float* w, float* partial,
+                bool first, const Prefetch* prefetch, int64_t first_line, float* y,
+                int64_t ldy, bool gated) {
   constexpr int64_t kWidth = kPanel * kLanes;
   vf acc[R][kPanel];
   PAGELLM_UNROLL
   for (int r = 0; r < R; ++r) {
     PAGELLM_UNROLL
-    for (int p = 0; p < kPanel; ++p) acc[r][p] = zero();
+    for (int p = 0; p < kPanel; ++p) {
+      acc[r][p] = first ? zero() : load(partial + r * kWidth + p * kLanes);
+    }
   }
-  for (int64_t k = 0; k < in; ++k) {
-    if (prefetch != nullptr) prefetch->line(k);
+  for (int64_t k = 0; k < depth; ++k) {
+    if (prefetch != nullptr) prefetch->line(first_line + k);
     vf wv[kPanel];
     PAGELLM_UNROLL
-    for (int p = 0; p < kPanel; ++p) wv[p] = load(w + k * kWidth + p * kLanes);
+    for (int p = 0; p < kPanel; ++p) {
+      wv[p] = load(w + k * kWidth + p * kLanes);
+      in_register(wv[p]);
+    }
     PAGELLM_UNROLL
     for (int r = 0; r < R; ++r) {
       const vf xv = set1(x[r * ldx + k]);
@@ -219,17 +235,20 @@ void panel_rows(const float* x, int64_t ldx, int64_t in, const float* w, float* 
   static_assert(kPanel == 2, "a gated panel is one (gate, up) pair of tiles");
   PAGELLM_UNROLL
   for (int r = 0; r < R; ++r) {
-    if (gated) {
+    if (y == nullptr) {
+      PAGELLM_UNROLL
+      for (int p = 0; p < kPanel; ++p) store(partial + r * kWidth + p * kLanes, acc[r][p]);
+    } else if (gated) {
       storeu(y + r * ldy, silu_mul16(acc[r][0], acc[r][1]));
-      continue;
+    } else {
+      PAGELLM_UNROLL
+      for (int p = 0; p < kPanel; ++p) storeu(y + r * ldy + p * kLanes, acc[r][p]);
     }
-    PAGELLM_UNROLL
-    for (int p = 0; p < kPanel; ++p) storeu(y + r * ldy + p * kLanes, acc[r][p]);
   }
 }
 
-using PanelFn = void (*)(const float*, int64_t, int64_t, const float*, float*, int64_t,
-                        const Prefetch*, bool);
+using PanelFn = void (*)(const float*, int64_t, int64_t, const float*, float*, bool,
+                        const Prefetch*, int64_t, float*, int64_t, bool);
 
 template <std::size_t... R>
 constexpr std::array<PanelFn, sizeof...(R)> panel_table(std::index_sequence<R...>) {
@@ -243,7 +262,7 @@ void panel(const float* x, int64_t rows, int64_t in, int64_t blocks, const float
            const float* mins, const uint8_t* codes, int64_t tile_scales, int64_t tile_codes,
            float* y, int64_t ldy, bool prefetch_next, bool gated) {
   constexpr int64_t kWidth = kPanel * kLanes;
-  float* w = panel_scratch(in * kWidth);
+  float* w = thread_scratch(0, in * kWidth);
   Prefetch next;
   if (prefetch_next) {
     const int64_t scale_bytes = kPanel * tile_scales * static_cast<int64_t>(sizeof(float));
@@ -264,13 +283,21 @@ void panel(const float* x, int64_t rows, int64_t in, int64_t blocks, const float
                      w + b * kBlock * kWidth + p * kLanes, kWidth);
     }
   }
-  // Rows split evenly over the passes (16: 8 + 8, not 12 + 4).
+  // Rows split evenly over the passes (16: 8 + 8, not 12 + 4). Each pass adds the same
+  // inputs in the same order whatever the chunks, so chunking never changes a result.
   const int64_t passes = (rows + kPanelRows - 1) / kPanelRows;
-  for (int64_t i = 0, r0 = 0; i < passes; ++i) {
-    const int64_t n = (rows - r0) / (passes - i);
-    kPanelRowFns[n - 1](x + r0 * in, in, in, w, y + r0 * ldy, ldy,
-                        i == 0 && prefetch_next ? &next : nullptr, gated);
-    r0 += n;
+  float* partial = kDepthChunk < in ? thread_scratch(1, rows * kWidth) : nullptr;
+  for (int64_t k0 = 0; k0 < in; k0 += kDepthChunk) {
+    const int64_t depth = std::min(kDepthChunk, in - k0);
+    const bool last = k0 + depth == in;
+    for (int64_t i = 0, r0 = 0; i < passes; ++i) {
+      const int64_t n = (rows - r0) / (passes - i);
+      kPanelRowFns[n - 1](x + r0 * in + k0, in, depth, w + k0 * kWidth,
+                          partial == nullptr ? nullptr : partial + r0 * kWidth, k0 == 0,
+                          i == 0 && prefetch_next ? &next : nullptr, k0,
+                          last ? y + r0 * ldy : nullptr, ldy, gated);
+      r0 += n;
+    }
   }
 }
 

@@ -37,6 +37,10 @@ inline vf load(const float* p) { return _mm512_load_ps(p); }  // 64-byte aligned
 inline void storeu(float* p, vf v) { _mm512_storeu_ps(p, v); }
 inline void store(float* p, vf v) { _mm512_store_ps(p, v); }  // 64-byte aligned
 
+// Makes the compiler hold v in a register from here: reused operands are then loaded
+// once, not folded into every instruction that reads them as a memory operand.
+inline void in_register(vf& v) { asm("" : "+v"(v)); }
+
 inline vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
@@ -114,6 +118,10 @@ inline void store(float* p, vf v) {
   _mm256_store_ps(p, v.lo);
   _mm256_store_ps(p + 8, v.hi);
 }
+
+// Makes the compiler hold v in registers from here: reused operands are then loaded
+// once, not folded into every instruction that reads them as a memory operand.
+inline void in_register(vf& v) { asm("" : "+x"(v.lo), "+x"(v.hi)); }
 
 inline vf add(vf a, vf b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
 inline vf sub(vf a, vf b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
