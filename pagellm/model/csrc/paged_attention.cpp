@@ -267,12 +267,14 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention(
 // each row vector with vertical max and sum; then the output takes 6 rows (3 for 128
 // dims) x the whole head per pass, each value row loaded once for all of them. The
 // softmax is rescaled once per chunk of 48 keys.
-// With AVX2's 16 registers of 8 lanes, the passes are smaller: 3 keys x 2 row vectors of
-// scores, and 3 rows x 32 dims of output, 12 registers each.
+// With AVX2's 16 registers of 8 lanes, the passes are narrower: 6 keys x 1 row vector of
+// scores, and 6 rows x 16 dims of output, 12 registers each, beside the 2 registers of
+// the vector every FMA reads (kept in registers: folded into the FMAs as memory operands,
+// they made 15 loads per 12 FMAs).
 constexpr int kKeyChunk = 48;
-constexpr int kKeysPerPass = kWideRegisters ? 6 : 3;
-constexpr int kScoreVecs = kWideRegisters ? 4 : 2;  // row vectors per score pass
-constexpr int kPvVecs = kWideRegisters ? 8 : 2;     // output vectors of a row per pass
+constexpr int kKeysPerPass = 6;
+constexpr int kScoreVecs = kWideRegisters ? 4 : 1;  // row vectors per score pass
+constexpr int kPvVecs = kWideRegisters ? 8 : 1;     // output vectors of a row per pass
 constexpr int64_t kPrefixRowTile = 64;
 constexpr int64_t kMinPrefixTasks = 4;  // see paged_prefix_attention
 
@@ -298,7 +300,10 @@ inline void score_pass(const float* qt, const float* const* keys, int r0, float*
   for (int d = 0; d < D; ++d) {
     vf qv[C];
     PAGELLM_UNROLL
-    for (int r = 0; r < C; ++r) qv[r] = load(qt + d * W + (r0 + r) * 16);
+    for (int r = 0; r < C; ++r) {
+      qv[r] = load(qt + d * W + (r0 + r) * 16);
+      in_register(qv[r]);
+    }
     PAGELLM_UNROLL
     for (int j = 0; j < kKeysPerPass; ++j) {
       const vf k = set1(keys[j][d]);
@@ -327,7 +332,7 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
   constexpr int D = NV * 16;
   constexpr int W = RV * 16;                   // rows, padded to whole vectors
   constexpr int kPvDims = std::min(NV, kPvVecs);
-  constexpr int kPvRows = kWideRegisters ? 24 / NV : 3;  // output rows per pass
+  constexpr int kPvRows = kWideRegisters ? 24 / NV : 6;  // output rows per pass
   alignas(64) float qt[D * W];                 // scaled queries, d-major: qt[d * W + row]
   alignas(64) float st[kKeyChunk * W + kPvRows];  // scores, then probabilities: [key][row]
   alignas(64) float acc[(W + kPvRows) * D];    // unnormalised outputs
@@ -462,7 +467,10 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
         for (int t = 0; t < n; ++t) {
           vf val[kPvDims];
           PAGELLM_UNROLL
-          for (int v = 0; v < kPvDims; ++v) val[v] = loadu(vp[t] + d0 + v * 16);
+          for (int v = 0; v < kPvDims; ++v) {
+            val[v] = loadu(vp[t] + d0 + v * 16);
+            in_register(val[v]);
+          }
           const float* p = st + t * W + r0;
           PAGELLM_UNROLL
           for (int i = 0; i < kPvRows; ++i) {
