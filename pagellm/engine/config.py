@@ -32,7 +32,7 @@ class EngineConfig:
     `max_model_len` None means the model's own context length.
     `skip_tokenizer_init` runs without a tokenizer: prompts are token ids and outputs carry
     no text (for models shipped without one, and for benchmarks that bring their own).
-    `cpu_kernels`: a float32 model on an AVX-512 CPU runs decode attention through a
+    `cpu_kernels`: a float32 model on an x86-64 CPU with AVX-512 or AVX2 runs decode attention through a
     compiled paged kernel and, for a Q4_1/Q8_0 GGUF, its matmuls straight from its
     quantized blocks (the same weights in fewer bytes); built once into `cache_dir`/kernels.
     False keeps everything on torch ops and float32 weights.

@@ -91,8 +91,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction,
                        default=_DEFAULTS["cpu_kernels"],
                        help="compiled CPU kernels for decode steps: paged attention, and "
-                            "matmuls on a GGUF's own quantized blocks (float32, AVX-512; "
-                            "built once into the cache dir) (default: on)")
+                            "matmuls on a GGUF's own quantized blocks (float32, AVX-512 or "
+                            "AVX2 with FMA; built once into the cache dir) (default: on)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

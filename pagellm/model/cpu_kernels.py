@@ -65,7 +65,7 @@ def _build_and_load(build_root: Path) -> bool:
     if compiler is None:
         logger.info("CPU kernels off: no C++ compiler found")
         return False
-    command = _compile_command(compiler)
+    command = _compile_command(compiler, isa)
     key = hashlib.sha256(
         b"".join(source.read_bytes() for source in (*_SOURCES, *_HEADERS))
         + " ".join(command).encode() + torch.__version__.encode()
@@ -88,7 +88,8 @@ def _build_and_load(build_root: Path) -> bool:
 
 
 def _instruction_set() -> tuple[str, str | None]:
-    """(the vector instructions the kernels will be built for, why they cannot be).
+    """(the vector instructions the kernels will be built for, why they cannot be): the
+    widest the CPU has, or `PAGELLM_CPU_ISA` (avx2 on an AVX-512 CPU tests that build).
 
     The set is part of the build's key: `-march=native` builds for the machine at hand,
     and a cache directory shared with another machine must not hand it a library built
@@ -99,20 +100,26 @@ def _instruction_set() -> tuple[str, str | None]:
         flags = set(Path("/proc/cpuinfo").read_text().split())
     except OSError as exc:
         return "", f"cannot read /proc/cpuinfo: {exc}"
-    if {"avx512f", "avx512bw"} <= flags:
+    wanted = os.environ.get("PAGELLM_CPU_ISA", "")
+    if wanted not in ("", "avx512", "avx2"):
+        return "", f"PAGELLM_CPU_ISA={wanted!r}: expected avx512 or avx2"
+    if wanted != "avx2" and {"avx512f", "avx512bw"} <= flags:
         return "avx512", None
+    if wanted == "avx512":
+        return "", "PAGELLM_CPU_ISA=avx512, but this CPU has no AVX-512"
     if {"avx2", "fma"} <= flags:
         return "avx2", None
     return "", "this CPU has neither AVX-512 nor AVX2 with FMA"
 
 
-def _compile_command(compiler: str) -> list[str]:
+def _compile_command(compiler: str, isa: str) -> list[str]:
     from torch.utils.cpp_extension import include_paths
 
     torch_lib = Path(torch.__file__).parent / "lib"
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    narrow = ["-mno-avx512f"] if isa == "avx2" else []
     return [
-        compiler, "-O3", "-march=native", "-ffp-contract=off", "-std=c++20", "-shared",
+        compiler, "-O3", "-march=native", *narrow, "-ffp-contract=off", "-std=c++20", "-shared",
         "-fPIC", "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w",
         *[f"-I{path}" for path in include_paths()],
         *[str(source) for source in _SOURCES], f"-L{torch_lib}", "-lc10", "-ltorch_cpu",

@@ -1,7 +1,7 @@
 """Linear-layer matrix multiplies on CPU through oneDNN instead of torch's default (MKL).
 
 Why: on the AMD EPYC machines this project runs on, MKL's float32 GEMM is far slower than
-oneDNN's (which uses AVX-512 there). Measured on SmolLM2-135M's layer shapes, 30 layers,
+oneDNN's (which uses AVX-512 where the CPU has it). Measured on SmolLM2-135M's layer shapes, 30 layers,
 2 threads: 4 rows 36 -> 11 ms, 32 rows 56 -> 22 ms, a 1,024-token prefill 1,042 -> 445 ms
 with weights packed once into oneDNN's blocked layout; the tied 49,152 x 576 lm_head
 (packed as a copy, its table is also the embedding) 20 -> 4.6 ms for 32 rows. Results agree
@@ -31,8 +31,11 @@ def onednn_available() -> bool:
 
 
 def serves(weight: torch.Tensor) -> bool:
-    """Whether a dense weight can take the oneDNN path."""
-    return weight.device.type == "cpu" and weight.dtype in _DTYPES and onednn_available()
+    """Whether a dense weight can take the oneDNN path. bfloat16 only where oneDNN runs it
+    on this CPU (AVX-512 BW/VL/DQ or AVX-NE-CONVERT): elsewhere packing raised at load."""
+    if weight.device.type != "cpu" or weight.dtype not in _DTYPES or not onednn_available():
+        return False
+    return weight.dtype != torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 BLOCK = 32  # weights per GGUF block, along the input dimension
-_LANES = 16  # output rows per kernel tile (one AVX-512 register of float32)
+_LANES = 16  # output rows per kernel tile (16 float32 lanes: csrc/simd.h)
 
 
 @dataclass(frozen=True)

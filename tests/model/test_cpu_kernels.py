@@ -5,6 +5,9 @@ with the other attention backends (test_attention.py)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -373,3 +376,34 @@ def test_a_layer_without_every_kernel_is_not_fused(kernels: bool) -> None:
     second.self_attn.o_proj.bias = None
     model.load_weights(checkpoint)
     assert all(layer.fused_weights is None for layer in model.model.layers)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        return set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return set()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not {"avx512f", "avx512bw", "avx2", "fma"} <= _cpu_flags(),
+                    reason="the AVX2 build is the one this CPU runs anyway (or none runs)")
+def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_cpu(kernels: bool) -> None:
+    """The kernels are one source for two instruction sets; CI on an AVX-512 machine
+    would otherwise never run the AVX2 build that CPUs without AVX-512 get."""
+    tests = Path(__file__).parent
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-rs", "-p", "no:cacheprovider",
+         str(tests / "test_cpu_kernels.py"), str(tests / "test_attention.py"),
+         "-k", "not avx2_build"],
+        env={**os.environ, "PAGELLM_CPU_ISA": "avx2"}, capture_output=True, text=True,
+        timeout=900, check=False)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "cannot be built" not in done.stdout
+
+
+def test_an_unknown_instruction_set_request_turns_the_kernels_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGELLM_CPU_ISA", "sse2")
+    isa, reason = cpu_kernels._instruction_set()
+    assert isa == "" and reason is not None and "PAGELLM_CPU_ISA" in reason
