@@ -16,10 +16,10 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "parallel.h"
 #include "vec_math.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -30,26 +30,9 @@ namespace {
 
 using namespace pagellm_kernels::simd;
 using pagellm_kernels::exp16;
+using pagellm_kernels::for_each_task;
 
 constexpr int kMaxBlock = 64;  // tokens per KV block the kernel handles
-
-// fn(i) for every i in [0, n) on torch's threads, each thread taking the next task as it
-// finishes one. Why: parallel_for hands each thread an equal range up front, and causal
-// tiles are not equal work (a 512-token prompt chunk's last tile sees 24x the keys of its
-// first), so one thread finished early and waited. 30 layers' 512-token chunks with no
-// context, in-process A/B: 31.6 -> 27.9 ms; shorter or later chunks and decode cascades
-// unchanged or slightly faster.
-template <class Fn>
-void for_each_task(int64_t n, const Fn& fn) {
-  std::atomic<int64_t> next{0};
-  const int64_t threads = std::min<int64_t>(n, at::get_num_threads());
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;
-         i = next.fetch_add(1, std::memory_order_relaxed)) {
-      fn(i);
-    }
-  });
-}
 
 // One (request, kv head): G query heads of NV * 16 dims against `len` keys.
 template <int G, int NV>

@@ -22,6 +22,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "parallel.h"
 #include "vec_math.h"
 
 #include <array>
@@ -31,6 +32,7 @@
 namespace {
 
 using namespace pagellm_kernels::simd;
+using pagellm_kernels::for_each_task;
 using pagellm_kernels::silu_mul16;
 
 constexpr int64_t kLanes = 16;
@@ -260,18 +262,21 @@ constexpr auto kPanelRowFns = panel_table(std::make_index_sequence<kPanelRows>()
 template <class Format>
 void panel(const float* x, int64_t rows, int64_t in, int64_t blocks, const float* scales,
            const float* mins, const uint8_t* codes, int64_t tile_scales, int64_t tile_codes,
-           float* y, int64_t ldy, bool prefetch_next, bool gated) {
+           float* y, int64_t ldy, int64_t next_panel, bool gated) {
   constexpr int64_t kWidth = kPanel * kLanes;
   float* w = thread_scratch(0, in * kWidth);
+  // The blocks of the panel `next_panel` panels on (none when 0), fetched meanwhile.
+  const bool prefetch_next = next_panel > 0;
   Prefetch next;
   if (prefetch_next) {
     const int64_t scale_bytes = kPanel * tile_scales * static_cast<int64_t>(sizeof(float));
-    next.region[0] = reinterpret_cast<const char*>(codes + kPanel * tile_codes);
+    const int64_t step = next_panel * kPanel;
+    next.region[0] = reinterpret_cast<const char*>(codes + step * tile_codes);
     next.lines[0] = kPanel * tile_codes / 64;
-    next.region[1] = reinterpret_cast<const char*>(scales + kPanel * tile_scales);
+    next.region[1] = reinterpret_cast<const char*>(scales + step * tile_scales);
     next.lines[1] = scale_bytes / 64;
     if (mins != nullptr) {
-      next.region[2] = reinterpret_cast<const char*>(mins + kPanel * tile_scales);
+      next.region[2] = reinterpret_cast<const char*>(mins + step * tile_scales);
       next.lines[2] = scale_bytes / 64;
     }
   }
@@ -331,14 +336,12 @@ at::Tensor quantized_linear(const char* name, const at::Tensor& x, const at::Ten
     // inputs stay in cache while the panels stream past, however many rows there are.
     for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
       const int64_t n = std::min(kRowBlock, rows - r0);
-      at::parallel_for(0, tiles / kPanel, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) {
-          const int64_t t = i * kPanel;
-          panel<Format>(xp + r0 * in, n, in, blocks, sp + t * tile_scales,
-                        mins == nullptr ? nullptr : mins + t * tile_scales, cp + t * tile_codes,
-                        tile_scales, tile_codes,
-                        yp + r0 * width + (gated ? i : t) * kLanes, width, i + 1 < end, gated);
-        }
+      for_each_task(tiles / kPanel, [&](int64_t i, int64_t next) {
+        const int64_t t = i * kPanel;
+        panel<Format>(xp + r0 * in, n, in, blocks, sp + t * tile_scales,
+                      mins == nullptr ? nullptr : mins + t * tile_scales, cp + t * tile_codes,
+                      tile_scales, tile_codes, yp + r0 * width + (gated ? i : t) * kLanes,
+                      width, next < 0 ? 0 : next - i, gated);
       });
     }
     return y;
