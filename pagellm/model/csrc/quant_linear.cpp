@@ -154,12 +154,14 @@ constexpr auto kTiles = tile_table<Format>(std::make_index_sequence<kMaxRows>())
 // 14.3 ms; and against oneDNN's float32 GEMM: 32 rows 26.5 -> 18.2 ms, 128 rows 70.1 ->
 // 64.6 ms, 512 rows 268 -> 264 ms (oneDNN ahead from 1,024 rows: 510 vs 526 ms).
 constexpr int64_t kPanel = 2;
-// Rows per pass, two vectors each: 24 accumulators (AVX-512), or 12 registers of 8 lanes.
+// Rows per pass, two vectors each: 24 accumulators with AVX-512; with AVX2, 8 registers of
+// 8 lanes beside the 4 that hold the panel's row of weights (3 rows left too few registers
+// to hold it, and GCC read it from memory for every FMA).
 constexpr int kPanelRows = kWideRegisters ? 12 : 2;
 constexpr int64_t kRowBlock = 512;  // rows per sweep over the panels (see quantized_linear)
 // Inputs per sweep of the row passes over a panel: with AVX2, 128 inputs' slice of the
 // panel (16 KB) stays in L1 for all the passes, where the whole panel (72 KB for 576
-// inputs) streamed from L2 for each pass of 3 rows; with AVX-512 a pass of 12 rows does 4x
+// inputs) streamed from L2 for each pass of rows; with AVX-512 a pass of 12 rows does 4x
 // the FMAs per panel load, and the whole panel is one chunk.
 constexpr int64_t kDepthChunk = kWideRegisters ? int64_t{1} << 40 : 128;
 constexpr int64_t kPanelFrom = 8;
