@@ -69,7 +69,7 @@ def _build_and_load(build_root: Path) -> bool:
     key = hashlib.sha256(
         b"".join(source.read_bytes() for source in (*_SOURCES, *_HEADERS))
         + " ".join(command).encode() + torch.__version__.encode()
-        + _compiler_version(compiler).encode() + isa.encode()
+        + _compiler_version(compiler).encode()
     ).hexdigest()[:16]
     directory = build_root / f"cpu-{key}"
     library = directory / _LIBRARY_NAME
@@ -91,9 +91,9 @@ def _instruction_set() -> tuple[str, str | None]:
     """(the vector instructions the kernels will be built for, why they cannot be): the
     widest the CPU has, or `PAGELLM_CPU_ISA` (avx2 on an AVX-512 CPU tests that build).
 
-    The set is part of the build's key: `-march=native` builds for the machine at hand,
-    and a cache directory shared with another machine must not hand it a library built
-    for instructions it lacks."""
+    The set reaches the build's key through the compile command (an AVX2 build adds
+    `-mno-avx512f`), so a cache directory shared with an AVX-512 machine never hands an
+    AVX2 one a library built for instructions it lacks."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return "", f"needs Linux on x86-64, this is {platform.system()} {platform.machine()}"
     try:
