@@ -3,9 +3,9 @@
 Why: on the AMD EPYC machines this project runs on, MKL's float32 GEMM is far slower than
 oneDNN's (which uses AVX-512 where the CPU has it). Measured on SmolLM2-135M's layer
 shapes, 30 layers, 2 threads: 4 rows 36 -> 11 ms, 32 rows 56 -> 22 ms, a 1,024-token
-prefill 1,042 -> 445 ms with weights packed once into oneDNN's blocked layout; the tied 49,152 x 576 lm_head
-(packed as a copy, its table is also the embedding) 20 -> 4.6 ms for 32 rows. Results agree
-with MKL's to float32 rounding (another summation order).
+prefill 1,042 -> 445 ms with weights packed once into oneDNN's blocked layout; the tied
+49,152 x 576 lm_head (packed as a copy, its table is also the embedding) 20 -> 4.6 ms for
+32 rows. Results agree with MKL's to float32 rounding (another summation order).
 
 Packing happens once, after the weights are loaded; a packed weight is an opaque
 `torch._mkldnn` tensor usable only here. Where oneDNN is not built in, or for devices and
