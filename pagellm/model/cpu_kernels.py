@@ -1,13 +1,13 @@
 """C++ kernels for the CPU (csrc/): quantized matmuls, paged attention, fused small ops.
 
 They are compiled on first use with the machine's g++ for its own CPU (`-march=native`)
-into `<cache_dir>/kernels/`, keyed by the sources, torch and the compiler, and loaded into
-torch as `torch.ops.pagellm.*` (they run on torch's own thread pool). Building takes
-about 10 s, once per machine. They are written once in 16-lane vectors (csrc/simd.h)
-and built for AVX-512 or, where the CPU has none, AVX2 with FMA. Where they cannot be
-built (no compiler, neither instruction set, not Linux on x86-64), `load` says why once
-in the log and returns False: the model then runs on torch ops alone, with the same
-results to float32 rounding.
+into `<cache_dir>/kernels/`, keyed by the sources, torch, the compiler and the CPU's
+flags, and loaded into torch as `torch.ops.pagellm.*` (they run on torch's own thread
+pool). Building takes about 10 s, once per machine. They are written once in 16-lane
+vectors (csrc/simd.h) and built for AVX-512 or, where the CPU has none, AVX2 with FMA.
+Where they cannot be built (no compiler, neither instruction set, not Linux on x86-64),
+`load` says why once in the log and returns False: the model then runs on torch ops
+alone, with the same results to float32 rounding.
 """
 
 from __future__ import annotations
@@ -66,12 +66,7 @@ def _build_and_load(build_root: Path) -> bool:
         logger.info("CPU kernels off: no C++ compiler found")
         return False
     command = _compile_command(compiler, isa)
-    key = hashlib.sha256(
-        b"".join(source.read_bytes() for source in (*_SOURCES, *_HEADERS))
-        + " ".join(command).encode() + torch.__version__.encode()
-        + _compiler_version(compiler).encode()
-    ).hexdigest()[:16]
-    directory = build_root / f"cpu-{key}"
+    directory = build_root / f"cpu-{_build_key(command, compiler)}"
     library = directory / _LIBRARY_NAME
     failed = directory / "unsupported.txt"
     if failed.is_file():
@@ -92,12 +87,11 @@ def _instruction_set() -> tuple[str, str | None]:
     widest the CPU has, or `PAGELLM_CPU_ISA` (avx2 on an AVX-512 CPU tests that build).
 
     The set reaches the build's key through the compile command (an AVX2 build adds
-    `-mno-avx512f`), so a cache directory shared with an AVX-512 machine never hands an
-    AVX2 one a library built for instructions it lacks."""
+    `-mno-avx512f`); the CPU's whole flag list is in the key too (see `_build_key`)."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return "", f"needs Linux on x86-64, this is {platform.system()} {platform.machine()}"
     try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
+        flags = _cpu_flags()
     except OSError as exc:
         return "", f"cannot read /proc/cpuinfo: {exc}"
     wanted = os.environ.get("PAGELLM_CPU_ISA", "")
@@ -110,6 +104,31 @@ def _instruction_set() -> tuple[str, str | None]:
     if {"avx2", "fma"} <= flags:
         return "avx2", None
     return "", "this CPU has neither AVX-512 nor AVX2 with FMA"
+
+
+def _cpu_flags() -> frozenset[str]:
+    """The feature flags of this machine's CPU (the first `flags` line of /proc/cpuinfo)."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+def _build_key(command: list[str], compiler: str) -> str:
+    """Names a build by everything that decides its machine code: the sources, the command,
+    torch, the compiler, and the CPU's flags. Why the flags: `-march=native` builds for
+    every extension this CPU has (BMI2, VNNI, AVX-512 subsets...), so a cache directory
+    shared by two machines (a network home, a container image) must not hand one a library
+    with instructions only the other has: that is a crash (SIGILL), not a slowdown."""
+    try:
+        flags = " ".join(sorted(_cpu_flags()))
+    except OSError:
+        flags = ""
+    return hashlib.sha256(
+        b"".join(source.read_bytes() for source in (*_SOURCES, *_HEADERS))
+        + " ".join(command).encode() + torch.__version__.encode()
+        + _compiler_version(compiler).encode() + flags.encode()
+    ).hexdigest()[:16]
 
 
 def _compile_command(compiler: str, isa: str) -> list[str]:

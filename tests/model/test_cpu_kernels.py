@@ -400,3 +400,17 @@ def test_an_unknown_instruction_set_request_turns_the_kernels_off(
     monkeypatch.setenv("PAGELLM_CPU_ISA", "sse2")
     isa, reason = cpu_kernels._instruction_set()
     assert isa == "" and reason is not None and "PAGELLM_CPU_ISA" in reason
+
+
+def test_the_build_key_follows_the_cpu_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`-march=native` builds for every extension the CPU has: a cache directory shared
+    with a machine that lacks one of them must not hand it this build."""
+    command = ["g++", "-O3", "-march=native"]
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: frozenset({"avx2", "fma", "bmi2"}))
+    first = cpu_kernels._build_key(command, "g++")
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: frozenset({"fma", "bmi2", "avx2"}))
+    assert cpu_kernels._build_key(command, "g++") == first
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert cpu_kernels._build_key(command, "g++") != first
+    assert cpu_kernels._build_key([*command, "-mno-avx512f"], "g++") != \
+        cpu_kernels._build_key(command, "g++")
