@@ -15,6 +15,8 @@ from collections import Counter
 from collections.abc import Callable
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagellm.core.block_hash import BlockHasher
 from pagellm.core.config import SchedulerConfig
@@ -768,3 +770,37 @@ def test_preempted_requests_go_first(policy: str) -> None:
     assert first == "b"
     d.run()
     assert a.num_output_tokens == 8 and b.num_output_tokens == 6
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=16),
+    max_tokens=st.integers(1, 12),
+    num_blocks=st.integers(14, 40),
+    budget=st.integers(4, 48),
+    seats=st.integers(1, 8),
+)
+def test_caching_changes_no_decision_when_nothing_is_shared(
+        lengths: list[int], max_tokens: int, num_blocks: int, budget: int, seats: int) -> None:
+    """With no block in common, caching on and off must schedule, admit and preempt alike,
+    step for step, until a preemption: any difference would be a cost of caching on
+    traffic it cannot help (the no-sharing benchmark's target). After one, caching may
+    only save work: a preempted request finds its own computed blocks again."""
+    traces = []
+    computed = []
+    for caching in (True, False):
+        d = Driver(num_blocks, max_model_len=64, max_num_batched_tokens=budget,
+                   max_num_seqs=seats, enable_caching=caching)
+        for i, length in enumerate(lengths):
+            # A first token no other prompt has: no two requests share even a first block.
+            d.add(f"r{i}", [VOCAB + i, *prompt_of(i, length - 1)], max_tokens=max_tokens,
+                  ignore_eos=True)
+        d.run()
+        trace = [([(s.request.request_id, s.num_new_tokens, s.samples) for s in out.scheduled],
+                  [r.request_id for r in out.preempted]) for out in d.outputs]
+        first_preemption = next((i for i, (_, preempted) in enumerate(trace) if preempted),
+                                len(trace))
+        traces.append(trace[: first_preemption + 1])
+        computed.append(sum(out.num_batched_tokens for out in d.outputs))
+    assert traces[0] == traces[1]
+    assert computed[0] <= computed[1]
