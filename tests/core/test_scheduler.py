@@ -784,10 +784,10 @@ def test_caching_changes_no_decision_when_nothing_is_shared(
         lengths: list[int], max_tokens: int, num_blocks: int, budget: int, seats: int) -> None:
     """With no block in common, caching on and off must schedule, admit and preempt alike,
     step for step, until a preemption: any difference would be a cost of caching on
-    traffic it cannot help (the no-sharing benchmark's target). After one, caching may
-    only save work: a preempted request finds its own computed blocks again."""
+    traffic it cannot help (the no-sharing benchmark's target). After one they may part:
+    a preempted request finds its own computed blocks again, and the budget it saves
+    admits others sooner (which can even lead to a later preemption the other run avoids)."""
     traces = []
-    computed = []
     for caching in (True, False):
         d = Driver(num_blocks, max_model_len=64, max_num_batched_tokens=budget,
                    max_num_seqs=seats, enable_caching=caching)
@@ -801,6 +801,4 @@ def test_caching_changes_no_decision_when_nothing_is_shared(
         first_preemption = next((i for i, (_, preempted) in enumerate(trace) if preempted),
                                 len(trace))
         traces.append(trace[: first_preemption + 1])
-        computed.append(sum(out.num_batched_tokens for out in d.outputs))
     assert traces[0] == traces[1]
-    assert computed[0] <= computed[1]
