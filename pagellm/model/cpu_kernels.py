@@ -119,11 +119,9 @@ def _build_key(command: list[str], compiler: str) -> str:
     torch, the compiler, and the CPU's flags. Why the flags: `-march=native` builds for
     every extension this CPU has (BMI2, VNNI, AVX-512 subsets...), so a cache directory
     shared by two machines (a network home, a container image) must not hand one a library
-    with instructions only the other has: that is a crash (SIGILL), not a slowdown."""
-    try:
-        flags = " ".join(sorted(_cpu_flags()))
-    except OSError:
-        flags = ""
+    with instructions only the other has: that is a crash (SIGILL), not a slowdown.
+    Called once `_instruction_set` has read /proc/cpuinfo, so the flags are readable."""
+    flags = " ".join(sorted(_cpu_flags()))
     return hashlib.sha256(
         b"".join(source.read_bytes() for source in (*_SOURCES, *_HEADERS))
         + " ".join(command).encode() + torch.__version__.encode()
