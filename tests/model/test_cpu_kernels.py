@@ -89,8 +89,8 @@ def test_kernel_rebuilds_the_weights_exactly(kernels: bool, fmt: str) -> None:
 @pytest.mark.parametrize("out", [96, 48])
 def test_kernel_matches_float64(kernels: bool, fmt: str, rows: int, out: int) -> None:
     """Every row-count path: register tiles (<= 8 rows), panels of two tiles (more rows,
-    split evenly into passes of at most 12, in sweeps of 512 rows), and an odd tile count,
-    which keeps to the register tiles."""
+    split evenly into passes of at most 12 rows with AVX-512 or 3 with AVX2, in sweeps of
+    512 rows), and an odd tile count, which keeps to the register tiles."""
     blocks, dense = _blocks(fmt, out, 576, seed=rows)
     x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
     got = qk.quantized_linear(x, qk.pack(qk.FORMATS[fmt], blocks, 576))
@@ -145,6 +145,24 @@ def test_gated_mlp_takes_the_gated_kernel_only_where_it_fits(kernels: bool) -> N
     biased = GatedMLP(64, 32, bias=True)
     biased.gate_up_proj.quantized = qk.pack(qk.FORMATS["Q4_1"], blocks, 64)
     assert not biased.use_gated_kernel() and not biased.gate_up_proj.quantized.gated
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("gated", [False, True])
+def test_panel_rows_do_not_depend_on_the_other_rows(kernels: bool, fmt: str, gated: bool) -> None:
+    """Above 8 rows, a row's result is the same bits whatever else is in the call: how many
+    rows, where the row sits in its pass of rows, and which 512-row sweep holds it. The
+    engine relies on it: a prompt computed in one chunk or in several, or next to other
+    requests, must give the same hidden states (caching on and off give the same tokens)."""
+    blocks, _ = _blocks(fmt, 2 * 96, 1536, seed=7)
+    packed = qk.pack(qk.FORMATS[fmt], blocks, 1536)
+    weight = qk.gate_up_pairs(packed) if gated else packed
+    x = torch.randn(700, 1536, generator=torch.Generator().manual_seed(7))
+    full = qk.quantized_linear(x, weight)
+    for start, rows in [(0, 9), (0, 10), (0, 11), (3, 13), (5, 25), (100, 37), (0, 520),
+                        (180, 520)]:
+        part = qk.quantized_linear(x[start:start + rows], weight)
+        assert torch.equal(part, full[start:start + rows]), (start, rows)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

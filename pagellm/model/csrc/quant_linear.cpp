@@ -154,10 +154,14 @@ constexpr auto kTiles = tile_table<Format>(std::make_index_sequence<kMaxRows>())
 // 14.3 ms; and against oneDNN's float32 GEMM: 32 rows 26.5 -> 18.2 ms, 128 rows 70.1 ->
 // 64.6 ms, 512 rows 268 -> 264 ms (oneDNN ahead from 1,024 rows: 510 vs 526 ms).
 constexpr int64_t kPanel = 2;
-// Rows per pass, two vectors each: 24 accumulators with AVX-512; with AVX2, 8 registers of
-// 8 lanes beside the 4 that hold the panel's row of weights (3 rows left too few registers
-// to hold it, and GCC read it from memory for every FMA).
-constexpr int kPanelRows = kWideRegisters ? 12 : 2;
+// Rows per pass: 24 accumulators with AVX-512 (two registers a row) beside the panel's row
+// of weights; with AVX2, 12 accumulators (four registers a row) beside the 3 rows' inputs
+// and one weight register, all 16 registers. The AVX2 tile had been 2 rows holding the
+// weights: 8 accumulators only just cover the FMA latency (4 cycles, 2 FMAs a cycle), and
+// any late load stalled it. 3 rows, same sums bit for bit, 30 layers' weights on 2 threads,
+// in-process A/B (medians of 10 alternating rounds): 512 rows 834 -> 737 ms, 1,024 rows
+// 1,716 -> 1,504, 128 rows 228 -> 197, 32 rows 54 -> 51.
+constexpr int kPanelRows = kWideRegisters ? 12 : 3;
 constexpr int64_t kRowBlock = 512;  // rows per sweep over the panels (see quantized_linear)
 // Inputs per sweep of the row passes over a panel: with AVX2, 128 inputs' slice of the
 // panel (16 KB) stays in L1 for all the passes, where the whole panel (72 KB for 576
@@ -213,27 +217,47 @@ void panel_rows(const float* x, int64_t ldx, int64_t depth, const float* w, floa
                 bool first, const Prefetch* prefetch, int64_t first_line, float* y,
                 int64_t ldy, bool gated) {
   constexpr int64_t kWidth = kPanel * kLanes;
-  vf acc[R][kPanel];
+  constexpr int kVecs = kWidth / kRegisterLanes;  // registers in a row of the panel
+  vreg acc[R][kVecs];
   PAGELLM_UNROLL
   for (int r = 0; r < R; ++r) {
     PAGELLM_UNROLL
-    for (int p = 0; p < kPanel; ++p) {
-      acc[r][p] = first ? zero() : load(partial + r * kWidth + p * kLanes);
+    for (int v = 0; v < kVecs; ++v) {
+      acc[r][v] = first ? zero_reg() : load_reg(partial + r * kWidth + v * kRegisterLanes);
     }
   }
   for (int64_t k = 0; k < depth; ++k) {
     if (prefetch != nullptr) prefetch->line(first_line + k);
-    vf wv[kPanel];
-    PAGELLM_UNROLL
-    for (int p = 0; p < kPanel; ++p) {
-      wv[p] = load(w + k * kWidth + p * kLanes);
-      in_register(wv[p]);
-    }
-    PAGELLM_UNROLL
-    for (int r = 0; r < R; ++r) {
-      const vf xv = set1(x[r * ldx + k]);
+    if constexpr (R * kVecs + kVecs + 1 <= kRegisters) {
+      // The panel's row of weights held, each row's input broadcast in turn.
+      vreg wv[kVecs];
       PAGELLM_UNROLL
-      for (int p = 0; p < kPanel; ++p) acc[r][p] = fmadd(xv, wv[p], acc[r][p]);
+      for (int v = 0; v < kVecs; ++v) {
+        wv[v] = load_reg(w + k * kWidth + v * kRegisterLanes);
+        in_register(wv[v]);
+      }
+      PAGELLM_UNROLL
+      for (int r = 0; r < R; ++r) {
+        const vreg xv = broadcast_reg(x + r * ldx + k);
+        PAGELLM_UNROLL
+        for (int v = 0; v < kVecs; ++v) acc[r][v] = fmadd(xv, wv[v], acc[r][v]);
+      }
+    } else {
+      // Too few registers for that (AVX2, 3 rows: 12 accumulators): the rows' inputs held,
+      // each weight register loaded once and used by every row.
+      vreg xv[R];
+      PAGELLM_UNROLL
+      for (int r = 0; r < R; ++r) {
+        xv[r] = broadcast_reg(x + r * ldx + k);
+        in_register(xv[r]);
+      }
+      PAGELLM_UNROLL
+      for (int v = 0; v < kVecs; ++v) {
+        vreg wv = load_reg(w + k * kWidth + v * kRegisterLanes);
+        in_register(wv);
+        PAGELLM_UNROLL
+        for (int r = 0; r < R; ++r) acc[r][v] = fmadd(xv[r], wv, acc[r][v]);
+      }
     }
   }
   static_assert(kPanel == 2, "a gated panel is one (gate, up) pair of tiles");
@@ -241,12 +265,12 @@ void panel_rows(const float* x, int64_t ldx, int64_t depth, const float* w, floa
   for (int r = 0; r < R; ++r) {
     if (y == nullptr) {
       PAGELLM_UNROLL
-      for (int p = 0; p < kPanel; ++p) store(partial + r * kWidth + p * kLanes, acc[r][p]);
+      for (int v = 0; v < kVecs; ++v) store(partial + r * kWidth + v * kRegisterLanes, acc[r][v]);
     } else if (gated) {
-      storeu(y + r * ldy, silu_mul16(acc[r][0], acc[r][1]));
+      storeu(y + r * ldy, silu_mul16(join(acc[r]), join(acc[r] + kVecs / 2)));
     } else {
       PAGELLM_UNROLL
-      for (int p = 0; p < kPanel; ++p) storeu(y + r * ldy + p * kLanes, acc[r][p]);
+      for (int v = 0; v < kVecs; ++v) storeu(y + r * ldy + v * kRegisterLanes, acc[r][v]);
     }
   }
 }

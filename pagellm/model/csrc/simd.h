@@ -41,6 +41,16 @@ inline void store(float* p, vf v) { _mm512_store_ps(p, v); }  // 64-byte aligned
 // once, not folded into every instruction that reads them as a memory operand.
 inline void in_register(vf& v) { asm("" : "+v"(v)); }
 
+// One register: a vf here (see the AVX2 half).
+using vreg = __m512;
+constexpr int kRegisterLanes = 16;
+constexpr int kRegisters = 32;
+inline vreg zero_reg() { return _mm512_setzero_ps(); }
+inline vreg load_reg(const float* p) { return _mm512_load_ps(p); }  // 64-byte aligned
+inline vreg broadcast_reg(const float* p) { return _mm512_set1_ps(*p); }
+// kLanes / kRegisterLanes registers as one vf.
+inline vf join(const vreg* r) { return r[0]; }
+
 inline vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline vf sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
@@ -122,6 +132,21 @@ inline void store(float* p, vf v) {
 // Makes the compiler hold v in registers from here: reused operands are then loaded
 // once, not folded into every instruction that reads them as a memory operand.
 inline void in_register(vf& v) { asm("" : "+x"(v.lo), "+x"(v.hi)); }
+
+// One register, for a kernel whose register tile must count registers, not vfs: a tile
+// that fits only when a vf's two halves need not be held at once (each weight register
+// is loaded, used by every row, and dropped).
+using vreg = __m256;
+constexpr int kRegisterLanes = 8;
+constexpr int kRegisters = 16;
+inline vreg zero_reg() { return _mm256_setzero_ps(); }
+inline vreg load_reg(const float* p) { return _mm256_load_ps(p); }  // 32-byte aligned
+inline vreg broadcast_reg(const float* p) { return _mm256_broadcast_ss(p); }
+inline vf join(const vreg* r) { return {r[0], r[1]}; }
+inline void in_register(vreg& v) { asm("" : "+x"(v)); }
+inline vreg fmadd(vreg a, vreg b, vreg c) { return _mm256_fmadd_ps(a, b, c); }
+inline void store(float* p, vreg v) { _mm256_store_ps(p, v); }  // 32-byte aligned
+inline void storeu(float* p, vreg v) { _mm256_storeu_ps(p, v); }
 
 inline vf add(vf a, vf b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
 inline vf sub(vf a, vf b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
