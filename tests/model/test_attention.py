@@ -328,6 +328,48 @@ def test_decode_kernel_merges_a_prior_attention_exactly(head_dim: int) -> None:
                                                  prior[0][:1], prior[1])
 
 
+@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (8, 2), (10, 2), (16, 2), (40, 40)])
+@pytest.mark.parametrize("block_size", [5, 16])
+@pytest.mark.parametrize("many", [False, True])
+def test_decode_kernel_matches_float64_for_any_head_grouping(
+        heads: int, kv_heads: int, block_size: int, many: bool) -> None:
+    """Every query-head group (1 to 8 heads a kv head, in tiles of 3 heads with AVX2 and a
+    remainder), ragged last blocks, with and without a prior; `many` gives enough requests
+    that a task takes several of a request's kv heads at once (AVX2; 40 kv heads of 1 go in
+    runs of 32 and 8)."""
+    if not kernels_loaded():
+        pytest.skip("the CPU kernels cannot be built or run on this machine")
+    gen = torch.Generator().manual_seed(heads * block_size)
+    group, dim = heads // kv_heads, 64
+    requests = 4 * torch.get_num_threads() + 1 if many else 2
+    cache = torch.randn(2, 6 * requests, block_size, kv_heads, dim, generator=gen)
+    tables = torch.randperm(6 * requests, generator=gen).to(torch.int32).view(requests, 6)
+    lens = torch.randint(1, 6 * block_size + 1, (requests,), generator=gen, dtype=torch.int32)
+    q = torch.randn(requests, heads, dim, generator=gen)
+    prior_out = torch.randn(kv_heads, requests * group, dim, generator=gen)
+    prior_lse = torch.randn(kv_heads, requests * group, generator=gen)
+    plain = torch.ops.pagellm.paged_decode_attention(q, cache[0], cache[1], tables, lens, 0.125)
+    merged = torch.ops.pagellm.paged_decode_attention(q, cache[0], cache[1], tables, lens, 0.125,
+                                                      prior_out, prior_lse)
+    for r in range(requests):
+        n = int(lens[r])
+        k, v = (cache[i][tables[r].long()].reshape(-1, kv_heads, dim)[:n].double()
+                for i in range(2))
+        k, v = (t.repeat_interleave(group, dim=1).transpose(0, 1) for t in (k, v))
+        scores = (q[r].double()[:, None, :] @ k.transpose(1, 2) * 0.125)[:, 0]
+        out = (torch.softmax(scores, dim=-1)[:, None, :] @ v)[:, 0]
+        lse = torch.logsumexp(scores, -1)
+        torch.testing.assert_close(plain[0][r].double(), out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(plain[1][r].double(), lse, atol=1e-5, rtol=1e-5)
+        head = torch.arange(heads)  # its prior row: kv head-major, then request, then head
+        rows = head // group * requests * group + r * group + head % group
+        p_out, p_lse = prior_out.view(-1, dim)[rows].double(), prior_lse.view(-1)[rows].double()
+        total = torch.logaddexp(lse, p_lse)
+        expected = out * (lse - total).exp()[:, None] + p_out * (p_lse - total).exp()[:, None]
+        torch.testing.assert_close(merged[0][r].double(), expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(merged[1][r].double(), total, atol=1e-5, rtol=1e-5)
+
+
 def test_shared_prefix_takes_the_cascade_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """The shared-prefix scenarios above really exercise the cascade (not a silent fallback)."""
     calls = []

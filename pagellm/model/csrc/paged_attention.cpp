@@ -33,6 +33,51 @@ using pagellm_kernels::exp16;
 using pagellm_kernels::for_each_task;
 
 constexpr int kMaxBlock = 64;  // tokens per KV block the kernel handles
+constexpr int64_t kMaxTaskHeads = 32;  // query heads of one task (see kv_heads_per_task)
+
+// A block's n scores at s become exp(score - m') in place, m' the running max with them,
+// and the running sum l takes them in; returns exp(m - m'), the factor for the output so
+// far.
+inline float softmax_block(float* s, int64_t n, float& m, float& l) {
+  float block_max = s[0];
+  for (int64_t t = 1; t < n; ++t) block_max = std::max(block_max, s[t]);
+  const float new_m = std::max(m, block_max);
+  const float correction = std::exp(m - new_m);
+  m = new_m;
+  float sum = 0.0f;
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    const int valid = static_cast<int>(std::min<int64_t>(16, n - t0));
+    const vf p = keep(first_lanes(valid), exp16(sub(loadu_first(s + t0, valid), set1(new_m))));
+    storeu(s + t0, p);
+    sum += reduce_add(p);
+  }
+  l = l * correction + sum;
+  return correction;
+}
+
+// One head's result from its unnormalised output `acc`, running max m and sum l: out and
+// its log-sum-exp, merged with a prior part when one is given (prior_lse not null).
+template <int NV>
+inline void finish(const vf* acc, float m, float l, const float* prior_out,
+                   const float* prior_lse, float* out, float* lse) {
+  if (prior_lse == nullptr) {
+    const vf inv = set1(1.0f / l);
+    PAGELLM_UNROLL
+    for (int v = 0; v < NV; ++v) storeu(out + v * 16, mul(acc[v], inv));
+    *lse = m + std::log(l);
+    return;
+  }
+  // Both parts weighted by their share of the total mass exp(lse_own) + exp(lse_prior).
+  const float top = std::max(m, *prior_lse);
+  const float own_w = std::exp(m - top), prior_w = std::exp(*prior_lse - top);
+  const float total = l * own_w + prior_w;
+  const vf a = set1(own_w / total), b = set1(prior_w / total);
+  PAGELLM_UNROLL
+  for (int v = 0; v < NV; ++v) {
+    storeu(out + v * 16, fmadd(acc[v], a, mul(loadu(prior_out + v * 16), b)));
+  }
+  *lse = top + std::log(total);
+}
 
 // One (request, kv head): G query heads of NV * 16 dims against `len` keys.
 template <int G, int NV>
@@ -86,21 +131,7 @@ void attend(const float* q, const float* k_cache, const float* v_cache, const in
     }
     PAGELLM_UNROLL
     for (int g = 0; g < G; ++g) {
-      float block_max = s[g][0];
-      for (int64_t t = 1; t < n; ++t) block_max = std::max(block_max, s[g][t]);
-      const float new_m = std::max(m[g], block_max);
-      const float correction = std::exp(m[g] - new_m);
-      m[g] = new_m;
-      float sum = 0.0f;
-      for (int64_t t0 = 0; t0 < n; t0 += 16) {
-        const int valid = static_cast<int>(std::min<int64_t>(16, n - t0));
-        const vf e = exp16(sub(loadu_first(s[g] + t0, valid), set1(new_m)));
-        const vf p = keep(first_lanes(valid), e);
-        storeu(s[g] + t0, p);
-        sum += reduce_add(p);
-      }
-      l[g] = l[g] * correction + sum;
-      const vf c = set1(correction);
+      const vf c = set1(softmax_block(s[g], n, m[g], l[g]));
       PAGELLM_UNROLL
       for (int v = 0; v < NV; ++v) acc[g][v] = mul(acc[g][v], c);
     }
@@ -118,39 +149,212 @@ void attend(const float* q, const float* k_cache, const float* v_cache, const in
   }
   PAGELLM_UNROLL
   for (int g = 0; g < G; ++g) {
-    if (prior_lse == nullptr) {
-      const vf inv = set1(1.0f / l[g]);
-      PAGELLM_UNROLL
-      for (int v = 0; v < NV; ++v) {
-        storeu(out + g * NV * 16 + v * 16, mul(acc[g][v], inv));
-      }
-      lse[g] = m[g] + std::log(l[g]);
-      continue;
-    }
-    // Both parts weighted by their share of the total mass exp(lse_own) + exp(lse_prior).
-    const float top = std::max(m[g], prior_lse[g]);
-    const float own_w = std::exp(m[g] - top), prior_w = std::exp(prior_lse[g] - top);
-    const float total = l[g] * own_w + prior_w;
-    const vf a = set1(own_w / total), b = set1(prior_w / total);
-    PAGELLM_UNROLL
-    for (int v = 0; v < NV; ++v) {
-      const vf prior = loadu(prior_out + g * NV * 16 + v * 16);
-      storeu(out + g * NV * 16 + v * 16,
-                       fmadd(acc[g][v], a, mul(prior, b)));
-    }
-    lse[g] = top + std::log(total);
+    finish<NV>(acc[g], m[g], l[g], prior_out == nullptr ? nullptr : prior_out + g * NV * 16,
+               prior_lse == nullptr ? nullptr : prior_lse + g, out + g * NV * 16, lse + g);
   }
 }
 
+#if !PAGELLM_WIDE_REGISTERS
+// `attend` for AVX2, whose 16 registers cannot hold that kernel's tile: 3 heads of 64
+// dims are 24 registers of queries and 24 of outputs, so GCC kept them on the stack and
+// each FMA of the value loop read and wrote its accumulator there, and every (key, head)
+// dot product ended in a horizontal sum of its own.
+// Here queries and outputs live in L1 (aligned arrays), and both products are tiled to the
+// registers over at most kNarrowHeads heads:
+// - scores: kNarrowKeys keys x 3 heads of accumulators (12 registers) over the dims, beside
+//   the 3 heads' query registers and one key register; the 4 keys' sums are taken together;
+// - output: 3 heads x 32 dims (12 registers), each key's 3 probabilities broadcast beside
+//   one value register. Its sums are those of `attend`, in the same order.
+// A task takes several kv heads of its request (see kv_heads_per_task), block by block.
+// Measured (SmolLM2 shapes): from L2 on one core, 35 -> 24 ns per key and kv head; 32
+// requests x 1,056 keys from memory, 30 layers, in-process A/B: 146 -> 96 ms.
+constexpr int kNarrowHeads = 3;
+constexpr int kNarrowKeys = 4;
+constexpr int kNarrowDims = 4 * kRegisterLanes;
+
+// Heads [0, HP) of `qs` (rows q_stride apart) against the 4 key rows `keys`, of C
+// registers each: scores to s[h * s_stride + 0..3].
+template <int HP, int C>
+inline void narrow_scores(const float* qs, int64_t q_stride, const float* const* keys,
+                          float* s, int64_t s_stride) {
+  vreg acc[HP][kNarrowKeys];
+  PAGELLM_UNROLL
+  for (int h = 0; h < HP; ++h) {
+    PAGELLM_UNROLL
+    for (int j = 0; j < kNarrowKeys; ++j) acc[h][j] = zero_reg();
+  }
+  PAGELLM_UNROLL
+  for (int c = 0; c < C; ++c) {
+    vreg qv[HP];
+    PAGELLM_UNROLL
+    for (int h = 0; h < HP; ++h) {
+      qv[h] = load_reg(qs + h * q_stride + c * kRegisterLanes);
+      in_register(qv[h]);
+    }
+    PAGELLM_UNROLL
+    for (int j = 0; j < kNarrowKeys; ++j) {
+      vreg kv = loadu_reg(keys[j] + c * kRegisterLanes);
+      in_register(kv);
+      PAGELLM_UNROLL
+      for (int h = 0; h < HP; ++h) acc[h][j] = fmadd(qv[h], kv, acc[h][j]);
+    }
+  }
+  PAGELLM_UNROLL
+  for (int h = 0; h < HP; ++h) {
+    store_sums4(s + h * s_stride, acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
+  }
+}
+
+// o[h][d0, d0 + kNarrowDims), rescaled by correction[h], plus p[h][t] * value row t for the
+// block's n keys, for heads [0, HP) (rows of p and o p_stride and o_stride apart).
+template <int HP>
+inline void narrow_values(const float* p, int64_t p_stride, const float* vb,
+                          int64_t token_stride, int64_t n, int d0, const float* correction,
+                          float* o, int64_t o_stride) {
+  constexpr int kVecs = kNarrowDims / kRegisterLanes;
+  vreg acc[HP][kVecs];
+  PAGELLM_UNROLL
+  for (int h = 0; h < HP; ++h) {
+    const vreg c = broadcast_reg(correction + h);
+    PAGELLM_UNROLL
+    for (int v = 0; v < kVecs; ++v) {
+      acc[h][v] = mul(load_reg(o + h * o_stride + d0 + v * kRegisterLanes), c);
+    }
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    vreg pt[HP];
+    PAGELLM_UNROLL
+    for (int h = 0; h < HP; ++h) {
+      pt[h] = broadcast_reg(p + h * p_stride + t);
+      in_register(pt[h]);
+    }
+    const float* vt = vb + t * token_stride + d0;
+    PAGELLM_UNROLL
+    for (int v = 0; v < kVecs; ++v) {
+      vreg val = loadu_reg(vt + v * kRegisterLanes);
+      in_register(val);
+      PAGELLM_UNROLL
+      for (int h = 0; h < HP; ++h) acc[h][v] = fmadd(pt[h], val, acc[h][v]);
+    }
+  }
+  PAGELLM_UNROLL
+  for (int h = 0; h < HP; ++h) {
+    PAGELLM_UNROLL
+    for (int v = 0; v < kVecs; ++v) store(o + h * o_stride + d0 + v * kRegisterLanes, acc[h][v]);
+  }
+}
+
+template <int G, int NV>
+void attend_narrow(const float* q, const float* k_cache, const float* v_cache,
+                   const int32_t* blocks, int64_t len, int64_t block_size, int64_t block_stride,
+                   int64_t token_stride, float scale, int64_t count, const float* prior_out,
+                   const float* prior_lse, int64_t prior_stride, float* out, float* lse) {
+  constexpr int D = NV * 16, C = D / kRegisterLanes;
+  constexpr int kFull = G - G % kNarrowHeads;  // heads of a kv head in full tiles
+  alignas(64) float qs[kMaxTaskHeads][D], o[kMaxTaskHeads][D], s[kMaxTaskHeads][kMaxBlock];
+  float m[kMaxTaskHeads], l[kMaxTaskHeads], correction[kMaxTaskHeads];
+  const int64_t heads = count * G;
+  for (int64_t i = 0; i < heads; ++i) {
+    for (int v = 0; v < NV; ++v) {
+      store(qs[i] + v * 16, mul(loadu(q + i * D + v * 16), set1(scale)));
+      store(o[i] + v * 16, zero());
+    }
+    m[i] = -std::numeric_limits<float>::infinity();
+    l[i] = 0.0f;
+  }
+  for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
+    const int64_t n = std::min(block_size, len - start);
+    const float* kb = k_cache + blocks[b] * block_stride;
+    const float* vb = v_cache + blocks[b] * block_stride;
+    // The next block, fetched into L2 (see `attend`); into L1, it evicted this block's
+    // values before the value pass reached them: 5.0-5.5 ms -> 3.1-4.0 ms for 32 x 1,056 keys.
+    const bool more = start + block_size < len;
+    const float* next_k = more ? k_cache + blocks[b + 1] * block_stride : nullptr;
+    const float* next_v = more ? v_cache + blocks[b + 1] * block_stride : nullptr;
+    for (int64_t t0 = 0; t0 < n; t0 += kNarrowKeys) {
+      for (int64_t h = 0; h < count; ++h) {
+        // Past the block's last key, its last key again: those scores are never read.
+        const float* keys[kNarrowKeys];
+        for (int j = 0; j < kNarrowKeys; ++j) {
+          const int64_t t = std::min<int64_t>(t0 + j, n - 1);
+          keys[j] = kb + t * token_stride + h * D;
+          if (more && t0 + j < n) {
+            for (int v = 0; v < NV; ++v) {
+              const int64_t at = t * token_stride + h * D + v * 16;
+              _mm_prefetch(reinterpret_cast<const char*>(next_k + at), _MM_HINT_T1);
+              _mm_prefetch(reinterpret_cast<const char*>(next_v + at), _MM_HINT_T1);
+            }
+          }
+        }
+        const int64_t i = h * G;
+        for (int g = 0; g < kFull; g += kNarrowHeads) {
+          narrow_scores<kNarrowHeads, C>(qs[i + g], D, keys, s[i + g] + t0, kMaxBlock);
+        }
+        if constexpr (kFull < G) {
+          narrow_scores<G - kFull, C>(qs[i + kFull], D, keys, s[i + kFull] + t0, kMaxBlock);
+        }
+      }
+    }
+    for (int64_t i = 0; i < heads; ++i) correction[i] = softmax_block(s[i], n, m[i], l[i]);
+    for (int64_t h = 0; h < count; ++h) {
+      const int64_t i = h * G;
+      for (int d0 = 0; d0 < D; d0 += kNarrowDims) {
+        for (int g = 0; g < kFull; g += kNarrowHeads) {
+          narrow_values<kNarrowHeads>(s[i + g], kMaxBlock, vb + h * D, token_stride, n, d0,
+                                      correction + i + g, o[i + g], D);
+        }
+        if constexpr (kFull < G) {
+          narrow_values<G - kFull>(s[i + kFull], kMaxBlock, vb + h * D, token_stride, n, d0,
+                                   correction + i + kFull, o[i + kFull], D);
+        }
+      }
+    }
+  }
+  for (int64_t i = 0; i < heads; ++i) {
+    vf acc[NV];
+    for (int v = 0; v < NV; ++v) acc[v] = load(o[i] + v * 16);
+    const int64_t prior_row = (i / G) * prior_stride + i % G;
+    finish<NV>(acc, m[i], l[i], prior_out == nullptr ? nullptr : prior_out + prior_row * D,
+               prior_lse == nullptr ? nullptr : prior_lse + prior_row, out + i * D, lse + i);
+  }
+}
+#endif
+
+#if PAGELLM_WIDE_REGISTERS
+// kv heads [0, count) of one request, one after the other.
+template <int G, int NV>
+void attend_heads(const float* q, const float* k_cache, const float* v_cache,
+                  const int32_t* blocks, int64_t len, int64_t block_size, int64_t block_stride,
+                  int64_t token_stride, float scale, int64_t count, const float* prior_out,
+                  const float* prior_lse, int64_t prior_stride, float* out, float* lse) {
+  constexpr int D = NV * 16;
+  for (int64_t h = 0; h < count; ++h) {
+    attend<G, NV>(q + h * G * D, k_cache + h * D, v_cache + h * D, blocks, len, block_size,
+                  block_stride, token_stride, scale,
+                  prior_out == nullptr ? nullptr : prior_out + h * prior_stride * D,
+                  prior_lse == nullptr ? nullptr : prior_lse + h * prior_stride,
+                  out + h * G * D, lse + h * G);
+  }
+}
+#endif
+
+// One task: kv heads [0, count) of one request (q, out and lse at its first head, the
+// caches at its first head's dims, the prior's rows of successive kv heads prior_stride
+// rows apart).
 using AttendFn = void (*)(const float*, const float*, const float*, const int32_t*, int64_t,
-                          int64_t, int64_t, int64_t, float, const float*, const float*, float*,
-                          float*);
+                          int64_t, int64_t, int64_t, float, int64_t, const float*, const float*,
+                          int64_t, float*, float*);
 
 template <int G>
 AttendFn pick_dims(int64_t nv) {
   switch (nv) {
-    case 4: return attend<G, 4>;
-    case 8: return attend<G, 8>;
+#if PAGELLM_WIDE_REGISTERS
+    case 4: return attend_heads<G, 4>;
+    case 8: return attend_heads<G, 8>;
+#else
+    case 4: return attend_narrow<G, 4>;
+    case 8: return attend_narrow<G, 8>;
+#endif
     default: return nullptr;
   }
 }
@@ -167,6 +371,16 @@ AttendFn pick(int64_t group, int64_t nv) {
     case 8: return pick_dims<8>(nv);
     default: return nullptr;
   }
+}
+
+// kv heads per task. With AVX2, all of a request's (up to kMaxTaskHeads query heads) once
+// there are requests enough to keep the threads busy: each block is then read whole, one
+// contiguous run of the pool, where head by head each task reads 256 of every 768 bytes
+// (SmolLM2) and the prefetchers fell behind: plain reads of the pool ran at 17 GB/s that
+// way against 26-30 GB/s whole. With AVX-512, one head per task, as it was measured there.
+int64_t kv_heads_per_task(int64_t requests, int64_t kv_heads, int64_t group) {
+  if (kWideRegisters || requests < 4 * at::get_num_threads()) return 1;
+  return std::max<int64_t>(1, std::min<int64_t>(kv_heads, kMaxTaskHeads / group));
 }
 
 // q [R, H, D]; k_cache, v_cache [N, B, Hkv, D]; block_tables [R, W] int32, row r the
@@ -227,15 +441,16 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention(
   const float* pl = prior_lse.has_value() ? prior_lse->data_ptr<float>() : nullptr;
   const int64_t token_stride = kv_heads * dim, block_stride = block_size * token_stride;
   const float s = static_cast<float>(scale);
-  at::parallel_for(0, requests * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t r = i / kv_heads, h = i % kv_heads;
-      const int64_t q_offset = (r * heads + h * group) * dim;
-      const int64_t prior_row = (h * requests + r) * group;
-      fn(qp + q_offset, kp + h * dim, vp + h * dim, tables + r * table_stride, len_p[r],
-         block_size, block_stride, token_stride, s, po == nullptr ? nullptr : po + prior_row * dim,
-         pl == nullptr ? nullptr : pl + prior_row, op + q_offset, lp + r * heads + h * group);
-    }
+  const int64_t run = kv_heads_per_task(requests, kv_heads, group);
+  const int64_t runs = (kv_heads + run - 1) / run;
+  for_each_task(requests * runs, [&](int64_t i) {
+    const int64_t r = i / runs, h = i % runs * run;
+    const int64_t q_offset = (r * heads + h * group) * dim;
+    const int64_t prior_row = (h * requests + r) * group;
+    fn(qp + q_offset, kp + h * dim, vp + h * dim, tables + r * table_stride, len_p[r],
+       block_size, block_stride, token_stride, s, std::min(run, kv_heads - h),
+       po == nullptr ? nullptr : po + prior_row * dim, pl == nullptr ? nullptr : pl + prior_row,
+       requests * group, op + q_offset, lp + r * heads + h * group);
   });
   return {out, lse};
 }
