@@ -147,12 +147,13 @@ constexpr auto kTiles = tile_table<Format>(std::make_index_sequence<kMaxRows>())
 
 // More than kPanelFrom rows: a panel of kPanel tiles is unpacked once into float32
 // (input-major, kPanel * 16 lanes per input) and every row streams it, kPanelRows rows x
-// the panel's lanes per pass, like a GEMM micro-kernel; `tile` would unpack the codes again
-// for each pass of 8 rows. While a panel is multiplied, the next one's blocks are fetched
-// into L2 (see Prefetch). Measured with 30 layers' weights streamed from memory (as in a
-// decode step), against the register tiles: 16 rows 11.5 -> 10.5 ms, 24 rows 16.4 ->
-// 14.3 ms; and against oneDNN's float32 GEMM: 32 rows 26.5 -> 18.2 ms, 128 rows 70.1 ->
-// 64.6 ms, 512 rows 268 -> 264 ms (oneDNN ahead from 1,024 rows: 510 vs 526 ms).
+// the panel's lanes per pass, like a GEMM micro-kernel; `tile` would unpack the codes
+// again for each pass of kMaxRows rows. While a panel is multiplied, the next one's blocks
+// are fetched into L2 (see Prefetch). Measured with 30 layers' weights streamed from
+// memory (as in a decode step), against the register tiles: 16 rows 11.5 -> 10.5 ms, 24
+// rows 16.4 -> 14.3 ms; and against oneDNN's float32 GEMM: 32 rows 26.5 -> 18.2 ms, 128
+// rows 70.1 -> 64.6 ms, 512 rows 268 -> 264 ms (oneDNN ahead from 1,024 rows: 510 vs 526
+// ms).
 constexpr int64_t kPanel = 2;
 // Rows per pass: 24 accumulators with AVX-512 (two registers a row) beside the panel's row
 // of weights; with AVX2, 12 accumulators (four registers a row) beside the 3 rows' inputs
@@ -168,7 +169,11 @@ constexpr int64_t kRowBlock = 512;  // rows per sweep over the panels (see quant
 // inputs) streamed from L2 for each pass of rows; with AVX-512 a pass of 12 rows does 4x
 // the FMAs per panel load, and the whole panel is one chunk.
 constexpr int64_t kDepthChunk = kWideRegisters ? int64_t{1} << 40 : 128;
-constexpr int64_t kPanelFrom = 8;
+// Panels from the first row count that needs a second pass of register tiles, which would
+// rebuild every weight again: with AVX2 (4 rows a pass), 30 layers' weights at 8 rows
+// 26 -> 18 ms and at 5 rows 21 -> 17 ms, in-process A/B; with AVX-512, 8 rows as measured
+// above.
+constexpr int64_t kPanelFrom = kMaxRows;
 
 // A thread's scratch, one per `slot` (0: an unpacked panel, 1: its partial sums): 64-byte
 // aligned (aligned vector loads), grown as needed and kept, so a decode step allocates
