@@ -5,7 +5,9 @@
 // contiguous buffer (a full extra write and read of the context) and then runs a flash
 // kernel whose tiles are sized for long queries, not for G = heads / kv_heads rows.
 // Here each (request, kv head) pair streams its keys and values once, block by block,
-// with the G query heads that share that kv head (grouped-query attention).
+// with the G query heads that share that kv head (grouped-query attention); with AVX2 a
+// task takes several kv heads of its request at once (`attend_narrow`,
+// `kv_heads_per_task`).
 //
 // Softmax is the usual online one, rescaled once per block of keys; the result is the
 // same attention in another order of float32 operations. A prior partial attention over
