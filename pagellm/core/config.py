@@ -46,14 +46,18 @@ class SchedulerConfig:
     a 2-core CPU a 2,048-token step takes about 2 s, a 512-token one 0.5 s, while matmuls
     over 512 rows are already compute-bound, so throughput is the same (shared-prefix
     benchmark: 4.0 s either way, mean time to first token 1.95 -> 1.65 s).
-    `policy` "cache_aware" admits, among the first waiting requests, the one with the
-    longest cached prefix first (cheap to start, and its blocks are hot now).
+    `policy` "cache_aware" (the default) admits, among the first `cache_aware_window`
+    waiting requests, the one with the longest cached prefix first: cheap to start, its
+    blocks are hot now, and requests on one prefix run together and share its blocks
+    instead of evicting each other's (the eviction benchmark, where the pool holds a third
+    of the prefixes: 22.5 -> 16.7 s, hit rate 0.67 -> 0.72). No request is overtaken more
+    than `cache_aware_window` times. "fcfs" admits in arrival order, as vLLM does.
     """
 
     max_model_len: int
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
-    policy: SchedulingPolicy = "fcfs"
+    policy: SchedulingPolicy = "cache_aware"
     cache_aware_window: int = 64
 
     def __post_init__(self) -> None:

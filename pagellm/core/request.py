@@ -79,6 +79,9 @@ class Request:
         # Tokens served from the prefix cache at first admission; -1 until looked up.
         self.num_cached_tokens = -1
         self.num_preemptions = 0
+        # Later arrivals admitted before this request while it waited (see the scheduler's
+        # cache-aware policy, which bounds it).
+        self.num_overtaken = 0
         self.stop_reason: int | str | None = None
         self._hasher = hasher
         self._hash_root = hasher.root(cache_salt, adapter)

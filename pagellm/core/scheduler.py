@@ -15,6 +15,7 @@ from the leader's logits.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -142,7 +143,8 @@ class Scheduler:
             # Only a block the request could hit next step is worth waiting for: the last
             # prompt token is always computed, so a hit never reaches past this.
             max_hit_blocks = (request.num_tokens - 1) // self.kv_cache.block_size
-            if next_block < max_hit_blocks and request.block_hashes[next_block] in in_flight:
+            if (next_block < max_hit_blocks and request.block_hashes[next_block] in in_flight
+                    and not self._overdue(request)):
                 continue
             num_new = min(request.num_tokens - num_cached, budget)
             # One free block kept per running request for its next block: admitting into
@@ -150,7 +152,7 @@ class Scheduler:
             # later is slower than waiting for a request to finish.
             if self.kv_cache.allocate(request, num_new, hits, reserve=len(self.running)) is None:
                 break
-            self.waiting.remove(request)
+            self._take_from_waiting(request)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
                 if logger.isEnabledFor(logging.DEBUG):
@@ -184,18 +186,39 @@ class Scheduler:
         last = (request.num_computed_tokens + num_new) // size
         return request.block_hashes[first:last]
 
+    def _take_from_waiting(self, request: Request) -> None:
+        """Removes an admitted request from the queue; everyone still ahead of it was
+        overtaken once more."""
+        position = self.waiting.index(request)
+        for ahead in itertools.islice(self.waiting, position):
+            ahead.num_overtaken += 1
+        del self.waiting[position]
+
+    def _overdue(self, request: Request) -> bool:
+        """Overtaken as often as the cache-aware policy allows: it goes next, and does not
+        even wait a step for a block another request is computing."""
+        return (self.config.policy == "cache_aware"
+                and request.num_overtaken >= self.config.cache_aware_window)
+
     def _waiting_in_policy_order(self) -> list[Request]:
         """FCFS: queue order. Cache-aware: within the first `cache_aware_window` requests,
-        the longest cached prefix first (ties keep queue order). Preempted requests always
-        go first: they hold outputs a client is waiting on."""
+        the longest cached prefix first (ties keep queue order), so requests on a prefix
+        in the pool run together before it is evicted, and share its blocks while they do.
+
+        Preempted requests always go first: they hold outputs a client is waiting on. So
+        does, in queue order, a request already overtaken `cache_aware_window` times: a
+        stream of cache hits must not starve a request whose prefix is cold.
+        """
         waiting = list(self.waiting)
         if self.config.policy == "fcfs" or not waiting:
             return waiting
-        window = waiting[: self.config.cache_aware_window]
-        preempted = [r for r in window if r.status is RequestStatus.PREEMPTED]
-        fresh = [r for r in window if r.status is not RequestStatus.PREEMPTED]
-        fresh.sort(key=lambda r: -self.kv_cache.find_cached_prefix(r)[1])
-        return preempted + fresh + waiting[self.config.cache_aware_window :]
+        limit = self.config.cache_aware_window
+        window = waiting[:limit]
+        first = [r for r in window if r.status is RequestStatus.PREEMPTED or self._overdue(r)]
+        chosen = set(first)
+        rest = [r for r in window if r not in chosen]
+        rest.sort(key=lambda r: -self.kv_cache.find_cached_prefix(r)[1])
+        return first + rest + waiting[limit:]
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         samples = request.num_computed_tokens + num_new == request.num_tokens

@@ -49,7 +49,7 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
-    scheduling_policy: SchedulingPolicy = "fcfs"
+    scheduling_policy: SchedulingPolicy = "cache_aware"
     attention_backend: str | None = None
     cache_dir: Path | None = None
     seed: int = 0

@@ -744,6 +744,24 @@ def test_cache_aware_window_limits_the_reordering() -> None:
     d.run()
 
 
+def test_cache_aware_does_not_starve_a_cold_request() -> None:
+    """A stream of cache hits arriving behind a cold request overtakes it at most
+    `cache_aware_window` times; then it runs."""
+    d = Driver(max_num_seqs=1, policy="cache_aware")
+    d.sched.config.cache_aware_window = 3
+    shared = prompt_of(34, 8)
+    d.add("warm", shared + [1], max_tokens=1)
+    d.run()
+    (cold,) = d.add("cold", prompt_of(35, 9), max_tokens=1)
+    admitted = []
+    for i in range(6):
+        d.add(f"hot{i}", shared + [2, i], max_tokens=1)
+        admitted += [s.request.request_id for s in d.step().scheduled]
+    d.run()
+    assert admitted[:4] == ["hot0", "hot1", "hot2", "cold"]
+    assert cold.num_overtaken == 3
+
+
 @pytest.mark.parametrize("policy", ["fcfs", "cache_aware"])
 def test_preempted_requests_go_first(policy: str) -> None:
     d = Driver(num_blocks=4, max_num_seqs=2, max_num_batched_tokens=3, policy=policy)

@@ -246,6 +246,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         for req in sched.waiting:
             assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert req.num_computed_tokens == 0
+            if self.config.policy == "cache_aware":
+                # Overtaken at most `window` times, give or take one admission round.
+                assert req.num_overtaken < self.config.cache_aware_window + self.config.max_num_seqs
         assert set(kv.req_to_blocks) == running
         holders = Counter(b.block_id for bl in kv.req_to_blocks.values() for b in bl)
         queue = {b.block_id for b in pool.free_queue}
