@@ -11,12 +11,13 @@ import argparse
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from pagellm.bench.compare import PAGELLM, PAGELLM_NOCACHE
 from pagellm.bench.report import write_report
 from pagellm.bench.suite import CONTENDERS, BenchOptions, build_report, run_comparison
 from pagellm.bench.workloads import WORKLOAD_NAMES, build_workload
+from pagellm.core.config import SchedulingPolicy
 
 _WORKLOAD_OPTIONS = ("num_requests", "prefix_len", "suffix_len", "output_len", "prompt_len",
                      "num_conversations", "num_turns", "system_len", "user_len",
@@ -81,6 +82,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     engine.add_argument("--cache-dir", type=Path, default=None)
     for option in _ENGINE_OPTIONS:
         engine.add_argument("--" + option.replace("_", "-"), type=int, default=None)
+    engine.add_argument("--scheduling-policy", choices=get_args(SchedulingPolicy), default=None,
+                        help="PageLLM's admission order (default: the engine's, cache_aware)")
     return parser
 
 
@@ -89,7 +92,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     from pagellm.engine.config import EngineConfig
     from pagellm.model.resolve import resolve_model_path
 
-    engine_kwargs = {k: getattr(args, k) for k in _ENGINE_OPTIONS
+    engine_kwargs = {k: getattr(args, k) for k in (*_ENGINE_OPTIONS, "scheduling_policy")
                      if getattr(args, k) is not None}
     cache_dir = EngineConfig(cache_dir=args.cache_dir).cache_dir
     return BenchOptions(

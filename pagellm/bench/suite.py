@@ -149,7 +149,7 @@ def _server(name: str, options: BenchOptions, workload: Workload) -> ServerProce
     args: list[str] = []
     flags = {"block_size": "--block-size", "max_num_seqs": "--max-num-seqs",
              "max_num_batched_tokens": "--max-num-batched-tokens",
-             "num_threads": "--num-threads"}
+             "num_threads": "--num-threads", "scheduling_policy": "--scheduling-policy"}
     for key, flag in flags.items():
         if options.engine_kwargs.get(key) is not None:
             args += [flag, str(options.engine_kwargs[key])]

@@ -27,8 +27,10 @@ def test_bench_options_parse_and_bad_ones_are_refused(capsys: pytest.CaptureFixt
     assert args.contenders == ("pagellm", "hf-cb") and args.request_rate == 2.5
     assert args.mode == "offline" and args.prefix_len is None
     assert math.isinf(_parser().parse_args(["bench"]).request_rate)
+    assert _parser().parse_args(["bench"]).scheduling_policy is None  # the engine's default
+    assert _parser().parse_args(["bench", "--scheduling-policy", "fcfs"]).scheduling_policy == "fcfs"
     for bad in (["--contenders", "pagellm,sglang"], ["--request-rate", "0"],
-                ["--workload", "everything"]):
+                ["--workload", "everything"], ["--scheduling-policy", "lifo"]):
         with pytest.raises(SystemExit):
             _parser().parse_args(["bench", *bad])
     assert "sglang" in capsys.readouterr().err
@@ -40,11 +42,13 @@ def test_tiny_offline_comparison_reports_sane_numbers(tmp_path: Path, model_dir:
     args = _parser().parse_args([
         "bench", "--workload", "shared-prefix", "--num-requests", "3", "--prefix-len", "64",
         "--suffix-len", "8", "--output-len", "3", "--max-num-seqs", "1",
+        "--scheduling-policy", "fcfs",
         "--kv-cache-memory-bytes", str(64 << 20), "--hf-batch-size", "2",
         "--contenders", "pagellm,pagellm-nocache,hf-generate", "--output-dir", str(out)])
     assert run_bench(args) == 0
     data = json.loads((out / "results.json").read_text())
     (comparison,) = data["comparisons"]
+    assert data["meta"]["engine settings"]["scheduling_policy"] == "fcfs"
     runs = {r["contender"]: r for r in comparison["runs"]}
     assert set(runs) == {"pagellm", "pagellm-nocache", "hf-generate"}
     for run in runs.values():
@@ -69,3 +73,16 @@ def test_tiny_offline_comparison_reports_sane_numbers(tmp_path: Path, model_dir:
     assert (out / "results.md").read_text().count("| pagellm") >= 2
     for name in ("throughput.png", "ttft.png", "hit_rate.png"):
         assert (out / name).stat().st_size > 0
+
+
+def test_engine_options_reach_the_pagellm_server(tmp_path: Path) -> None:
+    """Online runs start a server: its command line carries the engine options."""
+    from pagellm.bench.suite import BenchOptions, _server
+    from pagellm.bench.workloads import Workload
+
+    options = BenchOptions(model_dir=tmp_path, contenders=("pagellm",),
+                           engine_kwargs={"scheduling_policy": "fcfs", "max_num_seqs": 4})
+    workload = Workload("shared-prefix", {}, 2, prompts=((1, 2, 3),))
+    command = _server("pagellm", options, workload).command
+    assert command[command.index("--scheduling-policy") + 1] == "fcfs"
+    assert command[command.index("--max-num-seqs") + 1] == "4"
