@@ -407,45 +407,31 @@ def test_unknown_backend_names_the_choices() -> None:
         get_attention_backend("flash_nonexistent")
 
 
-def test_lone_prefill_chunks_take_the_causal_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the kernels, one request's prompt chunk (fresh or after its context) is read
-    in place by the causal prefill kernel, and several requests sharing a prefix still
-    attend it once through the prefix kernel."""
-    calls: dict[str, int] = {"prefill": 0, "prefix": 0}
+def test_prompt_chunks_take_one_prefill_kernel_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the kernels, every prompt chunk of a step, alone or several, fresh or after
+    its context, sharing a prefix or not, beside decodes or not, is attended by one call
+    of the prefill kernel per layer, and the result is the reference's."""
+    calls: list[int] = []
     prefill = TorchBatchedBackend._prefill_with_kernel
-    prefix = TorchBatchedBackend._attend_prefix
 
-    def counting_prefill(*args: Any) -> Any:
-        calls["prefill"] += 1
+    def counting(*args: Any) -> Any:
+        calls.append(int(args[2].lens.numel()))
         return prefill(*args)
 
-    def counting_prefix(self: TorchBatchedBackend, *args: Any) -> Any:
-        calls["prefix"] += 1
-        return prefix(self, *args)
-
-    monkeypatch.setattr(TorchBatchedBackend, "_prefill_with_kernel",
-                        staticmethod(counting_prefill))
-    monkeypatch.setattr(TorchBatchedBackend, "_attend_prefix", counting_prefix)
-    for seed, shapes in enumerate([[(0, 70)], [(40, 9)], [(37, 12)], [(130, 66)]]):
-        before = calls["prefill"]
-        check(KERNELS, make_case(seed, shapes, block_size=[4, 16, 1, 64][seed], head_dim=64))
-        assert calls["prefill"] > before
-    check(KERNELS, make_case(5, [(32, 5), (44, 3)], block_size=4, head_dim=64, shared_blocks=8))
-    assert calls["prefix"] > 0
-
-
-def test_causal_kernel_rejects_rows_that_are_not_whole_groups() -> None:
-    if not kernels_loaded():
-        pytest.skip("the CPU kernels cannot be built or run on this machine")
-    cache = torch.zeros(2, 4, 16, 2, 64)
-    with pytest.raises(RuntimeError, match="whole groups"):
-        torch.ops.pagellm.paged_prefix_attention(
-            torch.randn(2, 5, 64), cache[0], cache[1], torch.zeros(2, dtype=torch.int32),
-            0.125, 0, 2)
-    with pytest.raises(RuntimeError, match="contiguous heads"):
-        torch.ops.pagellm.paged_prefix_attention(
-            torch.randn(4, 2, 64).transpose(0, 1), cache[0], cache[1],
-            torch.zeros(2, dtype=torch.int32), 0.125, 0, 2)
+    monkeypatch.setattr(TorchBatchedBackend, "_prefill_with_kernel", staticmethod(counting))
+    cases = [
+        ([(0, 70)], 4, 0, 1),
+        ([(40, 9)], 16, 0, 1),
+        ([(37, 12), (0, 5), (20, 1)], 1, 0, 2),  # two chunks beside a decode
+        ([(130, 66)], 64, 0, 1),
+        ([(32, 5), (44, 3)], 4, 8, 2),  # sharing a prefix: no cascade
+        ([(32, 5), (40, 1), (44, 3), (33, 1)], 4, 8, 2),
+    ]
+    for seed, (shapes, block_size, shared, chunks) in enumerate(cases):
+        calls.clear()
+        check(KERNELS, make_case(seed, shapes, block_size=block_size, head_dim=64,
+                                 shared_blocks=shared))
+        assert calls and set(calls) == {chunks}
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -471,8 +457,8 @@ def test_prefix_kernel_over_many_key_chunks_is_exact(head_dim: int, block_size: 
     for rows, context in ((1, -1), (40, -1), (100, -1), (9, 90), (150, n_keys - 50), (48, 0)):
         q = torch.randn(kv_heads, rows, head_dim, generator=gen) + 1.0
         if context < 0:
-            out, lse = torch.ops.pagellm.paged_prefix_attention(
-                q, cache[0], cache[1], blocks, 0.5, context, group)
+            out, lse = torch.ops.pagellm.paged_prefix_attention(q, cache[0], cache[1], blocks,
+                                                                0.5)
         else:
             # A causal chunk is read and written as the model lays out queries, [Q, H, D],
             # here a strided view of a wider tensor (as of the fused qkv output).
@@ -480,8 +466,9 @@ def test_prefix_kernel_over_many_key_chunks_is_exact(head_dim: int, block_size: 
             model_q = wide[:, 2 : 2 + kv_heads * group]
             model_q.copy_(q.view(kv_heads, rows // group, group, head_dim).transpose(0, 1)
                           .reshape(rows // group, kv_heads * group, head_dim))
-            model_out, lse = torch.ops.pagellm.paged_prefix_attention(
-                model_q, cache[0], cache[1], blocks, 0.5, context, group)
+            model_out, lse = torch.ops.pagellm.paged_prefill_attention(
+                model_q, cache[0], cache[1], blocks[None], torch.tensor([0]),
+                torch.tensor([rows // group]), torch.tensor([context]), 0.5, group)
             assert model_out.shape == model_q.shape
             out = (model_out.view(rows // group, kv_heads, group, head_dim).transpose(0, 1)
                    .reshape(kv_heads, rows, head_dim))
@@ -494,6 +481,86 @@ def test_prefix_kernel_over_many_key_chunks_is_exact(head_dim: int, block_size: 
         torch.testing.assert_close(out.double(), expected, atol=5e-5, rtol=1e-4)
         torch.testing.assert_close(lse.double(), torch.logsumexp(scores, -1), atol=1e-5,
                                    rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+def test_prefill_kernel_attends_every_chunk_causally(head_dim: int, block_size: int) -> None:
+    """One call for every prompt chunk of a step: requests with and without context, of
+    one query to several row tiles, their queries at scattered rows of a strided [T, H, D]
+    view (as of the fused qkv output), each against its own table; float64 reference,
+    log-sum-exp included, and the same bits on one thread as on several."""
+    if not kernels_loaded():
+        pytest.skip("the CPU kernels cannot be built or run on this machine")
+    gen = torch.Generator().manual_seed(block_size * 1000 + head_dim)
+    kv_heads, group, width = 2, 3, 24
+    cache = torch.randn(2, 400, block_size, kv_heads, head_dim, generator=gen)
+    cases = [(0, 1), (0, 70), (33, 1), (40, 9), (130, 66), (7, 30)]  # (context, queries)
+    pool = torch.randperm(400, generator=gen).to(torch.int32)
+    tables = torch.zeros(len(cases), width * 16 // block_size + 1, dtype=torch.int32)
+    used = 0
+    for r, (context, n) in enumerate(cases):
+        need = -(-(context + n) // block_size)
+        tables[r, :need] = pool[used : used + need]
+        used += need
+    # Rows of the batch: decodes and padding between the chunks, which must stay unread.
+    starts = torch.tensor([3, 5, 80, 90, 101, 170])
+    lens = torch.tensor([n for _, n in cases])
+    contexts = torch.tensor([c for c, _ in cases])
+    wide = torch.randn(200, kv_heads * group + 4, head_dim, generator=gen)
+    q = wide[:, 1 : 1 + kv_heads * group]
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n_threads in (1, 2, 3):
+            torch.set_num_threads(n_threads)
+            results.append(torch.ops.pagellm.paged_prefill_attention(
+                q, cache[0], cache[1], tables, starts, lens, contexts, 0.3, group))
+    finally:
+        torch.set_num_threads(threads)
+    for out_other, lse_other in results[1:]:
+        assert torch.equal(out_other, results[0][0]) and torch.equal(lse_other, results[0][1])
+    out, lse = results[0]
+    assert out.shape == (int(lens.sum()), kv_heads * group, head_dim)
+    first = 0
+    for r, (context, n) in enumerate(cases):
+        blocks = tables[r, : -(-(context + n) // block_size)].long()
+        k, v = (cache[i][blocks].flatten(0, 1)[: context + n].double() for i in range(2))
+        rows = q[starts[r] : starts[r] + n].double().view(n, kv_heads, group, head_dim)
+        scores = torch.einsum("qhgd,khd->hqgk", rows, k) * 0.3
+        visible = torch.arange(context + n) <= context + torch.arange(n)[:, None]
+        scores = scores.masked_fill(~visible[None, :, None], float("-inf"))
+        expected = torch.einsum("hqgk,khd->qhgd", scores.softmax(-1), v)
+        got = out[first : first + n].view(n, kv_heads, group, head_dim).double()
+        torch.testing.assert_close(got, expected, atol=5e-5, rtol=1e-4)
+        own_lse = lse[:, first * group : (first + n) * group].view(kv_heads, n, group)
+        torch.testing.assert_close(own_lse.double(), torch.logsumexp(scores, -1),
+                                   atol=1e-5, rtol=1e-5)
+        first += n
+
+
+def test_prefill_kernel_rejects_bad_inputs() -> None:
+    if not kernels_loaded():
+        pytest.skip("the CPU kernels cannot be built or run on this machine")
+    cache = torch.zeros(2, 4, 16, 2, 64)
+    tables = torch.zeros(1, 2, dtype=torch.int32)
+
+    def call(q: torch.Tensor, starts: list[int], lens: list[int], contexts: list[int],
+             group: int = 2) -> None:
+        torch.ops.pagellm.paged_prefill_attention(
+            q, cache[0], cache[1], tables, torch.tensor(starts), torch.tensor(lens),
+            torch.tensor(contexts), 0.125, group)
+
+    with pytest.raises(RuntimeError, match="whole groups"):
+        call(torch.randn(4, 5, 64), [0], [2], [0])
+    with pytest.raises(RuntimeError, match="contiguous heads"):
+        call(torch.randn(4, 4, 64).transpose(0, 1), [0], [2], [0])
+    with pytest.raises(RuntimeError, match="out of range"):
+        call(torch.randn(4, 4, 64), [3], [2], [0])  # queries past the batch
+    with pytest.raises(RuntimeError, match="out of range"):
+        call(torch.randn(4, 4, 64), [0], [4], [30])  # keys past the table
+    with pytest.raises(RuntimeError, match="out of range"):
+        call(torch.randn(4, 4, 64), [0], [0], [0])  # an empty chunk
 
 
 def test_prefix_kernel_results_do_not_depend_on_the_threads() -> None:
@@ -514,8 +581,9 @@ def test_prefix_kernel_results_do_not_depend_on_the_threads() -> None:
         for n in (1, 2, 3):
             torch.set_num_threads(n)
             results.append((
-                torch.ops.pagellm.paged_prefix_attention(
-                    causal_q, cache[0], cache[1], blocks, 0.125, 70 * 16 - 300, 3),
+                torch.ops.pagellm.paged_prefill_attention(
+                    causal_q, cache[0], cache[1], blocks[None], torch.tensor([0]),
+                    torch.tensor([300]), torch.tensor([70 * 16 - 300]), 0.125, 3),
                 torch.ops.pagellm.paged_prefix_attention(
                     shared_q, cache[0], cache[1], blocks, 0.125),
                 torch.ops.pagellm.paged_prefix_attention(

@@ -27,6 +27,7 @@
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 namespace {
 
@@ -459,8 +460,9 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention(
 }
 
 // Many queries against one run of keys: every query of every request of a cascade group
-// against their shared prefix (`blocks`, whole blocks), or one request's prompt chunk
-// against its context and itself (causal). Keys and values are read in place.
+// against their shared prefix (`blocks`, whole blocks), or a request's prompt chunk
+// against its context and itself (causal, paged_prefill_attention). Keys and values are
+// read in place.
 //
 // Both products are register-blocked like a GEMM, with no transposed copy of the keys and
 // no horizontal sums: scores are computed key-major (a key's scalar broadcast against 16
@@ -717,22 +719,12 @@ PrefixFn pick_prefix_rows(int64_t rows) {
 }
 
 // q [Hkv, M, D]; k_cache, v_cache [N, B, Hkv, D]; blocks [nb] int32. Returns out
-// [Hkv, M, D], lse [Hkv, M]. With `causal_context` >= 0, q is one request's queries
-// [Q, Hkv * group, D] as the model lays them out (queries may be strided, as in the
-// fused qkv output; each query's heads contiguous), query i at position
-// causal_context + i seeing keys 0 .. causal_context + i (a prefill chunk after its
-// context, read in place with its own new keys); out is then [Q, Hkv * group, D] and
-// lse [Hkv, Q * group], so no transposed copy is made on either side.
+// [Hkv, M, D], lse [Hkv, M].
 std::tuple<at::Tensor, at::Tensor> paged_prefix_attention(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-    const at::Tensor& blocks, double scale, int64_t causal_context, int64_t group) {
-  const bool causal = causal_context >= 0;
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat &&
-                  (causal ? q.stride(2) == 1 && (q.size(1) == 1 || q.stride(1) == q.size(2)) &&
-                                (q.size(0) == 1 || q.stride(0) >= q.size(1) * q.size(2))
-                          : q.is_contiguous()),
-              "paged_prefix_attention: q must be float32 [Hkv, M, D], contiguous, or with a "
-              "causal context [Q, H, D] with contiguous heads");
+    const at::Tensor& blocks, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
+              "paged_prefix_attention: q must be contiguous float32 [Hkv, M, D]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat &&
                   k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
                   v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
@@ -740,17 +732,13 @@ std::tuple<at::Tensor, at::Tensor> paged_prefix_attention(
   TORCH_CHECK(blocks.dim() == 1 && blocks.scalar_type() == at::kInt && blocks.is_contiguous() &&
                   blocks.numel() >= 1,
               "paged_prefix_attention: blocks must be a non-empty int32 vector");
-  TORCH_CHECK(group >= 1 && (!causal || q.size(1) % group == 0),
-              "paged_prefix_attention: rows must be whole groups of query heads");
   const int64_t dim = q.size(2), block_size = k_cache.size(1);
-  const int64_t kv_heads = causal ? q.size(1) / group : q.size(0);
-  const int64_t rows = causal ? q.size(0) * group : q.size(1);
+  const int64_t kv_heads = q.size(0), rows = q.size(1);
   TORCH_CHECK(k_cache.size(2) == kv_heads && k_cache.size(3) == dim,
               "paged_prefix_attention: shapes do not match");
   TORCH_CHECK(dim == 64 || dim == 128, "paged_prefix_attention: ", dim,
               " dims are not supported");
-  at::Tensor out = causal ? at::empty({q.size(0), q.size(1), dim}, q.options())
-                          : at::empty({kv_heads, rows, dim}, q.options());
+  at::Tensor out = at::empty({kv_heads, rows, dim}, q.options());
   at::Tensor lse = at::empty({kv_heads, rows}, q.options());
   const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
@@ -771,7 +759,7 @@ std::tuple<at::Tensor, at::Tensor> paged_prefix_attention(
   const int64_t tiles = (rows + kPrefixRowTile - 1) / kPrefixRowTile;
   const int64_t tile_rows = ((rows + tiles - 1) / tiles + 15) / 16 * 16;
   const int64_t n_blocks = blocks.numel(), tasks = kv_heads * tiles;
-  const int64_t splits = causal || tasks >= kMinPrefixTasks
+  const int64_t splits = tasks >= kMinPrefixTasks
       ? 1 : std::min(n_blocks, (kMinPrefixTasks + tasks - 1) / tasks);
   at::Tensor part_out, part_lse;
   if (splits > 1) {
@@ -781,28 +769,19 @@ std::tuple<at::Tensor, at::Tensor> paged_prefix_attention(
   float* pop = splits > 1 ? part_out.data_ptr<float>() : nullptr;
   float* plp = splits > 1 ? part_lse.data_ptr<float>() : nullptr;
   // Tasks go head by head, so a thread's next task mostly reads the keys its last one
-  // left in L2, and last tile first within a head: under a causal mask the last tiles see
-  // the most keys, and a head's short tasks even out the end.
+  // left in L2.
   for_each_task(tasks * splits, [&](int64_t i) {
     const int64_t split = i % splits, task = i / splits;
-    const int64_t h = task / tiles, r0 = (tiles - 1 - task % tiles) * tile_rows;
+    const int64_t h = task / tiles, r0 = (task % tiles) * tile_rows;
     const int64_t n = std::min(tile_rows, rows - r0);  // >= 1: (tiles - 1) * 64 < rows
-    int64_t tile_limits[kPrefixRowTile];
-    const int64_t* limits = nullptr;
-    if (causal) {
-      for (int64_t j = 0; j < n; ++j) tile_limits[j] = causal_context + (r0 + j) / group + 1;
-      limits = tile_limits;
-    }
-    // A head's rows: its group's slice of every query (causal), or a contiguous run.
-    const RowLayout layout = causal ? RowLayout{group, q.stride(0), out.stride(0)}
-                                    : RowLayout{1, dim, dim};
-    const int64_t head_offset = causal ? h * group * dim : h * rows * dim;
+    const RowLayout layout{1, dim, dim};  // a head's rows are one contiguous run
+    const int64_t head_offset = h * rows * dim;
     const PrefixFn fn = dim == 64 ? pick_prefix_rows<4>(n) : pick_prefix_rows<8>(n);
     const int64_t b0 = n_blocks * split / splits, b1 = n_blocks * (split + 1) / splits;
     float* o = splits > 1 ? pop + split * kv_heads * rows * dim + head_offset : op + head_offset;
     float* l = splits > 1 ? plp + split * kv_heads * rows + h * rows + r0 : lp + h * rows + r0;
     fn(qp + head_offset, r0, n, layout, sc, kp + h * dim, vp + h * dim, bp + b0,
-       (b1 - b0) * block_size, block_size, block_stride, token_stride, limits, o, l);
+       (b1 - b0) * block_size, block_size, block_stride, token_stride, nullptr, o, l);
   });
   if (splits > 1) {
     const int64_t part_stride = kv_heads * rows;
@@ -826,6 +805,100 @@ std::tuple<at::Tensor, at::Tensor> paged_prefix_attention(
       lp[row] = top + std::log(total);
     }
   }
+  return {out, lse};
+}
+
+// Every prompt chunk of a step in one call: request r's queries are rows starts[r] ..
+// starts[r] + lens[r] of q [T, H, D] (the model's layout: rows may be strided, each
+// query's heads contiguous), at positions contexts[r] + i, each seeing keys 0 ..
+// contexts[r] + i of its row of `tables` [R, W] int32, read in place. Returns out
+// [sum(lens), H, D], request after request, and lse [Hkv, sum(lens) * group].
+// Why: a step's chunks had gone through one padded SDPA call per shape bucket (keys
+// gathered, an additive mask, padded rows and keys computed and thrown away), or a cascade
+// of the shared prefix plus each request's own keys merged by log-sum-exp. Here each
+// (request, kv head, row tile) is a task of the prefix kernel, with no copy, padding or
+// merge; on prompt chunks, compute-bound, reading a shared prefix once per request costs
+// nothing measurable.
+std::tuple<at::Tensor, at::Tensor> paged_prefill_attention(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& tables, const at::Tensor& starts, const at::Tensor& lens,
+    const at::Tensor& contexts, double scale, int64_t group) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 &&
+                  (q.size(1) == 1 || q.stride(1) == q.size(2)),
+              "paged_prefill_attention: q must be float32 [T, H, D] with contiguous heads");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat &&
+                  k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
+              "paged_prefill_attention: caches must be contiguous float32 [N, B, Hkv, D]");
+  TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == at::kInt && tables.is_contiguous(),
+              "paged_prefill_attention: tables must be contiguous int32 [R, W]");
+  const int64_t requests = tables.size(0);
+  for (const at::Tensor* t : {&starts, &lens, &contexts}) {
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == requests && t->scalar_type() == at::kLong &&
+                    t->is_contiguous(),
+                "paged_prefill_attention: starts, lens and contexts must be int64 [R]");
+  }
+  TORCH_CHECK(group >= 1 && q.size(1) % group == 0,
+              "paged_prefill_attention: rows must be whole groups of query heads");
+  const int64_t dim = q.size(2), block_size = k_cache.size(1), kv_heads = q.size(1) / group;
+  TORCH_CHECK(k_cache.size(2) == kv_heads && k_cache.size(3) == dim,
+              "paged_prefill_attention: shapes do not match");
+  TORCH_CHECK(dim == 64 || dim == 128, "paged_prefill_attention: ", dim,
+              " dims are not supported");
+  const int64_t* sp = starts.data_ptr<int64_t>();
+  const int64_t* np = lens.data_ptr<int64_t>();
+  const int64_t* cp = contexts.data_ptr<int64_t>();
+  std::vector<int64_t> first(requests + 1, 0);  // each request's first output row
+  for (int64_t r = 0; r < requests; ++r) {
+    TORCH_CHECK(np[r] >= 1 && sp[r] >= 0 && sp[r] + np[r] <= q.size(0) && cp[r] >= 0 &&
+                    cp[r] + np[r] <= tables.size(1) * block_size,
+                "paged_prefill_attention: request ", r, " has queries or keys out of range");
+    first[r + 1] = first[r] + np[r];
+  }
+  const int64_t total = first[requests];
+  at::Tensor out = at::empty({total, q.size(1), dim}, q.options());
+  at::Tensor lse = at::empty({kv_heads, total * group}, q.options());
+  // (request, kv head, first row, rows): requests with the most keys first, so the
+  // longest tasks are not left for last; then as paged_prefix_attention orders a
+  // request's tiles (head by head, last tile first).
+  struct Task {
+    int64_t r, h, r0, n;
+  };
+  std::vector<int64_t> order(requests);
+  for (int64_t r = 0; r < requests; ++r) order[r] = r;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return cp[a] + np[a] > cp[b] + np[b]; });
+  std::vector<Task> tasks;
+  for (const int64_t r : order) {
+    const int64_t rows = np[r] * group;
+    const int64_t tiles = (rows + kPrefixRowTile - 1) / kPrefixRowTile;
+    const int64_t tile_rows = ((rows + tiles - 1) / tiles + 15) / 16 * 16;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      for (int64_t t = tiles - 1; t >= 0; --t) {
+        tasks.push_back({r, h, t * tile_rows, std::min(tile_rows, rows - t * tile_rows)});
+      }
+    }
+  }
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
+  float* op = out.data_ptr<float>();
+  float* lp = lse.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  const int64_t token_stride = kv_heads * dim, block_stride = block_size * token_stride;
+  const RowLayout layout{group, q.stride(0), out.stride(0)};
+  for_each_task(static_cast<int64_t>(tasks.size()), [&](int64_t i) {
+    const Task& t = tasks[i];
+    int64_t limits[kPrefixRowTile];
+    for (int64_t j = 0; j < t.n; ++j) limits[j] = cp[t.r] + (t.r0 + j) / group + 1;
+    const PrefixFn fn = dim == 64 ? pick_prefix_rows<4>(t.n) : pick_prefix_rows<8>(t.n);
+    const int64_t head = t.h * group * dim;
+    fn(qp + sp[t.r] * q.stride(0) + head, t.r0, t.n, layout, sc, kp + t.h * dim,
+       vp + t.h * dim, tp + t.r * tables.size(1), cp[t.r] + np[t.r], block_size, block_stride,
+       token_stride, limits, op + first[t.r] * out.stride(0) + head,
+       lp + t.h * total * group + first[t.r] * group + t.r0);
+  });
   return {out, lse};
 }
 
@@ -877,12 +950,16 @@ TORCH_LIBRARY_FRAGMENT(pagellm, m) {
         "Tensor lens, float scale, Tensor? prior_out=None, Tensor? prior_lse=None) "
         "-> (Tensor, Tensor)");
   m.def("paged_prefix_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor blocks, "
-        "float scale, int causal_context=-1, int group=1) -> (Tensor, Tensor)");
+        "float scale) -> (Tensor, Tensor)");
+  m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, "
+        "Tensor starts, Tensor lens, Tensor contexts, float scale, int group) "
+        "-> (Tensor, Tensor)");
   m.def("write_kv_cache_(Tensor(a!) kv_cache, Tensor key, Tensor value, Tensor slots) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("paged_prefix_attention", &paged_prefix_attention);
+  m.impl("paged_prefill_attention", &paged_prefill_attention);
   m.impl("write_kv_cache_", &write_kv_cache_);
 }
