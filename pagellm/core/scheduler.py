@@ -152,7 +152,7 @@ class Scheduler:
             # later is slower than waiting for a request to finish.
             if self.kv_cache.allocate(request, num_new, hits, reserve=len(self.running)) is None:
                 break
-            self._take_from_waiting(request)
+            now_due = self._take_from_waiting(request)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
                 if logger.isEnabledFor(logging.DEBUG):
@@ -166,6 +166,8 @@ class Scheduler:
             scheduled.append(self._scheduled(request, num_new))
             in_flight.update(self._new_full_blocks(request, num_new))
             budget -= num_new
+            if now_due:
+                break  # the order was built before it was due: it goes first next step
         return budget
 
     def _blocks_in_flight(self, scheduled: list[ScheduledRequest]) -> set[BlockHash]:
@@ -186,13 +188,16 @@ class Scheduler:
         last = (request.num_computed_tokens + num_new) // size
         return request.block_hashes[first:last]
 
-    def _take_from_waiting(self, request: Request) -> None:
+    def _take_from_waiting(self, request: Request) -> bool:
         """Removes an admitted request from the queue; everyone still ahead of it was
-        overtaken once more."""
+        overtaken once more. True when that made one of them due (see `_overdue`)."""
         position = self.waiting.index(request)
+        now_due = False
         for ahead in itertools.islice(self.waiting, position):
             ahead.num_overtaken += 1
+            now_due = now_due or self._overdue(ahead)
         del self.waiting[position]
+        return now_due
 
     def _overdue(self, request: Request) -> bool:
         """Overtaken as often as the cache-aware policy allows: it goes next, and does not

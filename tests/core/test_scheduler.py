@@ -762,6 +762,23 @@ def test_cache_aware_does_not_starve_a_cold_request() -> None:
     assert cold.num_overtaken == 3
 
 
+def test_cache_aware_bound_holds_within_one_step() -> None:
+    """Hits admitted in one step behind a cold request: the step stops admitting once the
+    cold one is due, so it is never overtaken more than the window."""
+    d = Driver(max_num_seqs=8, max_num_batched_tokens=12, policy="cache_aware")
+    d.sched.config.cache_aware_window = 3
+    shared = prompt_of(36, 8)
+    d.add("warm", shared + [1], max_tokens=1)
+    d.run()
+    (cold,) = d.add("cold", prompt_of(37, 9), max_tokens=1)
+    for i in range(8):
+        d.add(f"hot{i}", shared + [2, i, 3, 4, 5, 6], max_tokens=1)  # 6 new tokens each
+    steps = [[s.request.request_id for s in d.step().scheduled] for _ in range(3)]
+    assert steps[0] == ["hot0", "hot1"] and steps[1] == ["hot2"]
+    assert steps[2][0] == "cold" and cold.num_overtaken == 3
+    d.run()
+
+
 @pytest.mark.parametrize("policy", ["fcfs", "cache_aware"])
 def test_preempted_requests_go_first(policy: str) -> None:
     d = Driver(num_blocks=4, max_num_seqs=2, max_num_batched_tokens=3, policy=policy)

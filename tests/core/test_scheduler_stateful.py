@@ -247,8 +247,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert req.num_computed_tokens == 0
             if self.config.policy == "cache_aware":
-                # Overtaken at most `window` times, give or take one admission round.
-                assert req.num_overtaken < self.config.cache_aware_window + self.config.max_num_seqs
+                assert req.num_overtaken <= self.config.cache_aware_window
         assert set(kv.req_to_blocks) == running
         holders = Counter(b.block_id for bl in kv.req_to_blocks.values() for b in bl)
         queue = {b.block_id for b in pool.free_queue}

@@ -561,6 +561,10 @@ def test_prefill_kernel_rejects_bad_inputs() -> None:
         call(torch.randn(4, 4, 64), [0], [4], [30])  # keys past the table
     with pytest.raises(RuntimeError, match="out of range"):
         call(torch.randn(4, 4, 64), [0], [0], [0])  # an empty chunk
+    tables[0, 1] = 4  # the cache has blocks 0-3
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        call(torch.randn(4, 4, 64), [0], [2], [20])  # reads block 1 of the table
+    call(torch.randn(4, 4, 64), [0], [2], [10])  # block 0 only: fine
 
 
 def test_prefix_kernel_results_do_not_depend_on_the_threads() -> None:

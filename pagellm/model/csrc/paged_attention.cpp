@@ -848,19 +848,26 @@ std::tuple<at::Tensor, at::Tensor> paged_prefill_attention(
   const int64_t* sp = starts.data_ptr<int64_t>();
   const int64_t* np = lens.data_ptr<int64_t>();
   const int64_t* cp = contexts.data_ptr<int64_t>();
+  const int32_t* tp = tables.data_ptr<int32_t>();
   std::vector<int64_t> first(requests + 1, 0);  // each request's first output row
   for (int64_t r = 0; r < requests; ++r) {
-    TORCH_CHECK(np[r] >= 1 && sp[r] >= 0 && sp[r] + np[r] <= q.size(0) && cp[r] >= 0 &&
-                    cp[r] + np[r] <= tables.size(1) * block_size,
+    TORCH_CHECK(np[r] >= 1 && sp[r] >= 0 && np[r] <= q.size(0) - sp[r] && cp[r] >= 0 &&
+                    np[r] <= tables.size(1) * block_size - cp[r],
                 "paged_prefill_attention: request ", r, " has queries or keys out of range");
+    for (int64_t b = 0; b < (cp[r] + np[r] + block_size - 1) / block_size; ++b) {
+      const int32_t id = tp[r * tables.size(1) + b];
+      TORCH_CHECK(id >= 0 && id < k_cache.size(0), "paged_prefill_attention: request ", r,
+                  " reads block ", id, ", outside the cache");
+    }
     first[r + 1] = first[r] + np[r];
   }
   const int64_t total = first[requests];
   at::Tensor out = at::empty({total, q.size(1), dim}, q.options());
   at::Tensor lse = at::empty({kv_heads, total * group}, q.options());
   // (request, kv head, first row, rows): requests with the most keys first, so the
-  // longest tasks are not left for last; then as paged_prefix_attention orders a
-  // request's tiles (head by head, last tile first).
+  // longest tasks are not left for last; within a request head by head, so a thread's
+  // next task mostly reads the keys its last one left in L2, and last tile first: the
+  // last tiles see the most keys, and a head's short tasks even out the end.
   struct Task {
     int64_t r, h, r0, n;
   };
@@ -882,7 +889,6 @@ std::tuple<at::Tensor, at::Tensor> paged_prefill_attention(
   const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>();
-  const int32_t* tp = tables.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
   const float sc = static_cast<float>(scale);
