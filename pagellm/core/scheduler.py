@@ -219,11 +219,10 @@ class Scheduler:
             return waiting
         limit = self.config.cache_aware_window
         window = waiting[:limit]
-        first = [r for r in window if r.status is RequestStatus.PREEMPTED or self._overdue(r)]
-        chosen = set(first)
-        rest = [r for r in window if r not in chosen]
-        rest.sort(key=lambda r: -self.kv_cache.find_cached_prefix(r)[1])
-        return first + rest + waiting[limit:]
+        # A stable sort: the urgent ones, then the rest, each in queue order but for hits.
+        window.sort(key=lambda r: (0, 0) if r.status is RequestStatus.PREEMPTED
+                    or self._overdue(r) else (1, -self.kv_cache.find_cached_prefix(r)[1]))
+        return window + waiting[limit:]
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         samples = request.num_computed_tokens + num_new == request.num_tokens

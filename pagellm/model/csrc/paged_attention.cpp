@@ -387,6 +387,14 @@ int64_t kv_heads_per_task(int64_t requests, int64_t kv_heads, int64_t group) {
   return std::max<int64_t>(1, std::min<int64_t>(kv_heads, kMaxTaskHeads / group));
 }
 
+// The paged pool every attention op reads: K and V, each contiguous float32 [N, B, Hkv, D].
+void check_caches(const char* op, const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat &&
+                  k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
+              op, ": caches must be contiguous float32 [N, B, Hkv, D]");
+}
+
 // q [R, H, D]; k_cache, v_cache [N, B, Hkv, D]; block_tables [R, W] int32, row r the
 // blocks of request r's keys from its first; lens [R] keys per request (>= 1).
 // prior_out [Hkv, R * G, D] and prior_lse [Hkv, R * G] (the prefix kernel's layout, G =
@@ -398,10 +406,7 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention(
     const std::optional<at::Tensor>& prior_out, const std::optional<at::Tensor>& prior_lse) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
               "paged_decode_attention: q must be a contiguous float32 [R, H, D] tensor");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat &&
-                  k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
-              "paged_decode_attention: caches must be contiguous float32 [N, B, Hkv, D]");
+  check_caches("paged_decode_attention", k_cache, v_cache);
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt &&
                   block_tables.size(0) == q.size(0) && block_tables.stride(1) == 1,
               "paged_decode_attention: block_tables must be int32 [R, W], rows contiguous");
@@ -725,10 +730,7 @@ std::tuple<at::Tensor, at::Tensor> paged_prefix_attention(
     const at::Tensor& blocks, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
               "paged_prefix_attention: q must be contiguous float32 [Hkv, M, D]");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat &&
-                  k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
-              "paged_prefix_attention: caches must be contiguous float32 [N, B, Hkv, D]");
+  check_caches("paged_prefix_attention", k_cache, v_cache);
   TORCH_CHECK(blocks.dim() == 1 && blocks.scalar_type() == at::kInt && blocks.is_contiguous() &&
                   blocks.numel() >= 1,
               "paged_prefix_attention: blocks must be a non-empty int32 vector");
@@ -826,10 +828,7 @@ std::tuple<at::Tensor, at::Tensor> paged_prefill_attention(
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 &&
                   (q.size(1) == 1 || q.stride(1) == q.size(2)),
               "paged_prefill_attention: q must be float32 [T, H, D] with contiguous heads");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat &&
-                  k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
-              "paged_prefill_attention: caches must be contiguous float32 [N, B, Hkv, D]");
+  check_caches("paged_prefill_attention", k_cache, v_cache);
   TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == at::kInt && tables.is_contiguous(),
               "paged_prefill_attention: tables must be contiguous int32 [R, W]");
   const int64_t requests = tables.size(0);
