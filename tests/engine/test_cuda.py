@@ -1,0 +1,109 @@
+"""The engine on a CUDA device: the same exactness and leak rules as on the CPU.
+
+Skipped where torch sees no GPU (CI has none); `scripts/gpu_check.sh` runs it on one. The
+reference stays transformers on the CPU in float32, so a CUDA run is checked against the
+same numbers the CPU engine is.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pagellm import LLM, SamplingParams
+from tests.engine.conftest import assert_greedy_equal, assert_idle, hf_greedy, make_tiny_model
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+BF16_GAP = 0.25
+"""A bfloat16 run may part from the float32 reference only where the reference's two
+candidate tokens are this close in log-probability (bf16 keeps 8 bits of mantissa)."""
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("cuda") / "llama")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(2, 384) for _ in range(45)]
+    return [prefix + [rng.randrange(2, 384) for _ in range(n)] for n in (1, 7, 16, 30)]
+
+
+def _generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert_idle(llm.llm_engine)
+    return [list(out.outputs[0].token_ids) for out in outputs]
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+@pytest.mark.parametrize("caching", [True, False], ids=["cache-on", "cache-off"])
+def test_float32_matches_cpu_reference(caching: bool, tiny: Path, reference: Any) -> None:
+    llm = LLM(str(tiny), device="cuda", skip_tokenizer_init=True, block_size=8,
+              enable_prefix_caching=caching, kv_cache_memory_bytes=4 << 20)
+    assert llm.llm_engine.kv_cache.tensors[0].device.type == "cuda"
+    prompts = _prompts(3)
+    refs = [hf_greedy(reference, p, 12) for p in prompts]
+    for warm in (False, True):
+        for prompt, ours, ref in zip(prompts, _generate(llm, prompts, _greedy(12)), refs,
+                                     strict=True):
+            assert_greedy_equal(reference, prompt, ours, ref, f"cuda caching={caching} {warm=}")
+    hits = llm.llm_engine.get_stats().prefix_cache_hits
+    assert (hits > 0) == caching
+
+
+def test_preemption_on_cuda(tiny: Path, reference: Any) -> None:
+    """A pool of 14 blocks for four requests that need more: preempted requests resume from
+    the cache and still give the reference's tokens."""
+    llm = LLM(str(tiny), device="cuda", skip_tokenizer_init=True, block_size=8,
+              kv_cache_memory_bytes=512 * 8 * 14)
+    prompts = _prompts(11)[:3]
+    outputs = _generate(llm, prompts, _greedy(24))
+    assert llm.llm_engine.get_stats().num_preemptions > 0
+    for prompt, ours in zip(prompts, outputs, strict=True):
+        assert_greedy_equal(reference, prompt, ours, hf_greedy(reference, prompt, 24),
+                            "cuda preemption")
+
+
+def test_bfloat16_parts_only_at_near_ties(tiny: Path, reference: Any) -> None:
+    llm = LLM(str(tiny), device="cuda", dtype="bfloat16", skip_tokenizer_init=True,
+              block_size=8, kv_cache_memory_bytes=4 << 20)
+    assert llm.llm_engine.kv_cache.tensors[0].dtype == torch.bfloat16
+    prompts = _prompts(5)
+    for prompt, ours in zip(prompts, _generate(llm, prompts, _greedy(8)), strict=True):
+        ref = hf_greedy(reference, prompt, 8)
+        first = next((i for i, (a, b) in enumerate(zip(ours, ref, strict=True)) if a != b),
+                     None)
+        if first is None:
+            continue
+        with torch.no_grad():
+            logits = reference(torch.tensor([prompt + ref[:first]])).logits[0, -1]
+        logprobs = torch.log_softmax(logits, dim=-1)
+        gap = abs(float(logprobs[ours[first]] - logprobs[ref[first]]))
+        assert gap < BF16_GAP, f"bf16 parts from float32 at {first} with gap {gap:.3f}"
+
+
+def test_seeded_sampling_is_reproducible_on_cuda(tiny: Path) -> None:
+    llm = LLM(str(tiny), device="cuda", skip_tokenizer_init=True,
+              kv_cache_memory_bytes=4 << 20)
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=7, max_tokens=16,
+                            ignore_eos=True)
+    prompts = _prompts(9)
+    first = _generate(llm, prompts, params)
+    assert _generate(llm, prompts, params) == first
+    assert len({tuple(tokens) for tokens in first}) > 1
