@@ -107,3 +107,23 @@ def test_seeded_sampling_is_reproducible_on_cuda(tiny: Path) -> None:
     first = _generate(llm, prompts, params)
     assert _generate(llm, prompts, params) == first
     assert len({tuple(tokens) for tokens in first}) > 1
+
+
+def test_shared_prefix_on_cuda_skips_the_cascade(tiny: Path, reference: Any,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU step is bound by kernel launches, so a shared prefix is attended with each
+    request's own keys, not through the CPU's cascade; the tokens still match."""
+    from pagellm.model.attention import TorchBatchedBackend
+
+    def refuse(*args: Any) -> torch.Tensor:
+        raise AssertionError("the cascade ran on CUDA")
+
+    monkeypatch.setattr(TorchBatchedBackend, "_attend_cascade", refuse)
+    llm = LLM(str(tiny), device="cuda", skip_tokenizer_init=True, block_size=8,
+              kv_cache_memory_bytes=4 << 20)
+    prompts = _prompts(17)
+    for warm in (False, True):
+        for prompt, ours in zip(prompts, _generate(llm, prompts, _greedy(10)), strict=True):
+            assert_greedy_equal(reference, prompt, ours, hf_greedy(reference, prompt, 10),
+                                f"cuda shared prefix {warm=}")
+    assert llm.llm_engine.get_stats().prefix_cache_hits > 0

@@ -202,7 +202,7 @@ def test_long_shared_prefix_takes_cascade_and_matches(name: str, tiny_models: di
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Many requests on one long cached prefix: attention reads the prefix once for all of
     them (the cascade path, in prefill and decode) and the tokens still equal the
-    reference."""
+    reference. The cascade is a CPU path, so this runs on the CPU wherever it is."""
     from pagellm.model.attention import TorchBatchedBackend
 
     calls: list[int] = []
@@ -213,7 +213,7 @@ def test_long_shared_prefix_takes_cascade_and_matches(name: str, tiny_models: di
         return original(self, *args)
 
     monkeypatch.setattr(TorchBatchedBackend, "_attend_cascade", counting)
-    llm = _llm(tiny_models[name], block_size=8)
+    llm = _llm(tiny_models[name], block_size=8, device="cpu")
     prompts = _prompts(17, 100, [3, 8, 13, 21, 5])
     outputs = _run(llm, prompts, 12)
     assert calls, "the shared prefix was never attended through the cascade"
