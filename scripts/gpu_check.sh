@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check, for a machine with a CUDA device and PyTorch, run from the repository root
 # without installing the project: the CUDA tests and the tiny-model exactness suite (the
-# engine picks CUDA by itself when torch sees a GPU), then offline speed runs, caching on
-# and off, on a random-weight model of the default model's shape.
+# engine picks CUDA by itself when torch sees a GPU), then offline speed runs (caching on
+# and off, transformers generate on the same GPU) on a random-weight model of the default
+# model's shape.
 # Usage: bash scripts/gpu_check.sh SHAPE_DIR OUT_DIR
 #   SHAPE_DIR holds the default model's config.json and tokenizer files (its weights do
 #   not need to travel); OUT_DIR gets the test log and each workload's results.
@@ -19,7 +20,7 @@ model=$(mktemp -d)/model
 python3 benchmarks/random_weights_model.py "$shape" "$model" >/dev/null 2>&1
 for workload in shared-prefix multi-turn; do
     python3 -m pagellm.entrypoints.cli bench --workload "$workload" --repeats 3 \
-        --contenders pagellm,pagellm-nocache --model "$model" \
+        --contenders pagellm,pagellm-nocache,hf-generate --model "$model" \
         --output-dir "$out/$workload" 2>&1 | grep -v "it/s\]" | tail -40
 done
 exit $tests
