@@ -9,9 +9,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pagellm.core.block_hash import HashAlgorithm
 from pagellm.core.config import SchedulingPolicy
+
+if TYPE_CHECKING:
+    import torch
 
 _DTYPES = ("float32", "bfloat16", "float16", "auto")
 
@@ -28,6 +32,29 @@ def default_device() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_device(name: str | None) -> torch.device:
+    """The device the engine runs on: `name`, else `default_device()`. One torch cannot
+    use is refused here, with the reason, instead of failing deep in model loading."""
+    import torch
+
+    if name is None:
+        return torch.device(default_device())
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {name!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {name!r}: PageLLM runs on 'cpu' or 'cuda'")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r}: this torch ({torch.__version__}) sees no "
+                             "CUDA GPU")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r}: torch sees {torch.cuda.device_count()} CUDA "
+                             "GPU(s)")
+    return device
 
 @dataclass
 class EngineConfig:
@@ -67,6 +94,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        resolve_device(self.device)
         for name in ("max_num_batched_tokens", "max_num_seqs", "block_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

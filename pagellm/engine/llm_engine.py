@@ -22,7 +22,7 @@ from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.sampling_params import SamplingParams
 from pagellm.core.scheduler import Scheduler, SchedulerOutput
-from pagellm.engine.config import EngineConfig, default_device
+from pagellm.engine.config import EngineConfig, resolve_device
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagellm.model.loader import load_model, load_tokenizer
@@ -95,7 +95,7 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
-        self.device = torch.device(config.device or default_device())
+        self.device = resolve_device(config.device)
         assert config.cache_dir is not None
         model_path = resolve_model_path(config.model, config.cache_dir)
         self.model_config = load_model_config(model_path)

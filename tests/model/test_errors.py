@@ -139,3 +139,19 @@ def test_unknown_dtype() -> None:
     with pytest.raises(ValueError, match="float64"):
         resolve_dtype("float64")
     assert resolve_dtype("bf16") is torch.bfloat16
+
+
+def test_unusable_device_is_refused_by_name() -> None:
+    """A device torch cannot use fails when the engine is configured, saying why, instead
+    of deep in model loading (torch's own error there is an AssertionError)."""
+    from pagellm.engine.config import EngineConfig, resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device(None).type == ("cuda" if torch.cuda.is_available() else "cpu")
+    for name, reason in (("banana", "must be 'cpu', 'cuda' or 'cuda:N'"),
+                         ("meta", "runs on 'cpu' or 'cuda'"), ("cuda:99", "CUDA GPU")):
+        with pytest.raises(ValueError, match=reason):
+            EngineConfig(device=name)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="sees no CUDA GPU"):
+            EngineConfig(device="cuda")
