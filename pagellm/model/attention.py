@@ -261,7 +261,10 @@ class TorchBatchedBackend(AttentionBackend):
         gather and SDPA (about half the attention time of a decode step measured here),
         and every prompt chunk of a step goes through one call of the prefill kernel,
         where every layer fits them: no sliding window, G <= 8 query heads per kv head of
-        64 or 128 dims. New K/V rows are stored by one compiled op per layer."""
+        64 or 128 dims. New K/V rows are stored by one compiled op per layer.
+
+        For a float32 model on the CPU only (the loader calls it only then): the ops
+        refuse anything else, and nothing here falls back."""
         self._write_kernel = True
         self._decode_kernel = bool(self._specs) and all(
             spec.sliding_window is None and spec.head_dim in (64, 128)
@@ -277,9 +280,8 @@ class TorchBatchedBackend(AttentionBackend):
         # shape, float32) decode with a shared prefix ran 1.1-2.1x slower with it, from
         # 8 x 256 to 64 x 4,096 shared tokens, so only the CPU cascades.
         cascade = self._cascade and device.type == "cpu"
-        first_blocks = self._shared_first_blocks(meta, cascade)
-        kernel = (self._decode_kernel and device.type == "cpu"
-                  and meta.block_size <= MAX_KERNEL_BLOCK_SIZE)
+        kernel = self._decode_kernel and meta.block_size <= MAX_KERNEL_BLOCK_SIZE
+        first_blocks = self._shared_first_blocks(meta, cascade, kernel)
         lengths = zip(meta.query_lens_list, meta.seq_lens_list, strict=True)
         for r, (q_len, seq_len) in enumerate(lengths):
             shared = first_blocks.get(r, -1)
@@ -309,9 +311,11 @@ class TorchBatchedBackend(AttentionBackend):
                             None if prefill is None else _prefill_call(meta, prefill, whole))
 
     @staticmethod
-    def _shared_first_blocks(meta: AttentionMetadata, cascade: bool) -> dict[int, int]:
+    def _shared_first_blocks(meta: AttentionMetadata, cascade: bool,
+                             kernel: bool) -> dict[int, int]:
         """Request -> its first block, for requests that share that block with another
-        request and have enough context before their queries for a cascade to pay."""
+        request and have enough context before their queries for a cascade to pay. With
+        the kernels only decodes cascade (every prompt chunk goes to the prefill call)."""
         if not cascade or meta.num_requests < 2:
             return {}
         min_context = MIN_CASCADE_BLOCKS * meta.block_size
@@ -320,7 +324,7 @@ class TorchBatchedBackend(AttentionBackend):
             for r, (q_len, seq_len) in enumerate(
                 zip(meta.query_lens_list, meta.seq_lens_list, strict=True)
             )
-            if seq_len - q_len >= min_context
+            if seq_len - q_len >= min_context and not (kernel and q_len > 1)
         ]
         if len(candidates) < 2:
             return {}
@@ -341,13 +345,14 @@ class TorchBatchedBackend(AttentionBackend):
         cascade: bool,
         kernel: bool,
     ) -> _Group:
+        """One bucket's plan. With the kernels every group is decodes (prompt chunks go to
+        the prefill call), so it carries the decode kernel's tables."""
         block_size = meta.block_size
         q_lens = [meta.query_lens_list[r] for r in members]
         max_q = max(q_lens)
         max_seq = max(meta.seq_lens_list[r] for r in members)
         n_blocks = -(-max_seq // block_size)
         index = torch.tensor(members, device=device)
-        decode = kernel and max_q == 1
         n_prefix = _shared_prefix_blocks(meta, members) if cascade else 0
         prefix_blocks = meta.block_tables[index[0], :n_prefix].long() if n_prefix else None
         blocks = meta.block_tables[index, n_prefix:n_blocks].long().flatten()
@@ -377,8 +382,8 @@ class TorchBatchedBackend(AttentionBackend):
             prefix_start=_consecutive_start(prefix_blocks),
             fresh=all(meta.seq_lens_list[r] == meta.query_lens_list[r] for r in members),
             prefix_ids=prefix_blocks.int() if kernel and prefix_blocks is not None else None,
-            tables=meta.block_tables[index, n_prefix:n_blocks].contiguous() if decode else None,
-            key_lens=(seq_lens - n_prefix * block_size).int() if decode else None,
+            tables=meta.block_tables[index, n_prefix:n_blocks].contiguous() if kernel else None,
+            key_lens=(seq_lens - n_prefix * block_size).int() if kernel else None,
         )
 
     def _gather(
@@ -405,7 +410,7 @@ class TorchBatchedBackend(AttentionBackend):
     def write(
         self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: StepPlan
     ) -> None:
-        if self._write_kernel and kv_cache.dtype == torch.float32 and kv_cache.is_cpu:
+        if self._write_kernel:
             torch.ops.pagellm.write_kv_cache_(kv_cache, key, value, plan.meta.slot_mapping)
         else:
             write_kv_cache(kv_cache, key, value, plan.meta.slot_mapping)
@@ -434,7 +439,7 @@ class TorchBatchedBackend(AttentionBackend):
         """Attention for one group: [Rg * Q, H, D], padded rows included."""
         r, q_len, hkv, d = group.n_requests, group.q_len, spec.num_kv_heads, spec.head_dim
         q = query.index_select(0, group.q_src)
-        if group.tables is not None and q.dtype == torch.float32:
+        if group.tables is not None:
             return self._decode_with_kernel(q, kv_cache, group, spec)
         kv = self._gather(kv_cache, group.blocks).view(2, r, -1, hkv, d).transpose(2, 3)
         # Fresh prompts use the kernel's built-in causal mask, about 2x faster than an
@@ -469,7 +474,7 @@ class TorchBatchedBackend(AttentionBackend):
         in place (about 2x torch's flash kernel on contiguous K/V here); otherwise they are
         gathered, unless consecutive, and attended by SDPA."""
         assert group.prefix_blocks is not None
-        if group.prefix_ids is not None and shared_q.dtype == torch.float32:
+        if group.prefix_ids is not None:
             result: tuple[torch.Tensor, torch.Tensor] = torch.ops.pagellm.paged_prefix_attention(
                 shared_q.contiguous(), kv_cache[0], kv_cache[1], group.prefix_ids, spec.scale)
             return result
@@ -496,7 +501,6 @@ class TorchBatchedBackend(AttentionBackend):
         prefill steps 5.6-5.9 -> 5.1 s; shared-prefix's 4.2-4.3 -> 3.9-4.0 s (the shared
         prefix, read once per request instead of once, costs nothing seen: the chunks are
         compute-bound)."""
-        assert query.dtype == torch.float32
         result: tuple[torch.Tensor, torch.Tensor] = torch.ops.pagellm.paged_prefill_attention(
             query, kv_cache[0], kv_cache[1], call.tables, call.starts, call.lens,
             call.contexts, spec.scale, spec.num_heads // spec.num_kv_heads)
