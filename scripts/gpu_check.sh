@@ -15,12 +15,13 @@ export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHO
 python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name())'
 python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py \
     tests/engine/test_exactness_tiny.py 2>&1 | tee "$out/pytest.log"
-tests=$?
+status=$?
 model=$(mktemp -d)/model
-python3 benchmarks/random_weights_model.py "$shape" "$model" >/dev/null 2>&1
+python3 benchmarks/random_weights_model.py "$shape" "$model" >/dev/null || exit 1
 for workload in shared-prefix multi-turn; do
     python3 -m pagellm.entrypoints.cli bench --workload "$workload" --repeats 3 \
         --contenders pagellm,pagellm-nocache,hf-generate --model "$model" \
-        --output-dir "$out/$workload" 2>&1 | grep -v "it/s\]" | tail -40
+        --output-dir "$out/$workload" > "$out/$workload.log" 2>&1 || status=1
+    grep -v "it/s\]" "$out/$workload.log" | tail -40
 done
-exit $tests
+exit $status

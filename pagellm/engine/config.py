@@ -26,7 +26,6 @@ def default_cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "pagellm"
 
 
-
 def default_device() -> str:
     """Where the engine runs when not told: the GPU when torch sees one, else the CPU."""
     import torch
@@ -35,11 +34,12 @@ def default_device() -> str:
 
 
 def resolve_device(name: str | None) -> torch.device:
-    """The device the engine runs on: `name`, else `default_device()`. One torch cannot
-    use is refused here, with the reason, instead of failing deep in model loading."""
+    """The device the engine runs on: `name`, else (None or "auto") `default_device()`.
+    One torch cannot use is refused here, with the reason, instead of failing deep in
+    model loading."""
     import torch
 
-    if name is None:
+    if name is None or name == "auto":
         return torch.device(default_device())
     try:
         device = torch.device(name)
@@ -56,6 +56,7 @@ def resolve_device(name: str | None) -> torch.device:
                              "GPU(s)")
     return device
 
+
 @dataclass
 class EngineConfig:
     """Everything `LLM(...)`, `LLMEngine` and the CLI accept, with vLLM's names.
@@ -64,6 +65,8 @@ class EngineConfig:
     The KV pool is `kv_cache_memory_bytes` if given, else `kv_cache_memory_fraction` of the
     memory free at start-up (capped at 1 GiB when neither is given).
     `max_model_len` None means the model's own context length.
+    `device`: "cpu", "cuda" or "cuda:N"; None or "auto" is the GPU when torch sees one,
+    else the CPU (the field keeps what was given; the engine holds the resolved device).
     `skip_tokenizer_init` runs without a tokenizer: prompts are token ids and outputs carry
     no text (for models shipped without one, and for benchmarks that bring their own).
     `cpu_kernels`: a float32 model on an x86-64 CPU with AVX-512 or AVX2 runs decode attention through a
@@ -94,7 +97,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        resolve_device(self.device)
+        if self.device is not None:
+            resolve_device(self.device)
         for name in ("max_num_batched_tokens", "max_num_seqs", "block_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -74,7 +74,8 @@ class AttentionBackend(ABC):
 
     def use_cpu_kernels(self) -> None:  # noqa: B027 - optional hook
         """Called by the loader once the compiled CPU kernels are loaded (cpu_kernels), for
-        a backend that has paths using them (the default has none)."""
+        a backend that has paths using them (the default has none); only for a float32
+        model on the CPU, the one case the kernels serve."""
 
     def forward(
         self,
@@ -350,6 +351,7 @@ class TorchBatchedBackend(AttentionBackend):
         block_size = meta.block_size
         q_lens = [meta.query_lens_list[r] for r in members]
         max_q = max(q_lens)
+        assert not kernel or max_q == 1, "with the kernels prompt chunks go to the prefill call"
         max_seq = max(meta.seq_lens_list[r] for r in members)
         n_blocks = -(-max_seq // block_size)
         index = torch.tensor(members, device=device)

