@@ -85,13 +85,13 @@ def test_kernel_rebuilds_the_weights_exactly(kernels: bool, fmt: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 13, 16, 25, 37, 63, 130, 600])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 8, 9, 13, 16, 25, 37, 63, 130, 600])
 @pytest.mark.parametrize("out", [96, 48])
 def test_kernel_matches_float64(kernels: bool, fmt: str, rows: int, out: int) -> None:
-    """Every row-count path: register tiles (<= 8 rows with AVX-512, <= 4 with AVX2),
-    panels of two tiles (more rows, split evenly into passes of at most 12 rows with
-    AVX-512 or 3 with AVX2, in sweeps of 512 rows), and an odd tile count, which keeps to
-    the register tiles."""
+    """Every row-count path: register tiles (<= 8 rows with AVX-512, <= 6 with AVX2; for
+    Q4_1 factored, with two sums a row up to 4 and 2 rows), panels of two tiles (more
+    rows, split evenly into passes of at most 12 rows with AVX-512 or 3 with AVX2, in
+    sweeps of 512 rows), and an odd tile count, which keeps to the register tiles."""
     blocks, dense = _blocks(fmt, out, 576, seed=rows)
     x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
     got = qk.quantized_linear(x, qk.pack(qk.FORMATS[fmt], blocks, 576))

@@ -1,11 +1,13 @@
 // y = x @ W.T for a weight kept in a GGUF block format, dequantised in registers: a
 // decode step streams 5 (Q4_1) or 9 (Q8_0) bits per weight from memory instead of 32.
 //
-// Exactness: each weight is rebuilt with the same float32 roundings as the GGUF reader's
-// dequantisation: Q4_1 (scale * code) + min as a separate multiply and add (this file is
-// compiled with -ffp-contract=off), Q8_0 scale * code (exact). So the kernel multiplies
-// by the float32 weights bit for bit; only the order of the dot product's additions
-// differs from another GEMM's.
+// Exactness: where weights are rebuilt (the panels of many rows), it is with the same
+// float32 roundings as the GGUF reader's dequantisation: Q4_1 (scale * code) + min as a
+// separate multiply and add (this file is compiled with -ffp-contract=off), Q8_0 scale *
+// code (exact). So the panels multiply by the float32 weights bit for bit; only the order
+// of the dot product's additions differs from another GEMM's. The register tiles of a few
+// rows factor Q4_1's scale and min out of each block (see Q4_1::block): the same products
+// up to float32 rounding, as from another summation order.
 //
 // Packed layouts (built by quant_kernels.py): output rows in tiles of 16 lanes, then per
 // (tile, block of 32 inputs):
@@ -28,6 +30,7 @@
 #include <array>
 #include <new>
 #include <utility>
+#include <vector>
 
 namespace {
 
@@ -37,8 +40,10 @@ using pagellm_kernels::silu_mul16;
 
 constexpr int64_t kLanes = 16;
 constexpr int64_t kBlock = 32;
-// Rows whose accumulators stay in registers per pass (two vectors a row).
-constexpr int64_t kMaxRows = kWideRegisters ? 8 : 4;
+// Rows per pass of the register tiles: their per-block sums stay in registers (see
+// Q4_1::block). With AVX2 6 rows (12 registers of sums); 4 before the tiles were factored,
+// when both accumulators of every row had to stay in registers.
+constexpr int64_t kMaxRows = kWideRegisters ? 8 : 6;
 
 struct Q4_1 {
   static constexpr int64_t kCodeBytes = kLanes * kLanes;
@@ -51,22 +56,43 @@ struct Q4_1 {
     hi = add(mul(d, high_codes), m);
   }
 
-  // Inputs j and j + 16 go to separate accumulators: twice the independent FMA chains
-  // (one row alone would otherwise wait on each FMA's latency) and shorter sums.
+  // A few rows (the register tiles) against a block, factored: each row's sum of x *
+  // code over the block, times the scale, plus the min times the row's sum of x over the
+  // block (`sums`, rows `ld_sums` apart). The weights are never rebuilt: the multiply and
+  // add per weight were a third of a few-row step's arithmetic, which the rows' FMAs do
+  // not amortise. The products are the rebuilt weights' up to float32 rounding, like
+  // another summation order (a lone 1 in x still reads back the weight bit for bit).
+  // With few rows, inputs j and j + 16 go to separate sums: twice the independent FMA
+  // chains (one row alone would otherwise wait on each FMA's latency).
   template <int R>
   static void block(const float* xb, int64_t ldx, const float* scales, const float* mins,
-                    const uint8_t* q, vf* acc_a, vf* acc_b) {
+                    const uint8_t* q, const float* sums, int64_t ld_sums, vf* acc_a,
+                    vf* acc_b) {
+    constexpr bool split = R * (kWideRegisters ? 1 : 2) <= 4;
+    vf pa[R], pb[R];
+    PAGELLM_UNROLL
+    for (int r = 0; r < R; ++r) pa[r] = pb[r] = zero();
+    PAGELLM_UNROLL
+    for (int j = 0; j < 16; ++j) {
+      vf lo, hi;
+      from_nibbles(q + j * kLanes, lo, hi);
+      PAGELLM_UNROLL
+      for (int r = 0; r < R; ++r) {
+        pa[r] = fmadd(set1(xb[r * ldx + j]), lo, pa[r]);
+        if constexpr (split) {
+          pb[r] = fmadd(set1(xb[r * ldx + j + 16]), hi, pb[r]);
+        } else {
+          pa[r] = fmadd(set1(xb[r * ldx + j + 16]), hi, pa[r]);
+        }
+      }
+    }
     const vf d = loadu(scales);
     const vf m = loadu(mins);
     PAGELLM_UNROLL
-    for (int j = 0; j < 16; ++j) {
-      vf w_lo, w_hi;
-      weights(d, m, q, j, w_lo, w_hi);
-      PAGELLM_UNROLL
-      for (int r = 0; r < R; ++r) {
-        acc_a[r] = fmadd(set1(xb[r * ldx + j]), w_lo, acc_a[r]);
-        acc_b[r] = fmadd(set1(xb[r * ldx + j + 16]), w_hi, acc_b[r]);
-      }
+    for (int r = 0; r < R; ++r) {
+      acc_a[r] = fmadd(d, pa[r], acc_a[r]);
+      if constexpr (split) acc_b[r] = fmadd(d, pb[r], acc_b[r]);
+      acc_b[r] = fmadd(m, set1(sums[r * ld_sums]), acc_b[r]);
     }
   }
 
@@ -93,10 +119,11 @@ struct Q8_0 {
     return mul(d, from_i8(reinterpret_cast<const int8_t*>(q + j * kLanes)));
   }
 
-  // Even and odd inputs go to separate accumulators (see Q4_1).
+  // Even and odd inputs go to separate accumulators (see Q4_1). A scale alone needs no
+  // sums of x.
   template <int R>
   static void block(const float* xb, int64_t ldx, const float* scales, const float*,
-                    const uint8_t* q, vf* acc_a, vf* acc_b) {
+                    const uint8_t* q, const float*, int64_t, vf* acc_a, vf* acc_b) {
     const vf d = loadu(scales);
     PAGELLM_UNROLL
     for (int j = 0; j < 32; j += 2) {
@@ -119,23 +146,25 @@ struct Q8_0 {
 };
 
 // R rows of x against one tile of 16 output rows: y[r, 0:16] over every input block.
+// `sums` (Q4_1): each row's sum of x per block, [rows, blocks].
 template <class Format, int R>
 void tile(const float* x, int64_t ldx, int64_t blocks, const float* scales,
-          const float* mins, const uint8_t* codes, float* y, int64_t ldy) {
+          const float* mins, const uint8_t* codes, const float* sums, float* y, int64_t ldy) {
   vf acc_a[R], acc_b[R];
   PAGELLM_UNROLL
   for (int r = 0; r < R; ++r) acc_a[r] = acc_b[r] = zero();
   for (int64_t b = 0; b < blocks; ++b) {
     Format::template block<R>(x + b * kBlock, ldx, scales + b * kLanes,
                               mins == nullptr ? nullptr : mins + b * kLanes,
-                              codes + b * Format::kCodeBytes, acc_a, acc_b);
+                              codes + b * Format::kCodeBytes,
+                              sums == nullptr ? nullptr : sums + b, blocks, acc_a, acc_b);
   }
   PAGELLM_UNROLL
   for (int r = 0; r < R; ++r) storeu(y + r * ldy, add(acc_a[r], acc_b[r]));
 }
 
 using TileFn = void (*)(const float*, int64_t, int64_t, const float*, const float*,
-                        const uint8_t*, float*, int64_t);
+                        const uint8_t*, const float*, float*, int64_t);
 
 template <class Format, std::size_t... R>
 constexpr std::array<TileFn, sizeof...(R)> tile_table(std::index_sequence<R...>) {
@@ -170,9 +199,10 @@ constexpr int64_t kRowBlock = 512;  // rows per sweep over the panels (see quant
 // the FMAs per panel load, and the whole panel is one chunk.
 constexpr int64_t kDepthChunk = kWideRegisters ? int64_t{1} << 40 : 128;
 // Panels from the first row count that needs a second pass of register tiles, which would
-// rebuild every weight again: with AVX2 (4 rows a pass), 30 layers' weights at 8 rows
-// 26 -> 18 ms and at 5 rows 21 -> 17 ms, in-process A/B; with AVX-512, 8 rows as measured
-// above.
+// read every block again: with AVX2 (4 rows a pass, unfactored), 30 layers' weights at 8
+// rows 26 -> 18 ms and at 5 rows 21 -> 17 ms, in-process A/B; with AVX-512, 8 rows as
+// measured above. Factored, the tiles overtook the panels at 5 rows (12.7 -> 10.0 ms, 30
+// layers, min of 25, alternating processes) and tie at 6, so AVX2 tiles go to 6 rows.
 constexpr int64_t kPanelFrom = kMaxRows;
 
 // A thread's scratch, one per `slot` (0: an unpacked panel, 1: its partial sums): 64-byte
@@ -381,13 +411,26 @@ at::Tensor quantized_linear(const char* name, const at::Tensor& x, const at::Ten
   // of scratch, next to the weights streamed).
   at::Tensor full = gated ? at::empty({rows, out}, x.options()) : y;
   float* fp = full.data_ptr<float>();
+  std::vector<float> sums;
+  if (mins != nullptr) {
+    sums.resize(rows * blocks);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        float sum = 0.0f;
+        for (int64_t j = 0; j < kBlock; ++j) sum += xp[r * in + b * kBlock + j];
+        sums[r * blocks + b] = sum;
+      }
+    }
+  }
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
         const int64_t n = std::min(kMaxRows, rows - r0);
         kTiles<Format>[n - 1](xp + r0 * in, in, blocks, sp + t * tile_scales,
                               mins == nullptr ? nullptr : mins + t * tile_scales,
-                              cp + t * tile_codes, fp + r0 * out + t * kLanes, out);
+                              cp + t * tile_codes,
+                              sums.empty() ? nullptr : sums.data() + r0 * blocks,
+                              fp + r0 * out + t * kLanes, out);
       }
     }
   });
