@@ -7,7 +7,8 @@ vocabulary head 113 MB but 32 MB as Q8_0. Measured on this project's 2-core AVX-
 machine, with 30 layers' weights streamed from memory as in a real step, against
 oneDNN's float32 GEMM: 1 row 13.9 -> 2.9 ms, 8 rows 16.1 -> 6.8 ms, 32 rows 26.5 -> 18.2
 ms, 128 rows 70.1 -> 64.6 ms, 512 rows 268 -> 264 ms; the head, 1 row 1.8 -> 0.5 ms, 32
-rows 5.4 -> 4.8 ms. From 9 rows the kernel unpacks each pair of tiles into float32 once
+rows 5.4 -> 4.8 ms. Past its register tiles (8 rows with AVX-512; with AVX2 6 for Q4_1
+and 4 for Q8_0) the kernel unpacks each pair of tiles into float32 once
 and multiplies every row by it, like a GEMM, while the next pair's blocks are fetched
 (see csrc/quant_linear.cpp). A layer with blocks uses them for every matmul: oneDNN is
 ahead only from 1,024 rows, by 3% (510 vs 526 ms), more than a step of the default
@@ -19,8 +20,8 @@ float32 roundings (Q4_1 `(scale * code) + min`, Q8_0 `scale * code`; the loader 
 sampled rows), so they multiply by exactly the float32 weights the model was loaded with;
 only the summation order differs from another GEMM's, as between any two GEMM libraries.
 For a few rows (a decode step of up to 6 requests with AVX2, 8 with AVX-512) Q4_1 is
-factored per block, scale * sum(x * code) + min * sum(x), never rebuilding a weight: the
-same products up to float32 rounding. Per decode step, alternating processes: one request
+factored per block, scale * sum(x * code) + min * sum(x), never rebuilding a weight:
+equal in exact arithmetic, rounded differently (tested against float64). Per decode step, alternating processes: one request
 10.6-11.2 -> 9.4-10.0 ms, three 18.3-19.9 -> 15.8-17.6 ms; 30 layers' matmuls at 3 rows
 10.2 -> 7.3 ms.
 

@@ -74,14 +74,17 @@ def test_kernel_rebuilds_the_weights_exactly(kernels: bool, fmt: str) -> None:
     blocks, dense = _blocks(fmt, 96, 64)
     packed = qk.pack(qk.FORMATS[fmt], blocks, 64)
     assert (packed.out_features, packed.in_features) == (96, 64)
-    # Multiplying by the identity reads the weights back, bit for bit: up to 8 rows
-    # through the register tiles,
-    assert torch.equal(qk.quantized_linear(torch.eye(64)[:8], packed), dense.T[:8])
-    assert torch.equal(qk.quantized_linear(torch.eye(64)[56:], packed), dense.T[56:])
+    # Multiplying by the identity reads the weights back, bit for bit: through the
+    # register tiles (Q4_1 factored), every pass size, low and high nibbles (inputs j and
+    # j + 16 of a block),
+    eye = torch.eye(64)
+    for rows in (slice(0, 1), slice(16, 17), slice(40, 42), slice(0, 3), slice(58, 62),
+                 slice(10, 16), slice(0, 8), slice(56, 64)):
+        assert torch.equal(qk.quantized_linear(eye[rows], packed), dense.T[rows]), rows
     # past that through float32 panels of two tiles, three of them here (so a thread
     # fetches its next panel's blocks while it multiplies one).
-    assert torch.equal(qk.quantized_linear(torch.eye(64)[:9], packed), dense.T[:9])
-    assert torch.equal(qk.quantized_linear(torch.eye(64), packed), dense.T)
+    assert torch.equal(qk.quantized_linear(eye[:9], packed), dense.T[:9])
+    assert torch.equal(qk.quantized_linear(eye, packed), dense.T)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -151,10 +154,11 @@ def test_gated_mlp_takes_the_gated_kernel_only_where_it_fits(kernels: bool) -> N
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("gated", [False, True])
 def test_panel_rows_do_not_depend_on_the_other_rows(kernels: bool, fmt: str, gated: bool) -> None:
-    """Above 8 rows, a row's result is the same bits whatever else is in the call: how many
-    rows, where the row sits in its pass of rows, and which 512-row sweep holds it. The
-    engine relies on it: a prompt computed in one chunk or in several, or next to other
-    requests, must give the same hidden states (caching on and off give the same tokens)."""
+    """Above the register tiles (8 rows; 6 or 4 with AVX2), a row's result is the same
+    bits whatever else is in the call: how many rows, where the row sits in its pass of
+    rows, and which 512-row sweep holds it. The engine relies on it: a prompt computed in
+    one chunk or in several, or next to other requests, must give the same hidden states
+    (caching on and off give the same tokens)."""
     blocks, _ = _blocks(fmt, 2 * 96, 1536, seed=7)
     packed = qk.pack(qk.FORMATS[fmt], blocks, 1536)
     weight = qk.gate_up_pairs(packed) if gated else packed
@@ -164,6 +168,20 @@ def test_panel_rows_do_not_depend_on_the_other_rows(kernels: bool, fmt: str, gat
                         (180, 520)]:
         part = qk.quantized_linear(x[start:start + rows], weight)
         assert torch.equal(part, full[start:start + rows]), (start, rows)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6])
+def test_tile_rows_depend_only_on_their_pass_size(kernels: bool, fmt: str, rows: int) -> None:
+    """In the register tiles a row's bits may depend on how many rows share its pass (Q4_1
+    keeps two sums a row for 1-2 rows with AVX2), never on the other rows' values."""
+    blocks, _ = _blocks(fmt, 96, 576, seed=rows)
+    packed = qk.pack(qk.FORMATS[fmt], blocks, 576)
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=generator)
+    other = torch.randn(rows, 576, generator=generator)
+    other[0] = x[0]
+    assert torch.equal(qk.quantized_linear(other, packed)[0], qk.quantized_linear(x, packed)[0])
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

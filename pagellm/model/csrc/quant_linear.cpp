@@ -6,8 +6,8 @@
 // separate multiply and add (this file is compiled with -ffp-contract=off), Q8_0 scale *
 // code (exact). So the panels multiply by the float32 weights bit for bit; only the order
 // of the dot product's additions differs from another GEMM's. The register tiles of a few
-// rows factor Q4_1's scale and min out of each block (see Q4_1::block): the same products
-// up to float32 rounding, as from another summation order.
+// rows factor Q4_1's scale and min out of each block (see Q4_1::block): equal in exact
+// arithmetic, rounded differently.
 //
 // Packed layouts (built by quant_kernels.py): output rows in tiles of 16 lanes, then per
 // (tile, block of 32 inputs):
@@ -40,13 +40,12 @@ using pagellm_kernels::silu_mul16;
 
 constexpr int64_t kLanes = 16;
 constexpr int64_t kBlock = 32;
-// Rows per pass of the register tiles: their per-block sums stay in registers (see
-// Q4_1::block). With AVX2 6 rows (12 registers of sums); 4 before the tiles were factored,
-// when both accumulators of every row had to stay in registers.
-constexpr int64_t kMaxRows = kWideRegisters ? 8 : 6;
-
 struct Q4_1 {
   static constexpr int64_t kCodeBytes = kLanes * kLanes;
+  // Rows per pass of the register tiles, and the most rows that go to them rather than
+  // to panels: a row's per-block sums stay in registers. With AVX2 6 rows, 12 registers of sums; it was
+  // 4 before the tiles were factored, when both accumulators of every row had to stay.
+  static constexpr int64_t kMaxRows = kWideRegisters ? 8 : 6;
 
   // The 16 lanes' weights of inputs j (low nibbles) and j + 16 (high nibbles).
   static void weights(vf d, vf m, const uint8_t* q, int j, vf& lo, vf& hi) {
@@ -60,10 +59,14 @@ struct Q4_1 {
   // code over the block, times the scale, plus the min times the row's sum of x over the
   // block (`sums`, rows `ld_sums` apart). The weights are never rebuilt: the multiply and
   // add per weight were a third of a few-row step's arithmetic, which the rows' FMAs do
-  // not amortise. The products are the rebuilt weights' up to float32 rounding, like
-  // another summation order (a lone 1 in x still reads back the weight bit for bit).
-  // With few rows, inputs j and j + 16 go to separate sums: twice the independent FMA
-  // chains (one row alone would otherwise wait on each FMA's latency).
+  // not amortise. In exact arithmetic the result is the rebuilt weights' product; in
+  // float32 it is rounded differently (bounded by the float64 test), and a lone 1 in x
+  // still reads back each weight bit for bit. Up to 2 rows a pass with AVX2 (4 with
+  // AVX-512), inputs j and j + 16 go to separate sums: twice the independent FMA chains,
+  // which one row alone needs (it would otherwise wait on each FMA's latency); more rows
+  // have chains enough, and registers for one sum each. So a row's bits depend on how
+  // many rows share its pass, as they already did on tiles against panels: the engine
+  // relies on row independence only for panels (prompt chunks, tested).
   template <int R>
   static void block(const float* xb, int64_t ldx, const float* scales, const float* mins,
                     const uint8_t* q, const float* sums, int64_t ld_sums, vf* acc_a,
@@ -113,6 +116,8 @@ struct Q4_1 {
 
 struct Q8_0 {
   static constexpr int64_t kCodeBytes = kBlock * kLanes;
+  // Both accumulators of every row stay in registers: 4 rows with AVX2.
+  static constexpr int64_t kMaxRows = kWideRegisters ? 8 : 4;
 
   // The 16 lanes' weights of input j.
   static vf weight(vf d, const uint8_t* q, int j) {
@@ -172,9 +177,9 @@ constexpr std::array<TileFn, sizeof...(R)> tile_table(std::index_sequence<R...>)
 }
 
 template <class Format>
-constexpr auto kTiles = tile_table<Format>(std::make_index_sequence<kMaxRows>());
+constexpr auto kTiles = tile_table<Format>(std::make_index_sequence<Format::kMaxRows>());
 
-// More than kPanelFrom rows: a panel of kPanel tiles is unpacked once into float32
+// More than Format::kMaxRows rows: a panel of kPanel tiles is unpacked once into float32
 // (input-major, kPanel * 16 lanes per input) and every row streams it, kPanelRows rows x
 // the panel's lanes per pass, like a GEMM micro-kernel; `tile` would unpack the codes
 // again for each pass of kMaxRows rows. While a panel is multiplied, the next one's blocks
@@ -201,9 +206,8 @@ constexpr int64_t kDepthChunk = kWideRegisters ? int64_t{1} << 40 : 128;
 // Panels from the first row count that needs a second pass of register tiles, which would
 // read every block again: with AVX2 (4 rows a pass, unfactored), 30 layers' weights at 8
 // rows 26 -> 18 ms and at 5 rows 21 -> 17 ms, in-process A/B; with AVX-512, 8 rows as
-// measured above. Factored, the tiles overtook the panels at 5 rows (12.7 -> 10.0 ms, 30
-// layers, min of 25, alternating processes) and tie at 6, so AVX2 tiles go to 6 rows.
-constexpr int64_t kPanelFrom = kMaxRows;
+// measured above. Factored, Q4_1's tiles overtook the panels at 5 rows (12.7 -> 10.0 ms,
+// 30 layers, min of 25, alternating processes) and tie at 6, so its AVX2 tiles take 6.
 
 // A thread's scratch, one per `slot` (0: an unpacked panel, 1: its partial sums): 64-byte
 // aligned (aligned vector loads), grown as needed and kept, so a decode step allocates
@@ -392,7 +396,7 @@ at::Tensor quantized_linear(const char* name, const at::Tensor& x, const at::Ten
   const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
   float* yp = y.data_ptr<float>();
   const int64_t tile_scales = blocks * kLanes, tile_codes = blocks * Format::kCodeBytes;
-  if (rows > kPanelFrom && tiles % kPanel == 0) {
+  if (rows > Format::kMaxRows && tiles % kPanel == 0) {
     // Rows in blocks, each multiplied by every panel before the next block: a block's
     // inputs stay in cache while the panels stream past, however many rows there are.
     for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
@@ -424,8 +428,8 @@ at::Tensor quantized_linear(const char* name, const at::Tensor& x, const at::Ten
   }
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
-        const int64_t n = std::min(kMaxRows, rows - r0);
+      for (int64_t r0 = 0; r0 < rows; r0 += Format::kMaxRows) {
+        const int64_t n = std::min(Format::kMaxRows, rows - r0);
         kTiles<Format>[n - 1](xp + r0 * in, in, blocks, sp + t * tile_scales,
                               mins == nullptr ? nullptr : mins + t * tile_scales,
                               cp + t * tile_codes,
