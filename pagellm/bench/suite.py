@@ -89,8 +89,7 @@ class BenchOptions:
     def device(self) -> str:
         """Where PageLLM and transformers run: a ratio between them means something only
         on the same device (vLLM's CPU build stays on the CPU)."""
-        device = self.engine_kwargs.get("device")
-        return default_device() if device in (None, "auto") else str(device)
+        return default_device(self.engine_kwargs.get("device"))
 
 
 def _offline_contender(name: str, options: BenchOptions) -> Contender:

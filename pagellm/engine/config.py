@@ -26,21 +26,22 @@ def default_cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "pagellm"
 
 
-def default_device() -> str:
-    """Where the engine runs when not told: the GPU when torch sees one, else the CPU."""
+def default_device(name: str | None = None) -> str:
+    """`name`, or where the engine runs when not told (None or "auto"): the GPU when torch
+    sees one, else the CPU."""
+    if name is not None and name != "auto":
+        return name
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def resolve_device(name: str | None) -> torch.device:
-    """The device the engine runs on: `name`, else (None or "auto") `default_device()`.
-    One torch cannot use is refused here, with the reason, instead of failing deep in
-    model loading."""
+    """The device the engine runs on (`default_device(name)`). One torch cannot use is
+    refused here, with the reason, instead of failing deep in model loading."""
     import torch
 
-    if name is None or name == "auto":
-        return torch.device(default_device())
+    name = default_device(name)
     try:
         device = torch.device(name)
     except (RuntimeError, TypeError):

@@ -30,7 +30,6 @@
 #include <array>
 #include <new>
 #include <utility>
-#include <vector>
 
 namespace {
 
@@ -43,8 +42,9 @@ constexpr int64_t kBlock = 32;
 struct Q4_1 {
   static constexpr int64_t kCodeBytes = kLanes * kLanes;
   // Rows per pass of the register tiles, and the most rows that go to them rather than
-  // to panels: a row's per-block sums stay in registers. With AVX2 6 rows, 12 registers of sums; it was
-  // 4 before the tiles were factored, when both accumulators of every row had to stay.
+  // to panels: a row's per-block sums stay in registers. With AVX2 6 rows, 12 registers
+  // of sums; it was 4 before the tiles were factored, when both accumulators of every row
+  // had to stay.
   static constexpr int64_t kMaxRows = kWideRegisters ? 8 : 6;
 
   // The 16 lanes' weights of inputs j (low nibbles) and j + 16 (high nibbles).
@@ -209,16 +209,16 @@ constexpr int64_t kDepthChunk = kWideRegisters ? int64_t{1} << 40 : 128;
 // measured above. Factored, Q4_1's tiles overtook the panels at 5 rows (12.7 -> 10.0 ms,
 // 30 layers, min of 25, alternating processes) and tie at 6, so its AVX2 tiles take 6.
 
-// A thread's scratch, one per `slot` (0: an unpacked panel, 1: its partial sums): 64-byte
-// aligned (aligned vector loads), grown as needed and kept, so a decode step allocates
-// nothing.
+// A thread's scratch, one per `slot` (0: an unpacked panel, 1: its partial sums, 2: Q4_1's
+// sums of x for the register tiles): 64-byte aligned (aligned vector loads), grown as
+// needed and kept, so a decode step allocates nothing.
 float* thread_scratch(int slot, int64_t floats) {
   struct Scratch {
     float* data = nullptr;
     int64_t size = 0;
     ~Scratch() { ::operator delete(data, std::align_val_t{64}); }
   };
-  thread_local Scratch scratch[2];
+  thread_local Scratch scratch[3];
   Scratch& s = scratch[slot];
   if (s.size < floats) {
     ::operator delete(s.data, std::align_val_t{64});
@@ -415,9 +415,9 @@ at::Tensor quantized_linear(const char* name, const at::Tensor& x, const at::Ten
   // of scratch, next to the weights streamed).
   at::Tensor full = gated ? at::empty({rows, out}, x.options()) : y;
   float* fp = full.data_ptr<float>();
-  std::vector<float> sums;
-  if (mins != nullptr) {
-    sums.resize(rows * blocks);
+  // Q4_1's sums of x per (row, block), in this thread's scratch: the tiles only read it.
+  float* sums = mins == nullptr ? nullptr : thread_scratch(2, rows * blocks);
+  if (sums != nullptr) {
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t b = 0; b < blocks; ++b) {
         float sum = 0.0f;
@@ -433,7 +433,7 @@ at::Tensor quantized_linear(const char* name, const at::Tensor& x, const at::Ten
         kTiles<Format>[n - 1](xp + r0 * in, in, blocks, sp + t * tile_scales,
                               mins == nullptr ? nullptr : mins + t * tile_scales,
                               cp + t * tile_codes,
-                              sums.empty() ? nullptr : sums.data() + r0 * blocks,
+                              sums == nullptr ? nullptr : sums + r0 * blocks,
                               fp + r0 * out + t * kLanes, out);
       }
     }
