@@ -2,9 +2,15 @@
 
 Decoding the whole output again at every token costs O(n^2) over a long answer; instead
 each step decodes only a short window. A token can end in the middle of a UTF-8 character
-(the text then ends with U+FFFD), so text is released only once the window decodes cleanly.
-The window starts a few tokens back in the prompt, so tokenizers that drop a leading space
-when decoding from a word boundary still produce the right first word.
+(the text then ends with U+FFFD), so text is released only once the window decodes cleanly,
+or when the sample finishes: then whatever is pending is written out, U+FFFD included, so
+the text always equals the decoded tokens. The window starts a few tokens back in the
+prompt, so tokenizers that drop a leading space when decoding from a word boundary still
+produce the right first word.
+
+Stop strings follow vLLM: none is looked for until more than `min_tokens` tokens exist,
+and each search covers only the new text plus what a stop string could straddle, so a
+match inside the first `min_tokens` tokens never ends the sample later.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ class IncrementalDetokenizer:
         stop: list[str],
         include_stop_str_in_output: bool,
         skip_special_tokens: bool,
+        min_tokens: int = 0,
     ) -> None:
         self._tokenizer = tokenizer
         self._ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
@@ -31,6 +38,8 @@ class IncrementalDetokenizer:
         self._stop = stop
         self._include_stop = include_stop_str_in_output
         self._skip_special = skip_special_tokens
+        self._min_tokens = min_tokens
+        self._num_tokens = 0
         self._hold = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self.stopped_by: str | None = None
@@ -44,15 +53,29 @@ class IncrementalDetokenizer:
         """Appends a token's text; returns the stop string if the text now contains one
         (the text is then cut at it)."""
         self._ids.append(token_id)
+        self._num_tokens += 1
+        return self._release(finished=False)
+
+    def finish(self) -> str | None:
+        """Writes out text still held back for an incomplete character (the sample ended
+        mid-character); returns a stop string found in it, as `add_token` does."""
+        if self.stopped_by is not None:
+            return None
+        return self._release(finished=True)
+
+    def _release(self, finished: bool) -> str | None:
+        if self._read_offset == len(self._ids):
+            return None
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
         window = self._decode(self._ids[self._prefix_offset :])
-        if len(window) <= len(prefix) or window.endswith(_REPLACEMENT):
+        if len(window) <= len(prefix) or (window.endswith(_REPLACEMENT) and not finished):
             return None
-        delta = window[len(prefix) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         search_from = max(0, len(self.text) - self._hold)
-        self.text += delta
+        self.text += window[len(prefix) :]
+        if self._num_tokens <= self._min_tokens:
+            return None
         hits = [(self.text.find(stop, search_from), stop) for stop in self._stop]
         found = min(((at, stop) for at, stop in hits if at >= 0), default=None)
         if found is None:

@@ -236,7 +236,7 @@ class LLMEngine:
                 index, request,
                 IncrementalDetokenizer(self.tokenizer, token_ids, params.stop,
                                        params.include_stop_str_in_output,
-                                       params.skip_special_tokens),
+                                       params.skip_special_tokens, params.min_tokens),
                 generator, [] if params.logprobs is not None else None))
         assert leader is not None
         group = _Group(request_id, text, token_ids, samples, RequestMetrics(arrival))
@@ -345,10 +345,7 @@ class LLMEngine:
             self._generation_tokens += 1
             if group.metrics.first_token_time is None:
                 group.metrics.first_token_time = now
-            stop = sample.detokenizer.add_token(request.output_token_ids[-1])
-            if stop is not None and not request.is_finished:
-                request.stop_reason = stop
-                self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+            self._detokenize(sample)
             changed[group.request_id] = group
         outputs = []
         for group in changed.values():
@@ -359,6 +356,30 @@ class LLMEngine:
                 group.metrics.finished_time = now
                 self._forget(group)
         return outputs
+
+    def _detokenize(self, sample: _Sample) -> None:
+        """Adds the request's new token to its text and ends the request on a stop string.
+
+        As in vLLM, the token that stopped the request (EOS or one of `stop_token_ids`)
+        adds no text unless `include_stop_str_in_output` is set. A stop string found in
+        the last step's text wins over the reason the scheduler gave (length, say): the
+        text was cut at it.
+        """
+        request = sample.request
+        stopped_on_token = request.status == RequestStatus.FINISHED_STOPPED
+        detokenizer = sample.detokenizer
+        stop = None
+        if not stopped_on_token or request.sampling_params.include_stop_str_in_output:
+            stop = detokenizer.add_token(request.output_token_ids[-1])
+        if stop is None and request.is_finished:
+            stop = detokenizer.finish()
+        if stop is None:
+            return
+        request.stop_reason = stop
+        if request.is_finished:
+            request.status = RequestStatus.FINISHED_STOPPED
+        else:
+            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
 
     def _output(self, group: _Group) -> RequestOutput:
         completions = []

@@ -80,3 +80,66 @@ def test_text_prompt_and_finish_reasons(default_llm: Any) -> None:
                            use_tqdm=False)[0].outputs[0]
     assert eos.finish_reason == "stop"
     assert_idle(default_llm.llm_engine)
+
+
+def test_stopping_token_adds_no_text_unless_asked(default_llm: Any) -> None:
+    """As in vLLM: EOS or a stop token id ends the request, stays in token_ids, and adds
+    its text only with include_stop_str_in_output."""
+    tokenizer = default_llm.get_tokenizer()
+    base = default_llm.generate("The capital of France is",
+                                SamplingParams(temperature=0, max_tokens=12),
+                                use_tqdm=False)[0].outputs[0]
+    stop_token = next(t for t in base.token_ids[1:] if tokenizer.decode([t]).strip())
+    first = base.token_ids.index(stop_token)
+    for include in (False, True):
+        out = default_llm.generate(
+            "The capital of France is",
+            SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_token],
+                           include_stop_str_in_output=include), use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == base.token_ids[: first + 1]
+        assert out.finish_reason == "stop" and out.stop_reason == stop_token
+        shown = out.token_ids if include else out.token_ids[:-1]
+        assert out.text == tokenizer.decode(shown)
+    eos = default_llm.chat(_chat("Say hi."),
+                           SamplingParams(temperature=0, max_tokens=200,
+                                          skip_special_tokens=False),
+                           use_tqdm=False)[0].outputs[0]
+    assert eos.finish_reason == "stop" and eos.token_ids[-1] == tokenizer.eos_token_id
+    assert tokenizer.eos_token not in eos.text
+    assert eos.text == tokenizer.decode(eos.token_ids[:-1], skip_special_tokens=False)
+    assert_idle(default_llm.llm_engine)
+
+
+def test_stop_string_in_the_last_token_is_the_finish_reason(default_llm: Any) -> None:
+    """max_tokens and a stop string reached on the same token: the text is cut at the
+    stop string, so that is the reason reported."""
+    tokenizer = default_llm.get_tokenizer()
+    base = default_llm.generate("The capital of France is",
+                                SamplingParams(temperature=0, max_tokens=16),
+                                use_tqdm=False)[0].outputs[0]
+    k, stop = next(
+        (k, tokenizer.decode([base.token_ids[k - 1]]).strip()) for k in range(2, 17)
+        if tokenizer.decode([base.token_ids[k - 1]]).strip()
+        and tokenizer.decode([base.token_ids[k - 1]]).strip()
+        not in tokenizer.decode(base.token_ids[: k - 1]))
+    out = default_llm.generate("The capital of France is",
+                               SamplingParams(temperature=0, max_tokens=k, stop=[stop]),
+                               use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == k
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == base.text[: base.text.index(stop)]
+
+
+def test_output_ending_mid_character_ends_with_replacement(default_llm: Any) -> None:
+    """Text and token_ids agree even when max_tokens cuts a character in half."""
+    tokenizer = default_llm.get_tokenizer()
+    prompt = "日本語で自己紹介してください。"
+    base = default_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24),
+                                use_tqdm=False)[0].outputs[0]
+    cut = [k for k in range(1, 25)
+           if tokenizer.decode(base.token_ids[:k]).endswith("\ufffd")]
+    assert cut, tokenizer.decode(base.token_ids)
+    out = default_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=cut[0]),
+                               use_tqdm=False)[0].outputs[0]
+    assert out.text.endswith("\ufffd")
+    assert out.text == tokenizer.decode(out.token_ids)

@@ -1,0 +1,94 @@
+"""IncrementalDetokenizer with the default model's real tokenizer (byte-level BPE, where
+one character can take several tokens): the text always equals the decoded tokens, stop
+strings respect min_tokens, and text held back mid-character is written out at the end."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagellm.engine.detokenizer import IncrementalDetokenizer
+
+PROMPT = "Say something:"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir: Path) -> Any:
+    from pagellm.model.loader import load_tokenizer
+
+    return load_tokenizer(default_model_dir)
+
+
+def _detokenizer(tokenizer: Any, stop: list[str] = (), min_tokens: int = 0,
+                 include_stop: bool = False) -> IncrementalDetokenizer:
+    prompt = tokenizer.encode(PROMPT, add_special_tokens=False)
+    return IncrementalDetokenizer(tokenizer, prompt, list(stop), include_stop, True, min_tokens)
+
+
+def _expected(tokenizer: Any, ids: list[int]) -> str:
+    """What the output decodes to after the prompt (the detokenizer's contract)."""
+    prompt = tokenizer.encode(PROMPT, add_special_tokens=False)
+    return str(tokenizer.decode(prompt + ids))[len(tokenizer.decode(prompt)):]
+
+
+def test_text_ending_mid_character_is_written_out_at_finish(tokenizer: Any) -> None:
+    ids = tokenizer.encode(" Café 日本語 🎉", add_special_tokens=False)
+    cut = [k for k in range(1, len(ids)) if tokenizer.decode(ids[:k]).endswith("\ufffd")]
+    assert cut, "the test text must split a character across tokens"
+    for k in cut:
+        detok = _detokenizer(tokenizer)
+        for token in ids[:k]:
+            assert detok.add_token(token) is None
+        assert not detok.text.endswith("\ufffd")
+        assert detok.finish() is None
+        assert detok.text == _expected(tokenizer, ids[:k])
+        assert detok.text.endswith("\ufffd")
+        assert detok.finish() is None and detok.text == _expected(tokenizer, ids[:k])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(st.characters(codec="utf-8", exclude_categories=("Cs", "Cc")), min_size=1,
+               max_size=24))
+def test_text_equals_decoded_tokens_at_every_finish(tokenizer: Any, text: str) -> None:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    for end in range(1, len(ids) + 1):
+        detok = _detokenizer(tokenizer)
+        for token in ids[:end]:
+            detok.add_token(token)
+        detok.finish()
+        assert detok.text == _expected(tokenizer, ids[:end])
+
+
+def test_stop_string_inside_min_tokens_is_ignored(tokenizer: Any) -> None:
+    ids = tokenizer.encode(" one two three two one", add_special_tokens=False)
+    words = [tokenizer.decode([t]) for t in ids]
+    assert words == [" one", " two", " three", " two", " one"]
+    # " two" first ends token 2; with min_tokens=2 only the second " two" (token 4) stops.
+    detok = _detokenizer(tokenizer, stop=[" two"], min_tokens=2)
+    results = [detok.add_token(token) for token in ids[:4]]
+    assert results == [None, None, None, " two"]
+    assert detok.text == " one two three"
+    # min_tokens=1: the first " two" is the second token, past min_tokens, and stops.
+    detok = _detokenizer(tokenizer, stop=[" two"], min_tokens=1)
+    assert [detok.add_token(token) for token in ids[:2]] == [None, " two"]
+    assert detok.text == " one"
+
+
+def test_stop_string_straddling_min_tokens_is_found(tokenizer: Any) -> None:
+    ids = tokenizer.encode(" one two three", add_special_tokens=False)
+    detok = _detokenizer(tokenizer, stop=["one two"], min_tokens=1, include_stop=True)
+    assert [detok.add_token(token) for token in ids[:2]] == [None, "one two"]
+    assert detok.text == " one two"
+
+
+def test_finish_finds_a_stop_string_in_held_text(tokenizer: Any) -> None:
+    ids = tokenizer.encode(" ab 日", add_special_tokens=False)
+    partial = next(k for k in range(1, len(ids)) if tokenizer.decode(ids[:k]).endswith("\ufffd"))
+    detok = _detokenizer(tokenizer, stop=["\ufffd"])
+    assert all(detok.add_token(token) is None for token in ids[:partial])
+    assert detok.finish() == "\ufffd"
+    assert detok.text == _expected(tokenizer, ids[:partial])[:-1]
