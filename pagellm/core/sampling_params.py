@@ -24,6 +24,7 @@ MAX_N = 128
 MAX_TEMPERATURE = 100.0
 MAX_REPETITION_PENALTY = 100.0
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
 
 
 class SamplingType(enum.IntEnum):
@@ -97,6 +98,21 @@ def _token_ids(value: object) -> list[int]:
     return ids
 
 
+def _logit_bias(value: object) -> dict[int, float] | None:
+    """{token id: bias} with OpenAI's range; empty means none. Whether the ids are in the
+    vocabulary is checked where the vocabulary is known (the engine, the server)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {value!r}")
+    bias: dict[int, float] = {}
+    for token, amount in value.items():
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+        bias[token] = _number(f"logit_bias[{token}]", amount, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+    return bias or None
+
+
 @dataclass(init=False)
 class SamplingParams:
     """Sampling and stopping options of one request, validated on construction.
@@ -126,6 +142,8 @@ class SamplingParams:
     - logprobs: None for none; k in [0, 20] for the sampled token's logprob plus the k
       most likely alternatives at each step.
     - skip_special_tokens: drop special tokens when detokenizing.
+    - logit_bias: {token id: bias in [-100, 100]} added to those logits before anything
+      else, greedy rows included (OpenAI's and vLLM's `logit_bias`); None for none.
     """
 
     n: int
@@ -145,6 +163,7 @@ class SamplingParams:
     repetition_penalty: float
     logprobs: int | None
     skip_special_tokens: bool
+    logit_bias: dict[int, float] | None
 
     def __init__(
         self,
@@ -166,6 +185,7 @@ class SamplingParams:
         repetition_penalty: float = 1.0,
         logprobs: int | None = None,
         skip_special_tokens: bool = True,
+        logit_bias: dict[int, float] | None = None,
     ) -> None:
         self.n = _integer("n", n)
         if not 1 <= self.n <= MAX_N:
@@ -208,6 +228,7 @@ class SamplingParams:
                 raise ValueError(
                     f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {logprobs!r}")
         self.skip_special_tokens = _flag("skip_special_tokens", skip_special_tokens)
+        self.logit_bias = _logit_bias(logit_bias)
 
     @property
     def sampling_type(self) -> SamplingType:
@@ -228,7 +249,7 @@ class SamplingParams:
                 or self.repetition_penalty != 1.0)
 
     def clone(self, **changes: Any) -> SamplingParams:
-        """A validated copy with some fields replaced; the lists are not shared."""
+        """A validated copy with some fields replaced; lists and dicts are not shared."""
         return dataclasses.replace(self, **changes)
 
     def for_child(self, index: int) -> SamplingParams:

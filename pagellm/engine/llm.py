@@ -10,14 +10,13 @@ from typing import Any, cast
 from tqdm import tqdm
 
 from pagellm.core.sampling_params import SamplingParams
+from pagellm.engine.chat_template import ChatOptions, Message, render_chat
 from pagellm.engine.config import EngineConfig
 from pagellm.engine.llm_engine import LLMEngine, PromptInput
 from pagellm.engine.outputs import RequestOutput
 from pagellm.logger import ensure_visible_logging
 
 logger = logging.getLogger(__name__)
-
-Message = dict[str, Any]
 
 
 class LLM:
@@ -51,6 +50,9 @@ class LLM:
         A single prompt that is invalid raises ValueError. In a list, an invalid prompt
         does not stop the others: its output has `error` set and no completion.
         """
+        if not isinstance(prompts, (str, dict, list, tuple)):
+            raise ValueError("prompts must be a string, a list of token ids, a prompt dict, "
+                             f"or a list of these, got {type(prompts).__name__}")
         single = isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int))
         prompt_list = cast(list[PromptInput], [prompts] if single else list(prompts))
@@ -68,27 +70,37 @@ class LLM:
         messages: list[Message] | list[list[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
-        """Applies the model's chat template to one conversation or a list of them."""
-        single = bool(messages) and isinstance(messages[0], dict)
+        """Applies the chat template to one conversation or a list of them, then generates.
+
+        The options are vLLM's (see `ChatOptions`). A bad conversation raises ValueError
+        naming the message, even inside a list: it is a programming error, not a prompt
+        that is merely too long.
+        """
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of messages (or of "
+                             "conversations)")
+        single = isinstance(messages[0], dict)
         conversations = cast(list[list[Message]], [messages] if single else messages)
+        options = ChatOptions(add_generation_prompt, continue_final_message, tools,
+                              chat_template, chat_template_kwargs)
         prompts: list[PromptInput] = [
-            {"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt)}
+            {"prompt_token_ids": render_chat(self.tokenizer, c, options)}
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm, cache_salt)
 
     def apply_chat_template(self, messages: list[Message],
                             add_generation_prompt: bool = True) -> list[int]:
-        if not messages:
-            raise ValueError("messages is empty")
-        ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        """The prompt token ids `chat` would run for `messages`."""
+        return render_chat(self.tokenizer, messages,
+                           ChatOptions(add_generation_prompt=add_generation_prompt))
 
     def reset_prefix_cache(self) -> None:
         self.llm_engine.reset_prefix_cache()

@@ -99,6 +99,10 @@ class LLMEngine:
         assert config.cache_dir is not None
         model_path = resolve_model_path(config.model, config.cache_dir)
         self.model_config = load_model_config(model_path)
+        context = self.model_config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > context:
+            raise ValueError(f"max_model_len is {config.max_model_len}, but the model's "
+                             f"context length (max_position_embeddings) is {context}")
         dtype_name = "float32" if config.dtype == "auto" else config.dtype
         self.dtype = _TORCH_DTYPES[dtype_name]
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(model_path)
@@ -106,8 +110,7 @@ class LLMEngine:
             model_path, dtype=self.dtype, device=self.device,
             attention_backend=config.attention_backend,
             kernel_dir=config.cache_dir / "kernels" if config.cpu_kernels else None)
-        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
-                                 self.model_config.max_position_embeddings)
+        self.max_model_len = config.max_model_len or context
         num_blocks = num_blocks_for_budget(
             self.model_config, config.block_size, self.dtype, self.device,
             config.kv_cache_memory_bytes, config.kv_cache_memory_fraction)
@@ -216,6 +219,9 @@ class LLMEngine:
         for token in params.stop_token_ids:
             if not 0 <= token < vocab:
                 raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {token}")
+        for token in params.logit_bias or {}:
+            if token >= vocab:
+                raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}), got {token}")
         text, token_ids = self.tokenize_prompt(prompt)
         self.check_prompt_length(len(token_ids))
         arrival = time.monotonic() if arrival_time is None else arrival_time

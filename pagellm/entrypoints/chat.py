@@ -13,9 +13,9 @@ import time
 from typing import Any
 
 from pagellm.core.sampling_params import SamplingParams
+from pagellm.engine.chat_template import Message, render_chat
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.outputs import RequestOutput
-from pagellm.entrypoints.chat_template import Message, render_chat
 from pagellm.entrypoints.engine_args import add_engine_args
 from pagellm.entrypoints.sampling_args import add_sampling_args, sampling_params_from_args
 

@@ -2,6 +2,7 @@
 
 Order of operations (as in vLLM), for logits[N, vocab] with one row per request:
 
+0. logit_bias: each request's {token id: bias} added to its logits;
 1. penalties: repetition (over prompt + generated tokens), then frequency and presence
    (over generated tokens only);
 2. min_tokens: EOS and the request's stop token ids get -inf until enough tokens exist;
@@ -78,6 +79,7 @@ class SamplingMetadata:
     - prompt_tokens / output_tokens: (position in penalty_rows, token id) pairs; prompt
       tokens are listed only for rows with a repetition penalty, the only one using them.
     - blocked_tokens: (row, token id) pairs that min_tokens forbids this step.
+    - logit_bias: (row, token id) pairs and the bias added to each.
     - num_logprobs[N]: the request's `logprobs` (None = not wanted).
     """
 
@@ -97,6 +99,7 @@ class SamplingMetadata:
     output_tokens: tuple[torch.Tensor, torch.Tensor] | None
     blocked_tokens: tuple[torch.Tensor, torch.Tensor] | None
     num_logprobs: list[int | None]
+    logit_bias: tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None
 
     @property
     def all_greedy(self) -> bool:
@@ -143,7 +146,14 @@ class SamplingMetadata:
         penalty_rows: list[int] = []
         blocked_rows: list[int] = []
         blocked_lists: list[list[int]] = []
+        bias_rows: list[int] = []
+        bias_lists: list[list[int]] = []
+        bias_values: list[float] = []
         for row, p in enumerate(params):
+            if p.logit_bias:
+                bias_rows.append(row)
+                bias_lists.append(list(p.logit_bias))
+                bias_values.extend(p.logit_bias.values())
             if p.is_greedy:
                 greedy_rows.append(row)
                 temperature.append(1.0)
@@ -213,6 +223,8 @@ class SamplingMetadata:
             output_tokens=output_tokens,
             blocked_tokens=_token_index(blocked_rows, blocked_lists, dev) if blocked_rows else None,
             num_logprobs=[p.logprobs for p in params],
+            logit_bias=((_token_index(bias_rows, bias_lists, dev), floats(bias_values))
+                        if bias_rows else None),
         )
 
 
@@ -358,8 +370,12 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         raise ValueError(
             f"logits must be [{metadata.num_rows}, vocab], got {list(logits.shape)}")
     # A copy only where rows are changed in place (the caller's tensor is left alone).
-    edits = metadata.penalty_rows is not None or metadata.blocked_tokens is not None
+    edits = (metadata.penalty_rows is not None or metadata.blocked_tokens is not None
+             or metadata.logit_bias is not None)
     logits = logits.to(torch.float32, copy=edits)
+    if metadata.logit_bias is not None:
+        index, bias = metadata.logit_bias
+        logits.index_put_(index, bias, accumulate=True)
     if metadata.penalty_rows is not None:
         _apply_penalties(logits, metadata)
     if metadata.blocked_tokens is not None:

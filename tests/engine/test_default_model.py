@@ -143,3 +143,36 @@ def test_output_ending_mid_character_ends_with_replacement(default_llm: Any) -> 
                                use_tqdm=False)[0].outputs[0]
     assert out.text.endswith("\ufffd")
     assert out.text == tokenizer.decode(out.token_ids)
+
+
+def test_chat_refuses_bad_conversations_and_options(default_llm: Any) -> None:
+    params = SamplingParams(temperature=0, max_tokens=2)
+    bad = [([], "non-empty"),
+           ([{"role": "wizard", "content": "hi"}], r"messages\[0\]\.role"),
+           ([{"role": "user", "content": 5}], r"messages\[0\]\.content"),
+           ([{"role": "user", "content": [{"type": "image_url"}]}], "content parts")]
+    for messages, message in bad:
+        with pytest.raises(ValueError, match=message):
+            default_llm.chat(messages, params, use_tqdm=False)
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        default_llm.chat(_chat("Hi"), params, continue_final_message=True, use_tqdm=False)
+    with pytest.raises(ValueError, match="assistant"):
+        default_llm.chat(_chat("Hi"), params, continue_final_message=True,
+                         add_generation_prompt=False, use_tqdm=False)
+    assert_idle(default_llm.llm_engine)
+
+
+def test_chat_continues_the_final_message(default_llm: Any) -> None:
+    tokenizer = default_llm.get_tokenizer()
+    messages = [*_chat("What is 2 + 2?"), {"role": "assistant", "content": "The answer is"}]
+    out = default_llm.chat(messages, SamplingParams(temperature=0, max_tokens=5),
+                           continue_final_message=True, add_generation_prompt=False,
+                           use_tqdm=False)[0]
+    assert tokenizer.decode(out.prompt_token_ids).endswith("assistant\nThe answer is")
+    parts = default_llm.chat(
+        [*_chat("What is 2 + 2?"), {"role": "assistant",
+                                     "content": [{"type": "text", "text": "The answer is"}]}],
+        SamplingParams(temperature=0, max_tokens=5), continue_final_message=True,
+        add_generation_prompt=False, use_tqdm=False)[0]
+    assert parts.prompt_token_ids == out.prompt_token_ids
+    assert parts.outputs[0].token_ids == out.outputs[0].token_ids

@@ -194,6 +194,16 @@ def test_bad_prompt_in_batch_does_not_stop_the_others(tiny_models: dict[str, Pat
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate({"prompt_token_ids": [5] * 100}, _greedy(4), use_tqdm=False)
     assert_idle(llm.llm_engine)
+    with pytest.raises(ValueError, match="prompts must be"):
+        llm.generate(None, _greedy(4), use_tqdm=False)  # type: ignore[arg-type]
+    assert_idle(llm.llm_engine)
+
+
+def test_max_model_len_beyond_the_model_is_refused(tiny_models: dict[str, Path]) -> None:
+    """As in vLLM: asking for more context than the model has is an error, not a clamp."""
+    with pytest.raises(ValueError, match="max_model_len is 100000.*512"):
+        _llm(tiny_models["llama-gqa-untied"], max_model_len=100000)
+    assert _llm(tiny_models["llama-gqa-untied"], max_model_len=512).llm_engine.max_model_len == 512
 
 
 @pytest.mark.parametrize("name", ["llama-gqa-untied", "llama-mha-tied", "qwen3-qk-norm"])

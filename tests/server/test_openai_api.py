@@ -232,3 +232,105 @@ def test_metrics_exposes_the_required_families(server: Server, path: str,
     text = httpx.get(f"{server.url}/metrics").text
     assert "# TYPE pagellm_time_to_first_token_seconds histogram" in text
     assert 'le="+Inf"' in text
+
+
+def test_echo_puts_the_prompt_before_the_completion(client: openai.OpenAI) -> None:
+    kwargs = dict(model=MODEL_NAME, max_tokens=6, temperature=0)
+    plain = client.completions.create(prompt="The capital of France is", **kwargs)
+    echoed = client.completions.create(prompt="The capital of France is", echo=True, **kwargs)
+    assert echoed.choices[0].text == "The capital of France is" + plain.choices[0].text
+    streamed = list(client.completions.create(prompt="The capital of France is", echo=True,
+                                              stream=True, **kwargs))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == echoed.choices[0].text
+    ids = client.completions.create(prompt=[504, 3458, 282], echo=True, **kwargs)
+    no_echo = client.completions.create(prompt=[504, 3458, 282], **kwargs)
+    assert ids.choices[0].text.endswith(no_echo.choices[0].text)
+    assert len(ids.choices[0].text) > len(no_echo.choices[0].text)
+
+
+def test_logit_bias_forces_and_forbids_tokens(client: openai.OpenAI) -> None:
+    kwargs = dict(model=MODEL_NAME, prompt="The capital of France is", max_tokens=5,
+                  temperature=0, logprobs=0)
+    plain = client.completions.create(**kwargs).choices[0].logprobs
+    assert plain is not None and plain.tokens
+    forced = client.completions.create(logit_bias={"28": 100}, **kwargs).choices[0].logprobs
+    assert forced is not None and len(set(forced.tokens)) == 1
+    assert forced.token_logprobs[0] > -1e-3
+    first = client.completions.create(prompt=[28], echo=True, max_tokens=1, model=MODEL_NAME)
+    assert forced.tokens[0] == first.choices[0].text[: len(forced.tokens[0])]
+    # Forbidding the greedy first token changes it (the sampler sees the biased logits).
+    from pagellm.engine.config import default_cache_dir
+    from pagellm.model.loader import load_tokenizer
+    from pagellm.model.resolve import resolve_model_path
+
+    tokenizer = load_tokenizer(resolve_model_path(None, default_cache_dir()))
+    (first_id,) = tokenizer.encode(plain.tokens[0], add_special_tokens=False)
+    forbidden = client.completions.create(logit_bias={str(first_id): -100},
+                                          **kwargs).choices[0].logprobs
+    assert forbidden is not None and forbidden.tokens[0] != plain.tokens[0]
+
+
+def test_continue_final_message_continues_the_assistant(client: openai.OpenAI) -> None:
+    from pagellm.engine.chat_template import ChatOptions, render_chat
+    from pagellm.engine.config import default_cache_dir
+    from pagellm.model.loader import load_tokenizer
+    from pagellm.model.resolve import resolve_model_path
+
+    messages = [{"role": "user", "content": "What is 2 + 2?"},
+                {"role": "assistant", "content": "The answer is"}]
+    result = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    tokenizer = load_tokenizer(resolve_model_path(None, default_cache_dir()))
+    ids = render_chat(tokenizer, messages, ChatOptions(add_generation_prompt=False,
+                                                       continue_final_message=True))
+    assert tokenizer.decode(ids).endswith("<|im_start|>assistant\nThe answer is")
+    assert result.usage is not None and result.usage.prompt_tokens == len(ids)
+    same = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=6, temperature=0)
+    assert result.choices[0].message.content == same.choices[0].text
+
+
+def test_tools_with_tool_choice_none_and_earlier_tool_calls(client: openai.OpenAI) -> None:
+    tool = {"type": "function", "function": {"name": "weather", "parameters": {}}}
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "weather", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "Sunny, 20 C."},
+    ]
+    result = client.chat.completions.create(model=MODEL_NAME, messages=messages, tools=[tool],
+                                            tool_choice="none", max_tokens=4, temperature=0)
+    assert result.choices[0].message.content is not None
+    text = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+        response_format={"type": "text"})
+    assert text.choices[0].finish_reason is not None
+
+
+def test_health_answers_while_a_huge_prompt_is_tokenized(server: Server) -> None:
+    """Tokenizing runs off the event loop: a megabyte of text takes a while to encode,
+    and every other request must not wait for it."""
+    import threading
+    import time
+
+    from tests.server.conftest import MAX_REQUEST_BYTES
+
+    body = {"prompt": "hello world, " * ((MAX_REQUEST_BYTES - 1000) // 13), "max_tokens": 2}
+    result: dict[str, httpx.Response] = {}
+
+    def post() -> None:
+        result["big"] = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+
+    thread = threading.Thread(target=post)
+    started = time.monotonic()
+    thread.start()
+    worst = 0.0
+    while thread.is_alive():
+        before = time.monotonic()
+        assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+        worst = max(worst, time.monotonic() - before)
+        time.sleep(0.02)
+    elapsed = time.monotonic() - started
+    assert result["big"].status_code == 400 and "context length" in result["big"].text
+    assert worst < max(0.5, elapsed / 3), (worst, elapsed)

@@ -103,3 +103,36 @@ def test_stats_line_only_while_busy() -> None:
     assert "running 2, waiting 0" in line
     assert "KV cache usage 25.0%" in line
     assert "prefix cache hit rate 75.0%" in line
+
+
+def test_chat_logprob_bytes_are_the_tokens_own_bytes() -> None:
+    """Tokens holding parts of a character decode to U+FFFD each; their `bytes` must be
+    their real UTF-8 bytes, so that joined they give back the text."""
+    from pagellm.engine.config import default_cache_dir
+    from pagellm.model.loader import load_tokenizer
+    from pagellm.model.resolve import resolve_model_path
+
+    tokenizer = load_tokenizer(resolve_model_path(None, default_cache_dir()))
+    text = " Café 日本語 🎉 ok<|im_end|>"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    token_text = TokenText(tokenizer)
+    assert any(token_text(i) == "\ufffd" for i in ids), "the text must split a character"
+    entries = [Logprob(i, -1.0, 1, [(i, -1.0)]) for i in ids]
+    chat = chat_logprobs(entries, token_text)
+    assert chat.content is not None
+    joined = b"".join(bytes(entry.bytes or []) for entry in chat.content)
+    assert joined.decode() == text
+    assert all(entry.top_logprobs[0].bytes == entry.bytes for entry in chat.content)
+
+
+def test_colliding_token_texts_keep_the_likeliest_and_the_sampled_logprob() -> None:
+    class Collide:
+        def decode(self, ids: list[int]) -> str:
+            return "\ufffd" if ids[0] >= 10 else f"<{ids[0]}>"
+
+    entries = [Logprob(12, -3.0, 3, [(5, -0.5), (10, -1.0), (11, -2.0), (12, -3.0)])]
+    block, _ = completion_logprobs(entries, TokenText(Collide()), 0)
+    assert block.top_logprobs == [{"<5>": -0.5, "\ufffd": -3.0}]
+    entries = [Logprob(5, -0.5, 1, [(5, -0.5), (10, -1.0), (11, -2.0)])]
+    block, _ = completion_logprobs(entries, TokenText(Collide()), 0)
+    assert block.top_logprobs == [{"<5>": -0.5, "\ufffd": -1.0}]

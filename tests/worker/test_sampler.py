@@ -286,3 +286,45 @@ def test_non_float32_logits_are_accepted() -> None:
     out = run(logits, [SamplingParams(temperature=0, logprobs=1)])
     assert out.sampled_token_ids == [1]
     assert out.logprobs[0] is not None
+
+
+def test_logit_bias_moves_greedy_and_random_rows_only_where_given() -> None:
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(4, 50, generator=gen)
+    before = logits.clone()
+    argmax = logits.argmax(dim=-1).tolist()
+    target = (argmax[0] + 1) % 50
+    params = [SamplingParams(temperature=0, logit_bias={target: 100.0}),
+              SamplingParams(temperature=0),
+              SamplingParams(temperature=0, logit_bias={argmax[2]: -100.0}),
+              SamplingParams(temperature=1.0, seed=3, logit_bias={target: 100.0})]
+    gens = [None, None, None, make_generator(3)]
+    out = run(logits, params, generators=gens)
+    assert torch.equal(logits, before)
+    assert out.sampled_token_ids[0] == target
+    assert out.sampled_token_ids[1] == argmax[1]
+    second = logits[2].clone()
+    second[argmax[2]] -= 100.0
+    assert out.sampled_token_ids[2] == int(second.argmax())
+    assert out.sampled_token_ids[3] == target
+
+
+def test_logit_bias_is_added_exactly_and_seen_by_logprobs() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
+    out = run(logits, [SamplingParams(temperature=0, logprobs=1,
+                                      logit_bias={0: 4.5, 2: -1.0})])
+    biased = torch.tensor([[4.5, 1.0, 1.0, 3.0]])
+    assert out.sampled_token_ids == [0]
+    entry = out.logprobs[0]
+    assert entry is not None
+    assert entry.logprob == pytest.approx(float(biased.log_softmax(-1)[0, 0]))
+
+
+def test_logit_bias_values_are_checked() -> None:
+    for bad, field in [({1: 100.5}, "logit_bias[1]"), ({-1: 1.0}, "logit_bias keys"),
+                       ({True: 1.0}, "logit_bias keys"), ([1, 2], "logit_bias must"),
+                       ({2: "x"}, "logit_bias[2]")]:
+        with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
+            SamplingParams(logit_bias=bad)
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    assert SamplingParams(logit_bias={5: -100}).logit_bias == {5: -100.0}

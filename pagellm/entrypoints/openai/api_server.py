@@ -65,6 +65,7 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
             yield
         finally:
             stats_task.cancel()
+            context.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
             await asyncio.to_thread(engine.shutdown)
             logger.info("shutting down: engine stopped")
 

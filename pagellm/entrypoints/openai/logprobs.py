@@ -7,6 +7,7 @@ bytes, since a single token can be part of a multi-byte character.
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -27,19 +28,60 @@ def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else BLOCKED_LOGPROB
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's table): printable
+    Latin-1 bytes stand for themselves, the other 68 are shifted to U+0100 onwards."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    alphabet = {chr(b): b for b in kept}
+    shifted = (b for b in range(256) if b not in alphabet.values())
+    alphabet.update({chr(256 + i): b for i, b in enumerate(shifted)})
+    return alphabet
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+
+
+def _is_byte_level(tokenizer: Any) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return False
+    return '"ByteLevel"' in json.dumps(json.loads(backend.to_str()).get("decoder"))
+
+
 class TokenText:
-    """Token id -> its text, decoded once per id (logprobs repeat the same alternatives)."""
+    """Token id -> its text and its UTF-8 bytes, each worked out once per id (logprobs
+    repeat the same alternatives).
+
+    A token that holds part of a character decodes to U+FFFD; its real bytes are what
+    chat's `bytes` field is for, so a client can join tokens into text. They are read
+    from the vocabulary of byte-level BPE tokenizers; others fall back to the text's
+    bytes.
+    """
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self._cache: dict[int, str] = {}
+        self._byte_level = _is_byte_level(tokenizer)
+        self._text: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
 
     def __call__(self, token_id: int) -> str:
-        text = self._cache.get(token_id)
+        text = self._text.get(token_id)
         if text is None:
             text = self.tokenizer.decode([token_id])
-            self._cache[token_id] = text
+            self._text[token_id] = text
         return text
+
+    def bytes(self, token_id: int) -> list[int]:
+        raw = self._bytes.get(token_id)
+        if raw is None:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id) if self._byte_level else None
+            if isinstance(piece, str) and piece and all(c in _BYTE_LEVEL for c in piece):
+                raw = [_BYTE_LEVEL[c] for c in piece]
+            else:
+                raw = list(self(token_id).encode())
+            self._bytes[token_id] = raw
+        return raw
 
 
 def completion_logprobs(entries: list[Logprob], token_text: TokenText,
@@ -51,8 +93,12 @@ def completion_logprobs(entries: list[Logprob], token_text: TokenText,
         token = token_text(entry.token_id)
         block.tokens.append(token)
         block.token_logprobs.append(_finite(entry.logprob))
-        top = {token_text(t): _finite(lp) for t, lp in entry.top_logprobs}
-        top.setdefault(token, _finite(entry.logprob))
+        # Distinct tokens can share a text (parts of characters all read U+FFFD): the
+        # most likely one keeps the key, and the sampled token's own logprob always shows.
+        top: dict[str, float] = {}
+        for alternative, logprob in entry.top_logprobs:
+            top.setdefault(token_text(alternative), _finite(logprob))
+        top[token] = _finite(entry.logprob)
         block.top_logprobs.append(top)
         block.text_offset.append(text_offset)
         text_offset += len(token)
@@ -64,8 +110,8 @@ def chat_logprobs(entries: list[Logprob], token_text: TokenText) -> ChatLogprobs
     for entry in entries:
         token = token_text(entry.token_id)
         content.append(ChatTokenLogprob(
-            token=token, logprob=_finite(entry.logprob), bytes=list(token.encode()),
+            token=token, logprob=_finite(entry.logprob), bytes=token_text.bytes(entry.token_id),
             top_logprobs=[TopLogprob(token=token_text(t), logprob=_finite(lp),
-                                     bytes=list(token_text(t).encode()))
+                                     bytes=token_text.bytes(t))
                           for t, lp in entry.top_logprobs]))
     return ChatLogprobs(content=content)

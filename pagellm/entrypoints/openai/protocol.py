@@ -4,13 +4,16 @@ Requests are parsed strictly: OpenAI rejects `"temperature": "0.5"` or `"n": tru
 client that sends them has a bug it should hear about, not a silent coercion. Ranges are
 not repeated here: `SamplingParams` owns them, so the HTTP API and the Python API can
 never disagree about what is valid. Unknown fields are ignored, as vLLM does, so clients
-that send options for other servers keep working.
+that send options for other servers keep working; but the known options this server
+cannot honour (a JSON schema, a forced tool call, `suffix`) are declared here so that
+`check_supported` can refuse them with a 400: ignoring them would answer 200 with the
+wrong kind of output.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -49,12 +52,24 @@ class SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    # Known, and refused when set (see check_supported).
+    prompt_logprobs: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | TokenIds | list[TokenIds]
     max_tokens: int | None = 16
     logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
 
 
 class TextContentPart(_Strict):
@@ -66,6 +81,8 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -74,6 +91,15 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    # Known, and refused when set (see check_supported).
+    chat_template: Any = None
+    functions: Any = None
+    function_call: Any = None
 
 
 # ---- responses ------------------------------------------------------------------------

@@ -34,6 +34,7 @@ def build_sampling_params(
     the vocabulary is a client error.
     """
     top_k = request.top_k or 0
+    logit_bias = _logit_bias(request.logit_bias, vocab_size)
     for token in request.stop_token_ids or []:
         if not 0 <= token < vocab_size:
             raise bad_request(f"stop_token_ids must be token ids in [0, {vocab_size}), got "
@@ -57,13 +58,28 @@ def build_sampling_params(
             repetition_penalty=_or(request.repetition_penalty, 1.0),
             logprobs=logprobs,
             skip_special_tokens=request.skip_special_tokens,
+            logit_bias=logit_bias,
         )
     except ValueError as error:
         raise _named(str(error), field_names or {}) from error
 
 
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    """JSON object keys are strings: OpenAI's logit_bias is {"token id": bias}."""
+    if bias is None:
+        return None
+    by_id: dict[int, float] = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and int(key) < vocab_size):
+            raise bad_request(f"logit_bias keys must be token ids in [0, {vocab_size}), got "
+                              f"{key!r}", param="logit_bias", code="invalid_value")
+        by_id[int(key)] = value
+    return by_id
+
+
 def _named(message: str, field_names: dict[str, str]) -> APIError:
     field, _, rest = message.partition(" ")
+    field = field.split("[")[0]
     param = field_names.get(field, field)
     if param != field:
         message = f"{param} {rest}"

@@ -5,21 +5,57 @@ engine requests of one HTTP request, merging their outputs, and usage.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+import functools
+from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from pagellm.core.sampling_params import SamplingParams
 from pagellm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from pagellm.engine.outputs import RequestOutput
 from pagellm.entrypoints.openai.errors import APIError, bad_request
 from pagellm.entrypoints.openai.metrics import ServerMetrics
-from pagellm.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
+from pagellm.entrypoints.openai.protocol import (
+    PromptTokensDetails,
+    SamplingFields,
+    UsageInfo,
+)
+
+T = TypeVar("T")
 
 # Completions one HTTP request may ask for (prompts x n). Each is a full engine request,
 # so this bounds how much of the engine one client can occupy with a single call.
 MAX_CHOICES = 256
+
+
+# Options OpenAI or vLLM define that this server does not implement, and why.
+_REFUSED = {
+    "prompt_logprobs": "prompt logprobs are not computed",
+    "structured_outputs": "structured output (guided decoding) is not implemented",
+    "guided_json": "structured output (guided decoding) is not implemented",
+    "guided_regex": "structured output (guided decoding) is not implemented",
+    "guided_choice": "structured output (guided decoding) is not implemented",
+    "guided_grammar": "structured output (guided decoding) is not implemented",
+    "suffix": "insertion (fill in the middle) is not implemented",
+    "chat_template": "a request cannot replace the model's chat template",
+    "functions": "function calling is not implemented",
+    "function_call": "function calling is not implemented",
+}
+
+
+def check_supported(body: SamplingFields) -> None:
+    """A 400 naming the first option set that this server would otherwise ignore while
+    it changes what the client gets back."""
+    for option, reason in _REFUSED.items():
+        if getattr(body, option, None) is not None:
+            raise bad_request(f"{option} is not supported: {reason}", param=option)
+    if body.response_format is not None and body.response_format.get("type") != "text":
+        raise bad_request(
+            f"response_format {body.response_format.get('type')!r} is not supported: only "
+            "{'type': 'text'}; structured output (JSON) is not implemented",
+            param="response_format")
 
 
 @dataclass
@@ -29,6 +65,17 @@ class ServerContext:
     engine: AsyncLLMEngine
     model_names: list[str]
     metrics: ServerMetrics
+    tokenizer_thread: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenizer"))
+
+    async def off_loop(self, function: Callable[..., T], *args: Any) -> T:
+        """Runs tokenizer work (encoding prompts, rendering a chat) on the server's one
+        tokenizer thread. A few megabytes of text take seconds to encode; on the event
+        loop that would stall every other request and stream. One thread, as in vLLM: a
+        fast tokenizer must not be used from several threads at once."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.tokenizer_thread,
+                                          functools.partial(function, *args))
 
     @property
     def model_name(self) -> str:

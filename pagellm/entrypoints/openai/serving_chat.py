@@ -12,8 +12,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pagellm.engine.async_engine import RequestStream
+from pagellm.engine.chat_template import ChatError, ChatOptions, render_chat
 from pagellm.engine.outputs import RequestOutput
-from pagellm.entrypoints.chat_template import render_chat_text
 from pagellm.entrypoints.openai.errors import bad_request
 from pagellm.entrypoints.openai.logprobs import TokenText, chat_logprobs
 from pagellm.entrypoints.openai.protocol import (
@@ -23,7 +23,6 @@ from pagellm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
-    ChatMessage,
     ChatResponseMessage,
 )
 from pagellm.entrypoints.openai.sampling import build_sampling_params
@@ -31,7 +30,7 @@ from pagellm.entrypoints.openai.serving import (
     Prompt,
     ServerContext,
     check_choices,
-    encode,
+    check_supported,
     final_outputs,
     merged,
     resolve_max_tokens,
@@ -46,35 +45,29 @@ from pagellm.entrypoints.openai.transport import (
 )
 
 
-def _text(message: ChatMessage) -> str:
-    """A message's text; content parts are joined by newlines, as vLLM does."""
-    if message.content is None:
-        return ""
-    if isinstance(message.content, str):
-        return message.content
-    return "\n".join(part.text for part in message.content)
-
-
-def render_messages(tokenizer: Any, messages: list[ChatMessage]) -> list[int]:
-    """The prompt token ids of a conversation, ending with the assistant's turn.
-
-    OpenAI's `developer` role is the newer name of `system`, which is what chat templates
-    know. A template that rejects the conversation (roles out of order, say) is the
-    client's error, so it becomes a 400 naming `messages`.
-    """
-    if not messages:
-        raise bad_request("messages is empty", param="messages")
-    conversation = [{"role": "system" if m.role == "developer" else m.role,
-                     "content": _text(m)} for m in messages]
+def render_messages(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
+    """The prompt token ids of the conversation, rendered by the engine's one renderer;
+    a conversation or option it refuses is the client's error, a 400 naming the field."""
+    options = ChatOptions(body.add_generation_prompt, body.continue_final_message,
+                          body.tools, None, body.chat_template_kwargs)
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
     try:
-        text = render_chat_text(tokenizer, conversation)
-    except Exception as error:  # noqa: BLE001 - jinja raises many types for bad input
-        raise bad_request(f"messages cannot be rendered by the chat template: {error}",
-                          param="messages") from error
-    token_ids = encode(tokenizer, text, "messages", add_special_tokens=False)
-    if not token_ids:
-        raise bad_request("messages render to an empty prompt", param="messages")
-    return token_ids
+        return render_chat(tokenizer, messages, options)
+    except ChatError as error:
+        raise bad_request(str(error), param=error.param) from error
+
+
+def _check_tools(body: ChatCompletionRequest) -> None:
+    """Tool definitions may be given for the template to render, but no tool call is
+    ever parsed out of the answer, so only tool_choice "none" can be honoured."""
+    choice = body.tool_choice
+    if body.tools and choice != "none":
+        raise bad_request("tool calling is not supported: send tools with tool_choice "
+                          "\"none\" (they are only rendered into the prompt), or no tools",
+                          param="tool_choice" if choice is not None else "tools")
+    if not body.tools and choice is not None and choice != "none":
+        raise bad_request("tool_choice needs tools, and tool calling is not supported",
+                          param="tool_choice")
 
 
 def _logprobs_setting(body: ChatCompletionRequest) -> int | None:
@@ -92,6 +85,8 @@ async def create_chat_completion(context: ServerContext, body: ChatCompletionReq
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options is only allowed when stream is true",
                           param="stream_options")
+    check_supported(body)
+    _check_tools(body)
     check_choices(1, body.n)
     engine = context.engine
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None \
@@ -102,7 +97,7 @@ async def create_chat_completion(context: ServerContext, body: ChatCompletionReq
         body, max_tokens=requested, logprobs=_logprobs_setting(body),
         vocab_size=engine.vocab_size,
         field_names={"logprobs": "top_logprobs", "max_tokens": max_tokens_param})
-    prompt = Prompt(None, render_messages(engine.tokenizer, body.messages))
+    prompt = Prompt(None, await context.off_loop(render_messages, engine.tokenizer, body))
     params = base.clone(max_tokens=resolve_max_tokens(
         engine.max_model_len, len(prompt.token_ids), requested, "messages", max_tokens_param))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"

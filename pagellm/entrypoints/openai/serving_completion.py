@@ -25,6 +25,7 @@ from pagellm.entrypoints.openai.serving import (
     Prompt,
     ServerContext,
     check_choices,
+    check_supported,
     encode,
     final_outputs,
     merged,
@@ -40,8 +41,9 @@ from pagellm.entrypoints.openai.transport import (
 )
 
 
-def _prompts(context: ServerContext, prompt: Any) -> list[Prompt]:
-    """Normalises the four accepted shapes to a list of tokenized prompts."""
+def _prompts(context: ServerContext, prompt: Any, echo: bool) -> list[Prompt]:
+    """Normalises the four accepted shapes to a list of tokenized prompts; with `echo`,
+    token-id prompts get their text too (decoded), to be echoed."""
     if isinstance(prompt, str):
         items: list[Any] = [prompt]
     elif prompt and all(isinstance(token, int) for token in prompt):
@@ -60,8 +62,27 @@ def _prompts(context: ServerContext, prompt: Any) -> list[Prompt]:
         else:
             if not item:
                 raise bad_request("prompt is empty", param="prompt")
-            prompts.append(Prompt(None, list(item)))
+            prompts.append(Prompt(_decoded(tokenizer, item) if echo else None, list(item)))
     return prompts
+
+
+def _decoded(tokenizer: Any, token_ids: list[int]) -> str:
+    """A token-id prompt's text for `echo`; ids outside the vocabulary are refused with
+    the engine's own message when the request is queued, so they are not decoded here."""
+    try:
+        return str(tokenizer.decode(token_ids))
+    except (OverflowError, IndexError, TypeError):
+        return ""
+
+
+def _check_options(body: CompletionRequest) -> None:
+    check_supported(body)
+    if body.best_of is not None and body.best_of != body.n:
+        raise bad_request(f"best_of is not supported (only best_of == n, here {body.n}); "
+                          "ask for n completions and rank them yourself", param="best_of")
+    if body.echo and body.logprobs is not None:
+        raise bad_request("echo with logprobs is not supported: prompt logprobs are not "
+                          "computed", param="echo")
 
 
 async def create_completion(context: ServerContext, body: CompletionRequest,
@@ -71,7 +92,8 @@ async def create_completion(context: ServerContext, body: CompletionRequest,
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options is only allowed when stream is true",
                           param="stream_options")
-    prompts = _prompts(context, body.prompt)
+    _check_options(body)
+    prompts = await context.off_loop(_prompts, context, body.prompt, body.echo)
     check_choices(len(prompts), body.n)
     engine = context.engine
     base = build_sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs,
@@ -91,6 +113,11 @@ async def create_completion(context: ServerContext, body: CompletionRequest,
     return JSONResponse(_response(context, request_id, body, outputs).model_dump(mode="json"))
 
 
+def _echoed(body: CompletionRequest, output: RequestOutput) -> str:
+    """What `echo` puts before a completion: its prompt's text."""
+    return (output.prompt or "") if body.echo else ""
+
+
 def _response(context: ServerContext, request_id: str, body: CompletionRequest,
               outputs: list[RequestOutput]) -> CompletionResponse:
     token_text = TokenText(context.engine.tokenizer)
@@ -101,7 +128,8 @@ def _response(context: ServerContext, request_id: str, body: CompletionRequest,
             if completion.logprobs is not None:
                 logprobs, _ = completion_logprobs(completion.logprobs, token_text, 0)
             choices.append(CompletionChoice(
-                index=prompt_index * body.n + completion.index, text=completion.text,
+                index=prompt_index * body.n + completion.index,
+                text=_echoed(body, output) + completion.text,
                 logprobs=logprobs, finish_reason=completion.finish_reason,
                 stop_reason=completion.stop_reason))
     return CompletionResponse(id=request_id, model=context.model_name, choices=choices,
@@ -127,6 +155,8 @@ async def _stream(context: ServerContext, request_id: str, body: CompletionReque
                 delta = completion.text[sent_text.get(index, 0):]
                 if index in done or (not delta and completion.finish_reason is None):
                     continue
+                if index not in sent_text:
+                    delta = _echoed(body, output) + delta
                 sent_text[index] = len(completion.text)
                 if completion.finish_reason is not None:
                     done.add(index)

@@ -1,0 +1,141 @@
+"""A conversation to prompt token ids through the model's chat template.
+
+One renderer for `LLM.chat`, the OpenAI server and the CLI, so a conversation renders to
+the same tokens (and so hits the same cached prefix) whichever way it arrives. Messages
+are checked here too, with errors naming the message and field, so the offline API
+refuses what the server refuses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+Message = dict[str, Any]
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# Message fields passed on to the template besides role and content: templates that know
+# tools render an assistant's tool calls and a tool result's call id.
+_PASSED_FIELDS = ("name", "tool_calls", "tool_call_id")
+# Arguments of apply_chat_template that the renderer sets itself.
+_RESERVED_KWARGS = frozenset({"conversation", "tokenize", "add_generation_prompt",
+                              "continue_final_message", "tools", "chat_template",
+                              "return_dict", "return_tensors", "padding", "truncation",
+                              "max_length", "tokenizer_kwargs", "documents"})
+
+
+class ChatError(ValueError):
+    """A conversation or option the template cannot take; `param` names the field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How to render: vLLM's `chat` and chat-completions options of the same names.
+
+    - add_generation_prompt: end with the opening of the assistant's turn.
+    - continue_final_message: leave the last (assistant) message open, so the model
+      continues it (a prefill of the answer); excludes add_generation_prompt.
+    - tools: tool definitions, for templates that render them.
+    - chat_template: a Jinja template instead of the model's.
+    - chat_template_kwargs: extra variables for the template (e.g. enable_thinking).
+    """
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check(self, conversation: Sequence[Message]) -> None:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ChatError("continue_final_message and add_generation_prompt cannot both "
+                            "be true", "continue_final_message")
+        if self.continue_final_message and conversation[-1]["role"] != "assistant":
+            raise ChatError("continue_final_message needs the last message to be the "
+                            "assistant's", "continue_final_message")
+        reserved = sorted(_RESERVED_KWARGS & set(self.chat_template_kwargs or {}))
+        if reserved:
+            raise ChatError(f"chat_template_kwargs cannot set {', '.join(reserved)}",
+                            "chat_template_kwargs")
+
+
+def _content(index: int, content: Any) -> str:
+    """A message's text; text parts are joined by newlines, as vLLM does."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)):
+                raise ChatError(f"messages[{index}].content parts must be "
+                                f"{{'type': 'text', 'text': str}}, got {part!r}", "messages")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise ChatError(f"messages[{index}].content must be a string, a list of text parts or "
+                    f"None, got {type(content).__name__}", "messages")
+
+
+def check_messages(messages: Any) -> list[Message]:
+    """The conversation as the template expects it, or a ChatError naming the message.
+
+    OpenAI's `developer` role is the newer name of `system`, which is what chat templates
+    know.
+    """
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ChatError("messages must be a non-empty list of messages", "messages")
+    conversation = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ChatError(f"messages[{index}] must be a dict with 'role' and 'content'",
+                            "messages")
+        role = message.get("role")
+        if role not in ROLES:
+            raise ChatError(f"messages[{index}].role must be one of {', '.join(ROLES)}, got "
+                            f"{role!r}", "messages")
+        rendered: Message = {"role": "system" if role == "developer" else role,
+                             "content": _content(index, message.get("content"))}
+        rendered.update({field: message[field] for field in _PASSED_FIELDS
+                         if message.get(field) is not None})
+        conversation.append(rendered)
+    return conversation
+
+
+def render_chat_text(tokenizer: Any, messages: Any, options: ChatOptions = ChatOptions()) -> str:
+    """The conversation as template text; a template that rejects it (roles out of order,
+    say) raises ChatError naming `messages`."""
+    conversation = check_messages(messages)
+    options.check(conversation)
+    try:
+        return str(tokenizer.apply_chat_template(
+            conversation, tools=options.tools, chat_template=options.chat_template,
+            add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message, tokenize=False,
+            **(options.chat_template_kwargs or {})))
+    except Exception as error:  # noqa: BLE001 - jinja raises many types for bad input
+        raise ChatError(f"messages cannot be rendered by the chat template: {error}",
+                        "messages") from error
+
+
+def render_chat(tokenizer: Any, messages: Any, options: ChatOptions = ChatOptions()) -> list[int]:
+    """Token ids of the rendered conversation.
+
+    Rendered to text first and then encoded without special tokens: the template already
+    wrote them, and adding a BOS again would change the prompt.
+    """
+    text = render_chat_text(tokenizer, messages, options)
+    try:
+        token_ids = list(tokenizer.encode(text, add_special_tokens=False))
+    except (TypeError, UnicodeError) as error:
+        raise ChatError("messages are not valid Unicode text (lone surrogate?)",
+                        "messages") from error
+    if not token_ids:
+        raise ChatError("messages render to an empty prompt", "messages")
+    return token_ids
