@@ -84,7 +84,8 @@ def validation_error(errors: Sequence[Any]) -> APIError:
     if param is None:
         if kind == "missing":
             return bad_request("The request body is empty; expected a JSON object.")
-        return bad_request("The request body must be a JSON object.")
+        return bad_request("The request body must be a JSON object, sent with "
+                           "Content-Type: application/json.")
     if kind == "missing":
         return bad_request(f"Missing required parameter: '{param}'.", param=param,
                            code="missing_required_parameter")
