@@ -837,3 +837,18 @@ def test_caching_changes_no_decision_when_nothing_is_shared(
                                 len(trace))
         traces.append(trace[: first_preemption + 1])
     assert traces[0] == traces[1]
+
+
+def test_debug_log_names_where_the_cached_prefix_ends(caplog: pytest.LogCaptureFixture) -> None:
+    """A hit rate lower than expected is debugged from this line: it names the block at
+    which a request's prompt left the longest cached prefix."""
+    d = Driver()
+    prompt = prompt_of(8, 4 * BS + 1)
+    d.add("a", prompt, max_tokens=1)
+    d.run()
+    diverged = prompt[: 2 * BS] + [t + 1 for t in prompt[2 * BS:]]
+    with caplog.at_level("DEBUG", logger="pagellm.core.scheduler"):
+        d.add("b", diverged, max_tokens=1)
+        d.run()
+    assert (f"b: {2 * BS} of {4 * BS + 1} prompt tokens from the prefix cache; the cached "
+            "prefix ends at block 2 of 4") in caplog.text

@@ -176,3 +176,26 @@ def test_chat_continues_the_final_message(default_llm: Any) -> None:
         add_generation_prompt=False, use_tqdm=False)[0]
     assert parts.prompt_token_ids == out.prompt_token_ids
     assert parts.outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_second_chat_turn_hits_the_first_turn_and_its_answer(default_llm: Any) -> None:
+    """The multi-turn case PITFALLS warns about: if the template re-rendered an earlier
+    turn differently, or generated tokens' blocks were not cached, the hit would stop at
+    the system prompt. It must reach into the first answer."""
+    llm = default_llm
+    llm.reset_prefix_cache()
+    block = llm.llm_engine.kv_manager.block_size
+    params = SamplingParams(temperature=0, max_tokens=40)
+    conversation = _chat(QUESTIONS[2])
+    first = llm.chat(conversation, params, use_tqdm=False)[0]
+    answer = first.outputs[0]
+    conversation += [{"role": "assistant", "content": answer.text},
+                     {"role": "user", "content": "And which drink goes with it?"}]
+    second = llm.chat(conversation, params, use_tqdm=False)[0]
+    computed = first.prompt_token_ids + answer.token_ids[:-1]  # the last token is never fed
+    common = next((i for i, (a, b) in enumerate(zip(computed, second.prompt_token_ids,
+                                                    strict=False)) if a != b),
+                  min(len(computed), len(second.prompt_token_ids)))
+    assert common > len(first.prompt_token_ids) + block, "the re-rendered answer must match"
+    assert second.num_cached_tokens == common // block * block
+    assert_idle(llm.llm_engine)

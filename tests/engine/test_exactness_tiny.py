@@ -231,3 +231,24 @@ def test_long_shared_prefix_takes_cascade_and_matches(name: str, tiny_models: di
         assert out.num_cached_tokens >= 96 or out is outputs[0]
         assert_greedy_equal(hf_models[name], prompt, out.outputs[0].token_ids,
                             hf_greedy(hf_models[name], prompt, 12), f"cascade {name}")
+
+
+def test_engine_hashes_blocks_with_sha256_by_default(tiny_models: dict[str, Path]) -> None:
+    """A 64-bit hash can be made to collide on purpose, and with several tenants that
+    serves one tenant's KV to another: every entry point defaults to SHA-256."""
+    import argparse
+    import hashlib
+
+    from pagellm.engine.config import EngineConfig
+    from pagellm.entrypoints.engine_args import add_engine_args
+
+    assert EngineConfig().prefix_caching_hash_algo == "sha256"
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert parser.parse_args([]).prefix_caching_hash_algo == "sha256"
+    engine = _llm(tiny_models["llama-gqa-untied"]).llm_engine
+    assert engine.hasher.algorithm == "sha256"
+    root = engine.hasher.root()
+    block = list(range(engine.hasher.block_size))
+    expected = hashlib.sha256(root + b"".join(t.to_bytes(4, "little") for t in block))
+    assert engine.hasher.hash_block(root, block) == expected.digest()
