@@ -105,6 +105,7 @@ def test_byte_size_rejects(text: str) -> None:
     ["generate", "x", "--temperature", "-1"],
     ["chat", "--top-p", "0"],
     ["serve", "--max-num-seqs", "0"],
+    ["generate", "--input", "/nonexistent/prompts.jsonl"],
 ])
 def test_bad_options_fail_before_loading_the_model(argv: list[str],
                                                    capsys: pytest.CaptureFixture[str]) -> None:
@@ -137,6 +138,25 @@ def test_generate_jsonl_shows_cached_tokens_for_a_repeated_system_prompt(tmp_pat
     assert "not JSON" in records[1]["error"]
     assert all(r["cached_tokens"] >= 32 for r in (records[2], records[3])), records
     assert "from the prefix cache" in result.stderr
+
+
+def test_generate_jsonl_bad_lines_spoil_only_themselves(tmp_path: Path) -> None:
+    """Valid JSON of the wrong kind, a lone surrogate escape, a byte that is not UTF-8:
+    each becomes an error record, and every other line still runs."""
+    source = tmp_path / "prompts.jsonl"
+    source.write_bytes(b'\xef\xbb\xbf"first"\nnull\n5\n[["a", "b"]]\n{"prompt": "\\ud800"}\n'
+                       b'"bad \xff byte"\n"last"\n')
+    target = tmp_path / "out.jsonl"
+    result = run_cli("generate", "--input", str(source), "--output", str(target),
+                     "--max-tokens", "2", *SMALL_ENGINE)
+    assert result.returncode == 1, result.stderr
+    records = [json.loads(line) for line in target.read_text().splitlines()]
+    assert [r.get("prompt") for r in records] == ["first", None, None, None, None, None, "last"]
+    assert records[0]["text"] and records[-1]["text"]
+    errors = [r["error"] for r in records[1:-1]]
+    assert ["null" in errors[0], "number" in errors[1], "array" in errors[2],
+            "surrogate" in errors[3], "UTF-8" in errors[4]] == [True] * 5, errors
+    assert "Traceback" not in result.stderr
 
 
 def test_chat_keeps_the_conversation_and_reports_cache_hits() -> None:

@@ -17,7 +17,8 @@ Message = dict[str, Any]
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # Message fields passed on to the template besides role and content: templates that know
 # tools render an assistant's tool calls and a tool result's call id.
-_PASSED_FIELDS = ("name", "tool_calls", "tool_call_id")
+_PASSED_FIELDS: dict[str, type] = {"name": str, "tool_calls": list, "tool_call_id": str}
+_KIND_NAMES: dict[type, str] = {str: "a string", list: "a list of objects"}
 # Arguments of apply_chat_template that the renderer sets itself.
 _RESERVED_KWARGS = frozenset({"conversation", "tokenize", "add_generation_prompt",
                               "continue_final_message", "tools", "chat_template",
@@ -102,8 +103,15 @@ def check_messages(messages: Any) -> list[Message]:
                             f"{role!r}", "messages")
         rendered: Message = {"role": "system" if role == "developer" else role,
                              "content": _content(index, message.get("content"))}
-        rendered.update({field: message[field] for field in _PASSED_FIELDS
-                         if message.get(field) is not None})
+        for field, kind in _PASSED_FIELDS.items():
+            value = message.get(field)
+            if value is None:
+                continue
+            if not isinstance(value, kind) or (
+                    isinstance(value, list) and not all(isinstance(v, dict) for v in value)):
+                raise ChatError(f"messages[{index}].{field} must be "
+                                f"{_KIND_NAMES[kind]}, got {value!r}", "messages")
+            rendered[field] = value
         conversation.append(rendered)
     return conversation
 

@@ -81,7 +81,8 @@ class LLM:
 
         The options are vLLM's (see `ChatOptions`). A bad conversation raises ValueError
         naming the message, even inside a list: it is a programming error, not a prompt
-        that is merely too long.
+        that is merely too long. Otherwise errors follow `generate`: one conversation
+        that cannot run raises, in a list it gets an output with `error` set.
         """
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of messages (or of "
@@ -94,7 +95,9 @@ class LLM:
             {"prompt_token_ids": render_chat(self.tokenizer, c, options)}
             for c in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm, cache_salt)
+        # One conversation is one prompt: invalid, it raises, as `generate` does.
+        return self.generate(prompts[0] if single else prompts, sampling_params, use_tqdm,
+                             cache_salt)
 
     def apply_chat_template(self, messages: list[Message],
                             add_generation_prompt: bool = True) -> list[int]:

@@ -43,6 +43,8 @@ def _runner(args: argparse.Namespace, launch_time: float) -> Callable[[Any], int
     if args.command == "serve":
         return lambda engine: serve.run(args, engine, launch_time)
     sampling_params_from_args(args)
+    if args.command == "generate":
+        generate.check_args(args)
     module: Any = generate if args.command == "generate" else chat
     return lambda engine: int(module.run(args, engine))
 

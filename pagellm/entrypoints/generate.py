@@ -54,22 +54,43 @@ def add_parser(subparsers: Any) -> None:
     add_engine_args(parser)
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Options that can be checked before the engine loads; ValueError names the problem."""
+    if args.input is not None and not args.input.is_file():
+        raise ValueError(f"--input {args.input}: no such file")
+
+
 def read_records(args: argparse.Namespace) -> list[dict[str, Any] | str]:
-    """The inputs as records; a line that is not JSON is kept as an error message."""
+    """The inputs as records; a line that cannot be one is kept as an error message, so
+    the other lines still run. Lines are decoded one by one: a byte that is not UTF-8
+    spoils only its line, and a byte-order mark at the start is allowed."""
     if args.input is None:
         return [{"prompt": prompt} for prompt in args.prompt]
     records: list[dict[str, Any] | str] = []
-    with args.input.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError as error:
-                records.append(f"line {number}: not JSON: {error}")
-                continue
-            records.append({"prompt": value} if isinstance(value, str) else value)
+    with args.input.open("rb") as lines:
+        for number, raw in enumerate(lines, 1):
+            records.extend(_record(number, raw) if raw.strip() else [])
     return records
+
+
+def _record(number: int, raw: bytes) -> list[dict[str, Any] | str]:
+    try:
+        value = json.loads(raw.decode("utf-8-sig" if number == 1 else "utf-8"))
+    except UnicodeDecodeError as error:
+        return [f"line {number}: not UTF-8 text: {error}"]
+    except json.JSONDecodeError as error:
+        return [f"line {number}: not JSON: {error}"]
+    if isinstance(value, str):
+        value = {"prompt": value}
+    if not isinstance(value, dict):
+        kind = {bool: "a boolean", int: "a number", float: "a number", list: "an array"}
+        return [f"line {number}: must be a JSON string or object, got "
+                f"{kind.get(type(value), 'null')}"]
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return [f"line {number}: not valid Unicode text (a lone surrogate escape)"]
+    return [value]
 
 
 def to_job(engine: LLMEngine, index: int, record: dict[str, Any] | str,

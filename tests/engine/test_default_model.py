@@ -150,10 +150,18 @@ def test_chat_refuses_bad_conversations_and_options(default_llm: Any) -> None:
     bad = [([], "non-empty"),
            ([{"role": "wizard", "content": "hi"}], r"messages\[0\]\.role"),
            ([{"role": "user", "content": 5}], r"messages\[0\]\.content"),
-           ([{"role": "user", "content": [{"type": "image_url"}]}], "content parts")]
+           ([{"role": "user", "content": [{"type": "image_url"}]}], "content parts"),
+           ([{"role": "user", "content": "x", "name": 5}], r"messages\[0\]\.name"),
+           ([{"role": "assistant", "content": "", "tool_calls": "abc"}],
+            r"messages\[0\]\.tool_calls")]
     for messages, message in bad:
         with pytest.raises(ValueError, match=message):
             default_llm.chat(messages, params, use_tqdm=False)
+    # One conversation that cannot run raises, as one prompt does in generate.
+    with pytest.raises(ValueError, match="max_model_len"):
+        default_llm.chat(_chat("word " * 9000), params, use_tqdm=False)
+    with pytest.raises(ValueError, match="logit_bias"):
+        default_llm.chat(_chat("Hi"), SamplingParams(logit_bias={10**7: 1.0}), use_tqdm=False)
     with pytest.raises(ValueError, match="add_generation_prompt"):
         default_llm.chat(_chat("Hi"), params, continue_final_message=True, use_tqdm=False)
     with pytest.raises(ValueError, match="assistant"):

@@ -334,3 +334,34 @@ def test_health_answers_while_a_huge_prompt_is_tokenized(server: Server) -> None
     elapsed = time.monotonic() - started
     assert result["big"].status_code == 400 and "context length" in result["big"].text
     assert worst < max(0.5, elapsed / 3), (worst, elapsed)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(client: openai.OpenAI) -> None:
+    ids = [504, 3458, 282, 19556, 28, 504, 3458]
+    kwargs = dict(model=MODEL_NAME, max_tokens=4, temperature=0)
+    cut = client.completions.create(prompt=ids, extra_body={"truncate_prompt_tokens": 3},
+                                    **kwargs)
+    assert cut.usage is not None and cut.usage.prompt_tokens == 3
+    assert cut.choices[0].text == client.completions.create(prompt=ids[-3:],
+                                                            **kwargs).choices[0].text
+    whole = client.completions.create(prompt=ids, extra_body={"truncate_prompt_tokens": -1},
+                                      **kwargs)
+    assert whole.usage is not None and whole.usage.prompt_tokens == len(ids)
+    chat = client.chat.completions.create(
+        messages=[{"role": "user", "content": "Hi"}], extra_body={"truncate_prompt_tokens": 5},
+        **kwargs)
+    assert chat.usage is not None and chat.usage.prompt_tokens == 5
+
+
+def test_add_special_tokens_and_tokens_as_ids(client: openai.OpenAI) -> None:
+    kwargs = dict(model=MODEL_NAME, prompt="Hello there", max_tokens=2, temperature=0)
+    plain = client.completions.create(**kwargs)
+    without = client.completions.create(extra_body={"add_special_tokens": False}, **kwargs)
+    assert plain.usage is not None and without.usage is not None
+    assert without.usage.prompt_tokens <= plain.usage.prompt_tokens
+    as_ids = client.completions.create(logprobs=2, **kwargs,
+                                       extra_body={"return_tokens_as_token_ids": True})
+    logprobs = as_ids.choices[0].logprobs
+    assert logprobs is not None
+    assert all(t.startswith("token_id:") for t in logprobs.tokens)
+    assert as_ids.choices[0].text == plain.choices[0].text

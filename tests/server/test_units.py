@@ -136,3 +136,33 @@ def test_colliding_token_texts_keep_the_likeliest_and_the_sampled_logprob() -> N
     entries = [Logprob(5, -0.5, 1, [(5, -0.5), (10, -1.0), (11, -2.0)])]
     block, _ = completion_logprobs(entries, TokenText(Collide()), 0)
     assert block.top_logprobs == [{"<5>": -0.5, "\ufffd": -1.0}]
+
+
+def test_byte_fallback_pieces_give_their_bytes() -> None:
+    """SentencePiece tokenizers (Llama 2, Mistral) spell a byte `<0xE6>` and a space `▁`."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "\u2581": 3, "a": 4}
+    vocab.update({f"<0x{b:02X}>": 5 + b for b in range(256)})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>",
+                                   byte_fallback=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                               normalizers.Replace(" ", "\u2581")])
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "),
+                                         decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>",
+                                        bos_token="<s>", eos_token="</s>")
+    ids = tokenizer.encode("a 春", add_special_tokens=False)
+    token_text = TokenText(tokenizer)
+    assert [token_text(i) for i in ids].count("\ufffd") == 3
+    joined = b"".join(bytes(token_text.bytes(i)) for i in ids)
+    assert joined == " a 春".encode()
+
+
+def test_tokens_as_token_ids_never_collide() -> None:
+    entries = [Logprob(12, -1.0, 1, [(12, -1.0), (13, -2.0)])]
+    block, _ = completion_logprobs(entries, TokenText(FakeTokenizer(), as_token_ids=True), 0)
+    assert block.tokens == ["token_id:12"]
+    assert block.top_logprobs == [{"token_id:12": -1.0, "token_id:13": -2.0}]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 from pagellm.engine.outputs import Logprob
@@ -42,11 +43,15 @@ def _byte_level_alphabet() -> dict[str, int]:
 _BYTE_LEVEL = _byte_level_alphabet()
 
 
-def _is_byte_level(tokenizer: Any) -> bool:
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _decoder_kinds(tokenizer: Any) -> str:
+    """The fast tokenizer's decoder description (JSON text), or "" without one."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
-        return False
-    return '"ByteLevel"' in json.dumps(json.loads(backend.to_str()).get("decoder"))
+        return ""
+    return json.dumps(json.loads(backend.to_str()).get("decoder"))
 
 
 class TokenText:
@@ -55,33 +60,53 @@ class TokenText:
 
     A token that holds part of a character decodes to U+FFFD; its real bytes are what
     chat's `bytes` field is for, so a client can join tokens into text. They are read
-    from the vocabulary of byte-level BPE tokenizers; others fall back to the text's
-    bytes.
+    from the vocabulary: byte-level BPE pieces map one character to one byte, and
+    SentencePiece byte-fallback pieces are written `<0xE6>` (with `▁` for a space).
+    Other tokenizers fall back to the text's bytes. With `as_token_ids` (vLLM's
+    `return_tokens_as_token_ids`) a token's text is `token_id:N`, which no two tokens
+    share.
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, as_token_ids: bool = False) -> None:
         self.tokenizer = tokenizer
-        self._byte_level = _is_byte_level(tokenizer)
+        self._as_ids = as_token_ids
+        decoder = _decoder_kinds(tokenizer)
+        self._byte_level = '"ByteLevel"' in decoder
+        self._byte_fallback = '"ByteFallback"' in decoder
         self._text: dict[int, str] = {}
         self._bytes: dict[int, list[int]] = {}
 
     def __call__(self, token_id: int) -> str:
         text = self._text.get(token_id)
         if text is None:
-            text = self.tokenizer.decode([token_id])
+            text = (f"token_id:{token_id}" if self._as_ids
+                    else self.tokenizer.decode([token_id]))
             self._text[token_id] = text
         return text
 
     def bytes(self, token_id: int) -> list[int]:
         raw = self._bytes.get(token_id)
         if raw is None:
-            piece = self.tokenizer.convert_ids_to_tokens(token_id) if self._byte_level else None
-            if isinstance(piece, str) and piece and all(c in _BYTE_LEVEL for c in piece):
-                raw = [_BYTE_LEVEL[c] for c in piece]
-            else:
-                raw = list(self(token_id).encode())
+            raw = self._vocabulary_bytes(token_id)
+            if raw is None:
+                raw = list(self.tokenizer.decode([token_id]).encode())
             self._bytes[token_id] = raw
         return raw
+
+    def _vocabulary_bytes(self, token_id: int) -> list[int] | None:
+        if not (self._byte_level or self._byte_fallback):
+            return None
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if not isinstance(piece, str) or not piece:
+            return None
+        if self._byte_level and all(c in _BYTE_LEVEL for c in piece):
+            return [_BYTE_LEVEL[c] for c in piece]
+        if self._byte_fallback:
+            byte = _BYTE_PIECE.fullmatch(piece)
+            if byte is not None:
+                return [int(byte.group(1), 16)]
+            return list(piece.replace("\u2581", " ").encode())
+        return None
 
 
 def completion_logprobs(entries: list[Logprob], token_text: TokenText,

@@ -54,7 +54,17 @@ class SamplingFields(_Strict):
     cache_salt: str | None = None
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
+    echo: bool = False
+    best_of: int | None = None
+    truncate_prompt_tokens: int | None = None
+    return_tokens_as_token_ids: bool = False
+    modalities: list[str] | None = None
     # Known, and refused when set (see check_supported).
+    suffix: Any = None
+    audio: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    use_beam_search: Any = None
     prompt_logprobs: Any = None
     structured_outputs: Any = None
     guided_json: Any = None
@@ -67,9 +77,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | TokenIds | list[TokenIds]
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    add_special_tokens: bool = True
 
 
 class TextContentPart(_Strict):
@@ -91,6 +99,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    add_special_tokens: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None

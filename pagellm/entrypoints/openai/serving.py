@@ -31,31 +31,59 @@ MAX_CHOICES = 256
 
 
 # Options OpenAI or vLLM define that this server does not implement, and why.
+_GUIDED = "structured output (guided decoding) is not implemented"
 _REFUSED = {
     "prompt_logprobs": "prompt logprobs are not computed",
-    "structured_outputs": "structured output (guided decoding) is not implemented",
-    "guided_json": "structured output (guided decoding) is not implemented",
-    "guided_regex": "structured output (guided decoding) is not implemented",
-    "guided_choice": "structured output (guided decoding) is not implemented",
-    "guided_grammar": "structured output (guided decoding) is not implemented",
+    "structured_outputs": _GUIDED,
+    "guided_json": _GUIDED,
+    "guided_regex": _GUIDED,
+    "guided_choice": _GUIDED,
+    "guided_grammar": _GUIDED,
+    "allowed_token_ids": "restricting the vocabulary is not implemented (logit_bias can "
+                         "forbid tokens)",
+    "bad_words": "bad words are not implemented (logit_bias can forbid tokens)",
+    "use_beam_search": "beam search is not implemented",
     "suffix": "insertion (fill in the middle) is not implemented",
+    "audio": "only text output is produced",
     "chat_template": "a request cannot replace the model's chat template",
     "functions": "function calling is not implemented",
     "function_call": "function calling is not implemented",
 }
 
 
+def _is_set(value: Any) -> bool:
+    """Whether a client asked for something: false, null and empty mean no (0 means 0)."""
+    return value is not None and value is not False and value not in ("", [], {})
+
+
 def check_supported(body: SamplingFields) -> None:
     """A 400 naming the first option set that this server would otherwise ignore while
     it changes what the client gets back."""
     for option, reason in _REFUSED.items():
-        if getattr(body, option, None) is not None:
+        if _is_set(getattr(body, option, None)):
             raise bad_request(f"{option} is not supported: {reason}", param=option)
     if body.response_format is not None and body.response_format.get("type") != "text":
         raise bad_request(
             f"response_format {body.response_format.get('type')!r} is not supported: only "
             "{'type': 'text'}; structured output (JSON) is not implemented",
             param="response_format")
+    if body.modalities is not None and set(body.modalities) - {"text"}:
+        raise bad_request("modalities: only text output is produced", param="modalities")
+    if body.best_of is not None and body.best_of != body.n:
+        raise bad_request(f"best_of is not supported (only best_of == n, here {body.n}); "
+                          "ask for n completions and rank them yourself", param="best_of")
+    if body.truncate_prompt_tokens is not None and not (
+            body.truncate_prompt_tokens >= 1 or body.truncate_prompt_tokens == -1):
+        raise bad_request("truncate_prompt_tokens must be >= 1, or -1 for max_model_len",
+                          param="truncate_prompt_tokens")
+
+
+def truncated(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: only the last `keep` prompt tokens (-1: as many as
+    the context holds)."""
+    if keep is None:
+        return token_ids
+    return token_ids[-(max_model_len if keep == -1 else keep):]
 
 
 @dataclass

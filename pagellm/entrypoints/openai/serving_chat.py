@@ -35,6 +35,7 @@ from pagellm.entrypoints.openai.serving import (
     merged,
     resolve_max_tokens,
     start_requests,
+    truncated,
     usage,
 )
 from pagellm.entrypoints.openai.transport import (
@@ -45,16 +46,27 @@ from pagellm.entrypoints.openai.transport import (
 )
 
 
-def render_messages(tokenizer: Any, body: ChatCompletionRequest) -> list[int]:
+def render_messages(tokenizer: Any, body: ChatCompletionRequest, max_model_len: int
+                    ) -> list[int]:
     """The prompt token ids of the conversation, rendered by the engine's one renderer;
     a conversation or option it refuses is the client's error, a 400 naming the field."""
     options = ChatOptions(body.add_generation_prompt, body.continue_final_message,
                           body.tools, None, body.chat_template_kwargs)
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     try:
-        return render_chat(tokenizer, messages, options)
+        return truncated(render_chat(tokenizer, messages, options),
+                         body.truncate_prompt_tokens, max_model_len)
     except ChatError as error:
         raise bad_request(str(error), param=error.param) from error
+
+
+def _check_chat_options(body: ChatCompletionRequest) -> None:
+    if body.echo:
+        raise bad_request("echo is not supported for chat (use continue_final_message to "
+                          "continue an assistant message)", param="echo")
+    if body.add_special_tokens:
+        raise bad_request("add_special_tokens is not supported for chat: the chat template "
+                          "writes the special tokens", param="add_special_tokens")
 
 
 def _check_tools(body: ChatCompletionRequest) -> None:
@@ -86,6 +98,7 @@ async def create_chat_completion(context: ServerContext, body: ChatCompletionReq
         raise bad_request("stream_options is only allowed when stream is true",
                           param="stream_options")
     check_supported(body)
+    _check_chat_options(body)
     _check_tools(body)
     check_choices(1, body.n)
     engine = context.engine
@@ -97,7 +110,8 @@ async def create_chat_completion(context: ServerContext, body: ChatCompletionReq
         body, max_tokens=requested, logprobs=_logprobs_setting(body),
         vocab_size=engine.vocab_size,
         field_names={"logprobs": "top_logprobs", "max_tokens": max_tokens_param})
-    prompt = Prompt(None, await context.off_loop(render_messages, engine.tokenizer, body))
+    prompt = Prompt(None, await context.off_loop(render_messages, engine.tokenizer, body,
+                                            engine.max_model_len))
     params = base.clone(max_tokens=resolve_max_tokens(
         engine.max_model_len, len(prompt.token_ids), requested, "messages", max_tokens_param))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -108,12 +122,12 @@ async def create_chat_completion(context: ServerContext, body: ChatCompletionReq
         return EventStreamResponse(streamed(_stream(context, request_id, body, streams,
                                                     include_usage)))
     outputs = await unless_disconnected(raw, final_outputs(streams, context.metrics))
-    return JSONResponse(_response(context, request_id, outputs[0]).model_dump(mode="json"))
+    return JSONResponse(_response(context, request_id, body, outputs[0]).model_dump(mode="json"))
 
 
-def _response(context: ServerContext, request_id: str,
+def _response(context: ServerContext, request_id: str, body: ChatCompletionRequest,
               output: RequestOutput) -> ChatCompletionResponse:
-    token_text = TokenText(context.engine.tokenizer)
+    token_text = TokenText(context.engine.tokenizer, body.return_tokens_as_token_ids)
     choices = [
         ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
                    logprobs=chat_logprobs(c.logprobs, token_text) if c.logprobs is not None
@@ -128,7 +142,7 @@ async def _stream(context: ServerContext, request_id: str, body: ChatCompletionR
                   streams: list[RequestStream], include_usage: bool
                   ) -> AsyncGenerator[str, None]:
     """A role chunk per choice, then content deltas, each choice's last with its reason."""
-    token_text = TokenText(context.engine.tokenizer)
+    token_text = TokenText(context.engine.tokenizer, body.return_tokens_as_token_ids)
     created = int(time.time())
 
     def chunk(choices: list[ChatChunkChoice]) -> str:

@@ -31,6 +31,7 @@ from pagellm.entrypoints.openai.serving import (
     merged,
     resolve_max_tokens,
     start_requests,
+    truncated,
     usage,
 )
 from pagellm.entrypoints.openai.transport import (
@@ -41,9 +42,10 @@ from pagellm.entrypoints.openai.transport import (
 )
 
 
-def _prompts(context: ServerContext, prompt: Any, echo: bool) -> list[Prompt]:
-    """Normalises the four accepted shapes to a list of tokenized prompts; with `echo`,
-    token-id prompts get their text too (decoded), to be echoed."""
+def _prompts(context: ServerContext, body: CompletionRequest) -> list[Prompt]:
+    """Normalises the four accepted shapes to a list of tokenized prompts, truncated as
+    asked; with `echo`, token-id prompts get their text too (decoded), to be echoed."""
+    prompt, echo = body.prompt, body.echo
     if isinstance(prompt, str):
         items: list[Any] = [prompt]
     elif prompt and all(isinstance(token, int) for token in prompt):
@@ -58,12 +60,18 @@ def _prompts(context: ServerContext, prompt: Any, echo: bool) -> list[Prompt]:
         if isinstance(item, str):
             if not item:
                 raise bad_request("prompt is empty", param="prompt")
-            prompts.append(Prompt(item, encode(tokenizer, item, "prompt", True)))
+            prompts.append(Prompt(item, encode(tokenizer, item, "prompt",
+                                               body.add_special_tokens)))
         else:
             if not item:
                 raise bad_request("prompt is empty", param="prompt")
             prompts.append(Prompt(_decoded(tokenizer, item) if echo else None, list(item)))
-    return prompts
+    if body.truncate_prompt_tokens is None:
+        return prompts
+    max_model_len = context.engine.max_model_len
+    return [Prompt(_decoded(tokenizer, kept) if echo else None, kept)
+            for p in prompts
+            for kept in [truncated(p.token_ids, body.truncate_prompt_tokens, max_model_len)]]
 
 
 def _decoded(tokenizer: Any, token_ids: list[int]) -> str:
@@ -77,9 +85,6 @@ def _decoded(tokenizer: Any, token_ids: list[int]) -> str:
 
 def _check_options(body: CompletionRequest) -> None:
     check_supported(body)
-    if body.best_of is not None and body.best_of != body.n:
-        raise bad_request(f"best_of is not supported (only best_of == n, here {body.n}); "
-                          "ask for n completions and rank them yourself", param="best_of")
     if body.echo and body.logprobs is not None:
         raise bad_request("echo with logprobs is not supported: prompt logprobs are not "
                           "computed", param="echo")
@@ -93,7 +98,7 @@ async def create_completion(context: ServerContext, body: CompletionRequest,
         raise bad_request("stream_options is only allowed when stream is true",
                           param="stream_options")
     _check_options(body)
-    prompts = await context.off_loop(_prompts, context, body.prompt, body.echo)
+    prompts = await context.off_loop(_prompts, context, body)
     check_choices(len(prompts), body.n)
     engine = context.engine
     base = build_sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs,
@@ -120,7 +125,7 @@ def _echoed(body: CompletionRequest, output: RequestOutput) -> str:
 
 def _response(context: ServerContext, request_id: str, body: CompletionRequest,
               outputs: list[RequestOutput]) -> CompletionResponse:
-    token_text = TokenText(context.engine.tokenizer)
+    token_text = TokenText(context.engine.tokenizer, body.return_tokens_as_token_ids)
     choices = []
     for prompt_index, output in enumerate(outputs):
         for completion in output.outputs:
@@ -140,7 +145,7 @@ async def _stream(context: ServerContext, request_id: str, body: CompletionReque
                   streams: list[RequestStream], include_usage: bool
                   ) -> AsyncGenerator[str, None]:
     """One chunk per engine output with each choice's new text (and new logprobs)."""
-    token_text = TokenText(context.engine.tokenizer)
+    token_text = TokenText(context.engine.tokenizer, body.return_tokens_as_token_ids)
     sent_text: dict[int, int] = {}
     sent_logprobs: dict[int, int] = {}
     offsets: dict[int, int] = {}
