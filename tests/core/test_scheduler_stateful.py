@@ -3,24 +3,29 @@
 Random arrivals (prompts from a small alphabet with shared prefixes, random max_tokens,
 n in 1..3, random salts, stop conditions), random aborts, and small random pools and
 budgets (so that preemption, fork failures and evictions are common) interleave with
-engine steps. The fake model also keeps the KV *content* of every slot: each write records
-the (salt, token prefix) whose KV it is, block copies are applied before the forward pass,
-and every request checks that the slots it attends to hold its own prefix. At the end of
-each example the engine is stepped until idle (a hang fails), then the leak check and the
-token counts are checked.
+engine steps. Every request admitted from the waiting queue (fresh, resumed after a
+preemption, or a sibling whose fork found no block) must get exactly the prefix-cache hit
+that the pool could serve it. The fake model also keeps the KV *content* of every slot:
+each write records the (salt, token prefix) whose KV it is, block copies are applied
+before the forward pass, and every request checks that the slots it attends to hold its
+own prefix. At the end of each example the engine is stepped until idle (a hang fails),
+then the leak check and the token counts are checked.
 """
 
 from __future__ import annotations
 
 import zlib
 from collections import Counter
+from itertools import takewhile
 
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from pagellm.core.block_hash import BlockHash, BlockHasher
+from pagellm.core.block_pool import KVBlock
 from pagellm.core.config import SchedulerConfig
+from pagellm.core.events import BlockRemoved
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.sampling_params import SamplingParams
@@ -41,6 +46,32 @@ def fake_token(request_id: str, length: int) -> int:
     return EOS if value % 8 == 0 else value % ALPHABET
 
 
+class EvictionLoggingKVCacheManager(KVCacheManager):
+    """The real manager, noting for each `allocate` which hashes the pool evicted earlier
+    in the step (from its events). Within `schedule()` the cached map only loses entries,
+    to the evictions of allocations, so a request's look-up, which `allocate` must directly
+    follow, saw the map of the step's start less `evicted_before[request_id]`."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+        super().__init__(num_blocks, block_size, enable_caching, enable_events=True)
+        self.evicted: set[BlockHash] = set()
+        self.evicted_before: dict[str, frozenset[BlockHash]] = {}
+
+    def start_step(self) -> None:
+        self.take_events()
+        self.evicted.clear()
+        self.evicted_before.clear()
+
+    def allocate(self, request: Request, num_new_tokens: int,
+                 cached_blocks: list[KVBlock] | None = None,
+                 reserve: int = 0) -> list[KVBlock] | None:
+        self.evicted_before[request.request_id] = frozenset(self.evicted)
+        new = super().allocate(request, num_new_tokens, cached_blocks, reserve)
+        self.evicted.update(e.block_hash for e in self.take_events()
+                            if isinstance(e, BlockRemoved))
+        return new
+
+
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(
         block_size=st.sampled_from([2, 4]),
@@ -58,7 +89,7 @@ class SchedulerMachine(RuleBasedStateMachine):
               max_num_seqs: int, policy: str, window: int, caching: bool,
               bases: list[list[int]]) -> None:
         self.bs = block_size
-        self.kv = KVCacheManager(num_blocks, block_size, caching)
+        self.kv = EvictionLoggingKVCacheManager(num_blocks, block_size, caching)
         self.config = SchedulerConfig(max_model_len=max_model_len,
                                       max_num_batched_tokens=budget,
                                       max_num_seqs=max_num_seqs,
@@ -152,9 +183,11 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def engine_step(self) -> SchedulerOutput:
         waiting_before = {r.request_id for r in self.sched.waiting}
+        cached_before = set(self.kv.pool.cached)
+        self.kv.start_step()
         out = self.sched.schedule()
         self.steps += 1
-        self.check_schedule(out, waiting_before)
+        self.check_schedule(out, waiting_before, cached_before)
         self.forward(out)
         sampled: dict[str, int] = {}
         for item in out.scheduled:
@@ -174,11 +207,14 @@ class SchedulerMachine(RuleBasedStateMachine):
             event("copy-on-write")
         return out
 
-    def check_schedule(self, out: SchedulerOutput, waiting_before: set[str]) -> None:
+    def check_schedule(self, out: SchedulerOutput, waiting_before: set[str],
+                       cached_before: set[BlockHash]) -> None:
         assert out.num_batched_tokens <= self.config.max_num_batched_tokens
         assert len(self.sched.running) <= self.config.max_num_seqs
         ids = [s.request.request_id for s in out.scheduled]
         assert len(ids) == len(set(ids))
+        # Hashes of the blocks that the requests scheduled so far fill in this step.
+        in_flight: set[BlockHash] = set()
         for item in out.scheduled:
             req = item.request
             assert req.status is RequestStatus.RUNNING and req in self.sched.running
@@ -191,20 +227,49 @@ class SchedulerMachine(RuleBasedStateMachine):
             if req.request_id in waiting_before:
                 # Admitted now: what counts as computed is a genuine hit, looked up now.
                 hit = req.num_computed_tokens
-                assert hit % self.bs == 0 and hit <= req.num_tokens - 1
+                self.check_hit(req, cached_before, in_flight)
                 for j in range(hit // self.bs):
                     assert blocks[j].block_hash == req.block_hashes[j]
-                if not self.kv.enable_caching:
-                    assert hit == 0
                 if not req.num_preemptions and "#" not in req.request_id:
                     assert req.num_cached_tokens == hit  # recorded at first admission
                 first = self.first_cached.setdefault(req.request_id, req.num_cached_tokens)
                 assert req.num_cached_tokens == first >= 0
                 if req.num_preemptions:
                     event("resumed after preemption" + (" with a hit" if hit else ""))
+            if self.kv.enable_caching:
+                in_flight.update(req.block_hashes[req.num_computed_tokens // self.bs:
+                                                  end // self.bs])
         for req in out.preempted:
             assert req.status is RequestStatus.PREEMPTED and req.num_computed_tokens == 0
             assert req.request_id not in self.kv.req_to_blocks
+
+    def check_hit(self, req: Request, cached_before: set[BlockHash],
+                  in_flight: set[BlockHash]) -> None:
+        """The hit of a request admitted from the waiting queue is the longest run of its
+        blocks that its look-up could find: cached when schedule() began and not evicted
+        since by the step's earlier allocations (nothing is published during schedule(),
+        so a block that an earlier request computes in this step is not a hit yet). The
+        run is capped below the last token, which is always computed; for a request
+        resumed after a preemption that is the last of its prompt and outputs, and the
+        run is looked up anew, not taken from its first admission.
+
+        A request does not miss on a block in flight: it waits a step, to hit it then,
+        unless the cache-aware policy has let it be overtaken too often (the admitted
+        request's `num_overtaken` no longer changes after its admission).
+        """
+        findable = cached_before - self.kv.evicted_before[req.request_id]
+        hashes = req.block_hashes[: (req.num_tokens - 1) // self.bs]
+        run = len(list(takewhile(findable.__contains__, hashes)))
+        assert req.num_computed_tokens == run * self.bs, (
+            f"{req} admitted with {req.num_computed_tokens} tokens computed, "
+            f"but {run} of its blocks were cached")
+        if run < len(list(takewhile(cached_before.__contains__, hashes))):
+            event("hit shortened by an eviction in the same step")
+        if run < len(hashes) and hashes[run] in in_flight:
+            assert (self.config.policy == "cache_aware"
+                    and req.num_overtaken >= self.config.cache_aware_window), (
+                f"{req} misses on block {run}, which is computed in this step")
+            event("overdue: admitted despite an in-flight block")
 
     def forward(self, out: SchedulerOutput) -> None:
         """The model's side of a step: copies first, then each request attends to its
