@@ -344,6 +344,9 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(client: openai.OpenAI) -> 
     assert cut.usage is not None and cut.usage.prompt_tokens == 3
     assert cut.choices[0].text == client.completions.create(prompt=ids[-3:],
                                                             **kwargs).choices[0].text
+    echoed = client.completions.create(prompt="one two three four five six", echo=True,
+                                       extra_body={"truncate_prompt_tokens": 2}, **kwargs)
+    assert echoed.choices[0].text.startswith(" five six")
     whole = client.completions.create(prompt=ids, extra_body={"truncate_prompt_tokens": -1},
                                       **kwargs)
     assert whole.usage is not None and whole.usage.prompt_tokens == len(ids)

@@ -69,7 +69,8 @@ def _prompts(context: ServerContext, body: CompletionRequest) -> list[Prompt]:
     if body.truncate_prompt_tokens is None:
         return prompts
     max_model_len = context.engine.max_model_len
-    return [Prompt(_decoded(tokenizer, kept) if echo else None, kept)
+    return [p if len(kept) == len(p.token_ids)
+            else Prompt(_decoded(tokenizer, kept) if echo else None, kept)
             for p in prompts
             for kept in [truncated(p.token_ids, body.truncate_prompt_tokens, max_model_len)]]
 
