@@ -106,6 +106,7 @@ def test_byte_size_rejects(text: str) -> None:
     ["chat", "--top-p", "0"],
     ["serve", "--max-num-seqs", "0"],
     ["generate", "--input", "/nonexistent/prompts.jsonl"],
+    ["generate"],
 ])
 def test_bad_options_fail_before_loading_the_model(argv: list[str],
                                                    capsys: pytest.CaptureFixture[str]) -> None:
@@ -157,6 +158,15 @@ def test_generate_jsonl_bad_lines_spoil_only_themselves(tmp_path: Path) -> None:
     assert ["null" in errors[0], "number" in errors[1], "array" in errors[2],
             "surrogate" in errors[3], "UTF-8" in errors[4]] == [True] * 5, errors
     assert "Traceback" not in result.stderr
+
+
+def test_generate_reads_jsonl_from_a_pipe() -> None:
+    result = run_cli("generate", "--input", "/dev/stdin", "--max-tokens", "2", *SMALL_ENGINE,
+                     stdin='"Hello"\n{"prompt": "Bonjour"}\n')
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["prompt"] for r in records] == ["Hello", "Bonjour"]
+    assert all(r["text"] for r in records)
 
 
 def test_chat_keeps_the_conversation_and_reports_cache_hits() -> None:

@@ -53,6 +53,8 @@ class ChatOptions:
     chat_template_kwargs: dict[str, Any] | None = None
 
     def check(self, conversation: Sequence[Message]) -> None:
+        """Raises ChatError for options that contradict each other or the conversation,
+        before the template would render something else than what was asked."""
         if self.add_generation_prompt and self.continue_final_message:
             raise ChatError("continue_final_message and add_generation_prompt cannot both "
                             "be true", "continue_final_message")
@@ -116,7 +118,7 @@ def check_messages(messages: Any) -> list[Message]:
     return conversation
 
 
-def render_chat_text(tokenizer: Any, messages: Any, options: ChatOptions = ChatOptions()) -> str:
+def _render_text(tokenizer: Any, messages: Any, options: ChatOptions = ChatOptions()) -> str:
     """The conversation as template text; a template that rejects it (roles out of order,
     say) raises ChatError naming `messages`."""
     conversation = check_messages(messages)
@@ -138,7 +140,7 @@ def render_chat(tokenizer: Any, messages: Any, options: ChatOptions = ChatOption
     Rendered to text first and then encoded without special tokens: the template already
     wrote them, and adding a BOS again would change the prompt.
     """
-    text = render_chat_text(tokenizer, messages, options)
+    text = _render_text(tokenizer, messages, options)
     try:
         token_ids = list(tokenizer.encode(text, add_special_tokens=False))
     except (TypeError, UnicodeError) as error:

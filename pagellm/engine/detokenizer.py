@@ -4,7 +4,8 @@ Decoding the whole output again at every token costs O(n^2) over a long answer; 
 each step decodes only a short window. A token can end in the middle of a UTF-8 character
 (the text then ends with U+FFFD), so text is released only once the window decodes cleanly,
 or when the sample finishes: then whatever is pending is written out, U+FFFD included, so
-the text always equals the decoded tokens. The window starts a few tokens back in the
+nothing decoded is lost at the end. (The engine leaves out the text of a stopping token,
+and a stop string cuts the text; otherwise the text is the decoded tokens.) The window starts a few tokens back in the
 prompt, so tokenizers that drop a leading space when decoding from a word boundary still
 produce the right first word.
 

@@ -56,7 +56,10 @@ def add_parser(subparsers: Any) -> None:
 
 def check_args(args: argparse.Namespace) -> None:
     """Options that can be checked before the engine loads; ValueError names the problem."""
-    if args.input is not None and not args.input.is_file():
+    if args.input is None and not args.prompt:
+        raise ValueError("give a prompt argument or --input FILE")
+    # Not is_file(): a pipe (--input /dev/stdin, or <(...)) is a fine input.
+    if args.input is not None and (not args.input.exists() or args.input.is_dir()):
         raise ValueError(f"--input {args.input}: no such file")
 
 
@@ -103,9 +106,8 @@ def to_job(engine: LLMEngine, index: int, record: dict[str, Any] | str,
         return Job(index, record, error=str(error))
 
 
-def _token_ids(engine: LLMEngine, record: Any, args: argparse.Namespace) -> list[int]:
-    if not isinstance(record, dict):
-        raise ValueError("a line must be a JSON string or object")
+def _token_ids(engine: LLMEngine, record: dict[str, Any], args: argparse.Namespace
+               ) -> list[int]:
     messages = record.get("messages")
     if messages is None:
         prompt = record.get("prompt")
@@ -189,9 +191,6 @@ def result_record(job: Job, output: RequestOutput | None) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace, engine: LLMEngine) -> int:
-    if args.input is None and not args.prompt:
-        print("error: give a prompt argument or --input FILE", file=sys.stderr)
-        return 2
     params = sampling_params_from_args(args)
     jobs = [to_job(engine, i, r, args) for i, r in enumerate(read_records(args))]
     jsonl = args.input is not None or args.output is not None

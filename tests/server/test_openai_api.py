@@ -265,7 +265,8 @@ def test_logit_bias_forces_and_forbids_tokens(client: openai.OpenAI) -> None:
 
     tokenizer = load_tokenizer(resolve_model_path(None, default_cache_dir()))
     (first_id,) = tokenizer.encode(plain.tokens[0], add_special_tokens=False)
-    forbidden = client.completions.create(logit_bias={str(first_id): -100},
+    # -1e9 is clamped to -100, as vLLM's server does.
+    forbidden = client.completions.create(logit_bias={str(first_id): -1e9},
                                           **kwargs).choices[0].logprobs
     assert forbidden is not None and forbidden.tokens[0] != plain.tokens[0]
 

@@ -123,6 +123,10 @@ def test_chat_logprob_bytes_are_the_tokens_own_bytes() -> None:
     joined = b"".join(bytes(entry.bytes or []) for entry in chat.content)
     assert joined.decode() == text
     assert all(entry.top_logprobs[0].bytes == entry.bytes for entry in chat.content)
+    # An added token is written as itself, not in the byte-level alphabet.
+    tokenizer.add_tokens(["<café>"])
+    added = tokenizer.convert_tokens_to_ids("<café>")
+    assert TokenText(tokenizer).bytes(added) == list("<café>".encode())
 
 
 def test_colliding_token_texts_keep_the_likeliest_and_the_sampled_logprob() -> None:

@@ -7,7 +7,6 @@ bytes, since a single token can be part of a multi-byte character.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from typing import Any
@@ -47,11 +46,13 @@ _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def _decoder_kinds(tokenizer: Any) -> str:
-    """The fast tokenizer's decoder description (JSON text), or "" without one."""
+    """The fast tokenizer's decoder description (its JSON, a few hundred bytes; the whole
+    tokenizer's JSON is megabytes), or "" without one."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
+    decoder = getattr(backend, "decoder", None)
+    if decoder is None:
         return ""
-    return json.dumps(json.loads(backend.to_str()).get("decoder"))
+    return bytes(decoder.__getstate__()).decode()
 
 
 class TokenText:
@@ -70,9 +71,7 @@ class TokenText:
     def __init__(self, tokenizer: Any, as_token_ids: bool = False) -> None:
         self.tokenizer = tokenizer
         self._as_ids = as_token_ids
-        decoder = _decoder_kinds(tokenizer)
-        self._byte_level = '"ByteLevel"' in decoder
-        self._byte_fallback = '"ByteFallback"' in decoder
+        self._decoder: str | None = None  # read on the first `bytes` call
         self._text: dict[int, str] = {}
         self._bytes: dict[int, list[int]] = {}
 
@@ -85,6 +84,7 @@ class TokenText:
         return text
 
     def bytes(self, token_id: int) -> list[int]:
+        """The token's own UTF-8 bytes (see the class docstring)."""
         raw = self._bytes.get(token_id)
         if raw is None:
             raw = self._vocabulary_bytes(token_id)
@@ -94,14 +94,21 @@ class TokenText:
         return raw
 
     def _vocabulary_bytes(self, token_id: int) -> list[int] | None:
-        if not (self._byte_level or self._byte_fallback):
+        """Bytes spelled by the vocabulary piece; None where the piece is plain text: an
+        added token (written as itself) or a tokenizer of another kind."""
+        if self._decoder is None:
+            self._decoder = _decoder_kinds(self.tokenizer)
+        byte_level = '"ByteLevel"' in self._decoder
+        byte_fallback = '"ByteFallback"' in self._decoder
+        if not (byte_level or byte_fallback) or token_id in getattr(
+                self.tokenizer, "added_tokens_decoder", {}):
             return None
         piece = self.tokenizer.convert_ids_to_tokens(token_id)
         if not isinstance(piece, str) or not piece:
             return None
-        if self._byte_level and all(c in _BYTE_LEVEL for c in piece):
+        if byte_level and all(c in _BYTE_LEVEL for c in piece):
             return [_BYTE_LEVEL[c] for c in piece]
-        if self._byte_fallback:
+        if byte_fallback:
             byte = _BYTE_PIECE.fullmatch(piece)
             if byte is not None:
                 return [int(byte.group(1), 16)]

@@ -8,7 +8,9 @@ own field.
 
 from __future__ import annotations
 
-from pagellm.core.sampling_params import SamplingParams
+import math
+
+from pagellm.core.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from pagellm.entrypoints.openai.errors import APIError, bad_request
 from pagellm.entrypoints.openai.protocol import SamplingFields
 
@@ -65,7 +67,9 @@ def build_sampling_params(
 
 
 def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
-    """JSON object keys are strings: OpenAI's logit_bias is {"token id": bias}."""
+    """JSON object keys are strings: OpenAI's logit_bias is {"token id": bias}. Values are
+    clamped to [-100, 100], as vLLM's server does, so a client banning a token with -1e9
+    works here too."""
     if bias is None:
         return None
     by_id: dict[int, float] = {}
@@ -73,7 +77,10 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, flo
         if not (key.isascii() and key.isdigit() and int(key) < vocab_size):
             raise bad_request(f"logit_bias keys must be token ids in [0, {vocab_size}), got "
                               f"{key!r}", param="logit_bias", code="invalid_value")
-        by_id[int(key)] = value
+        if math.isnan(value):
+            raise bad_request(f"logit_bias[{key}] must be a number, got NaN",
+                              param="logit_bias", code="invalid_value")
+        by_id[int(key)] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, value))
     return by_id
 
 

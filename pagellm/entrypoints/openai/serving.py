@@ -40,8 +40,8 @@ _REFUSED = {
     "guided_choice": _GUIDED,
     "guided_grammar": _GUIDED,
     "allowed_token_ids": "restricting the vocabulary is not implemented (logit_bias can "
-                         "forbid tokens)",
-    "bad_words": "bad words are not implemented (logit_bias can forbid tokens)",
+                         "strongly disfavour tokens)",
+    "bad_words": "bad words are not implemented (logit_bias can strongly disfavour tokens)",
     "use_beam_search": "beam search is not implemented",
     "suffix": "insertion (fill in the middle) is not implemented",
     "audio": "only text output is produced",
@@ -97,10 +97,13 @@ class ServerContext:
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenizer"))
 
     async def off_loop(self, function: Callable[..., T], *args: Any) -> T:
-        """Runs tokenizer work (encoding prompts, rendering a chat) on the server's one
-        tokenizer thread. A few megabytes of text take seconds to encode; on the event
-        loop that would stall every other request and stream. One thread, as in vLLM: a
-        fast tokenizer must not be used from several threads at once."""
+        """Runs tokenizer work (encoding prompts, rendering a chat) on the server's
+        tokenizer thread: a few megabytes of text take seconds to encode, which on the
+        event loop would stall every other request and stream. One thread, as in vLLM,
+        so encodes queue instead of taking the cores from the engine; the short decodes
+        of the engine and the handlers run beside it (a fast tokenizer's encode and
+        decode only read it). After shutdown a late request fails: the server is going
+        away anyway."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.tokenizer_thread,
                                           functools.partial(function, *args))
