@@ -94,14 +94,16 @@ class TokenText:
         return raw
 
     def _vocabulary_bytes(self, token_id: int) -> list[int] | None:
-        """Bytes spelled by the vocabulary piece; None where the piece is plain text: an
-        added token (written as itself) or a tokenizer of another kind."""
+        """Bytes spelled by the vocabulary piece (an added token is written as itself);
+        None for a tokenizer of another kind."""
         if self._decoder is None:
             self._decoder = _decoder_kinds(self.tokenizer)
+        added = getattr(self.tokenizer, "added_tokens_decoder", {}).get(token_id)
+        if added is not None:
+            return list(str(added.content).encode())
         byte_level = '"ByteLevel"' in self._decoder
         byte_fallback = '"ByteFallback"' in self._decoder
-        if not (byte_level or byte_fallback) or token_id in getattr(
-                self.tokenizer, "added_tokens_decoder", {}):
+        if not (byte_level or byte_fallback):
             return None
         piece = self.tokenizer.convert_ids_to_tokens(token_id)
         if not isinstance(piece, str) or not piece:
