@@ -123,6 +123,16 @@ def test_chat_logprob_bytes_are_the_tokens_own_bytes() -> None:
     joined = b"".join(bytes(entry.bytes or []) for entry in chat.content)
     assert joined.decode() == text
     assert all(entry.top_logprobs[0].bytes == entry.bytes for entry in chat.content)
+    # Built once per request on the event loop, so it must not read the whole tokenizer
+    # (parsing its JSON took ~120 ms, and 64 concurrent streams went from 3 s to 10 s).
+    import time
+
+    costs = []
+    for _ in range(3):
+        started = time.perf_counter()
+        TokenText(tokenizer).bytes(ids[0])
+        costs.append(time.perf_counter() - started)
+    assert min(costs) < 0.02, costs
     # An added token is written as itself, not in the byte-level alphabet.
     tokenizer.add_tokens(["<café>"])
     added = tokenizer.convert_tokens_to_ids("<café>")
