@@ -315,8 +315,9 @@ class LLMEngine:
                     sample = self._sample_of(request)
                     sample.cumulative_logprob += logprob.logprob
                     if sample.logprobs is not None:
-                        sample.logprobs.append(Logprob(logprob.token_id, logprob.logprob,
-                                                       logprob.rank, logprob.top_logprobs))
+                        sample.logprobs.append(Logprob(
+                            logprob.token_id, logprob.logprob, logprob.rank,
+                            logprob.top_logprobs, len(sample.detokenizer.text)))
         updated = self.scheduler.update_from_output(scheduled, sampled)
         outputs = self._process(updated)
         self._update_time += time.perf_counter() - updated_at

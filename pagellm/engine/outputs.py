@@ -7,12 +7,17 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Logprob:
-    """One generated position: the chosen token's logprob and the top alternatives."""
+    """One generated position: the chosen token's logprob and the top alternatives.
+
+    `text_offset` is where the token's text begins in the sample's text, in characters
+    (the completions API reports it); tokens that share one character all point at it.
+    """
 
     token_id: int
     logprob: float
     rank: int
     top_logprobs: list[tuple[int, float]]
+    text_offset: int = 0
 
 
 @dataclass

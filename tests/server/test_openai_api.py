@@ -369,3 +369,25 @@ def test_add_special_tokens_and_tokens_as_ids(client: openai.OpenAI) -> None:
     assert logprobs is not None
     assert all(t.startswith("token_id:") for t in logprobs.tokens)
     assert as_ids.choices[0].text == plain.choices[0].text
+
+
+def test_text_offsets_point_into_the_text_across_split_characters(client: openai.OpenAI
+                                                                  ) -> None:
+    """Tokens that each hold part of a character read U+FFFD alone; their offsets must
+    still follow the text (they all point at that character), streamed or not."""
+    kwargs = dict(model=MODEL_NAME, prompt="日本語で自己紹介してください。", max_tokens=24,
+                  temperature=0, logprobs=0)
+    whole = client.completions.create(**kwargs).choices[0]
+    logprobs = whole.logprobs
+    assert logprobs is not None and logprobs.text_offset is not None
+    assert any(t == "\ufffd" for t in logprobs.tokens or []), "needs a split character"
+    text = whole.text
+    assert logprobs.text_offset == sorted(logprobs.text_offset)
+    assert all(0 <= offset <= len(text) for offset in logprobs.text_offset)
+    for offset, token in zip(logprobs.text_offset, logprobs.tokens or [], strict=True):
+        if token != "\ufffd":
+            assert text[offset:].startswith(token), (offset, token)
+    streamed = [c.choices[0].logprobs for c in client.completions.create(stream=True,
+                                                                         **kwargs)
+                if c.choices and c.choices[0].logprobs is not None]
+    assert [o for part in streamed for o in part.text_offset or []] == logprobs.text_offset

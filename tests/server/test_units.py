@@ -35,10 +35,10 @@ def stats(**changes: object) -> EngineStats:
 
 
 def test_blocked_tokens_are_reported_as_finite_logprobs() -> None:
-    entries = [Logprob(5, -0.5, 1, [(5, -0.5), (7, float("-inf"))])]
-    block, end = completion_logprobs(entries, TokenText(FakeTokenizer()), 3)
+    entries = [Logprob(5, -0.5, 1, [(5, -0.5), (7, float("-inf"))], 3)]
+    block = completion_logprobs(entries, TokenText(FakeTokenizer()), None)
     assert block.top_logprobs == [{"<5>": -0.5, "<7>": BLOCKED_LOGPROB}]
-    assert block.text_offset == [3] and end == 3 + len("<5>")
+    assert block.text_offset == [3]
     chat = chat_logprobs(entries, TokenText(FakeTokenizer()))
     assert chat.content is not None
     assert chat.content[0].top_logprobs[1].logprob == BLOCKED_LOGPROB
@@ -145,10 +145,10 @@ def test_colliding_token_texts_keep_the_likeliest_and_the_sampled_logprob() -> N
             return "\ufffd" if ids[0] >= 10 else f"<{ids[0]}>"
 
     entries = [Logprob(12, -3.0, 3, [(5, -0.5), (10, -1.0), (11, -2.0), (12, -3.0)])]
-    block, _ = completion_logprobs(entries, TokenText(Collide()), 0)
+    block = completion_logprobs(entries, TokenText(Collide()), None)
     assert block.top_logprobs == [{"<5>": -0.5, "\ufffd": -3.0}]
     entries = [Logprob(5, -0.5, 1, [(5, -0.5), (10, -1.0), (11, -2.0)])]
-    block, _ = completion_logprobs(entries, TokenText(Collide()), 0)
+    block = completion_logprobs(entries, TokenText(Collide()), None)
     assert block.top_logprobs == [{"<5>": -0.5, "\ufffd": -1.0}]
 
 
@@ -177,6 +177,6 @@ def test_byte_fallback_pieces_give_their_bytes() -> None:
 
 def test_tokens_as_token_ids_never_collide() -> None:
     entries = [Logprob(12, -1.0, 1, [(12, -1.0), (13, -2.0)])]
-    block, _ = completion_logprobs(entries, TokenText(FakeTokenizer(), as_token_ids=True), 0)
+    block = completion_logprobs(entries, TokenText(FakeTokenizer(), as_token_ids=True), None)
     assert block.tokens == ["token_id:12"]
     assert block.top_logprobs == [{"token_id:12": -1.0, "token_id:13": -2.0}]

@@ -119,9 +119,10 @@ class TokenText:
 
 
 def completion_logprobs(entries: list[Logprob], token_text: TokenText,
-                        text_offset: int) -> tuple[CompletionLogprobs, int]:
-    """The completions-API block for `entries`, starting at character `text_offset`;
-    returns it and the offset after the last token (for the next streamed chunk)."""
+                        text_length: int | None) -> CompletionLogprobs:
+    """The completions-API block for `entries`. Offsets come from the detokenizer, so a
+    character split over tokens does not push later ones off; `text_length`, given once
+    the text is final, caps the offset of a token a stop string cut away."""
     block = CompletionLogprobs()
     for entry in entries:
         token = token_text(entry.token_id)
@@ -134,9 +135,9 @@ def completion_logprobs(entries: list[Logprob], token_text: TokenText,
             top.setdefault(token_text(alternative), _finite(logprob))
         top[token] = _finite(entry.logprob)
         block.top_logprobs.append(top)
-        block.text_offset.append(text_offset)
-        text_offset += len(token)
-    return block, text_offset
+        offset = entry.text_offset
+        block.text_offset.append(offset if text_length is None else min(offset, text_length))
+    return block
 
 
 def chat_logprobs(entries: list[Logprob], token_text: TokenText) -> ChatLogprobs:

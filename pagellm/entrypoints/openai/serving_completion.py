@@ -132,7 +132,8 @@ def _response(context: ServerContext, request_id: str, body: CompletionRequest,
         for completion in output.outputs:
             logprobs = None
             if completion.logprobs is not None:
-                logprobs, _ = completion_logprobs(completion.logprobs, token_text, 0)
+                logprobs = completion_logprobs(completion.logprobs, token_text,
+                                               len(completion.text))
             choices.append(CompletionChoice(
                 index=prompt_index * body.n + completion.index,
                 text=_echoed(body, output) + completion.text,
@@ -149,7 +150,6 @@ async def _stream(context: ServerContext, request_id: str, body: CompletionReque
     token_text = TokenText(context.engine.tokenizer, body.return_tokens_as_token_ids)
     sent_text: dict[int, int] = {}
     sent_logprobs: dict[int, int] = {}
-    offsets: dict[int, int] = {}
     done: set[int] = set()
     finals: dict[int, RequestOutput] = {}
     created = int(time.time())
@@ -170,8 +170,9 @@ async def _stream(context: ServerContext, request_id: str, body: CompletionReque
                 if completion.logprobs is not None:
                     new = completion.logprobs[sent_logprobs.get(index, 0):]
                     sent_logprobs[index] = len(completion.logprobs)
-                    logprobs, offsets[index] = completion_logprobs(
-                        new, token_text, offsets.get(index, 0))
+                    logprobs = completion_logprobs(
+                        new, token_text,
+                        len(completion.text) if completion.finish_reason is not None else None)
                 choices.append(CompletionChoice(
                     index=index, text=delta, logprobs=logprobs,
                     finish_reason=completion.finish_reason,
