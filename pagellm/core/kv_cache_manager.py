@@ -82,18 +82,24 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def find_cached_prefix(self, request: Request) -> tuple[list[KVBlock], int]:
-        """The longest run of the request's leading blocks found in the cache.
+    def max_hit_blocks(self, request: Request) -> int:
+        """How many leading blocks the request may take from the cache.
 
-        The hit stops at the first missing block (chaining makes later hits impossible
-        anyway) and never covers the last token: its logits are needed, so at least one
-        token is always computed, even when the whole prompt is cached.
+        Never the last token: its logits are needed, so at least one token is always
+        computed, even when the whole prompt is cached. None for a request that wants
+        prompt logprobs: those need the logits of every prompt position, and a cached
+        block has none.
         """
-        if not self.enable_caching:
-            return [], 0
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return 0
+        return (request.num_tokens - 1) // self.block_size
+
+    def find_cached_prefix(self, request: Request) -> tuple[list[KVBlock], int]:
+        """The longest run of the request's leading blocks found in the cache, within
+        `max_hit_blocks`. The hit stops at the first missing block (chaining makes later
+        hits impossible anyway)."""
         hits: list[KVBlock] = []
-        for block_hash in request.block_hashes[:max_blocks]:
+        for block_hash in request.block_hashes[: self.max_hit_blocks(request)]:
             block = self.pool.get_cached_block(block_hash)
             if block is None:
                 break

@@ -98,6 +98,16 @@ def _token_ids(value: object) -> list[int]:
     return ids
 
 
+def _top_count(name: str, value: object) -> int | None:
+    """A logprobs count: None for none, else how many alternatives, in [0, 20]."""
+    if value is None:
+        return None
+    count = _integer(name, value)
+    if not 0 <= count <= MAX_LOGPROBS:
+        raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value!r}")
+    return count
+
+
 def _logit_bias(value: object) -> dict[int, float] | None:
     """{token id: bias} with OpenAI's range; empty means none. Whether the ids are in the
     vocabulary is checked where the vocabulary is known (the engine, the server)."""
@@ -142,6 +152,9 @@ class SamplingParams:
     - logprobs: None for none; k in [0, 20] for the sampled token's logprob plus the k
       most likely alternatives at each step.
     - skip_special_tokens: drop special tokens when detokenizing.
+    - prompt_logprobs: None for none; k in [0, 20] for each prompt token's logprob (after
+      the first) plus the k most likely alternatives at its position. Such a request is
+      computed whole, never from the prefix cache: cached positions have no logits.
     - logit_bias: {token id: bias in [-100, 100]} added to those logits before anything
       else, greedy rows included (OpenAI's and vLLM's `logit_bias`); None for none.
     """
@@ -164,6 +177,7 @@ class SamplingParams:
     logprobs: int | None
     skip_special_tokens: bool
     logit_bias: dict[int, float] | None
+    prompt_logprobs: int | None
 
     def __init__(
         self,
@@ -186,6 +200,7 @@ class SamplingParams:
         logprobs: int | None = None,
         skip_special_tokens: bool = True,
         logit_bias: dict[int, float] | None = None,
+        prompt_logprobs: int | None = None,
     ) -> None:
         self.n = _integer("n", n)
         if not 1 <= self.n <= MAX_N:
@@ -220,13 +235,8 @@ class SamplingParams:
         self.repetition_penalty = _number(
             "repetition_penalty", repetition_penalty, 0.0, MAX_REPETITION_PENALTY,
             low_open=True)
-        if logprobs is None:
-            self.logprobs = None
-        else:
-            self.logprobs = _integer("logprobs", logprobs)
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise ValueError(
-                    f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {logprobs!r}")
+        self.logprobs = _top_count("logprobs", logprobs)
+        self.prompt_logprobs = _top_count("prompt_logprobs", prompt_logprobs)
         self.skip_special_tokens = _flag("skip_special_tokens", skip_special_tokens)
         self.logit_bias = _logit_bias(logit_bias)
 

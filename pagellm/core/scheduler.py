@@ -140,10 +140,9 @@ class Scheduler:
                 break
             hits, num_cached = self.kv_cache.find_cached_prefix(request)
             next_block = len(hits)
-            # Only a block the request could hit next step is worth waiting for: the last
-            # prompt token is always computed, so a hit never reaches past this.
-            max_hit_blocks = (request.num_tokens - 1) // self.kv_cache.block_size
-            if (next_block < max_hit_blocks and request.block_hashes[next_block] in in_flight
+            # Only a block the request could hit next step is worth waiting for.
+            if (next_block < self.kv_cache.max_hit_blocks(request)
+                    and request.block_hashes[next_block] in in_flight
                     and not self._overdue(request)):
                 continue
             num_new = min(request.num_tokens - num_cached, budget)

@@ -31,7 +31,7 @@ from pagellm.model.resolve import resolve_model_path
 from pagellm.worker.input_batch import SequenceChunk
 from pagellm.worker.kv_cache import KVCache, num_blocks_for_budget
 from pagellm.worker.model_runner import ModelRunner
-from pagellm.worker.sampler import SamplingMetadata, make_generator
+from pagellm.worker.sampler import SamplingMetadata, TokenLogprobs, make_generator
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,7 @@ class _Group:
     samples: list[_Sample]
     metrics: RequestMetrics
     by_core_id: dict[str, _Sample] = field(default_factory=dict)
+    prompt_logprobs: list[Logprob | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -245,7 +246,8 @@ class LLMEngine:
                                        params.skip_special_tokens, params.min_tokens),
                 generator, [] if params.logprobs is not None else None))
         assert leader is not None
-        group = _Group(request_id, text, token_ids, samples, RequestMetrics(arrival))
+        group = _Group(request_id, text, token_ids, samples, RequestMetrics(arrival),
+                       prompt_logprobs=None if params.prompt_logprobs is None else [None])
         for sample in samples:
             group.by_core_id[sample.request.request_id] = sample
             self._core_to_group[sample.request.request_id] = group
@@ -306,10 +308,11 @@ class LLMEngine:
             logger.exception("step failed; failing its %d requests", len(chunks))
             return self._fail_step(scheduled, error)
         updated_at = time.perf_counter()
+        self._add_prompt_logprobs(scheduled, chunks, result.prompt_logprobs)
         sampled: dict[str, int] = {}
-        if result is not None:
-            for request, token, logprob in zip(rows, result.sampled_token_ids,
-                                               result.logprobs, strict=True):
+        if result.sampled is not None:
+            for request, token, logprob in zip(rows, result.sampled.sampled_token_ids,
+                                               result.sampled.logprobs, strict=True):
                 sampled[request.request_id] = token
                 if logprob is not None:
                     sample = self._sample_of(request)
@@ -323,6 +326,20 @@ class LLMEngine:
         self._update_time += time.perf_counter() - updated_at
         return outputs
 
+    def _add_prompt_logprobs(self, scheduled: SchedulerOutput, chunks: list[SequenceChunk],
+                             scores: list[list[TokenLogprobs]]) -> None:
+        """Appends the prompt tokens scored this step. A prompt computed again after a
+        preemption scores the same tokens again: only new positions are kept."""
+        for item, chunk, chunk_scores in zip(scheduled.scheduled, chunks, scores, strict=True):
+            if not chunk_scores:
+                continue
+            collected = self._core_to_group[item.request.request_id].prompt_logprobs
+            assert collected is not None
+            for offset, score in enumerate(chunk_scores):
+                if chunk.start_pos + 1 + offset == len(collected):
+                    collected.append(Logprob(score.token_id, score.logprob, score.rank,
+                                             score.top_logprobs))
+
     def _sample_of(self, request: Request) -> _Sample:
         return self._core_to_group[request.request_id].by_core_id[request.request_id]
 
@@ -333,9 +350,17 @@ class LLMEngine:
             request = item.request
             start = request.num_computed_tokens
             num_samples = 1 + len(item.forks) if item.samples else 0
+            end = start + item.num_new_tokens
+            num_top = request.sampling_params.prompt_logprobs
+            collected = self._core_to_group[request.request_id].prompt_logprobs
+            # Positions up to the last prompt token's predecessor score the prompt.
+            wants_scores = (num_top is not None and collected is not None
+                            and len(collected) < request.num_prompt_tokens)
+            targets = (request.all_token_ids[start + 1 : min(end, request.num_prompt_tokens - 1)
+                                             + 1] if wants_scores else [])
             chunks.append(SequenceChunk(
-                request.all_token_ids[start : start + item.num_new_tokens], start,
-                self.kv_manager.get_block_ids(request), num_samples))
+                request.all_token_ids[start:end], start,
+                self.kv_manager.get_block_ids(request), num_samples, targets, num_top or 0))
             if item.samples:
                 rows.append(request)
                 rows.extend(item.forks)
@@ -412,6 +437,8 @@ class LLMEngine:
             finished=group.finished,
             num_cached_tokens=max(leader.num_cached_tokens, 0),
             metrics=group.metrics,
+            prompt_logprobs=(list(group.prompt_logprobs)
+                             if group.prompt_logprobs is not None else None),
         )
 
     def _forget(self, group: _Group) -> None:

@@ -71,3 +71,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = None
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first
+    # (nothing predicts it); filled in as the prompt is computed.
+    prompt_logprobs: list[Logprob | None] | None = None

@@ -6,7 +6,7 @@ request, none per token), then moved to the device in one go.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -19,12 +19,18 @@ class SequenceChunk:
     """One request's share of a step: `token_ids` are computed at positions
     `start_pos ..`, with KV written into its `block_ids`. `num_samples` rows of logits
     are taken at its last token (0 while a prompt chunk is still incomplete; more than 1
-    when forked siblings sample their first token from the same logits)."""
+    when forked siblings sample their first token from the same logits).
+
+    For prompt logprobs, `prompt_targets` are the prompt tokens that the chunk's first
+    positions predict (position i, the token at i + 1), each scored with the
+    `num_prompt_logprobs` most likely alternatives."""
 
     token_ids: list[int]
     start_pos: int
     block_ids: list[int]
     num_samples: int
+    prompt_targets: list[int] = field(default_factory=list)
+    num_prompt_logprobs: int = 0
 
 
 @dataclass

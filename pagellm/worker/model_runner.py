@@ -10,7 +10,13 @@ import torch
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.worker.input_batch import SequenceChunk, prepare_inputs
 from pagellm.worker.kv_cache import KVCache
-from pagellm.worker.sampler import SamplerOutput, SamplingMetadata, sample
+from pagellm.worker.sampler import (
+    SamplerOutput,
+    SamplingMetadata,
+    TokenLogprobs,
+    sample,
+    score_tokens,
+)
 
 
 @dataclass
@@ -29,6 +35,15 @@ class StepTimings:
 
 
 @dataclass
+class StepOutput:
+    """What one step computed: the sampled tokens (None when no row samples) and, per
+    chunk, the scores of its `prompt_targets` (empty where it has none)."""
+
+    sampled: SamplerOutput | None
+    prompt_logprobs: list[list[TokenLogprobs]]
+
+
+@dataclass
 class ModelRunner:
     model: LlamaForCausalLM
     kv_cache: KVCache
@@ -41,15 +56,25 @@ class ModelRunner:
         chunks: list[SequenceChunk],
         block_copies: list[tuple[int, int]],
         sampling: SamplingMetadata | None,
-    ) -> SamplerOutput | None:
+    ) -> StepOutput:
         """Computes the chunks' KV and returns one sampled token per sampling row, in the
-        order of the chunks (a chunk with num_samples = k owns k consecutive rows)."""
+        order of the chunks (a chunk with num_samples = k owns k consecutive rows), and
+        the chunks' prompt logprobs."""
         start = time.perf_counter()
         self.kv_cache.copy_blocks(block_copies)
         inputs = prepare_inputs(chunks, self.kv_cache.block_size, self.device)
         prepared = time.perf_counter()
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.tensors,
                             inputs.attn_metadata)
+        # Chunk by chunk, so a 512-token prompt's logits [512, vocab] are the most held.
+        prompt_logprobs: list[list[TokenLogprobs]] = []
+        first_row = 0
+        for chunk in chunks:
+            targets = chunk.prompt_targets
+            prompt_logprobs.append(score_tokens(
+                self.model.compute_logits(hidden[first_row : first_row + len(targets)]),
+                targets, chunk.num_prompt_logprobs) if targets else [])
+            first_row += len(chunk.token_ids)
         result = None
         if sampling is not None and inputs.logits_indices.numel():
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
@@ -64,4 +89,4 @@ class ModelRunner:
         timings.sample += done - forwarded
         timings.steps += 1
         timings.tokens += int(inputs.input_ids.numel())
-        return result
+        return StepOutput(result, prompt_logprobs)

@@ -354,6 +354,17 @@ def _collect_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, num_logprob
     return result
 
 
+def score_tokens(logits: torch.Tensor, targets: list[int], num_top: int
+                 ) -> list[TokenLogprobs]:
+    """Prompt logprobs: each row's log-probability of its target token, with its rank
+    and the `num_top` most likely tokens, from the model's raw distribution (no sampling
+    knob applies to a prompt)."""
+    index = torch.tensor(targets, dtype=torch.long, device=logits.device)
+    scored = _collect_logprobs(logits.float().log_softmax(dim=-1), index,
+                               [num_top] * len(targets))
+    return [entry for entry in scored if entry is not None]
+
+
 def _argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax by torch.argmax's rules (lowest id on ties): through the compiled
     kernel where it is loaded (torch's CPU argmax takes ~0.9 ms on [32, 49152] logits, the

@@ -252,3 +252,58 @@ def test_engine_hashes_blocks_with_sha256_by_default(tiny_models: dict[str, Path
     block = list(range(engine.hasher.block_size))
     expected = hashlib.sha256(root + b"".join(t.to_bytes(4, "little") for t in block))
     assert engine.hasher.hash_block(root, block) == expected.digest()
+
+
+def _reference_prompt_logprobs(model: Any, prompt: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+
+
+def _assert_prompt_logprobs(out: Any, prompt: list[int], ref: torch.Tensor, top: int) -> None:
+    scores = out.prompt_logprobs
+    assert scores is not None and len(scores) == len(prompt) and scores[0] is None
+    for position, score in enumerate(scores[1:]):
+        expected = ref[position]
+        assert score.token_id == prompt[position + 1]
+        assert score.logprob == pytest.approx(float(expected[prompt[position + 1]]), abs=1e-4)
+        assert score.rank == int((expected > expected[prompt[position + 1]]).sum()) + 1
+        assert [t for t, _ in score.top_logprobs] == expected.topk(top).indices.tolist()
+
+
+@pytest.mark.parametrize("budget", [512, 16])
+def test_prompt_logprobs_match_the_reference(budget: int, tiny_models: dict[str, Path],
+                                             hf_models: dict[str, Any]) -> None:
+    """Every prompt position scored as transformers scores it, whether the prompt runs in
+    one chunk or many, and even when the prompt is already cached: such a request takes
+    no cache hit (a cached position has no logits). Forked samples share the scores."""
+    name = "llama-gqa-untied"
+    llm = _llm(tiny_models[name], max_num_batched_tokens=budget, block_size=8)
+    prompt = _prompts(21, 40, [5])[0]
+    ref = _reference_prompt_logprobs(hf_models[name], prompt)
+    _run(llm, [prompt], 2)  # now cached
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=3,
+                            n=2)
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0
+    _assert_prompt_logprobs(out, prompt, ref, 3)
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 1
+    assert llm.generate({"prompt_token_ids": prompt}, _greedy(2),
+                        use_tqdm=False)[0].num_cached_tokens == 40
+    assert_idle(llm.llm_engine)
+
+
+def test_prompt_logprobs_survive_preemption(tiny_models: dict[str, Path],
+                                            hf_models: dict[str, Any]) -> None:
+    """A pool too small for all requests: preempted ones compute their prompt again, and
+    each prompt position is still reported once, as the reference scores it."""
+    name = "llama-gqa-untied"
+    llm = _llm(tiny_models[name], block_size=8, kv_cache_memory_bytes=512 * 8 * 14,
+               max_num_batched_tokens=24)
+    prompts = _prompts(11, 16, [4, 6, 8, 10])
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prompt_logprobs=1)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert llm.llm_engine.get_stats().num_preemptions > 0
+    for prompt, out in zip(prompts, outputs, strict=True):
+        _assert_prompt_logprobs(out, prompt, _reference_prompt_logprobs(hf_models[name], prompt),
+                                1)
+    assert_idle(llm.llm_engine)
