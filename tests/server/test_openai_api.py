@@ -391,3 +391,54 @@ def test_text_offsets_point_into_the_text_across_split_characters(client: openai
                                                                          **kwargs)
                 if c.choices and c.choices[0].logprobs is not None]
     assert [o for part in streamed for o in part.text_offset or []] == logprobs.text_offset
+
+
+def test_echo_with_logprobs_scores_the_prompt(client: openai.OpenAI) -> None:
+    """What scoring harnesses send (echo, logprobs, one token): the block lists the
+    prompt's tokens first, the first without a logprob, then the completion's."""
+    kwargs = dict(model=MODEL_NAME, prompt="The capital of France is Paris", max_tokens=1,
+                  temperature=0, logprobs=1, echo=True)
+    result = client.completions.create(**kwargs)
+    choice = result.choices[0]
+    logprobs = choice.logprobs
+    assert logprobs is not None and result.usage is not None
+    prompt_tokens = result.usage.prompt_tokens
+    assert len(logprobs.tokens or []) == prompt_tokens + 1
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(lp is not None and lp <= 0 for lp in logprobs.token_logprobs[1:])
+    assert "".join((logprobs.tokens or [])[:prompt_tokens]) == "The capital of France is Paris"
+    assert logprobs.text_offset == sorted(logprobs.text_offset or [])
+    assert (logprobs.text_offset or [])[-1] == len("The capital of France is Paris")
+    plain = client.completions.create(model=MODEL_NAME, prompt=kwargs["prompt"], max_tokens=1,
+                                      temperature=0, logprobs=1).choices[0].logprobs
+    assert plain is not None
+    assert logprobs.token_logprobs[-1] == pytest.approx(plain.token_logprobs[0], abs=1e-4)
+    streamed = [c.choices[0] for c in client.completions.create(stream=True, **kwargs)
+                if c.choices]
+    assert "".join(c.text for c in streamed) == choice.text
+    assert [t for c in streamed if c.logprobs for t in c.logprobs.tokens or []] == \
+        logprobs.tokens
+    assert [o for c in streamed if c.logprobs for o in c.logprobs.text_offset or []] == \
+        logprobs.text_offset
+
+
+def test_prompt_logprobs_field(client: openai.OpenAI) -> None:
+    """vLLM's `prompt_logprobs`: per prompt token {token id: {logprob, rank,
+    decoded_token}}, None for the first; the scores equal echo's."""
+    prompt = [504, 3458, 282, 19556, 28]
+    result = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1,
+                                       temperature=0, extra_body={"prompt_logprobs": 2})
+    scores = result.choices[0].model_extra["prompt_logprobs"]
+    assert scores[0] is None and len(scores) == len(prompt)
+    echo = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1,
+                                      temperature=0, logprobs=2, echo=True).choices[0].logprobs
+    assert echo is not None
+    for position, entry in enumerate(scores[1:], 1):
+        own = entry[str(prompt[position])]
+        assert own["logprob"] == pytest.approx(echo.token_logprobs[position], abs=1e-5)
+        assert own["rank"] >= 1 and len(entry) >= 2
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
+        extra_body={"prompt_logprobs": 0})
+    chat_scores = chat.model_extra["prompt_logprobs"]
+    assert chat.usage is not None and len(chat_scores) == chat.usage.prompt_tokens

@@ -118,6 +118,62 @@ class TokenText:
         return None
 
 
+def _top(entry: Logprob, token: str, token_text: TokenText) -> dict[str, float]:
+    """{text: logprob} of the alternatives. Distinct tokens can share a text (parts of
+    characters all read U+FFFD): the most likely one keeps the key, and the scored
+    token's own logprob always shows."""
+    top: dict[str, float] = {}
+    for alternative, logprob in entry.top_logprobs:
+        top.setdefault(token_text(alternative), _finite(logprob))
+    top[token] = _finite(entry.logprob)
+    return top
+
+
+def echoed_prompt_logprobs(prompt_token_ids: list[int], scores: list[Logprob | None],
+                           token_text: TokenText, text_length: int) -> CompletionLogprobs:
+    """The completions-API block of an echoed prompt (`echo` with `logprobs`): its first
+    token has no logprob, as in OpenAI's and vLLM's answers. Offsets add up the tokens'
+    texts, capped at the echoed text's length."""
+    block = CompletionLogprobs()
+    offset = 0
+    for token_id, entry in zip(prompt_token_ids, scores, strict=True):
+        token = token_text(token_id)
+        block.tokens.append(token)
+        block.token_logprobs.append(None if entry is None else _finite(entry.logprob))
+        block.top_logprobs.append(None if entry is None else _top(entry, token, token_text))
+        block.text_offset.append(min(offset, text_length))
+        offset += len(token)
+    return block
+
+
+def joined(first: CompletionLogprobs, second: CompletionLogprobs, shift: int
+           ) -> CompletionLogprobs:
+    """`second` after `first`, its offsets moved by `shift` characters."""
+    return CompletionLogprobs(
+        text_offset=first.text_offset + [offset + shift for offset in second.text_offset],
+        token_logprobs=first.token_logprobs + second.token_logprobs,
+        tokens=first.tokens + second.tokens,
+        top_logprobs=first.top_logprobs + second.top_logprobs)
+
+
+def prompt_logprobs_json(scores: list[Logprob | None], token_text: TokenText
+                         ) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, {token id: {logprob, rank,
+    decoded_token}} for it and its alternatives; None for the first token."""
+    result: list[dict[str, dict[str, Any]] | None] = []
+    for entry in scores:
+        if entry is None:
+            result.append(None)
+            continue
+        ranked = {str(t): {"logprob": _finite(lp), "rank": rank,
+                           "decoded_token": token_text(t)}
+                  for rank, (t, lp) in enumerate(entry.top_logprobs, 1)}
+        ranked[str(entry.token_id)] = {"logprob": _finite(entry.logprob), "rank": entry.rank,
+                                       "decoded_token": token_text(entry.token_id)}
+        result.append(ranked)
+    return result
+
+
 def completion_logprobs(entries: list[Logprob], token_text: TokenText,
                         text_length: int | None) -> CompletionLogprobs:
     """The completions-API block for `entries`. Offsets come from the detokenizer, so a
@@ -128,13 +184,7 @@ def completion_logprobs(entries: list[Logprob], token_text: TokenText,
         token = token_text(entry.token_id)
         block.tokens.append(token)
         block.token_logprobs.append(_finite(entry.logprob))
-        # Distinct tokens can share a text (parts of characters all read U+FFFD): the
-        # most likely one keeps the key, and the sampled token's own logprob always shows.
-        top: dict[str, float] = {}
-        for alternative, logprob in entry.top_logprobs:
-            top.setdefault(token_text(alternative), _finite(logprob))
-        top[token] = _finite(entry.logprob)
-        block.top_logprobs.append(top)
+        block.top_logprobs.append(_top(entry, token, token_text))
         offset = entry.text_offset
         block.text_offset.append(offset if text_length is None else min(offset, text_length))
     return block

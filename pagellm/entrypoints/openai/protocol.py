@@ -59,13 +59,13 @@ class SamplingFields(_Strict):
     truncate_prompt_tokens: int | None = None
     return_tokens_as_token_ids: bool = False
     modalities: list[str] | None = None
+    prompt_logprobs: int | None = None
     # Known, and refused when set (see check_supported).
     suffix: Any = None
     audio: Any = None
     allowed_token_ids: Any = None
     bad_words: Any = None
     use_beam_search: Any = None
-    prompt_logprobs: Any = None
     structured_outputs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
@@ -138,6 +138,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -183,6 +184,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class ChatDelta(BaseModel):

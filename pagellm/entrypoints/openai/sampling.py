@@ -24,6 +24,7 @@ def build_sampling_params(
     *,
     max_tokens: int | None,
     logprobs: int | None,
+    prompt_logprobs: int | None,
     vocab_size: int,
     field_names: dict[str, str] | None = None,
 ) -> SamplingParams:
@@ -61,6 +62,7 @@ def build_sampling_params(
             logprobs=logprobs,
             skip_special_tokens=request.skip_special_tokens,
             logit_bias=logit_bias,
+            prompt_logprobs=prompt_logprobs,
         )
     except ValueError as error:
         raise _named(str(error), field_names or {}) from error

@@ -33,7 +33,6 @@ MAX_CHOICES = 256
 # Options OpenAI or vLLM define that this server does not implement, and why.
 _GUIDED = "structured output (guided decoding) is not implemented"
 _REFUSED = {
-    "prompt_logprobs": "prompt logprobs are not computed",
     "structured_outputs": _GUIDED,
     "guided_json": _GUIDED,
     "guided_regex": _GUIDED,

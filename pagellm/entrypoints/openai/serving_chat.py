@@ -15,7 +15,11 @@ from pagellm.engine.async_engine import RequestStream
 from pagellm.engine.chat_template import ChatError, ChatOptions, render_chat
 from pagellm.engine.outputs import RequestOutput
 from pagellm.entrypoints.openai.errors import bad_request
-from pagellm.entrypoints.openai.logprobs import TokenText, chat_logprobs
+from pagellm.entrypoints.openai.logprobs import (
+    TokenText,
+    chat_logprobs,
+    prompt_logprobs_json,
+)
 from pagellm.entrypoints.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -64,6 +68,9 @@ def _check_chat_options(body: ChatCompletionRequest) -> None:
     if body.echo:
         raise bad_request("echo is not supported for chat (use continue_final_message to "
                           "continue an assistant message)", param="echo")
+    if body.stream and body.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs is not supported for streamed chat; ask without "
+                          "stream", param="prompt_logprobs")
     if body.add_special_tokens:
         raise bad_request("add_special_tokens is not supported for chat: the chat template "
                           "writes the special tokens", param="add_special_tokens")
@@ -108,7 +115,7 @@ async def create_chat_completion(context: ServerContext, body: ChatCompletionReq
         else body.max_tokens
     base = build_sampling_params(
         body, max_tokens=requested, logprobs=_logprobs_setting(body),
-        vocab_size=engine.vocab_size,
+        prompt_logprobs=body.prompt_logprobs, vocab_size=engine.vocab_size,
         field_names={"logprobs": "top_logprobs", "max_tokens": max_tokens_param})
     prompt = Prompt(None, await context.off_loop(render_messages, engine.tokenizer, body,
                                             engine.max_model_len))
@@ -134,8 +141,10 @@ def _response(context: ServerContext, request_id: str, body: ChatCompletionReque
                    else None,
                    finish_reason=c.finish_reason, stop_reason=c.stop_reason)
         for c in output.outputs]
-    return ChatCompletionResponse(id=request_id, model=context.model_name, choices=choices,
-                                  usage=usage([output]))
+    return ChatCompletionResponse(
+        id=request_id, model=context.model_name, choices=choices, usage=usage([output]),
+        prompt_logprobs=(prompt_logprobs_json(output.prompt_logprobs, token_text)
+                         if output.prompt_logprobs is not None else None))
 
 
 async def _stream(context: ServerContext, request_id: str, body: ChatCompletionRequest,

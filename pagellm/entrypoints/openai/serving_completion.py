@@ -14,9 +14,16 @@ from fastapi.responses import JSONResponse, Response
 from pagellm.engine.async_engine import RequestStream
 from pagellm.engine.outputs import RequestOutput
 from pagellm.entrypoints.openai.errors import bad_request
-from pagellm.entrypoints.openai.logprobs import TokenText, completion_logprobs
+from pagellm.entrypoints.openai.logprobs import (
+    TokenText,
+    completion_logprobs,
+    echoed_prompt_logprobs,
+    joined,
+    prompt_logprobs_json,
+)
 from pagellm.entrypoints.openai.protocol import (
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
 )
@@ -84,11 +91,26 @@ def _decoded(tokenizer: Any, token_ids: list[int]) -> str:
         return ""
 
 
-def _check_options(body: CompletionRequest) -> None:
-    check_supported(body)
-    if body.echo and body.logprobs is not None:
-        raise bad_request("echo with logprobs is not supported: prompt logprobs are not "
-                          "computed", param="echo")
+def _prompt_logprobs(body: CompletionRequest) -> int | None:
+    """`echo` with `logprobs` scores the echoed prompt too, as OpenAI's API did and vLLM
+    does: the prompt's tokens come first in the logprobs block."""
+    return body.logprobs if body.echo and body.logprobs is not None else body.prompt_logprobs
+
+
+def _first_logprobs(body: CompletionRequest, output: RequestOutput, token_text: TokenText
+                    ) -> CompletionLogprobs | None:
+    """The echoed prompt's part of a choice's logprobs block, or None without one."""
+    if not (body.echo and body.logprobs is not None and output.prompt_logprobs is not None):
+        return None
+    return echoed_prompt_logprobs(output.prompt_token_ids, output.prompt_logprobs,
+                                  token_text, len(_echoed(body, output)))
+
+
+def _prompt_scores(body: CompletionRequest, output: RequestOutput, token_text: TokenText
+                   ) -> list[dict[str, dict[str, Any]] | None] | None:
+    if body.prompt_logprobs is None or output.prompt_logprobs is None:
+        return None
+    return prompt_logprobs_json(output.prompt_logprobs, token_text)
 
 
 async def create_completion(context: ServerContext, body: CompletionRequest,
@@ -98,11 +120,12 @@ async def create_completion(context: ServerContext, body: CompletionRequest,
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options is only allowed when stream is true",
                           param="stream_options")
-    _check_options(body)
+    check_supported(body)
     prompts = await context.off_loop(_prompts, context, body)
     check_choices(len(prompts), body.n)
     engine = context.engine
     base = build_sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs,
+                                 prompt_logprobs=_prompt_logprobs(body),
                                  vocab_size=engine.vocab_size)
     params = [
         base.clone(max_tokens=resolve_max_tokens(
@@ -129,16 +152,20 @@ def _response(context: ServerContext, request_id: str, body: CompletionRequest,
     token_text = TokenText(context.engine.tokenizer, body.return_tokens_as_token_ids)
     choices = []
     for prompt_index, output in enumerate(outputs):
+        echoed = _echoed(body, output)
         for completion in output.outputs:
             logprobs = None
             if completion.logprobs is not None:
-                logprobs = completion_logprobs(completion.logprobs, token_text,
-                                               len(completion.text))
+                logprobs = joined(
+                    _first_logprobs(body, output, token_text) or CompletionLogprobs(),
+                    completion_logprobs(completion.logprobs, token_text, len(completion.text)),
+                    len(echoed))
             choices.append(CompletionChoice(
                 index=prompt_index * body.n + completion.index,
-                text=_echoed(body, output) + completion.text,
+                text=echoed + completion.text,
                 logprobs=logprobs, finish_reason=completion.finish_reason,
-                stop_reason=completion.stop_reason))
+                stop_reason=completion.stop_reason,
+                prompt_logprobs=_prompt_scores(body, output, token_text)))
     return CompletionResponse(id=request_id, model=context.model_name, choices=choices,
                               usage=usage(outputs))
 
@@ -161,7 +188,8 @@ async def _stream(context: ServerContext, request_id: str, body: CompletionReque
                 delta = completion.text[sent_text.get(index, 0):]
                 if index in done or (not delta and completion.finish_reason is None):
                     continue
-                if index not in sent_text:
+                first = index not in sent_text
+                if first:
                     delta = _echoed(body, output) + delta
                 sent_text[index] = len(completion.text)
                 if completion.finish_reason is not None:
@@ -170,13 +198,17 @@ async def _stream(context: ServerContext, request_id: str, body: CompletionReque
                 if completion.logprobs is not None:
                     new = completion.logprobs[sent_logprobs.get(index, 0):]
                     sent_logprobs[index] = len(completion.logprobs)
-                    logprobs = completion_logprobs(
-                        new, token_text,
-                        len(completion.text) if completion.finish_reason is not None else None)
+                    logprobs = joined(
+                        (_first_logprobs(body, output, token_text) if first else None)
+                        or CompletionLogprobs(),
+                        completion_logprobs(new, token_text, len(completion.text)
+                                            if completion.finish_reason is not None else None),
+                        len(_echoed(body, output)))
                 choices.append(CompletionChoice(
                     index=index, text=delta, logprobs=logprobs,
                     finish_reason=completion.finish_reason,
-                    stop_reason=completion.stop_reason))
+                    stop_reason=completion.stop_reason,
+                    prompt_logprobs=_prompt_scores(body, output, token_text) if first else None))
             if output.finished:
                 finals[prompt_index] = output
             if choices:
