@@ -86,13 +86,20 @@ class KVCacheManager:
         """How many leading blocks the request may take from the cache.
 
         Never the last token: its logits are needed, so at least one token is always
-        computed, even when the whole prompt is cached. None for a request that wants
-        prompt logprobs: those need the logits of every prompt position, and a cached
-        block has none.
+        computed, even when the whole prompt is cached.
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+        if not self.enable_caching or self._scores_prompt(request):
             return 0
         return (request.num_tokens - 1) // self.block_size
+
+    @staticmethod
+    def _scores_prompt(request: Request) -> bool:
+        """Whether the request still needs the logits of every prompt position (prompt
+        logprobs), which a cached block does not have. Once it has an output token, its
+        prompt was scored (a resume after preemption), so it reads the cache like any
+        other; it is not counted in the hit rate before that."""
+        return (request.sampling_params.prompt_logprobs is not None
+                and request.num_output_tokens == 0)
 
     def find_cached_prefix(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest run of the request's leading blocks found in the cache, within
@@ -143,8 +150,9 @@ class KVCacheManager:
         if held is None:
             held = self.req_to_blocks[request.request_id] = []
             self._num_cached_blocks[request.request_id] = len(cached_blocks)
-            self._queries += request.num_tokens
-            self._hits += len(cached_blocks) * self.block_size
+            if not self._scores_prompt(request):
+                self._queries += request.num_tokens
+                self._hits += len(cached_blocks) * self.block_size
         self.pool.touch(cached_blocks)
         held.extend(cached_blocks)
         new_blocks = self.pool.allocate(num_needed)

@@ -34,6 +34,9 @@ class StepTimings:
                 "steps": self.steps, "tokens": self.tokens}
 
 
+_SCORE_ROWS = 64  # prompt positions scored at once (see execute)
+
+
 @dataclass
 class StepOutput:
     """What one step computed: the sampled tokens (None when no row samples) and, per
@@ -66,14 +69,18 @@ class ModelRunner:
         prepared = time.perf_counter()
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.tensors,
                             inputs.attn_metadata)
-        # Chunk by chunk, so a 512-token prompt's logits [512, vocab] are the most held.
         prompt_logprobs: list[list[TokenLogprobs]] = []
         first_row = 0
         for chunk in chunks:
-            targets = chunk.prompt_targets
-            prompt_logprobs.append(score_tokens(
-                self.model.compute_logits(hidden[first_row : first_row + len(targets)]),
-                targets, chunk.num_prompt_logprobs) if targets else [])
+            scores: list[TokenLogprobs] = []
+            # A few rows at a time: scoring holds several [rows, vocab] tensors, which
+            # for a whole chunk of a large vocabulary would be gigabytes.
+            for at in range(0, len(chunk.prompt_targets), _SCORE_ROWS):
+                targets = chunk.prompt_targets[at : at + _SCORE_ROWS]
+                rows = hidden[first_row + at : first_row + at + len(targets)]
+                scores += score_tokens(self.model.compute_logits(rows), targets,
+                                       chunk.num_prompt_logprobs)
+            prompt_logprobs.append(scores)
             first_row += len(chunk.token_ids)
         result = None
         if sampling is not None and inputs.logits_indices.numel():

@@ -360,7 +360,7 @@ def score_tokens(logits: torch.Tensor, targets: list[int], num_top: int
     and the `num_top` most likely tokens, from the model's raw distribution (no sampling
     knob applies to a prompt)."""
     index = torch.tensor(targets, dtype=torch.long, device=logits.device)
-    scored = _collect_logprobs(logits.float().log_softmax(dim=-1), index,
+    scored = _collect_logprobs(logits.log_softmax(dim=-1), index,
                                [num_top] * len(targets))
     return [entry for entry in scored if entry is not None]
 

@@ -561,3 +561,26 @@ def test_request_fork_shares_no_mutable_state() -> None:
     child.append_output_token(7)
     assert parent.all_token_ids == list(range(6)) and len(parent.block_hashes) == 1
     assert child.block_hashes == hasher.hash_blocks(list(range(8)), cache_salt="s")
+
+
+def test_prompt_logprobs_request_reads_the_cache_only_once_scored(manager, make_request,
+                                                                  run_prompt) -> None:
+    """Prompt logprobs need every prompt position's logits, which cached blocks lack: no
+    hit, and no query in the hit rate. Once it has an output token (resumed after a
+    preemption), its prompt was scored, and it hits like any other request."""
+    from pagellm.core.sampling_params import SamplingParams
+
+    prompt = list(range(3 * BS + 1))
+    run_prompt(manager, make_request(prompt))
+    queries = manager.stats().queries
+    scoring = make_request(prompt)
+    scoring.sampling_params = SamplingParams(prompt_logprobs=1)
+    assert manager.max_hit_blocks(scoring) == 0
+    assert manager.find_cached_prefix(scoring) == ([], 0)
+    assert manager.allocate(scoring, scoring.num_tokens) is not None
+    assert manager.stats().queries == queries
+    manager.free(scoring)
+    scoring.num_computed_tokens = 0
+    scoring.append_output_token(7)
+    assert manager.max_hit_blocks(scoring) == 3
+    assert manager.find_cached_prefix(scoring)[1] == 3 * BS

@@ -278,7 +278,7 @@ def test_prompt_logprobs_match_the_reference(budget: int, tiny_models: dict[str,
     no cache hit (a cached position has no logits). Forked samples share the scores."""
     name = "llama-gqa-untied"
     llm = _llm(tiny_models[name], max_num_batched_tokens=budget, block_size=8)
-    prompt = _prompts(21, 40, [5])[0]
+    prompt = _prompts(21, 140, [5])[0]  # 145 tokens: scored 64 rows at a time
     ref = _reference_prompt_logprobs(hf_models[name], prompt)
     _run(llm, [prompt], 2)  # now cached
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=3,
@@ -288,7 +288,7 @@ def test_prompt_logprobs_match_the_reference(budget: int, tiny_models: dict[str,
     _assert_prompt_logprobs(out, prompt, ref, 3)
     assert len({tuple(c.token_ids) for c in out.outputs}) == 1
     assert llm.generate({"prompt_token_ids": prompt}, _greedy(2),
-                        use_tqdm=False)[0].num_cached_tokens == 40
+                        use_tqdm=False)[0].num_cached_tokens == 144
     assert_idle(llm.llm_engine)
 
 

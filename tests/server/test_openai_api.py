@@ -442,3 +442,15 @@ def test_prompt_logprobs_field(client: openai.OpenAI) -> None:
         extra_body={"prompt_logprobs": 0})
     chat_scores = chat.model_extra["prompt_logprobs"]
     assert chat.usage is not None and len(chat_scores) == chat.usage.prompt_tokens
+
+
+def test_echo_logprobs_and_prompt_logprobs_each_show_their_own_count(client: openai.OpenAI
+                                                                     ) -> None:
+    result = client.completions.create(
+        model=MODEL_NAME, prompt=[504, 3458, 282, 19556, 28], max_tokens=1, temperature=0,
+        logprobs=1, echo=True, extra_body={"prompt_logprobs": 4})
+    choice = result.choices[0]
+    assert choice.logprobs is not None
+    assert all(len(top) <= 2 for top in (choice.logprobs.top_logprobs or [])[1:] if top)
+    scores = choice.model_extra["prompt_logprobs"]
+    assert all(len(entry) >= 4 for entry in scores[1:])

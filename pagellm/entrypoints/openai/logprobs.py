@@ -118,29 +118,32 @@ class TokenText:
         return None
 
 
-def _top(entry: Logprob, token: str, token_text: TokenText) -> dict[str, float]:
-    """{text: logprob} of the alternatives. Distinct tokens can share a text (parts of
-    characters all read U+FFFD): the most likely one keeps the key, and the scored
-    token's own logprob always shows."""
+def _top(entry: Logprob, token: str, token_text: TokenText, num_top: int | None = None
+         ) -> dict[str, float]:
+    """{text: logprob} of the (first `num_top`) alternatives. Distinct tokens can share a
+    text (parts of characters all read U+FFFD): the most likely one keeps the key, and the
+    scored token's own logprob always shows."""
     top: dict[str, float] = {}
-    for alternative, logprob in entry.top_logprobs:
+    for alternative, logprob in entry.top_logprobs[:num_top]:
         top.setdefault(token_text(alternative), _finite(logprob))
     top[token] = _finite(entry.logprob)
     return top
 
 
 def echoed_prompt_logprobs(prompt_token_ids: list[int], scores: list[Logprob | None],
-                           token_text: TokenText, text_length: int) -> CompletionLogprobs:
-    """The completions-API block of an echoed prompt (`echo` with `logprobs`): its first
-    token has no logprob, as in OpenAI's and vLLM's answers. Offsets add up the tokens'
-    texts, capped at the echoed text's length."""
+                           token_text: TokenText, text_length: int, num_top: int
+                           ) -> CompletionLogprobs:
+    """The completions-API block of an echoed prompt (`echo` with `logprobs` = `num_top`):
+    its first token has no logprob, as in OpenAI's and vLLM's answers. Offsets add up the
+    tokens' texts, capped at the echoed text's length."""
     block = CompletionLogprobs()
     offset = 0
     for token_id, entry in zip(prompt_token_ids, scores, strict=True):
         token = token_text(token_id)
         block.tokens.append(token)
         block.token_logprobs.append(None if entry is None else _finite(entry.logprob))
-        block.top_logprobs.append(None if entry is None else _top(entry, token, token_text))
+        block.top_logprobs.append(None if entry is None
+                                  else _top(entry, token, token_text, num_top))
         block.text_offset.append(min(offset, text_length))
         offset += len(token)
     return block
@@ -156,10 +159,11 @@ def joined(first: CompletionLogprobs, second: CompletionLogprobs, shift: int
         top_logprobs=first.top_logprobs + second.top_logprobs)
 
 
-def prompt_logprobs_json(scores: list[Logprob | None], token_text: TokenText
+def prompt_logprobs_json(scores: list[Logprob | None], token_text: TokenText, num_top: int
                          ) -> list[dict[str, dict[str, Any]] | None]:
     """vLLM's `prompt_logprobs`: per prompt token, {token id: {logprob, rank,
-    decoded_token}} for it and its alternatives; None for the first token."""
+    decoded_token}} for it and its first `num_top` alternatives; None for the first
+    token."""
     result: list[dict[str, dict[str, Any]] | None] = []
     for entry in scores:
         if entry is None:
@@ -167,7 +171,7 @@ def prompt_logprobs_json(scores: list[Logprob | None], token_text: TokenText
             continue
         ranked = {str(t): {"logprob": _finite(lp), "rank": rank,
                            "decoded_token": token_text(t)}
-                  for rank, (t, lp) in enumerate(entry.top_logprobs, 1)}
+                  for rank, (t, lp) in enumerate(entry.top_logprobs[:num_top], 1)}
         ranked[str(entry.token_id)] = {"logprob": _finite(entry.logprob), "rank": entry.rank,
                                        "decoded_token": token_text(entry.token_id)}
         result.append(ranked)

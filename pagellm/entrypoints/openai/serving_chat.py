@@ -143,7 +143,8 @@ def _response(context: ServerContext, request_id: str, body: ChatCompletionReque
         for c in output.outputs]
     return ChatCompletionResponse(
         id=request_id, model=context.model_name, choices=choices, usage=usage([output]),
-        prompt_logprobs=(prompt_logprobs_json(output.prompt_logprobs, token_text)
+        prompt_logprobs=(prompt_logprobs_json(output.prompt_logprobs, token_text,
+                                              body.prompt_logprobs or 0)
                          if output.prompt_logprobs is not None else None))
 
 

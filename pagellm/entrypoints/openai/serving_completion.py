@@ -93,8 +93,11 @@ def _decoded(tokenizer: Any, token_ids: list[int]) -> str:
 
 def _prompt_logprobs(body: CompletionRequest) -> int | None:
     """`echo` with `logprobs` scores the echoed prompt too, as OpenAI's API did and vLLM
-    does: the prompt's tokens come first in the logprobs block."""
-    return body.logprobs if body.echo and body.logprobs is not None else body.prompt_logprobs
+    does: the prompt's tokens come first in the logprobs block. With `prompt_logprobs`
+    also set, the engine scores the larger count, and each answer shows its own."""
+    counts = [count for count in (body.prompt_logprobs, body.logprobs if body.echo else None)
+              if count is not None]
+    return max(counts) if counts else None
 
 
 def _first_logprobs(body: CompletionRequest, output: RequestOutput, token_text: TokenText
@@ -103,14 +106,14 @@ def _first_logprobs(body: CompletionRequest, output: RequestOutput, token_text: 
     if not (body.echo and body.logprobs is not None and output.prompt_logprobs is not None):
         return None
     return echoed_prompt_logprobs(output.prompt_token_ids, output.prompt_logprobs,
-                                  token_text, len(_echoed(body, output)))
+                                  token_text, len(_echoed(body, output)), body.logprobs)
 
 
 def _prompt_scores(body: CompletionRequest, output: RequestOutput, token_text: TokenText
                    ) -> list[dict[str, dict[str, Any]] | None] | None:
     if body.prompt_logprobs is None or output.prompt_logprobs is None:
         return None
-    return prompt_logprobs_json(output.prompt_logprobs, token_text)
+    return prompt_logprobs_json(output.prompt_logprobs, token_text, body.prompt_logprobs)
 
 
 async def create_completion(context: ServerContext, body: CompletionRequest,
