@@ -153,8 +153,9 @@ class SamplingParams:
       most likely alternatives at each step.
     - skip_special_tokens: drop special tokens when detokenizing.
     - prompt_logprobs: None for none; k in [0, 20] for each prompt token's logprob (after
-      the first) plus the k most likely alternatives at its position. Such a request is
-      computed whole, never from the prefix cache: cached positions have no logits.
+      the first) plus the k most likely alternatives at its position. Such a request's
+      prompt is computed whole, not from the prefix cache: cached positions have no
+      logits.
     - logit_bias: {token id: bias in [-100, 100]} added to those logits before anything
       else, greedy rows included (OpenAI's and vLLM's `logit_bias`); None for none.
     """

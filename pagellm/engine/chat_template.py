@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pagellm.engine.text import encode_text
+
 Message = dict[str, Any]
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -142,10 +144,9 @@ def render_chat(tokenizer: Any, messages: Any, options: ChatOptions = ChatOption
     """
     text = _render_text(tokenizer, messages, options)
     try:
-        token_ids = list(tokenizer.encode(text, add_special_tokens=False))
-    except (TypeError, UnicodeError) as error:
-        raise ChatError("messages are not valid Unicode text (lone surrogate?)",
-                        "messages") from error
+        token_ids = encode_text(tokenizer, text, "messages", add_special_tokens=False)
+    except ValueError as error:
+        raise ChatError(str(error), "messages") from error
     if not token_ids:
         raise ChatError("messages render to an empty prompt", "messages")
     return token_ids

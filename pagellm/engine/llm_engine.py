@@ -25,6 +25,7 @@ from pagellm.core.scheduler import Scheduler, SchedulerOutput
 from pagellm.engine.config import EngineConfig, resolve_device
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagellm.engine.text import encode_text
 from pagellm.model.loader import load_model, load_tokenizer
 from pagellm.model.model_config import load_model_config
 from pagellm.model.resolve import resolve_model_path
@@ -166,7 +167,7 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer (skip_tokenizer_init is set): "
                                  "pass prompt_token_ids")
-            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True))
+            return prompt, encode_text(self.tokenizer, prompt, "prompt", True)
         if isinstance(prompt, (list, tuple)):
             return None, self._check_token_ids(prompt)
         raise ValueError(f"prompt must be a string or a list of token ids, got "
@@ -340,6 +341,10 @@ class LLMEngine:
                     collected.append(Logprob(score.token_id, score.logprob, score.rank,
                                              score.top_logprobs))
 
+    def _prompt_unscored(self, request: Request) -> bool:
+        collected = self._core_to_group[request.request_id].prompt_logprobs
+        return collected is not None and len(collected) < request.num_prompt_tokens
+
     def _sample_of(self, request: Request) -> _Sample:
         return self._core_to_group[request.request_id].by_core_id[request.request_id]
 
@@ -352,12 +357,11 @@ class LLMEngine:
             num_samples = 1 + len(item.forks) if item.samples else 0
             end = start + item.num_new_tokens
             num_top = request.sampling_params.prompt_logprobs
-            collected = self._core_to_group[request.request_id].prompt_logprobs
-            # Positions up to the last prompt token's predecessor score the prompt.
-            wants_scores = (num_top is not None and collected is not None
-                            and len(collected) < request.num_prompt_tokens)
-            targets = (request.all_token_ids[start + 1 : min(end, request.num_prompt_tokens - 1)
-                                             + 1] if wants_scores else [])
+            targets: list[int] = []
+            if num_top is not None and self._prompt_unscored(request):
+                # Positions up to the last prompt token's predecessor score the prompt.
+                last = min(end, request.num_prompt_tokens - 1)
+                targets = request.all_token_ids[start + 1 : last + 1]
             chunks.append(SequenceChunk(
                 request.all_token_ids[start:end], start,
                 self.kv_manager.get_block_ids(request), num_samples, targets, num_top or 0))

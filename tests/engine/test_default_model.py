@@ -157,6 +157,8 @@ def test_chat_refuses_bad_conversations_and_options(default_llm: Any) -> None:
     for messages, message in bad:
         with pytest.raises(ValueError, match=message):
             default_llm.chat(messages, params, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt is not valid Unicode"):
+        default_llm.generate("a\ud800b", params, use_tqdm=False)
     # One conversation that cannot run raises, as one prompt does in generate.
     with pytest.raises(ValueError, match="max_model_len"):
         default_llm.chat(_chat("word " * 9000), params, use_tqdm=False)

@@ -71,7 +71,7 @@ class TokenText:
     def __init__(self, tokenizer: Any, as_token_ids: bool = False) -> None:
         self.tokenizer = tokenizer
         self._as_ids = as_token_ids
-        self._decoder: str | None = None  # read on the first `bytes` call
+        self._kinds: tuple[bool, bool] | None = None  # read on the first `bytes` call
         self._text: dict[int, str] = {}
         self._bytes: dict[int, list[int]] = {}
 
@@ -96,13 +96,13 @@ class TokenText:
     def _vocabulary_bytes(self, token_id: int) -> list[int] | None:
         """Bytes spelled by the vocabulary piece (an added token is written as itself);
         None for a tokenizer of another kind."""
-        if self._decoder is None:
-            self._decoder = _decoder_kinds(self.tokenizer)
+        if self._kinds is None:
+            decoder = _decoder_kinds(self.tokenizer)
+            self._kinds = ('"ByteLevel"' in decoder, '"ByteFallback"' in decoder)
         added = getattr(self.tokenizer, "added_tokens_decoder", {}).get(token_id)
         if added is not None:
             return list(str(added.content).encode())
-        byte_level = '"ByteLevel"' in self._decoder
-        byte_fallback = '"ByteFallback"' in self._decoder
+        byte_level, byte_fallback = self._kinds
         if not (byte_level or byte_fallback):
             return None
         piece = self.tokenizer.convert_ids_to_tokens(token_id)

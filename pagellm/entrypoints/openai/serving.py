@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from pagellm.core.sampling_params import SamplingParams
 from pagellm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from pagellm.engine.outputs import RequestOutput
+from pagellm.engine.text import encode_text
 from pagellm.entrypoints.openai.errors import APIError, bad_request
 from pagellm.entrypoints.openai.metrics import ServerMetrics
 from pagellm.entrypoints.openai.protocol import (
@@ -127,13 +128,11 @@ class Prompt:
 
 
 def encode(tokenizer: Any, text: str, param: str, add_special_tokens: bool) -> list[int]:
-    """Tokenizes client text; JSON can carry lone UTF-16 surrogates, which no tokenizer
-    accepts, and that is the client's error (400), not ours."""
+    """Tokenizes client text; text the tokenizer cannot take is a 400 naming `param`."""
     try:
-        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
-    except (TypeError, UnicodeError) as error:
-        raise bad_request(f"{param} is not valid Unicode text (lone surrogate?)",
-                          param=param) from error
+        return encode_text(tokenizer, text, param, add_special_tokens)
+    except ValueError as error:
+        raise bad_request(str(error), param=param) from error
 
 
 def check_choices(num_prompts: int, n: int) -> None:
