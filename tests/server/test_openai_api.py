@@ -454,3 +454,55 @@ def test_echo_logprobs_and_prompt_logprobs_each_show_their_own_count(client: ope
     assert all(len(top) <= 2 for top in (choice.logprobs.top_logprobs or [])[1:] if top)
     scores = choice.model_extra["prompt_logprobs"]
     assert all(len(entry) >= 4 for entry in scores[1:])
+
+
+def test_models_retrieve(client: openai.OpenAI) -> None:
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+
+
+def test_tokenize_gives_the_tokens_each_endpoint_sends(server: Server,
+                                                       client: openai.OpenAI) -> None:
+    """/tokenize uses the generation endpoints' own encoding and chat rendering, so its
+    count is the prompt_tokens those endpoints report."""
+    messages = chat(SYSTEM_PROMPT, "What is a cat?")
+    rendered = httpx.post(f"{server.url}/tokenize", json={"model": MODEL_NAME,
+                                                          "messages": messages}).json()
+    answer = client.chat.completions.create(model=MODEL_NAME, messages=messages,
+                                            max_tokens=1, temperature=0)
+    assert answer.usage is not None and rendered["count"] == answer.usage.prompt_tokens
+    assert rendered["count"] == len(rendered["tokens"]) and rendered["token_strs"] is None
+
+    text = "The capital of France is"
+    encoded = httpx.post(f"{server.url}/tokenize",
+                         json={"prompt": text, "return_token_strs": True}).json()
+    completion = client.completions.create(model=MODEL_NAME, prompt=text, max_tokens=1)
+    assert completion.usage is not None and encoded["count"] == completion.usage.prompt_tokens
+    assert encoded["max_model_len"] == client.models.list().data[0].model_extra["max_model_len"]
+    assert "".join(encoded["token_strs"]).replace("Ġ", " ") == text
+
+    decoded = httpx.post(f"{server.url}/detokenize", json={"tokens": rendered["tokens"]})
+    assert decoded.status_code == 200, decoded.text
+    assert decoded.json()["prompt"].startswith("<|im_start|>system\n" + SYSTEM_PROMPT)
+    assert decoded.json()["prompt"].endswith("<|im_start|>assistant\n")
+
+
+def test_tokenize_follows_the_chat_options(server: Server) -> None:
+    messages = [{"role": "user", "content": "2 + 2?"},
+                {"role": "assistant", "content": "It is"}]
+
+    def count(**options: object) -> int:
+        response = httpx.post(f"{server.url}/tokenize", json={"messages": messages, **options})
+        assert response.status_code == 200, response.text
+        return int(response.json()["count"])
+
+    continued = count(continue_final_message=True, add_generation_prompt=False)
+    closed = count(add_generation_prompt=False)
+    opened = count()
+    assert continued < closed < opened
+
+
+def test_version(server: Server) -> None:
+    response = httpx.get(f"{server.url}/version")
+    assert response.status_code == 200 and response.json()["version"]

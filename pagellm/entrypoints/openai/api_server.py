@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import logging
 import signal
 import socket
@@ -22,12 +23,17 @@ from pagellm.entrypoints.openai.middleware import APIKeyMiddleware, BodySizeLimi
 from pagellm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from pagellm.entrypoints.openai.serving import ServerContext
 from pagellm.entrypoints.openai.serving_chat import create_chat_completion
 from pagellm.entrypoints.openai.serving_completion import create_completion
+from pagellm.entrypoints.openai.serving_tokenization import detokenize, tokenize
 from pagellm.entrypoints.openai.stats_logger import log_stats_forever
 
 logger = logging.getLogger("pagellm.server")
@@ -89,6 +95,23 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=name, max_model_len=engine.max_model_len)
                                for name in context.model_names])
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> ModelCard:
+        context.check_model(name)
+        return ModelCard(id=name, max_model_len=engine.max_model_len)
+
+    @app.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:
+        return await tokenize(context, body)
+
+    @app.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
+        return await detokenize(context, body)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": importlib.metadata.version("pagellm")})
 
     @app.get("/health")
     async def health() -> Response:

@@ -111,6 +111,28 @@ class ChatCompletionRequest(SamplingFields):
     function_call: Any = None
 
 
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a `prompt` (as completions encode it) or `messages` (as chat
+    completions render them), so a client can see exactly the tokens a request sends."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool = False
+    # Known, and refused when set, as for chat completions.
+    chat_template: Any = None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: TokenIds
+
+
 # ---- responses ------------------------------------------------------------------------
 
 
@@ -220,6 +242,17 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: TokenIds
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ErrorInfo(BaseModel):

@@ -27,6 +27,7 @@ from pagellm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
+    ChatMessage,
     ChatResponseMessage,
 )
 from pagellm.entrypoints.openai.sampling import build_sampling_params
@@ -50,18 +51,23 @@ from pagellm.entrypoints.openai.transport import (
 )
 
 
-def render_messages(tokenizer: Any, body: ChatCompletionRequest, max_model_len: int
+def render_messages(tokenizer: Any, messages: list[ChatMessage], options: ChatOptions
                     ) -> list[int]:
     """The prompt token ids of the conversation, rendered by the engine's one renderer;
     a conversation or option it refuses is the client's error, a 400 naming the field."""
-    options = ChatOptions(body.add_generation_prompt, body.continue_final_message,
-                          body.tools, None, body.chat_template_kwargs)
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
     try:
-        return truncated(render_chat(tokenizer, messages, options),
-                         body.truncate_prompt_tokens, max_model_len)
+        return render_chat(tokenizer, [m.model_dump(exclude_none=True) for m in messages],
+                           options)
     except ChatError as error:
         raise bad_request(str(error), param=error.param) from error
+
+
+def _chat_prompt(tokenizer: Any, body: ChatCompletionRequest, max_model_len: int
+                 ) -> list[int]:
+    options = ChatOptions(body.add_generation_prompt, body.continue_final_message,
+                          body.tools, None, body.chat_template_kwargs)
+    return truncated(render_messages(tokenizer, body.messages, options),
+                     body.truncate_prompt_tokens, max_model_len)
 
 
 def _check_chat_options(body: ChatCompletionRequest) -> None:
@@ -117,7 +123,7 @@ async def create_chat_completion(context: ServerContext, body: ChatCompletionReq
         body, max_tokens=requested, logprobs=_logprobs_setting(body),
         prompt_logprobs=body.prompt_logprobs, vocab_size=engine.vocab_size,
         field_names={"logprobs": "top_logprobs", "max_tokens": max_tokens_param})
-    prompt = Prompt(None, await context.off_loop(render_messages, engine.tokenizer, body,
+    prompt = Prompt(None, await context.off_loop(_chat_prompt, engine.tokenizer, body,
                                             engine.max_model_len))
     params = base.clone(max_tokens=resolve_max_tokens(
         engine.max_model_len, len(prompt.token_ids), requested, "messages", max_tokens_param))

@@ -1,0 +1,69 @@
+"""POST /tokenize and /detokenize, with vLLM's request and response shapes.
+
+A prefix is only reused when requests agree on its tokens, so the first question when a
+hit rate is low is "what tokens does this request become?". /tokenize answers it with the
+very code the generation endpoints use: `prompt` is encoded as completions encode it, and
+`messages` rendered as chat completions render them.
+"""
+
+from __future__ import annotations
+
+from pagellm.engine.chat_template import ChatOptions
+from pagellm.entrypoints.openai.errors import bad_request
+from pagellm.entrypoints.openai.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from pagellm.entrypoints.openai.serving import ServerContext, encode
+from pagellm.entrypoints.openai.serving_chat import render_messages
+
+
+def _token_ids(context: ServerContext, body: TokenizeRequest) -> list[int]:
+    """Runs on the tokenizer thread: a long prompt takes as long as it would to serve."""
+    tokenizer = context.engine.tokenizer
+    if body.prompt is not None:
+        add_special = True if body.add_special_tokens is None else body.add_special_tokens
+        return encode(tokenizer, body.prompt, "prompt", add_special)
+    assert body.messages is not None
+    options = ChatOptions(body.add_generation_prompt, body.continue_final_message,
+                          body.tools, None, body.chat_template_kwargs)
+    return render_messages(tokenizer, body.messages, options)
+
+
+def _check(body: TokenizeRequest) -> None:
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give exactly one of prompt (text, as for completions) or "
+                          "messages (a conversation, as for chat completions)",
+                          param="prompt" if body.messages is None else "messages")
+    if body.chat_template is not None:
+        raise bad_request("chat_template is not supported: a request cannot replace the "
+                          "model's chat template", param="chat_template")
+    if body.messages is not None and body.add_special_tokens:
+        raise bad_request("add_special_tokens is not supported with messages: the chat "
+                          "template writes the special tokens", param="add_special_tokens")
+
+
+async def tokenize(context: ServerContext, body: TokenizeRequest) -> TokenizeResponse:
+    context.check_model(body.model)
+    _check(body)
+    token_ids = await context.off_loop(_token_ids, context, body)
+    token_strs = None
+    if body.return_token_strs:
+        token_strs = [str(piece) for piece in
+                      context.engine.tokenizer.convert_ids_to_tokens(token_ids)]
+    return TokenizeResponse(count=len(token_ids), max_model_len=context.engine.max_model_len,
+                            tokens=token_ids, token_strs=token_strs)
+
+
+async def detokenize(context: ServerContext, body: DetokenizeRequest) -> DetokenizeResponse:
+    """The text of token ids, special tokens included (as vLLM decodes them)."""
+    context.check_model(body.model)
+    vocab = context.engine.vocab_size
+    for token in body.tokens:
+        if not 0 <= token < vocab:
+            raise bad_request(f"tokens must be token ids in [0, {vocab}), got {token}",
+                              param="tokens")
+    text = await context.off_loop(context.engine.tokenizer.decode, body.tokens)
+    return DetokenizeResponse(prompt=str(text))
