@@ -55,10 +55,12 @@ class RequestStream:
     blocks are freed at once instead of when it would have finished.
     """
 
-    def __init__(self, engine: AsyncLLMEngine, request_id: str, stream: _OutputStream) -> None:
+    def __init__(self, engine: AsyncLLMEngine, request_id: str, stream: _OutputStream,
+                 num_samples: int = 1) -> None:
         self.engine = engine
         self.request_id = request_id
         self._stream = stream
+        self.num_samples = num_samples
         self.finished = False
 
     def __aiter__(self) -> RequestStream:
@@ -227,7 +229,7 @@ class AsyncLLMEngine:
             # makes sure nobody's request keeps running with no reader.
             self.abort(request_id)
             raise
-        return RequestStream(self, request_id, stream)
+        return RequestStream(self, request_id, stream, sampling_params.n)
 
     def abort(self, request_id: str) -> None:
         """Aborts a request without waiting: safe from `finally` blocks during cancellation.

@@ -42,6 +42,25 @@ _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                  "float16": torch.float16}
 
 
+def _fitted_max_model_len(requested: int | None, context: int, pool_tokens: int) -> int:
+    """The longest request the engine takes: as asked, else the model's context, and
+    never more than the KV pool holds. A request longer than the pool could never run
+    (it would be cut short with finish_reason "length" although its max_tokens fitted
+    max_model_len), so asking for more is refused as vLLM refuses it, and the model's
+    context is lowered to the pool, with a warning, when nothing was asked."""
+    if requested is not None and requested > pool_tokens:
+        raise ValueError(
+            f"max_model_len is {requested}, but the KV cache holds only {pool_tokens} "
+            "tokens, so a request of that length could never run; raise "
+            "kv_cache_memory_bytes (--kv-cache-memory-bytes) or lower max_model_len")
+    if requested is None and context > pool_tokens:
+        logger.warning("max_model_len lowered from the model's context length %d to %d, "
+                       "what the KV cache holds; raise kv_cache_memory_bytes for more",
+                       context, pool_tokens)
+        return pool_tokens
+    return requested or context
+
+
 @dataclass
 class _Sample:
     """One of a request's n samples: its core request and its text state."""
@@ -112,10 +131,11 @@ class LLMEngine:
             model_path, dtype=self.dtype, device=self.device,
             attention_backend=config.attention_backend,
             kernel_dir=config.cache_dir / "kernels" if config.cpu_kernels else None)
-        self.max_model_len = config.max_model_len or context
         num_blocks = num_blocks_for_budget(
             self.model_config, config.block_size, self.dtype, self.device,
             config.kv_cache_memory_bytes, config.kv_cache_memory_fraction)
+        self.max_model_len = _fitted_max_model_len(config.max_model_len, context,
+                                                   num_blocks * config.block_size)
         self.kv_cache = KVCache(self.model, num_blocks, config.block_size)
         self.kv_manager = KVCacheManager(num_blocks, config.block_size,
                                          config.enable_prefix_caching)
@@ -186,18 +206,13 @@ class LLMEngine:
         return list(token_ids)
 
     def check_prompt_length(self, num_prompt_tokens: int) -> None:
-        """Rejects prompts that leave no room for one generated token, or that could never
-        fit the KV pool even alone."""
+        """Rejects prompts that leave no room for one generated token (max_model_len is
+        never more than the KV pool holds, so such a prompt could also never fit)."""
         if num_prompt_tokens >= self.max_model_len:
             raise ValueError(
                 f"prompt is {num_prompt_tokens} tokens long, but max_model_len is "
                 f"{self.max_model_len} (the prompt plus at least one generated token must "
                 "fit)")
-        pool_tokens = self.kv_manager.num_blocks * self.kv_manager.block_size
-        if num_prompt_tokens >= pool_tokens:
-            raise ValueError(
-                f"prompt is {num_prompt_tokens} tokens long, but the KV cache holds only "
-                f"{pool_tokens} tokens; raise kv_cache_memory_bytes")
 
     def add_request(
         self,

@@ -51,14 +51,18 @@ class Server:
         return self.log.read_text(errors="replace")
 
     def metrics(self) -> dict[str, float]:
-        """The /metrics samples without labels (this server has one label set)."""
+        """The /metrics samples by name, without the model_name label every sample has;
+        other labels stay in the key: 'pagellm_request_finished_total{finished_reason="stop"}'."""
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
         values: dict[str, float] = {}
         for line in text.splitlines():
             if line.startswith("#") or "_bucket" in line or not line.strip():
                 continue
-            name, value = line.rsplit(" ", 1)
-            values[name.split("{", 1)[0]] = float(value)
+            sample, value = line.rsplit(" ", 1)
+            name, _, labels = sample.partition("{")
+            kept = [label for label in labels.rstrip("}").split(",")
+                    if label and not label.startswith("model_name=")]
+            values[name + ("{" + ",".join(kept) + "}" if kept else "")] = float(value)
         return values
 
     def wait_idle(self, timeout: float = 60.0) -> dict[str, float]:

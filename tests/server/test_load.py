@@ -104,6 +104,15 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server: Server) -> None:
     generated = after["pagellm_generation_tokens_total"] - before["pagellm_generation_tokens_total"]
     assert generated < 400, "the request ran to completion instead of being aborted"
 
+    def grew(name: str) -> float:
+        return after[name] - before[name]
+
+    # Counted as aborted, and the first token it streamed counts as a time to first token.
+    assert grew('pagellm_request_finished_total{finished_reason="abort"}') == 1
+    assert grew('pagellm_request_finished_total{finished_reason="length"}') == 0
+    assert grew("pagellm_time_to_first_token_seconds_count") == 1
+    assert grew("pagellm_e2e_request_latency_seconds_count") == 0
+
 
 def test_disconnect_while_waiting_for_a_non_streamed_answer(server: Server) -> None:
     before = server.wait_idle()

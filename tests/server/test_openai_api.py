@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 
 import httpx
@@ -97,6 +98,20 @@ def test_chat_stream_with_usage(client: openai.OpenAI) -> None:
     assert chunks[-1].choices == []
     assert chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_chat_stream_deltas_carry_no_nulls(server: Server) -> None:
+    """As OpenAI and vLLM stream them: the role only in the first delta, no `null`s."""
+    body = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 4,
+            "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body,
+                      timeout=60) as response:
+        lines = [line[len("data: "):] for line in response.iter_lines()
+                 if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    deltas = [json.loads(line)["choices"][0]["delta"] for line in lines[:-1]]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    assert len(deltas) > 1 and all(set(delta) <= {"content"} for delta in deltas[1:])
 
 
 def test_async_client_chat_stream_and_not(async_client: openai.AsyncOpenAI) -> None:
@@ -228,6 +243,7 @@ def test_metrics_exposes_the_required_families(server: Server, path: str,
                  "pagellm_e2e_request_latency_seconds_count"):
         assert name in metrics, name
     assert metrics["pagellm_e2e_request_latency_seconds_count"] >= 1
+    assert metrics['pagellm_request_finished_total{finished_reason="length"}'] >= 1
     assert metrics["pagellm_generation_tokens_total"] >= 2
     text = httpx.get(f"{server.url}/metrics").text
     assert "# TYPE pagellm_time_to_first_token_seconds histogram" in text

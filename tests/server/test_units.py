@@ -8,7 +8,7 @@ import json
 import pytest
 
 from pagellm.engine.llm_engine import EngineStats
-from pagellm.engine.outputs import Logprob
+from pagellm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagellm.entrypoints.openai.errors import APIError, validation_error
 from pagellm.entrypoints.openai.logprobs import (
     BLOCKED_LOGPROB,
@@ -16,7 +16,7 @@ from pagellm.entrypoints.openai.logprobs import (
     chat_logprobs,
     completion_logprobs,
 )
-from pagellm.entrypoints.openai.metrics import Histogram
+from pagellm.entrypoints.openai.metrics import Histogram, ServerMetrics
 from pagellm.entrypoints.openai.serving import resolve_max_tokens
 from pagellm.entrypoints.openai.stats_logger import describe
 
@@ -54,6 +54,31 @@ def test_histogram_buckets_are_cumulative() -> None:
     assert 'h_bucket{model_name="a\\"b",le="1.0"} 3' in lines
     assert 'h_bucket{model_name="a\\"b",le="+Inf"} 4' in lines
     assert lines[-1] == 'h_count{model_name="a\\"b"} 4'
+
+
+def test_finish_reasons_are_counted_per_completion() -> None:
+    """Every completion ends once in the counter; one aborted before any output (still
+    queued when its client left) counts as many aborts as it had samples."""
+    class Engine:
+        def stats(self) -> EngineStats:
+            return stats()
+
+    metrics = ServerMetrics(Engine(), "m")  # type: ignore[arg-type]
+    timing = RequestMetrics(arrival_time=1.0, first_token_time=1.5, last_token_time=2.0,
+                            finished_time=2.0, token_times=[1.5, 2.0])
+    done = [CompletionOutput(0, "a", [1, 2], finish_reason="stop"),
+            CompletionOutput(1, "b", [1, 2], finish_reason="length")]
+    metrics.observe_finished(RequestOutput("r1", None, [1], done, True, metrics=timing))
+    partial = [CompletionOutput(0, "a", [1, 2], finish_reason="stop"),
+               CompletionOutput(1, "b", [1])]
+    metrics.observe_aborted(RequestOutput("r2", None, [1], partial, False, metrics=timing), 2)
+    metrics.observe_aborted(None, 3)
+    text = metrics.render()
+    for reason, count in (("stop", 2), ("length", 1), ("abort", 4)):
+        assert (f'pagellm_request_finished_total{{model_name="m",finished_reason="{reason}"}} '
+                f"{count}") in text
+    assert metrics.time_to_first_token.count == 2
+    assert metrics.e2e_request_latency.count == 1
 
 
 @pytest.mark.parametrize(("errors", "param", "message"), [

@@ -2,8 +2,8 @@
 
 Counters and gauges are read from the engine's latest stats snapshot when scraped, so the
 engine keeps one source of truth and the server adds nothing to its hot loop. Latency
-histograms are fed by the serving code when a request finishes, from the engine's own
-timestamps. Everything here runs on the event loop thread, so nothing needs a lock.
+histograms and finish-reason counts are fed by the serving code when a request ends, from
+the engine's own timestamps. Everything here runs on the event loop thread, so nothing needs a lock.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from pagellm.engine.async_engine import AsyncLLMEngine
 from pagellm.engine.outputs import RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+FINISHED_ABORT = "abort"
+FINISH_REASONS = ("stop", "length", FINISHED_ABORT)
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -91,9 +93,32 @@ class ServerMetrics:
             "pagellm_e2e_request_latency_seconds",
             "Time from a request's arrival to its last token (finished requests only).",
             E2E_BUCKETS)
+        # Completions by how they ended: "stop", "length", or "abort" (unfinished).
+        self.requests_finished: dict[str, int] = {}
 
     def observe_finished(self, output: RequestOutput) -> None:
-        """Records a finished request's latencies; aborted or failed ones carry none."""
+        """Records a finished request: its latencies and each completion's reason."""
+        self._observe_tokens(output)
+        metrics = output.metrics
+        end = None if metrics is None else metrics.finished_time or metrics.last_token_time
+        if metrics is not None and end is not None:
+            self.e2e_request_latency.observe(end - metrics.arrival_time)
+        for completion in output.outputs:
+            self._finished(completion.finish_reason or FINISHED_ABORT)
+
+    def observe_aborted(self, output: RequestOutput | None, num_samples: int) -> None:
+        """Records a request that ended unfinished (its client left, the server shut
+        down, the engine failed it): the tokens it did produce were latency a client saw,
+        so they count; its end-to-end time is not a completion's and does not."""
+        if output is None:
+            for _ in range(num_samples):
+                self._finished(FINISHED_ABORT)
+            return
+        self._observe_tokens(output)
+        for completion in output.outputs:
+            self._finished(completion.finish_reason or FINISHED_ABORT)
+
+    def _observe_tokens(self, output: RequestOutput) -> None:
         metrics = output.metrics
         if metrics is None or metrics.first_token_time is None:
             return
@@ -101,9 +126,9 @@ class ServerMetrics:
         times = metrics.token_times
         for earlier, later in zip(times, times[1:], strict=False):
             self.inter_token_latency.observe(later - earlier)
-        end = metrics.finished_time or metrics.last_token_time
-        if end is not None:
-            self.e2e_request_latency.observe(end - metrics.arrival_time)
+
+    def _finished(self, reason: str) -> None:
+        self.requests_finished[reason] = self.requests_finished.get(reason, 0) + 1
 
     def render(self) -> str:
         stats = self.engine.stats()
@@ -133,6 +158,12 @@ class ServerMetrics:
                "Prompt tokens received.", stats.prompt_tokens)
         scalar("pagellm_generation_tokens_total", "counter",
                "Tokens generated.", stats.generation_tokens)
+        lines.extend(_family(
+            "pagellm_request_finished_total", "counter",
+            "Completions ended, by finish reason (abort: unfinished, e.g. the client left).",
+            [f"pagellm_request_finished_total{_labels({**labels, 'finished_reason': reason})} "
+             f"{self.requests_finished.get(reason, 0)}"
+             for reason in sorted({*FINISH_REASONS, *self.requests_finished})]))
         for histogram in (self.time_to_first_token, self.inter_token_latency,
                           self.e2e_request_latency):
             lines.extend(histogram.render(labels))

@@ -200,6 +200,8 @@ async def merged(streams: list[RequestStream], metrics: ServerMetrics
     pending: dict[asyncio.Task[RequestOutput], int] = {
         asyncio.ensure_future(stream.__anext__()): index
         for index, stream in enumerate(streams)}
+    latest: dict[int, RequestOutput] = {}
+    finished: set[int] = set()
     try:
         while pending:
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -209,8 +211,10 @@ async def merged(streams: list[RequestStream], metrics: ServerMetrics
                     output = task.result()
                 except StopAsyncIteration:
                     continue
+                latest[index] = output
                 if output.finished:
                     metrics.observe_finished(output)
+                    finished.add(index)
                 else:
                     pending[asyncio.ensure_future(streams[index].__anext__())] = index
                 yield index, output
@@ -219,7 +223,9 @@ async def merged(streams: list[RequestStream], metrics: ServerMetrics
             if task.done() and not task.cancelled():
                 task.exception()  # retrieved, so asyncio does not log it as lost
             task.cancel()
-        for stream in streams:
+        for index, stream in enumerate(streams):
+            if index not in finished:
+                metrics.observe_aborted(latest.get(index), stream.num_samples)
             stream.abort()
 
 

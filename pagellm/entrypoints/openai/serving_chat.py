@@ -34,7 +34,6 @@ from pagellm.entrypoints.openai.sampling import build_sampling_params
 from pagellm.entrypoints.openai.serving import (
     Prompt,
     ServerContext,
-    check_choices,
     check_supported,
     final_outputs,
     merged,
@@ -113,7 +112,6 @@ async def create_chat_completion(context: ServerContext, body: ChatCompletionReq
     check_supported(body)
     _check_chat_options(body)
     _check_tools(body)
-    check_choices(1, body.n)
     engine = context.engine
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None \
         else "max_tokens"

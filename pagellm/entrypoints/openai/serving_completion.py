@@ -124,12 +124,12 @@ async def create_completion(context: ServerContext, body: CompletionRequest,
         raise bad_request("stream_options is only allowed when stream is true",
                           param="stream_options")
     check_supported(body)
-    prompts = await context.off_loop(_prompts, context, body)
-    check_choices(len(prompts), body.n)
     engine = context.engine
     base = build_sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs,
                                  prompt_logprobs=_prompt_logprobs(body),
                                  vocab_size=engine.vocab_size)
+    prompts = await context.off_loop(_prompts, context, body)
+    check_choices(len(prompts), body.n)
     params = [
         base.clone(max_tokens=resolve_max_tokens(
             engine.max_model_len, len(p.token_ids), body.max_tokens, "prompt", "max_tokens"))
