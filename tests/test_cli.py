@@ -7,8 +7,10 @@ import argparse
 import dataclasses
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -107,6 +109,10 @@ def test_byte_size_rejects(text: str) -> None:
     ["serve", "--max-num-seqs", "0"],
     ["generate", "--input", "/nonexistent/prompts.jsonl"],
     ["generate"],
+    ["generate", "x", "--input", "/dev/null"],
+    ["generate", "x", "--output", "/nonexistent/dir/out.jsonl"],
+    ["serve", "--port", "99999"],
+    ["serve", "--port", "http"],
 ])
 def test_bad_options_fail_before_loading_the_model(argv: list[str],
                                                    capsys: pytest.CaptureFixture[str]) -> None:
@@ -114,6 +120,20 @@ def test_bad_options_fail_before_loading_the_model(argv: list[str],
         main(argv)
     assert exit_info.value.code == 2
     assert "error" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "999.1.1.1"])
+def test_serve_address_problems_fail_before_loading_the_model(
+        host: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A taken port or an address the machine lacks is reported in milliseconds."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        assert main(["serve", "--host", host, "--port", str(port)]) == 1
+    assert time.monotonic() - started < 5
+    assert f"cannot listen on {host}:{port}" in capsys.readouterr().err
 
 
 def test_generate_prints_a_completion() -> None:

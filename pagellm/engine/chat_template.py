@@ -123,6 +123,10 @@ def check_messages(messages: Any) -> list[Message]:
 def _render_text(tokenizer: Any, messages: Any, options: ChatOptions = ChatOptions()) -> str:
     """The conversation as template text; a template that rejects it (roles out of order,
     say) raises ChatError naming `messages`."""
+    if tokenizer is None:
+        raise ChatError("chat needs the model's tokenizer (skip_tokenizer_init is set): "
+                        "render the conversation yourself and pass prompt_token_ids",
+                        "messages")
     conversation = check_messages(messages)
     options.check(conversation)
     try:

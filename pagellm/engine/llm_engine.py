@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -194,16 +195,24 @@ class LLMEngine:
                          f"{type(prompt).__name__}")
 
     def _check_token_ids(self, token_ids: Any) -> list[int]:
+        """Plain ints of a list, tuple, or 1-D array (NumPy, torch): ids often come from a
+        dataset or a tokenizer called with return_tensors."""
+        if hasattr(token_ids, "tolist") and not isinstance(token_ids, (list, tuple)):
+            token_ids = token_ids.tolist()
         if not isinstance(token_ids, (list, tuple)):
             raise ValueError("prompt_token_ids must be a list of integers")
         if not token_ids:
             raise ValueError("prompt is empty")
         vocab = self.model_config.vocab_size
+        ids = []
         for token in token_ids:
-            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+            if isinstance(token, bool) or not hasattr(token, "__index__"):
+                raise ValueError(f"prompt_token_ids must be integers, got {token!r}")
+            if not 0 <= operator.index(token) < vocab:
                 raise ValueError(
                     f"prompt_token_ids must be integers in [0, {vocab}), got {token!r}")
-        return list(token_ids)
+            ids.append(operator.index(token))
+        return ids
 
     def check_prompt_length(self, num_prompt_tokens: int) -> None:
         """Rejects prompts that leave no room for one generated token (max_model_len is
@@ -232,6 +241,9 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (skip_tokenizer_init is set): "
+                             "use stop_token_ids")
         vocab = self.model_config.vocab_size
         for token in params.stop_token_ids:
             if not 0 <= token < vocab:

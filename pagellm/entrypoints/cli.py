@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _runner(args: argparse.Namespace, launch_time: float) -> Callable[[Any], int]:
     """The subcommand to run once the engine is up; checks its own options first."""
     if args.command == "serve":
-        return lambda engine: serve.run(args, engine, launch_time)
+        sock = serve.bind(args)
+        return lambda engine: serve.run(args, engine, launch_time, sock)
     sampling_params_from_args(args)
     if args.command == "generate":
         generate.check_args(args)
@@ -79,6 +80,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         run = _runner(args, launch_time)
     except ValueError as error:
         parser.error(str(error))
+    except OSError as error:
+        print(f"pagellm: {error}", file=sys.stderr)
+        return 1
     try:
         engine, inner = _start(args, config)
     except (ValueError, OSError) as error:

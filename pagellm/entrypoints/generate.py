@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -58,9 +59,22 @@ def check_args(args: argparse.Namespace) -> None:
     """Options that can be checked before the engine loads; ValueError names the problem."""
     if args.input is None and not args.prompt:
         raise ValueError("give a prompt argument or --input FILE")
+    if args.input is not None and args.prompt:
+        raise ValueError("give prompt arguments or --input FILE, not both")
     # Not is_file(): a pipe (--input /dev/stdin, or <(...)) is a fine input.
     if args.input is not None and (not args.input.exists() or args.input.is_dir()):
         raise ValueError(f"--input {args.input}: no such file")
+    if args.output is not None and not _writable(args.output):
+        raise ValueError(f"--output {args.output}: cannot write there (is "
+                         f"{args.output.parent} a writable folder?)")
+
+
+def _writable(path: Path) -> bool:
+    """Whether `path` can be opened for writing: an existing file (/dev/stdout too), or a
+    new one in a writable folder."""
+    if path.exists():
+        return not path.is_dir() and os.access(path, os.W_OK)
+    return path.parent.is_dir() and os.access(path.parent, os.W_OK)
 
 
 def read_records(args: argparse.Namespace) -> list[dict[str, Any] | str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ def add_parser(subparsers: Any) -> None:
     group = parser.add_argument_group("server options")
     group.add_argument("--host", default="127.0.0.1", metavar="ADDR",
                        help="address to bind (default: %(default)s)")
-    group.add_argument("--port", type=int, default=8000, metavar="PORT",
+    group.add_argument("--port", type=_port, default=8000, metavar="PORT",
                        help="port to bind (default: %(default)s)")
     group.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                        help="model name(s) clients use; the first is reported in responses "
@@ -45,6 +46,35 @@ def add_parser(subparsers: Any) -> None:
     add_engine_args(parser)
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"not a port number (0-65535): {text!r}")
+    return port
+
+
+def bind(args: argparse.Namespace) -> socket.socket:
+    """The server's socket, bound before the model loads (as vLLM does): a taken port or
+    an address this machine does not have fails at once instead of after the load, and
+    no other process can take the port meanwhile. Raises OSError naming the address."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            args.host, args.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as error:
+        raise OSError(f"cannot listen on {args.host}:{args.port}: {error}") from error
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as error:
+        sock.close()
+        raise OSError(f"cannot listen on {args.host}:{args.port}: {error}") from error
+    return sock
+
+
 def served_model_names(args: argparse.Namespace) -> list[str]:
     if args.served_model_name:
         return list(args.served_model_name)
@@ -53,7 +83,8 @@ def served_model_names(args: argparse.Namespace) -> list[str]:
     return [DEFAULT_MODEL_NAME]
 
 
-def run(args: argparse.Namespace, engine: AsyncLLMEngine, launch_time: float) -> int:
+def run(args: argparse.Namespace, engine: AsyncLLMEngine, launch_time: float,
+        sock: socket.socket) -> int:
     # Imported here so the offline subcommands work without the server extra installed.
     from pagellm.entrypoints.openai.api_server import ServerSettings, run_server
 
@@ -62,5 +93,5 @@ def run(args: argparse.Namespace, engine: AsyncLLMEngine, launch_time: float) ->
         api_key=args.api_key or None, max_request_bytes=args.max_request_bytes,
         log_stats_interval=args.log_stats_interval, shutdown_timeout=args.shutdown_timeout,
         log_level=args.log_level, launch_time=launch_time)
-    run_server(engine, settings)
+    run_server(engine, settings, sock)
     return 0

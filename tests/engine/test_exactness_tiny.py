@@ -199,6 +199,31 @@ def test_bad_prompt_in_batch_does_not_stop_the_others(tiny_models: dict[str, Pat
     assert_idle(llm.llm_engine)
 
 
+def test_token_ids_from_numpy_and_torch(tiny_models: dict[str, Path]) -> None:
+    """Ids from a dataset or a tokenizer's return_tensors run as the same plain list."""
+    import numpy as np
+
+    llm = _llm(tiny_models["llama-gqa-untied"])
+    ids = _prompts(2, 20, [0])[0]
+    (plain,) = llm.generate({"prompt_token_ids": ids}, _greedy(4), use_tqdm=False)
+    for form in (np.array(ids), torch.tensor(ids), [np.int64(i) for i in ids]):
+        (out,) = llm.generate({"prompt_token_ids": form}, _greedy(4), use_tqdm=False)
+        assert out.prompt_token_ids == ids and all(type(i) is int for i in out.prompt_token_ids)
+        assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    with pytest.raises(ValueError, match="must be integers, got 1.5"):
+        llm.generate({"prompt_token_ids": [1, 1.5]}, _greedy(4), use_tqdm=False)
+    assert_idle(llm.llm_engine)
+
+
+def test_without_a_tokenizer_text_features_are_refused(tiny_models: dict[str, Path]) -> None:
+    llm = _llm(tiny_models["llama-gqa-untied"])
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(stop=["x"]), use_tqdm=False)
+    with pytest.raises(ValueError, match="chat needs the model's tokenizer"):
+        llm.chat([{"role": "user", "content": "Hi"}], use_tqdm=False)
+    assert_idle(llm.llm_engine)
+
+
 def test_max_model_len_beyond_the_model_is_refused(tiny_models: dict[str, Path]) -> None:
     """As in vLLM: asking for more context than the model has is an error, not a clamp."""
     with pytest.raises(ValueError, match="max_model_len is 100000.*512"):

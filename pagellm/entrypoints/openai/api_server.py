@@ -179,13 +179,15 @@ class _GracefulServer(uvicorn.Server):
         await asyncio.to_thread(self.engine.shutdown)
 
 
-def run_server(engine: AsyncLLMEngine, settings: ServerSettings) -> None:
+def run_server(engine: AsyncLLMEngine, settings: ServerSettings, sock: socket.socket
+               ) -> None:
     """Serves until SIGINT/SIGTERM: uvicorn stops accepting, running requests get
-    `shutdown_timeout` seconds to finish, the rest are aborted, then the engine stops."""
+    `shutdown_timeout` seconds to finish, the rest are aborted, then the engine stops.
+    `sock` is already bound to the settings' address (see `serve.bind`)."""
     config = uvicorn.Config(
         create_app(engine, settings), host=settings.host, port=settings.port,
         log_level=settings.log_level,
         timeout_graceful_shutdown=settings.shutdown_timeout + _SHUTDOWN_BACKSTOP_S,
         access_log=settings.log_level == "debug")
     with _signals_end_gracefully():
-        _GracefulServer(config, engine, settings.shutdown_timeout).run()
+        _GracefulServer(config, engine, settings.shutdown_timeout).run(sockets=[sock])
