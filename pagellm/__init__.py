@@ -7,6 +7,7 @@ and tested without importing torch.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from typing import Any
 
 from pagellm.process_tuning import tune_process
@@ -20,12 +21,16 @@ _EXPORTS = {
     "SamplingParams": "pagellm.core.sampling_params",
     "RequestOutput": "pagellm.engine.outputs",
     "CompletionOutput": "pagellm.engine.outputs",
+    "TextPrompt": "pagellm.inputs",
+    "TokensPrompt": "pagellm.inputs",
 }
 
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        return importlib.metadata.version("pagellm")
     if name in _EXPORTS:
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'pagellm' has no attribute {name!r}")

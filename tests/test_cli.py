@@ -18,7 +18,7 @@ import pytest
 from pagellm.engine.config import EngineConfig
 from pagellm.entrypoints.cli import build_parser, main
 from pagellm.entrypoints.engine_args import NOT_ON_CLI, byte_size, engine_config_from_args
-from pagellm.entrypoints.serve import served_model_names
+from pagellm.entrypoints.serve import served_model_names, take_model_tag
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 SMALL_ENGINE = ["--kv-cache-memory-bytes", "32MiB", "--max-model-len", "512"]
@@ -113,6 +113,7 @@ def test_byte_size_rejects(text: str) -> None:
     ["generate", "x", "--output", "/nonexistent/dir/out.jsonl"],
     ["serve", "--port", "99999"],
     ["serve", "--port", "http"],
+    ["serve", "/m/a.gguf", "--model", "/m/b.gguf"],
 ])
 def test_bad_options_fail_before_loading_the_model(argv: list[str],
                                                    capsys: pytest.CaptureFixture[str]) -> None:
@@ -204,6 +205,26 @@ def test_chat_keeps_the_conversation_and_reports_cache_hits() -> None:
     (["serve"], ["SmolLM2-135M-Instruct"]),
     (["serve", "--model", "/models/Qwen3-0.6B/"], ["Qwen3-0.6B"]),
     (["serve", "--model", "/m/x.gguf", "--served-model-name", "a", "b"], ["a", "b"]),
+    (["serve", "/models/Qwen3-0.6B/"], ["Qwen3-0.6B"]),  # vLLM's `vllm serve MODEL`
+    (["serve", "/m/x.gguf", "--model", "/m/x.gguf"], ["x.gguf"]),
+    (["serve", "HuggingFaceTB/SmolLM2-135M-Instruct"], ["HuggingFaceTB/SmolLM2-135M-Instruct"]),
 ])
 def test_served_model_names(argv: list[str], names: list[str]) -> None:
-    assert served_model_names(build_parser().parse_args(argv)) == names
+    args = build_parser().parse_args(argv)
+    take_model_tag(args)
+    assert served_model_names(args) == names
+
+
+def test_vllm_spellings_and_wrong_arguments_of_the_python_api() -> None:
+    """Caught before anything loads, with messages naming the argument."""
+    from pagellm import LLM
+
+    assert EngineConfig(dtype="half").dtype == "float16"
+    assert EngineConfig(dtype="float").dtype == "float32"
+    assert engine_config_from_args(build_parser().parse_args(
+        ["generate", "x", "--dtype", "half"])).dtype == "float16"
+    with pytest.raises(ValueError, match="seed must be an integer, got 'x'"):
+        EngineConfig(seed="x")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="LLM.. got unexpected keyword arguments "
+                                        "enforce_eager, gpu_memory_utilization; .*block_size"):
+        LLM(gpu_memory_utilization=0.9, enforce_eager=True)

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
     import torch
 
 _DTYPES = ("float32", "bfloat16", "float16", "auto")
+# vLLM's other spellings, accepted so its command lines and scripts carry over.
+DTYPE_ALIASES = {"float": "float32", "half": "float16"}
 
 
 def default_cache_dir() -> Path:
@@ -96,8 +98,12 @@ class EngineConfig:
     cpu_kernels: bool = True
 
     def __post_init__(self) -> None:
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+            raise ValueError(f"dtype must be one of {_DTYPES + tuple(DTYPE_ALIASES)}, got "
+                             f"{self.dtype!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.device is not None:
             resolve_device(self.device)
         for name in ("max_num_batched_tokens", "max_num_seqs", "block_size"):

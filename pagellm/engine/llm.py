@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Sequence
@@ -28,6 +29,11 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         ensure_visible_logging()
+        unknown = sorted(set(kwargs) - {f.name for f in dataclasses.fields(EngineConfig)})
+        if unknown:
+            raise TypeError(f"LLM() got unexpected keyword arguments {', '.join(unknown)}; "
+                            "it takes those of EngineConfig: " + ", ".join(
+                                f.name for f in dataclasses.fields(EngineConfig)))
         self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._request_counter = itertools.count()
 
@@ -105,8 +111,11 @@ class LLM:
         return render_chat(self.tokenizer, messages,
                            ChatOptions(add_generation_prompt=add_generation_prompt))
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block; True, as in vLLM (between `generate` calls nothing
+        runs, so the reset always succeeds)."""
         self.llm_engine.reset_prefix_cache()
+        return True
 
     def _run(self, prompts: list[PromptInput], params: list[SamplingParams], use_tqdm: bool,
              cache_salt: str | None, raise_errors: bool) -> list[RequestOutput]:

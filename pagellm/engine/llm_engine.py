@@ -7,6 +7,7 @@ synchronous and single-threaded; the async server drives it from a background th
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import operator
@@ -41,6 +42,11 @@ PromptInput = str | dict[str, Any] | list[int]
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                  "float16": torch.float16}
+
+
+def _decode_one(tokenizer: Any, token_id: int) -> str:
+    """A token's own text (a piece of a character reads U+FFFD)."""
+    return str(tokenizer.decode([token_id]))
 
 
 def _fitted_max_model_len(requested: int | None, context: int, pool_tokens: int) -> int:
@@ -128,6 +134,9 @@ class LLMEngine:
         dtype_name = "float32" if config.dtype == "auto" else config.dtype
         self.dtype = _TORCH_DTYPES[dtype_name]
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(model_path)
+        # A logprob entry's text, as vLLM's `decoded_token` (None without a tokenizer).
+        self._decode_token = (None if self.tokenizer is None
+                              else functools.partial(_decode_one, self.tokenizer))
         self.model = load_model(
             model_path, dtype=self.dtype, device=self.device,
             attention_backend=config.attention_backend,
@@ -348,7 +357,8 @@ class LLMEngine:
                     if sample.logprobs is not None:
                         sample.logprobs.append(Logprob(
                             logprob.token_id, logprob.logprob, logprob.rank,
-                            logprob.top_logprobs, len(sample.detokenizer.text)))
+                            logprob.top_logprobs, len(sample.detokenizer.text),
+                            self._decode_token))
         updated = self.scheduler.update_from_output(scheduled, sampled)
         outputs = self._process(updated)
         self._update_time += time.perf_counter() - updated_at
@@ -366,7 +376,7 @@ class LLMEngine:
             for offset, score in enumerate(chunk_scores):
                 if chunk.start_pos + 1 + offset == len(collected):
                     collected.append(Logprob(score.token_id, score.logprob, score.rank,
-                                             score.top_logprobs))
+                                             score.top_logprobs, 0, self._decode_token))
 
     def _prompt_unscored(self, request: Request) -> bool:
         collected = self._core_to_group[request.request_id].prompt_logprobs

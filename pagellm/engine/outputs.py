@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's entry at a position, as vLLM's `Logprob`: its logprob, its rank in
+    the vocabulary (1 = likeliest), and its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None
+
+
 @dataclass
-class Logprob:
-    """One generated position: the chosen token's logprob and the top alternatives.
+class Logprob(Mapping[int, TokenLogprob]):
+    """One position: the chosen token's logprob and the top alternatives.
+
+    It is also the read-only mapping vLLM gives for a position, {token id: TokenLogprob}
+    with the chosen token first and then the top ones, so vLLM code (`lp[token_id]
+    .logprob`, `lp.items()`, `.decoded_token`) runs unchanged. `decode` turns a token id
+    into its text when an entry is read, so the engine never decodes alternatives nobody
+    looks at.
 
     `text_offset` is where the token's text begins in the sample's text, in characters
     (the completions API reports it); tokens that share one character all point at it.
@@ -18,6 +35,24 @@ class Logprob:
     rank: int
     top_logprobs: list[tuple[int, float]]
     text_offset: int = 0
+    decode: Callable[[int], str] | None = field(default=None, repr=False, compare=False)
+
+    def _entries(self) -> dict[int, tuple[float, int]]:
+        entries = {self.token_id: (self.logprob, self.rank)}
+        for rank, (token_id, logprob) in enumerate(self.top_logprobs, 1):
+            entries.setdefault(token_id, (logprob, rank))
+        return entries
+
+    def __getitem__(self, token_id: int) -> TokenLogprob:
+        logprob, rank = self._entries()[token_id]
+        return TokenLogprob(logprob, rank,
+                            None if self.decode is None else self.decode(token_id))
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._entries())
+
+    def __len__(self) -> int:
+        return len(self._entries())
 
 
 @dataclass

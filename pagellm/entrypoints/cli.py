@@ -76,6 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     level = args.log_level.upper() if args.command == "serve" else "WARNING"
     logging.basicConfig(level=level, format=LOG_FORMAT)
     try:
+        if args.command == "serve":
+            serve.take_model_tag(args)
         config = engine_config_from_args(args)
         run = _runner(args, launch_time)
     except ValueError as error:

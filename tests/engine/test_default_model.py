@@ -209,3 +209,30 @@ def test_second_chat_turn_hits_the_first_turn_and_its_answer(default_llm: Any) -
     assert common > len(first.prompt_token_ids) + block, "the re-rendered answer must match"
     assert second.num_cached_tokens == common // block * block
     assert_idle(llm.llm_engine)
+
+
+def test_logprobs_read_as_vllm_dicts(default_llm: Any) -> None:
+    """vLLM code reads each position as {token id: Logprob(logprob, rank, decoded_token)},
+    the chosen token first: that runs unchanged on PageLLM's records."""
+    tokenizer = default_llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=3, prompt_logprobs=2)
+    (out,) = default_llm.generate("The capital of France is", params, use_tqdm=False)
+    completion = out.outputs[0]
+    assert completion.logprobs is not None and len(completion.logprobs) == 4
+    for token_id, position in zip(completion.token_ids, completion.logprobs, strict=True):
+        assert next(iter(position)) == token_id and len(position) in (3, 4)
+        entry = position[token_id]
+        assert entry.logprob == position.logprob and entry.rank == 1  # greedy
+        assert entry.decoded_token == tokenizer.decode([token_id])
+        ranks = sorted(e.rank for e in position.values())
+        assert ranks == list(range(1, len(position) + 1))
+        assert dict(position.items()) == {t: position[t] for t in position}
+    assert sum(p[t].logprob for t, p in zip(completion.token_ids, completion.logprobs,
+                                             strict=True)) == pytest.approx(
+        completion.cumulative_logprob)
+    prompt_logprobs = out.prompt_logprobs
+    assert prompt_logprobs is not None and prompt_logprobs[0] is None
+    for token_id, position in zip(out.prompt_token_ids[1:], prompt_logprobs[1:], strict=True):
+        assert position is not None and token_id in position
+        assert position[token_id].decoded_token == tokenizer.decode([token_id])
+        assert len(position) in (2, 3)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
+import huggingface_hub
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -48,9 +50,24 @@ def test_missing_path(tmp_path: Path) -> None:
         resolve_model_path(tmp_path / "nowhere", tmp_path / "cache")
 
 
-def test_hub_style_name_is_not_downloaded(tmp_path: Path) -> None:
-    with pytest.raises(ModelNotFoundError, match="does not download"):
+def test_hub_style_name_is_not_downloaded(tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(ModelNotFoundError, match="not in the local Hugging Face cache.*"
+                                                 "does not download"):
         resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct", tmp_path / "cache")
+
+
+def test_hub_id_found_in_the_local_hub_cache(tiny_dir: Path, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """As vLLM users write it: "org/name", where a download already put it."""
+    hub = tmp_path / "hub"
+    repo = hub / "models--org--tiny"
+    shutil.copytree(tiny_dir, repo / "snapshots" / "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
+    assert resolve_model_path("org/tiny", tmp_path / "cache") == repo / "snapshots" / "abc123"
 
 
 def test_directory_without_model(tmp_path: Path) -> None:

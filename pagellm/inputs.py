@@ -1,0 +1,22 @@
+"""The prompt dictionaries `generate` takes, under vLLM's names (`vllm.inputs`), so code
+that builds them carries over; at run time they are plain dicts."""
+
+from __future__ import annotations
+
+from typing import TypedDict
+
+
+class TextPrompt(TypedDict):
+    """A prompt as text, tokenized by the engine."""
+
+    prompt: str
+
+
+class _TokenIds(TypedDict):
+    prompt_token_ids: list[int]
+
+
+class TokensPrompt(_TokenIds, total=False):
+    """A prompt as token ids; `prompt` is its text, if known, echoed in the output."""
+
+    prompt: str
