@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import sys
 from pathlib import Path
 from typing import Any, get_args
 
-from pagellm.bench.compare import PAGELLM, PAGELLM_NOCACHE
+from pagellm.bench.compare import PAGELLM, PAGELLM_NOCACHE, VLLM, VLLM_NOCACHE
 from pagellm.bench.report import write_report
 from pagellm.bench.suite import CONTENDERS, BenchOptions, build_report, run_comparison
 from pagellm.bench.workloads import WORKLOAD_NAMES, build_workload
@@ -110,6 +111,11 @@ def run_bench(args: argparse.Namespace) -> int:
     exit status (0, or 1 when no contender produced a result)."""
     from pagellm.model.loader import load_tokenizer
 
+    if args.vllm_python is None and set(args.contenders) <= {VLLM, VLLM_NOCACHE}:
+        print("pagellm bench: the vLLM contenders need --vllm-python PATH (the python of a "
+              "venv with vLLM's CPU build: bash benchmarks/setup_vllm_venv.sh DIR)",
+              file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     options = options_from_args(args)
     tokenizer = load_tokenizer(options.model_dir)

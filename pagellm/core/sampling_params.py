@@ -158,6 +158,9 @@ class SamplingParams:
       logits.
     - logit_bias: {token id: bias in [-100, 100]} added to those logits before anything
       else, greedy rows included (OpenAI's and vLLM's `logit_bias`); None for none.
+    - detokenize: False returns token ids only, with empty text (no stop strings then).
+    - truncate_prompt_tokens: keep only the prompt's last k tokens (k >= 1; -1: as many
+      as max_model_len allows); None keeps it whole.
     """
 
     n: int
@@ -179,6 +182,8 @@ class SamplingParams:
     skip_special_tokens: bool
     logit_bias: dict[int, float] | None
     prompt_logprobs: int | None
+    detokenize: bool
+    truncate_prompt_tokens: int | None
 
     def __init__(
         self,
@@ -202,6 +207,8 @@ class SamplingParams:
         skip_special_tokens: bool = True,
         logit_bias: dict[int, float] | None = None,
         prompt_logprobs: int | None = None,
+        detokenize: bool = True,
+        truncate_prompt_tokens: int | None = None,
     ) -> None:
         self.n = _integer("n", n)
         if not 1 <= self.n <= MAX_N:
@@ -240,6 +247,24 @@ class SamplingParams:
         self.prompt_logprobs = _top_count("prompt_logprobs", prompt_logprobs)
         self.skip_special_tokens = _flag("skip_special_tokens", skip_special_tokens)
         self.logit_bias = _logit_bias(logit_bias)
+        self.detokenize = _flag("detokenize", detokenize)
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True: they are matched in the "
+                             "text (stop_token_ids work without it)")
+        self.truncate_prompt_tokens = (None if truncate_prompt_tokens is None else
+                                       _integer("truncate_prompt_tokens",
+                                                truncate_prompt_tokens))
+        if self.truncate_prompt_tokens is not None and not (
+                self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1):
+            raise ValueError("truncate_prompt_tokens must be >= 1, or -1 for max_model_len, "
+                             f"got {truncate_prompt_tokens!r}")
+
+    def truncate(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt as `truncate_prompt_tokens` keeps it: its last tokens."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return prompt_token_ids
+        return prompt_token_ids[-(max_model_len if keep == -1 else keep):]
 
     @property
     def sampling_type(self) -> SamplingType:

@@ -141,7 +141,13 @@ def _render_text(tokenizer: Any, messages: Any, options: ChatOptions = ChatOptio
 
 
 def render_chat(tokenizer: Any, messages: Any, options: ChatOptions = ChatOptions()) -> list[int]:
-    """Token ids of the rendered conversation.
+    """Token ids of the rendered conversation."""
+    return render_chat_prompt(tokenizer, messages, options)[1]
+
+
+def render_chat_prompt(tokenizer: Any, messages: Any, options: ChatOptions = ChatOptions()
+                       ) -> tuple[str, list[int]]:
+    """The rendered conversation, as text and as token ids.
 
     Rendered to text first and then encoded without special tokens: the template already
     wrote them, and adding a BOS again would change the prompt.
@@ -153,4 +159,4 @@ def render_chat(tokenizer: Any, messages: Any, options: ChatOptions = ChatOption
         raise ChatError(str(error), "messages") from error
     if not token_ids:
         raise ChatError("messages render to an empty prompt", "messages")
-    return token_ids
+    return text, token_ids

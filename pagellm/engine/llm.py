@@ -11,7 +11,7 @@ from typing import Any, cast
 from tqdm import tqdm
 
 from pagellm.core.sampling_params import SamplingParams
-from pagellm.engine.chat_template import ChatOptions, Message, render_chat
+from pagellm.engine.chat_template import ChatOptions, Message, render_chat, render_chat_prompt
 from pagellm.engine.config import EngineConfig
 from pagellm.engine.llm_engine import LLMEngine, PromptInput
 from pagellm.engine.outputs import RequestOutput
@@ -98,8 +98,9 @@ class LLM:
         options = ChatOptions(add_generation_prompt, continue_final_message, tools,
                               chat_template, chat_template_kwargs)
         prompts: list[PromptInput] = [
-            {"prompt_token_ids": render_chat(self.tokenizer, c, options)}
+            {"prompt": text, "prompt_token_ids": token_ids}
             for c in conversations
+            for text, token_ids in [render_chat_prompt(self.tokenizer, c, options)]
         ]
         # One conversation is one prompt: invalid, it raises, as `generate` does.
         return self.generate(prompts[0] if single else prompts, sampling_params, use_tqdm,

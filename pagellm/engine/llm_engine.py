@@ -12,7 +12,7 @@ import itertools
 import logging
 import operator
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -261,6 +261,9 @@ class LLMEngine:
             if token >= vocab:
                 raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}), got {token}")
         text, token_ids = self.tokenize_prompt(prompt)
+        kept = params.truncate(token_ids, self.max_model_len)
+        if len(kept) < len(token_ids):
+            text, token_ids = None, kept
         self.check_prompt_length(len(token_ids))
         arrival = time.monotonic() if arrival_time is None else arrival_time
         samples = []
@@ -278,7 +281,8 @@ class LLMEngine:
                          if sample_params.seed is not None else None)
             samples.append(_Sample(
                 index, request,
-                IncrementalDetokenizer(self.tokenizer, token_ids, params.stop,
+                IncrementalDetokenizer(self.tokenizer if params.detokenize else None,
+                                       token_ids, params.stop,
                                        params.include_stop_str_in_output,
                                        params.skip_special_tokens, params.min_tokens),
                 generator, [] if params.logprobs is not None else None))
@@ -358,7 +362,7 @@ class LLMEngine:
                         sample.logprobs.append(Logprob(
                             logprob.token_id, logprob.logprob, logprob.rank,
                             logprob.top_logprobs, len(sample.detokenizer.text),
-                            self._decode_token))
+                            self._decoder(request.sampling_params)))
         updated = self.scheduler.update_from_output(scheduled, sampled)
         outputs = self._process(updated)
         self._update_time += time.perf_counter() - updated_at
@@ -376,7 +380,12 @@ class LLMEngine:
             for offset, score in enumerate(chunk_scores):
                 if chunk.start_pos + 1 + offset == len(collected):
                     collected.append(Logprob(score.token_id, score.logprob, score.rank,
-                                             score.top_logprobs, 0, self._decode_token))
+                                             score.top_logprobs, 0,
+                                             self._decoder(item.request.sampling_params)))
+
+    def _decoder(self, params: SamplingParams) -> Callable[[int], str] | None:
+        """What gives logprob entries their `decoded_token`: nothing without text."""
+        return self._decode_token if params.detokenize else None
 
     def _prompt_unscored(self, request: Request) -> bool:
         collected = self._core_to_group[request.request_id].prompt_logprobs

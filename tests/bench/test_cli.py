@@ -37,6 +37,13 @@ def test_bench_options_parse_and_bad_ones_are_refused(capsys: pytest.CaptureFixt
     assert "sglang" in capsys.readouterr().err
 
 
+def test_only_vllm_without_its_python_is_refused_at_once(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Before, it ran, wrote an empty report and exited 1 with the reason inside it."""
+    assert run_bench(_parser().parse_args(["bench", "--contenders", "vllm,vllm-nocache"])) == 2
+    assert "need --vllm-python" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_tiny_offline_comparison_reports_sane_numbers(tmp_path: Path, model_dir: Any) -> None:
     out = tmp_path / "results"

@@ -157,3 +157,26 @@ def test_valid_values_are_kept(
     expected_stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     assert p.stop == expected_stop and p.stop_token_ids == stop_token_ids
     assert p.clone() == p
+
+
+def test_detokenize_false_refuses_stop_strings() -> None:
+    assert SamplingParams(detokenize=False, stop_token_ids=[2]).detokenize is False
+    with pytest.raises(ValueError, match="stop strings need detokenize=True"):
+        SamplingParams(detokenize=False, stop="x")
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(detokenize=0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("keep", "expected"), [
+    (None, [1, 2, 3, 4, 5]), (2, [4, 5]), (9, [1, 2, 3, 4, 5]), (-1, [3, 4, 5])])
+def test_truncate_prompt_tokens_keeps_the_last_tokens(keep: int | None,
+                                                      expected: list[int]) -> None:
+    params = SamplingParams(truncate_prompt_tokens=keep)
+    assert params.truncate([1, 2, 3, 4, 5], max_model_len=3) == expected
+    assert params.clone(n=2).truncate_prompt_tokens == keep
+
+
+@pytest.mark.parametrize("keep", [0, -2, 1.5, True])
+def test_truncate_prompt_tokens_range(keep: object) -> None:
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=keep)  # type: ignore[arg-type]

@@ -41,6 +41,9 @@ def test_chat_matches_reference_and_reuses_system_prompt(default_llm: Any,
                             out.outputs[0].token_ids, ref, "default model chat")
         assert out.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids,
                                                            skip_special_tokens=True)
+        # The rendered conversation, as vLLM's chat reports it.
+        assert out.prompt is not None and out.prompt.endswith("<|im_start|>assistant\n")
+        assert llm.tokenizer.encode(out.prompt) == out.prompt_token_ids
     assert_idle(llm.llm_engine)
 
 
@@ -236,3 +239,26 @@ def test_logprobs_read_as_vllm_dicts(default_llm: Any) -> None:
         assert position is not None and token_id in position
         assert position[token_id].decoded_token == tokenizer.decode([token_id])
         assert len(position) in (2, 3)
+
+
+def test_detokenize_false_and_truncate_prompt_tokens(default_llm: Any) -> None:
+    """vLLM's two SamplingParams: token ids without text, and only a prompt's tail."""
+    prompt = "The capital of France is"
+    base = dict(temperature=0, max_tokens=5, ignore_eos=True)
+    (text_run,) = default_llm.generate(prompt, SamplingParams(**base, logprobs=1),
+                                       use_tqdm=False)
+    (ids_run,) = default_llm.generate(prompt, SamplingParams(**base, logprobs=1,
+                                                             detokenize=False),
+                                      use_tqdm=False)
+    assert ids_run.outputs[0].token_ids == text_run.outputs[0].token_ids
+    assert text_run.outputs[0].text and ids_run.outputs[0].text == ""
+    position = ids_run.outputs[0].logprobs[0]
+    assert position[position.token_id].decoded_token is None
+
+    (tail,) = default_llm.generate(prompt, SamplingParams(**base, truncate_prompt_tokens=3),
+                                   use_tqdm=False)
+    ids = default_llm.get_tokenizer().encode(prompt)
+    assert tail.prompt_token_ids == ids[-3:] and tail.prompt is None
+    (same,) = default_llm.generate({"prompt_token_ids": ids[-3:]}, SamplingParams(**base),
+                                   use_tqdm=False)
+    assert tail.outputs[0].token_ids == same.outputs[0].token_ids

@@ -63,6 +63,7 @@ def build_sampling_params(
             skip_special_tokens=request.skip_special_tokens,
             logit_bias=logit_bias,
             prompt_logprobs=prompt_logprobs,
+            truncate_prompt_tokens=request.truncate_prompt_tokens,
         )
     except ValueError as error:
         raise _named(str(error), field_names or {}) from error

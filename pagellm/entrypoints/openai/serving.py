@@ -72,18 +72,6 @@ def check_supported(body: SamplingFields) -> None:
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request(f"best_of is not supported (only best_of == n, here {body.n}); "
                           "ask for n completions and rank them yourself", param="best_of")
-    if body.truncate_prompt_tokens is not None and not (
-            body.truncate_prompt_tokens >= 1 or body.truncate_prompt_tokens == -1):
-        raise bad_request("truncate_prompt_tokens must be >= 1, or -1 for max_model_len",
-                          param="truncate_prompt_tokens")
-
-
-def truncated(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
-    """vLLM's `truncate_prompt_tokens`: only the last `keep` prompt tokens (-1: as many as
-    the context holds)."""
-    if keep is None:
-        return token_ids
-    return token_ids[-(max_model_len if keep == -1 else keep):]
 
 
 @dataclass

@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from pagellm.core.sampling_params import SamplingParams
 from pagellm.engine.async_engine import RequestStream
 from pagellm.engine.chat_template import ChatError, ChatOptions, render_chat
 from pagellm.engine.outputs import RequestOutput
@@ -39,7 +40,6 @@ from pagellm.entrypoints.openai.serving import (
     merged,
     resolve_max_tokens,
     start_requests,
-    truncated,
     usage,
 )
 from pagellm.entrypoints.openai.transport import (
@@ -61,12 +61,11 @@ def render_messages(tokenizer: Any, messages: list[ChatMessage], options: ChatOp
         raise bad_request(str(error), param=error.param) from error
 
 
-def _chat_prompt(tokenizer: Any, body: ChatCompletionRequest, max_model_len: int
-                 ) -> list[int]:
+def _chat_prompt(tokenizer: Any, body: ChatCompletionRequest, params: SamplingParams,
+                 max_model_len: int) -> list[int]:
     options = ChatOptions(body.add_generation_prompt, body.continue_final_message,
                           body.tools, None, body.chat_template_kwargs)
-    return truncated(render_messages(tokenizer, body.messages, options),
-                     body.truncate_prompt_tokens, max_model_len)
+    return params.truncate(render_messages(tokenizer, body.messages, options), max_model_len)
 
 
 def _check_chat_options(body: ChatCompletionRequest) -> None:
@@ -121,7 +120,7 @@ async def create_chat_completion(context: ServerContext, body: ChatCompletionReq
         body, max_tokens=requested, logprobs=_logprobs_setting(body),
         prompt_logprobs=body.prompt_logprobs, vocab_size=engine.vocab_size,
         field_names={"logprobs": "top_logprobs", "max_tokens": max_tokens_param})
-    prompt = Prompt(None, await context.off_loop(_chat_prompt, engine.tokenizer, body,
+    prompt = Prompt(None, await context.off_loop(_chat_prompt, engine.tokenizer, body, base,
                                             engine.max_model_len))
     params = base.clone(max_tokens=resolve_max_tokens(
         engine.max_model_len, len(prompt.token_ids), requested, "messages", max_tokens_param))

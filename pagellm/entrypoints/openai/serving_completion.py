@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from pagellm.core.sampling_params import SamplingParams
 from pagellm.engine.async_engine import RequestStream
 from pagellm.engine.outputs import RequestOutput
 from pagellm.entrypoints.openai.errors import bad_request
@@ -38,7 +39,6 @@ from pagellm.entrypoints.openai.serving import (
     merged,
     resolve_max_tokens,
     start_requests,
-    truncated,
     usage,
 )
 from pagellm.entrypoints.openai.transport import (
@@ -49,7 +49,8 @@ from pagellm.entrypoints.openai.transport import (
 )
 
 
-def _prompts(context: ServerContext, body: CompletionRequest) -> list[Prompt]:
+def _prompts(context: ServerContext, body: CompletionRequest, params: SamplingParams
+             ) -> list[Prompt]:
     """Normalises the four accepted shapes to a list of tokenized prompts, truncated as
     asked; with `echo`, token-id prompts get their text too (decoded), to be echoed."""
     prompt, echo = body.prompt, body.echo
@@ -73,13 +74,10 @@ def _prompts(context: ServerContext, body: CompletionRequest) -> list[Prompt]:
             if not item:
                 raise bad_request("prompt is empty", param="prompt")
             prompts.append(Prompt(_decoded(tokenizer, item) if echo else None, list(item)))
-    if body.truncate_prompt_tokens is None:
-        return prompts
     max_model_len = context.engine.max_model_len
     return [p if len(kept) == len(p.token_ids)
             else Prompt(_decoded(tokenizer, kept) if echo else None, kept)
-            for p in prompts
-            for kept in [truncated(p.token_ids, body.truncate_prompt_tokens, max_model_len)]]
+            for p in prompts for kept in [params.truncate(p.token_ids, max_model_len)]]
 
 
 def _decoded(tokenizer: Any, token_ids: list[int]) -> str:
@@ -128,7 +126,7 @@ async def create_completion(context: ServerContext, body: CompletionRequest,
     base = build_sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs,
                                  prompt_logprobs=_prompt_logprobs(body),
                                  vocab_size=engine.vocab_size)
-    prompts = await context.off_loop(_prompts, context, body)
+    prompts = await context.off_loop(_prompts, context, body, base)
     check_choices(len(prompts), body.n)
     params = [
         base.clone(max_tokens=resolve_max_tokens(
