@@ -35,6 +35,7 @@ from pagellm.worker.input_batch import SequenceChunk
 from pagellm.worker.kv_cache import KVCache, num_blocks_for_budget
 from pagellm.worker.model_runner import ModelRunner
 from pagellm.worker.sampler import SamplingMetadata, TokenLogprobs, make_generator
+from pagellm.worker.thread_tuner import ThreadTuner
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +160,12 @@ class LLMEngine:
             ),
             self.kv_manager,
         )
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        # Unless the thread count was fixed, decode steps may run on fewer threads when
+        # that is faster (cores shared with another process; see thread_tuner.py).
+        tuner = (ThreadTuner(torch.get_num_threads())
+                 if self.device.type == "cpu" and not config.num_threads
+                 and torch.get_num_threads() > 1 else None)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, tuner)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self._groups: dict[str, _Group] = {}
         self._core_to_group: dict[str, _Group] = {}

@@ -17,6 +17,7 @@ from pagellm.worker.sampler import (
     sample,
     score_tokens,
 )
+from pagellm.worker.thread_tuner import ThreadTuner
 
 
 @dataclass
@@ -48,10 +49,23 @@ class StepOutput:
 
 @dataclass
 class ModelRunner:
+    """Runs steps; with a `thread_tuner`, decode steps run on as many of torch's threads
+    as it finds fastest (see thread_tuner.py), every other step on all of them."""
+
     model: LlamaForCausalLM
     kv_cache: KVCache
     device: torch.device
+    thread_tuner: ThreadTuner | None = None
     timings: StepTimings = field(default_factory=StepTimings)
+
+    def _use_threads(self, decode_rows: int) -> int:
+        """Sets torch's thread count for this step (only when it changes); returns it."""
+        tuner = self.thread_tuner
+        assert tuner is not None
+        threads = tuner.threads_for(decode_rows) if decode_rows else tuner.max_threads
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        return threads
 
     @torch.inference_mode()
     def execute(
@@ -66,6 +80,8 @@ class ModelRunner:
         start = time.perf_counter()
         self.kv_cache.copy_blocks(block_copies)
         inputs = prepare_inputs(chunks, self.kv_cache.block_size, self.device)
+        decode_rows = len(chunks) if inputs.input_ids.numel() == len(chunks) else 0
+        threads = self._use_threads(decode_rows) if self.thread_tuner is not None else 0
         prepared = time.perf_counter()
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.tensors,
                             inputs.attn_metadata)
@@ -90,6 +106,8 @@ class ModelRunner:
         else:
             forwarded = time.perf_counter()
         done = time.perf_counter()
+        if decode_rows and self.thread_tuner is not None:
+            self.thread_tuner.record(decode_rows, threads, done - prepared)
         timings = self.timings
         timings.prepare += prepared - start
         timings.forward += forwarded - prepared
