@@ -40,17 +40,17 @@ def test_api_key_from_environment(keyed_server: Server) -> None:
     assert httpx.get(f"{keyed_server.url}/metrics").status_code == 200
 
 
-def test_sigterm_mid_stream_stops_cleanly(keyed_server: Server) -> None:
-    """Runs last in this module: it stops the module's server."""
-    server = keyed_server
+def _streaming(server: Server, api_key: str | None) -> tuple[threading.Thread, list[str]]:
+    """A long stream read on a thread, started and producing by the time this returns."""
     received: list[str] = []
 
     def stream() -> None:
         body = {"model": MODEL_NAME, "prompt": "Tell me a long story.", "max_tokens": 400,
                 "ignore_eos": True, "stream": True}
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         try:
             with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60,
-                              headers={"Authorization": f"Bearer {API_KEY}"}) as response:
+                              headers=headers) as response:
                 for line in response.iter_lines():
                     received.append(line)
         except httpx.HTTPError:
@@ -62,16 +62,46 @@ def test_sigterm_mid_stream_stops_cleanly(keyed_server: Server) -> None:
     while not any(line.startswith("data: ") for line in received):
         assert time.monotonic() < deadline, "no streamed output"
         time.sleep(0.05)
-    started = time.monotonic()
-    server.process.send_signal(signal.SIGTERM)
-    code = server.process.wait(timeout=30)
+    return reader, received
+
+
+def _assert_ended_cleanly(server: Server, code: int, reader: threading.Thread,
+                          received: list[str]) -> None:
     reader.join(timeout=10)
     log = server.log_text
     assert code == 0, log
-    assert time.monotonic() - started < 15  # the graceful timeout, then abort
     assert "Traceback" not in log, log
     assert "shutting down" in log
     assert not reader.is_alive()
     events = [line for line in received if line]
     assert events[-1] == "data: [DONE]", events[-3:]
     assert "shutting down" in events[-2], "the stream was cut instead of ended with an error"
+
+
+def test_sigterm_mid_stream_stops_cleanly(keyed_server: Server) -> None:
+    """Runs last in this module's use of keyed_server: it stops that server."""
+    server = keyed_server
+    reader, received = _streaming(server, API_KEY)
+    started = time.monotonic()
+    server.process.send_signal(signal.SIGTERM)
+    code = server.process.wait(timeout=30)
+    assert time.monotonic() - started < 15  # the graceful timeout, then abort
+    _assert_ended_cleanly(server, code, reader, received)
+
+
+def test_second_ctrl_c_aborts_at_once_and_still_ends_streams(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """uvicorn's force exit used to cancel the handlers mid-response: a traceback per
+    request and streams cut without [DONE]. Now they are aborted and end properly."""
+    server = start_server(tmp_path_factory.mktemp("forced"), "--shutdown-timeout", "60")
+    try:
+        reader, received = _streaming(server, None)
+        started = time.monotonic()
+        server.process.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        server.process.send_signal(signal.SIGINT)
+        code = server.process.wait(timeout=30)
+        assert time.monotonic() - started < 10  # not the 60 s grace period
+        _assert_ended_cleanly(server, code, reader, received)
+    finally:
+        server.stop()

@@ -170,13 +170,31 @@ class _GracefulServer(uvicorn.Server):
         aborter = asyncio.create_task(self._abort_after_grace())
         try:
             await super().shutdown(sockets)
+            if self.force_exit:
+                await self._end_forced()
         finally:
             aborter.cancel()
 
     async def _abort_after_grace(self) -> None:
-        await asyncio.sleep(self.grace)
-        logger.info("shutting down: grace period over, aborting unfinished requests")
+        """Aborts what still runs when the grace period ends, or at once on a second
+        Ctrl-C (uvicorn's force exit)."""
+        deadline = time.monotonic() + self.grace
+        while time.monotonic() < deadline and not self.force_exit:
+            await asyncio.sleep(0.05)
+        logger.info("shutting down: %s, aborting unfinished requests",
+                    "forced" if self.force_exit else "grace period over")
         await asyncio.to_thread(self.engine.shutdown)
+
+    async def _end_forced(self) -> None:
+        """On a force exit uvicorn stops waiting for handlers and skips the app's
+        shutdown, so the handlers would be cancelled mid-response (each logged as a
+        crash, and streams cut without `[DONE]`). Instead the requests are aborted, the
+        handlers get a moment to write their last event, and the app shuts down."""
+        await asyncio.to_thread(self.engine.shutdown)
+        deadline = time.monotonic() + _SHUTDOWN_BACKSTOP_S
+        while self.server_state.tasks and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await self.lifespan.shutdown()
 
 
 def run_server(engine: AsyncLLMEngine, settings: ServerSettings, sock: socket.socket
