@@ -107,6 +107,7 @@ def test_byte_size_rejects(text: str) -> None:
     ["generate", "x", "--temperature", "-1"],
     ["chat", "--top-p", "0"],
     ["serve", "--max-num-seqs", "0"],
+    ["generate", "x", "--num-threads", "0"],
     ["generate", "--input", "/nonexistent/prompts.jsonl"],
     ["generate"],
     ["generate", "x", "--input", "/dev/null"],
@@ -120,7 +121,9 @@ def test_bad_options_fail_before_loading_the_model(argv: list[str],
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     assert exit_info.value.code == 2
-    assert "error" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "error" in err
+    assert f"usage: pagellm {argv[0]}" in err  # the subcommand's usage, not the top level
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "999.1.1.1"])

@@ -104,6 +104,11 @@ class EngineConfig:
                              f"{self.dtype!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.num_threads is not None and (
+                isinstance(self.num_threads, bool) or not isinstance(self.num_threads, int)
+                or self.num_threads < 1):
+            raise ValueError(f"num_threads must be a positive integer (None: all cores), "
+                             f"got {self.num_threads!r}")
         if self.device is not None:
             resolve_device(self.device)
         for name in ("max_num_batched_tokens", "max_num_seqs", "block_size"):

@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     for module in (serve, generate, chat):
         module.add_parser(subparsers)
     add_bench_parser(subparsers)
+    for command_parser in subparsers.choices.values():
+        # Errors found after parsing are reported with the subcommand's own usage line.
+        command_parser.set_defaults(command_parser=command_parser)
     return parser
 
 
@@ -81,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = engine_config_from_args(args)
         run = _runner(args, launch_time)
     except ValueError as error:
-        parser.error(str(error))
+        args.command_parser.error(str(error))
     except OSError as error:
         print(f"pagellm: {error}", file=sys.stderr)
         return 1

@@ -36,7 +36,9 @@ class _Bucket:
     current: int
     seconds: dict[int, float] = field(default_factory=dict)
     interval: int = MIN_INTERVAL
-    countdown: int = 1  # probe after the first measured step
+    # The first probe waits a whole interval too: a short run (a benchmark's 30 decode
+    # steps of one batch size) pays nothing on a quiet machine, a long one finds out soon.
+    countdown: int = MIN_INTERVAL
     probe_left: int = 0
     baseline: float | None = None
 
