@@ -6,10 +6,15 @@ from __future__ import annotations
 from typing import TypedDict
 
 
-class TextPrompt(TypedDict):
-    """A prompt as text, tokenized by the engine."""
-
+class _Text(TypedDict):
     prompt: str
+
+
+class TextPrompt(_Text, total=False):
+    """A prompt as text, tokenized by the engine; `cache_salt` keys its cached blocks
+    (requests with different salts never share them)."""
+
+    cache_salt: str
 
 
 class _TokenIds(TypedDict):
@@ -17,6 +22,8 @@ class _TokenIds(TypedDict):
 
 
 class TokensPrompt(_TokenIds, total=False):
-    """A prompt as token ids; `prompt` is its text, if known, echoed in the output."""
+    """A prompt as token ids; `prompt` is its text, if known, echoed in the output;
+    `cache_salt` as in TextPrompt."""
 
     prompt: str
+    cache_salt: str

@@ -115,6 +115,8 @@ def test_byte_size_rejects(text: str) -> None:
     ["serve", "--port", "99999"],
     ["serve", "--port", "http"],
     ["serve", "/m/a.gguf", "--model", "/m/b.gguf"],
+    ["serve", "--bogus"],
+    ["generate", "x", "--max-tokns", "5"],
 ])
 def test_bad_options_fail_before_loading_the_model(argv: list[str],
                                                    capsys: pytest.CaptureFixture[str]) -> None:

@@ -160,7 +160,7 @@ class SamplingParams:
       else, greedy rows included (OpenAI's and vLLM's `logit_bias`); None for none.
     - detokenize: False returns token ids only, with empty text (no stop strings then).
     - truncate_prompt_tokens: keep only the prompt's last k tokens (k >= 1; -1: as many
-      as max_model_len allows); None keeps it whole.
+      as fit in max_model_len beside max_tokens); None keeps it whole.
     """
 
     n: int
@@ -260,11 +260,15 @@ class SamplingParams:
                              f"got {truncate_prompt_tokens!r}")
 
     def truncate(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
-        """The prompt as `truncate_prompt_tokens` keeps it: its last tokens."""
+        """The prompt as `truncate_prompt_tokens` keeps it: its last tokens. -1 keeps as
+        many as leave room for `max_tokens` (one token when None): keeping the whole
+        context would leave no room to generate, and the request would be refused."""
         keep = self.truncate_prompt_tokens
         if keep is None:
             return prompt_token_ids
-        return prompt_token_ids[-(max_model_len if keep == -1 else keep):]
+        if keep == -1:
+            keep = max(max_model_len - (self.max_tokens or 1), 1)
+        return prompt_token_ids[-keep:]
 
     @property
     def sampling_type(self) -> SamplingType:

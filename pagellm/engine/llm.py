@@ -56,11 +56,13 @@ class LLM:
         A single prompt that is invalid raises ValueError. In a list, an invalid prompt
         does not stop the others: its output has `error` set and no completion.
         """
+        if hasattr(prompts, "tolist") and not isinstance(prompts, (list, tuple)):
+            prompts = prompts.tolist()  # a NumPy array or tensor: 1-D one prompt, 2-D many
         if not isinstance(prompts, (str, dict, list, tuple)):
             raise ValueError("prompts must be a string, a list of token ids, a prompt dict, "
                              f"or a list of these, got {type(prompts).__name__}")
         single = isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int))
+            bool(prompts) and _is_token_id(prompts[0]))
         prompt_list = cast(list[PromptInput], [prompts] if single else list(prompts))
         if isinstance(sampling_params, Sequence):
             if len(sampling_params) != len(prompt_list):
@@ -148,3 +150,10 @@ class LLM:
                 if request_id not in results:
                     engine.abort_request(request_id)
         return [results[request_id] for request_id in order]
+
+
+def _is_token_id(value: Any) -> bool:
+    """An int, or an integer scalar such as NumPy's int64 (a list of them is one prompt);
+    not an array, which has `__index__` too."""
+    return (not isinstance(value, (bool, str)) and hasattr(value, "__index__")
+            and getattr(value, "ndim", 0) == 0)

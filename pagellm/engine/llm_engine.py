@@ -40,6 +40,8 @@ from pagellm.worker.thread_tuner import ThreadTuner
 logger = logging.getLogger(__name__)
 
 PromptInput = str | dict[str, Any] | list[int]
+# What a prompt dict may hold (vLLM's TextPrompt / TokensPrompt keys that apply here).
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                  "float16": torch.float16}
@@ -188,9 +190,14 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------
 
     def tokenize_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
-        """A prompt is text, a list of token ids, or {"prompt_token_ids": [...]} /
-        {"prompt": "..."}; returns (text or None, token ids), checked."""
+        """A prompt is text, token ids (a list, tuple or 1-D array), or a prompt dict
+        ({"prompt_token_ids": [...]} / {"prompt": "..."}, optionally with "cache_salt");
+        returns (text or None, token ids), checked."""
         if isinstance(prompt, dict):
+            unknown = sorted(set(prompt) - PROMPT_KEYS)
+            if unknown:
+                raise ValueError(f"prompt dict key {unknown[0]!r} is not supported (a prompt "
+                                 f"dict takes {', '.join(sorted(PROMPT_KEYS))})")
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
             if "prompt" in prompt:
@@ -204,7 +211,7 @@ class LLMEngine:
                 raise ValueError("text prompts need a tokenizer (skip_tokenizer_init is set): "
                                  "pass prompt_token_ids")
             return prompt, encode_text(self.tokenizer, prompt, "prompt", True)
-        if isinstance(prompt, (list, tuple)):
+        if isinstance(prompt, (list, tuple)) or hasattr(prompt, "tolist"):
             return None, self._check_token_ids(prompt)
         raise ValueError(f"prompt must be a string or a list of token ids, got "
                          f"{type(prompt).__name__}")
@@ -221,12 +228,16 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         ids = []
         for token in token_ids:
-            if isinstance(token, bool) or not hasattr(token, "__index__"):
-                raise ValueError(f"prompt_token_ids must be integers, got {token!r}")
-            if not 0 <= operator.index(token) < vocab:
+            try:
+                if isinstance(token, bool):
+                    raise TypeError
+                token_id = operator.index(token)
+            except TypeError:
+                raise ValueError(f"prompt_token_ids must be integers, got {token!r}") from None
+            if not 0 <= token_id < vocab:
                 raise ValueError(
                     f"prompt_token_ids must be integers in [0, {vocab}), got {token!r}")
-            ids.append(operator.index(token))
+            ids.append(token_id)
         return ids
 
     def check_prompt_length(self, num_prompt_tokens: int) -> None:
@@ -251,6 +262,12 @@ class LLMEngine:
         params = sampling_params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
+        if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
+            # vLLM's place for it: a salt in the prompt dict keys that prompt's blocks.
+            if cache_salt is not None and cache_salt != prompt["cache_salt"]:
+                raise ValueError("cache_salt is given twice, differently: in the prompt "
+                                 "dict and as an argument")
+            cache_salt = prompt["cache_salt"]
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)

@@ -73,7 +73,9 @@ def _start(args: argparse.Namespace, config: EngineConfig
 def main(argv: Sequence[str] | None = None) -> int:
     launch_time = time.perf_counter()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # reported with the subcommand's usage, as its bad values are
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "bench":
         return run_bench(args)
     level = args.log_level.upper() if args.command == "serve" else "WARNING"

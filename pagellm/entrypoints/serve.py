@@ -20,8 +20,9 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "serve", help="run the OpenAI-compatible HTTP server",
-        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
-                    "/metrics over HTTP, OpenAI-compatible.")
+        description="Serve /v1/completions, /v1/chat/completions and /v1/models over HTTP, "
+                    "OpenAI-compatible, with vLLM's /tokenize and /detokenize, and /health, "
+                    "/metrics (Prometheus) and /version.")
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="the model, as `vllm serve MODEL` takes it (same as --model)")
     group = parser.add_argument_group("server options")
@@ -88,6 +89,11 @@ def bind(args: argparse.Namespace) -> socket.socket:
     return sock
 
 
+def _address(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def served_model_names(args: argparse.Namespace) -> list[str]:
     if args.served_model_name:
         return list(args.served_model_name)
@@ -106,6 +112,7 @@ def run(args: argparse.Namespace, engine: AsyncLLMEngine, launch_time: float,
         model_names=served_model_names(args), host=args.host, port=args.port,
         api_key=args.api_key or None, max_request_bytes=args.max_request_bytes,
         log_stats_interval=args.log_stats_interval, shutdown_timeout=args.shutdown_timeout,
-        log_level=args.log_level, launch_time=launch_time)
+        log_level=args.log_level, launch_time=launch_time,
+        address=_address(sock))
     run_server(engine, settings, sock)
     return 0

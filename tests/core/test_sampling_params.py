@@ -167,12 +167,14 @@ def test_detokenize_false_refuses_stop_strings() -> None:
         SamplingParams(detokenize=0)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("keep", "expected"), [
-    (None, [1, 2, 3, 4, 5]), (2, [4, 5]), (9, [1, 2, 3, 4, 5]), (-1, [3, 4, 5])])
-def test_truncate_prompt_tokens_keeps_the_last_tokens(keep: int | None,
+@pytest.mark.parametrize(("keep", "max_tokens", "expected"), [
+    (None, 1, [1, 2, 3, 4, 5]), (2, 1, [4, 5]), (9, 1, [1, 2, 3, 4, 5]),
+    (-1, None, [3, 4, 5]), (-1, 2, [4, 5]), (-1, 10, [5])])
+def test_truncate_prompt_tokens_keeps_the_last_tokens(keep: int | None, max_tokens: int | None,
                                                       expected: list[int]) -> None:
-    params = SamplingParams(truncate_prompt_tokens=keep)
-    assert params.truncate([1, 2, 3, 4, 5], max_model_len=3) == expected
+    """-1 keeps as many as leave room for max_tokens in max_model_len (4 here)."""
+    params = SamplingParams(truncate_prompt_tokens=keep, max_tokens=max_tokens)
+    assert params.truncate([1, 2, 3, 4, 5], max_model_len=4) == expected
     assert params.clone(n=2).truncate_prompt_tokens == keep
 
 

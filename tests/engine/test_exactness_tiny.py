@@ -206,12 +206,40 @@ def test_token_ids_from_numpy_and_torch(tiny_models: dict[str, Path]) -> None:
     llm = _llm(tiny_models["llama-gqa-untied"])
     ids = _prompts(2, 20, [0])[0]
     (plain,) = llm.generate({"prompt_token_ids": ids}, _greedy(4), use_tqdm=False)
-    for form in (np.array(ids), torch.tensor(ids), [np.int64(i) for i in ids]):
-        (out,) = llm.generate({"prompt_token_ids": form}, _greedy(4), use_tqdm=False)
-        assert out.prompt_token_ids == ids and all(type(i) is int for i in out.prompt_token_ids)
-        assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    forms = (np.array(ids), torch.tensor(ids), [np.int64(i) for i in ids], tuple(ids))
+    for form in forms:
+        # Bare, and in a prompt dict: one prompt either way.
+        for prompt in (form, {"prompt_token_ids": form}):
+            (out,) = llm.generate(prompt, _greedy(4), use_tqdm=False)
+            assert out.prompt_token_ids == ids
+            assert all(type(i) is int for i in out.prompt_token_ids)
+            assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    batch = llm.generate(np.array([ids, ids]), _greedy(4), use_tqdm=False)  # 2-D: a batch
+    batch += llm.generate([np.array(ids), torch.tensor(ids)], _greedy(4), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in batch] == [plain.outputs[0].token_ids] * 4
     with pytest.raises(ValueError, match="must be integers, got 1.5"):
         llm.generate({"prompt_token_ids": [1, 1.5]}, _greedy(4), use_tqdm=False)
+    assert_idle(llm.llm_engine)
+
+
+def test_cache_salt_in_the_prompt_dict_keys_the_blocks(tiny_models: dict[str, Path]) -> None:
+    """vLLM puts the salt in the prompt dict; ported code must keep its isolation."""
+    from pagellm import TokensPrompt
+
+    llm = _llm(tiny_models["llama-gqa-untied"], block_size=8)
+    ids = _prompts(3, 40, [0])[0]
+    llm.generate({"prompt_token_ids": ids}, _greedy(1), use_tqdm=False)
+    salted = TokensPrompt(prompt_token_ids=ids, cache_salt="tenant-a")
+    (first,) = llm.generate(salted, _greedy(1), use_tqdm=False)
+    (again,) = llm.generate(salted, _greedy(1), use_tqdm=False)
+    (unsalted,) = llm.generate({"prompt_token_ids": ids}, _greedy(1), use_tqdm=False)
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens > 0
+    assert unsalted.num_cached_tokens > 0
+    with pytest.raises(ValueError, match="cache_salt is given twice"):
+        llm.generate(salted, _greedy(1), use_tqdm=False, cache_salt="tenant-b")
+    with pytest.raises(ValueError, match="'multi_modal_data' is not supported"):
+        llm.generate({"prompt_token_ids": ids, "multi_modal_data": {}}, _greedy(1),
+                     use_tqdm=False)
     assert_idle(llm.llm_engine)
 
 

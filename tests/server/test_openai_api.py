@@ -29,6 +29,7 @@ def test_models_lists_the_served_name(client: openai.OpenAI) -> None:
 def test_health(server: Server) -> None:
     response = httpx.get(f"{server.url}/health")
     assert response.status_code == 200
+    assert f"serving {MODEL_NAME} on {server.url}" in server.log_text
 
 
 def test_completion(client: openai.OpenAI) -> None:

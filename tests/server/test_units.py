@@ -77,8 +77,10 @@ def test_finish_reasons_are_counted_per_completion() -> None:
     for reason, count in (("stop", 2), ("length", 1), ("abort", 4)):
         assert (f'pagellm_request_finished_total{{model_name="m",finished_reason="{reason}"}} '
                 f"{count}") in text
-    assert metrics.time_to_first_token.count == 2
-    assert metrics.e2e_request_latency.count == 1
+    # Per completion, as the counter: 2 finished and 2 aborted ones produced tokens.
+    assert metrics.time_to_first_token.count == 4
+    assert metrics.e2e_request_latency.count == 2
+    assert metrics.inter_token_latency.count == 1 + 1 + 1 + 0  # 2, 2, 2 and 1 tokens
 
 
 @pytest.mark.parametrize(("errors", "param", "message"), [

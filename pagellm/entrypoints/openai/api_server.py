@@ -57,6 +57,8 @@ class ServerSettings:
     shutdown_timeout: int = 10
     log_level: str = "info"
     launch_time: float = field(default_factory=time.perf_counter)
+    # host:port as bound (the real port when --port 0 let the OS choose), for the log.
+    address: str = ""
 
 
 def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
@@ -65,8 +67,9 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         stats_task = asyncio.create_task(log_stats_forever(engine, settings.log_stats_interval))
-        logger.info("PageLLM server ready in %.2f s, serving %s",
-                    time.perf_counter() - settings.launch_time, ", ".join(settings.model_names))
+        logger.info("PageLLM server ready in %.2f s, serving %s on http://%s",
+                    time.perf_counter() - settings.launch_time, ", ".join(settings.model_names),
+                    settings.address)
         try:
             yield
         finally:

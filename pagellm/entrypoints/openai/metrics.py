@@ -97,33 +97,36 @@ class ServerMetrics:
         self.requests_finished: dict[str, int] = {}
 
     def observe_finished(self, output: RequestOutput) -> None:
-        """Records a finished request: its latencies and each completion's reason."""
-        self._observe_tokens(output)
+        """Records a finished request, per completion (as vLLM counts an n > 1 request's
+        samples), so every histogram's count agrees with the finish-reason counter."""
         metrics = output.metrics
         end = None if metrics is None else metrics.finished_time or metrics.last_token_time
-        if metrics is not None and end is not None:
-            self.e2e_request_latency.observe(end - metrics.arrival_time)
         for completion in output.outputs:
+            self._observe_tokens(output, len(completion.token_ids))
+            if metrics is not None and end is not None:
+                self.e2e_request_latency.observe(end - metrics.arrival_time)
             self._finished(completion.finish_reason or FINISHED_ABORT)
 
     def observe_aborted(self, output: RequestOutput | None, num_samples: int) -> None:
         """Records a request that ended unfinished (its client left, the server shut
-        down, the engine failed it): the tokens it did produce were latency a client saw,
-        so they count; its end-to-end time is not a completion's and does not."""
+        down, the engine failed it): the tokens it produced count in the token latencies;
+        its end-to-end time is not a completion's and does not."""
         if output is None:
             for _ in range(num_samples):
                 self._finished(FINISHED_ABORT)
             return
-        self._observe_tokens(output)
         for completion in output.outputs:
+            self._observe_tokens(output, len(completion.token_ids))
             self._finished(completion.finish_reason or FINISHED_ABORT)
 
-    def _observe_tokens(self, output: RequestOutput) -> None:
+    def _observe_tokens(self, output: RequestOutput, num_tokens: int) -> None:
+        """One completion's time to first token and gaps between its `num_tokens` tokens
+        (the request's step times; samples of one request advance together)."""
         metrics = output.metrics
-        if metrics is None or metrics.first_token_time is None:
+        if metrics is None or metrics.first_token_time is None or not num_tokens:
             return
         self.time_to_first_token.observe(metrics.first_token_time - metrics.arrival_time)
-        times = metrics.token_times
+        times = metrics.token_times[:num_tokens]
         for earlier, later in zip(times, times[1:], strict=False):
             self.inter_token_latency.observe(later - earlier)
 
