@@ -54,6 +54,17 @@ class Logprob(Mapping[int, TokenLogprob]):
     def __len__(self) -> int:
         return len(self._entries())
 
+    def __eq__(self, other: object) -> bool:
+        """Equal to another position field by field, and to a plain mapping when their
+        {token id: TokenLogprob} items are (as vLLM's dicts compare)."""
+        if isinstance(other, Logprob):
+            return (self.token_id, self.logprob, self.rank, self.top_logprobs,
+                    self.text_offset) == (other.token_id, other.logprob, other.rank,
+                                          other.top_logprobs, other.text_offset)
+        if isinstance(other, Mapping):
+            return dict(self.items()) == dict(other.items())
+        return NotImplemented
+
 
 @dataclass
 class CompletionOutput:
