@@ -17,7 +17,10 @@ Pure Python and clock-free: the runner measures and reports, this only decides.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
 
 # A probe runs this many steps on the other count: the differences it looks for are large
 # (5x contended, 1.25x quiet), and every probe step on the wrong count costs that much.
@@ -69,7 +72,8 @@ class ThreadTuner:
             bucket.probe_left -= 1
             self._average(bucket, threads, seconds)
             if bucket.probe_left == 0:
-                self._decide(bucket)
+                key = _key(rows)
+                self._decide(bucket, f"{key // 2 + 1}-{key}" if key > 2 else str(key))
             return
         self._average(bucket, threads, seconds)
         bucket.countdown -= 1
@@ -79,9 +83,13 @@ class ThreadTuner:
             bucket.seconds.pop(self._other(bucket.current), None)
             bucket.probe_left = PROBE_STEPS
 
-    def _decide(self, bucket: _Bucket) -> None:
+    def _decide(self, bucket: _Bucket, rows_label: str) -> None:
         other = self._other(bucket.current)
         if bucket.seconds[other] < SWITCH_MARGIN * bucket.seconds[bucket.current]:
+            logger.info("decode steps of %s sequences now on %d thread(s): %.1f ms per step "
+                        "against %.1f ms on %d", rows_label, other,
+                        1000 * bucket.seconds[other], 1000 * bucket.seconds[bucket.current],
+                        bucket.current)
             bucket.current = other
             bucket.interval = MIN_INTERVAL
             self.switches += 1
@@ -91,7 +99,7 @@ class ThreadTuner:
         bucket.baseline = bucket.seconds[bucket.current]
 
     def _bucket(self, rows: int) -> _Bucket:
-        key = 1 << max(rows - 1, 0).bit_length()
+        key = _key(rows)
         bucket = self._buckets.get(key)
         if bucket is None:
             bucket = self._buckets[key] = _Bucket(current=self.max_threads)
@@ -105,3 +113,8 @@ class ThreadTuner:
         previous = bucket.seconds.get(threads)
         bucket.seconds[threads] = (seconds if previous is None
                                    else (1 - _ALPHA) * previous + _ALPHA * seconds)
+
+
+def _key(rows: int) -> int:
+    """The bucket of a batch size: the next power of two (1, 2, 4, ...)."""
+    return 1 << max(rows - 1, 0).bit_length()
