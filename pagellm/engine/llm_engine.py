@@ -54,21 +54,20 @@ def _decode_one(tokenizer: Any, token_id: int) -> str:
 
 def _fitted_max_model_len(requested: int | None, context: int, pool_tokens: int) -> int:
     """The longest request the engine takes: as asked, else the model's context, and
-    never more than the KV pool holds. A request longer than the pool could never run
-    (it would be cut short with finish_reason "length" although its max_tokens fitted
-    max_model_len), so asking for more is refused as vLLM refuses it, and the model's
-    context is lowered to the pool, with a warning, when nothing was asked."""
-    if requested is not None and requested > pool_tokens:
-        raise ValueError(
-            f"max_model_len is {requested}, but the KV cache holds only {pool_tokens} "
-            "tokens, so a request of that length could never run; raise "
-            "kv_cache_memory_bytes (--kv-cache-memory-bytes) or lower max_model_len")
-    if requested is None and context > pool_tokens:
-        logger.warning("max_model_len lowered from the model's context length %d to %d, "
-                       "what the KV cache holds; raise kv_cache_memory_bytes for more",
-                       context, pool_tokens)
+    never more than the KV pool holds. A request longer than the pool could never run: it
+    used to be accepted and cut short with finish_reason "length" although its max_tokens
+    fitted max_model_len, and the server advertised a context it could not serve. vLLM
+    refuses to start then; here the length is lowered to the pool, with a warning, so
+    that configurations with a deliberately small pool (eviction tests) keep working and
+    every reported max_model_len is one a request can reach."""
+    wanted = requested or context
+    if wanted > pool_tokens:
+        logger.warning("max_model_len lowered from %d (%s) to %d, what the KV cache holds; "
+                       "raise kv_cache_memory_bytes (--kv-cache-memory-bytes) for more",
+                       wanted, "as asked" if requested else "the model's context length",
+                       pool_tokens)
         return pool_tokens
-    return requested or context
+    return wanted
 
 
 @dataclass

@@ -262,18 +262,18 @@ def test_max_model_len_beyond_the_model_is_refused(tiny_models: dict[str, Path])
 def test_max_model_len_never_exceeds_the_kv_pool(tiny_models: dict[str, Path],
                                                  caplog: pytest.LogCaptureFixture) -> None:
     """A request longer than the pool could never run: it used to be cut short with
-    finish_reason "length" while max_model_len promised more. Asking for more than the
-    pool is refused (as in vLLM); the model's context is lowered to it, with a warning."""
+    finish_reason "length" while max_model_len promised more. The length in force is
+    lowered to the pool, asked for or not, with a warning saying so."""
     path = tiny_models["llama-gqa-untied"]
     pool = dict(block_size=8, kv_cache_memory_bytes=512 * 8 * 14)  # 112 tokens
-    with pytest.raises(ValueError, match="max_model_len is 200, but the KV cache holds "
-                                         "only 112 tokens"):
-        _llm(path, max_model_len=200, **pool)
-    assert _llm(path, max_model_len=112, **pool).llm_engine.max_model_len == 112
+    with caplog.at_level("WARNING", logger="pagellm.engine.llm_engine"):
+        assert _llm(path, max_model_len=200, **pool).llm_engine.max_model_len == 112
+    assert "lowered from 200 (as asked) to 112" in caplog.text
+    assert _llm(path, max_model_len=100, **pool).llm_engine.max_model_len == 100
     with caplog.at_level("WARNING", logger="pagellm.engine.llm_engine"):
         llm = _llm(path, **pool)
     assert llm.llm_engine.max_model_len == 112
-    assert "lowered from the model's context length 512 to 112" in caplog.text
+    assert "lowered from 512 (the model's context length) to 112" in caplog.text
     (out,) = llm.generate({"prompt_token_ids": [5] * 100},
                           SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
                           use_tqdm=False)
