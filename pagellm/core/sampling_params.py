@@ -256,8 +256,8 @@ class SamplingParams:
                                                 truncate_prompt_tokens))
         if self.truncate_prompt_tokens is not None and not (
                 self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1):
-            raise ValueError("truncate_prompt_tokens must be >= 1, or -1 for max_model_len, "
-                             f"got {truncate_prompt_tokens!r}")
+            raise ValueError("truncate_prompt_tokens must be >= 1, or -1 for as many as "
+                             f"fit, got {truncate_prompt_tokens!r}")
 
     def truncate(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
         """The prompt as `truncate_prompt_tokens` keeps it: its last tokens. -1 keeps as

@@ -13,7 +13,7 @@ from tqdm import tqdm
 from pagellm.core.sampling_params import SamplingParams
 from pagellm.engine.chat_template import ChatOptions, Message, render_chat, render_chat_prompt
 from pagellm.engine.config import EngineConfig
-from pagellm.engine.llm_engine import LLMEngine, PromptInput
+from pagellm.engine.llm_engine import LLMEngine, PromptInput, is_token_id
 from pagellm.engine.outputs import RequestOutput
 from pagellm.logger import ensure_visible_logging
 
@@ -62,7 +62,7 @@ class LLM:
             raise ValueError("prompts must be a string, a list of token ids, a prompt dict, "
                              f"or a list of these, got {type(prompts).__name__}")
         single = isinstance(prompts, (str, dict)) or (
-            bool(prompts) and _is_token_id(prompts[0]))
+            bool(prompts) and is_token_id(prompts[0]))
         prompt_list = cast(list[PromptInput], [prompts] if single else list(prompts))
         if isinstance(sampling_params, Sequence):
             if len(sampling_params) != len(prompt_list):
@@ -150,10 +150,3 @@ class LLM:
                 if request_id not in results:
                     engine.abort_request(request_id)
         return [results[request_id] for request_id in order]
-
-
-def _is_token_id(value: Any) -> bool:
-    """An int, or an integer scalar such as NumPy's int64 (a list of them is one prompt);
-    not an array, which has `__index__` too."""
-    return (not isinstance(value, (bool, str)) and hasattr(value, "__index__")
-            and getattr(value, "ndim", 0) == 0)

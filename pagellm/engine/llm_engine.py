@@ -7,7 +7,6 @@ synchronous and single-threaded; the async server drives it from a background th
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import operator
@@ -47,9 +46,11 @@ _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                  "float16": torch.float16}
 
 
-def _decode_one(tokenizer: Any, token_id: int) -> str:
-    """A token's own text (a piece of a character reads U+FFFD)."""
-    return str(tokenizer.decode([token_id]))
+def is_token_id(value: Any) -> bool:
+    """An int, or an integer scalar such as NumPy's int64; not a bool, and not an array
+    (which has `__index__` too)."""
+    return (not isinstance(value, (bool, str)) and hasattr(value, "__index__")
+            and getattr(value, "ndim", 0) == 0)
 
 
 def _fitted_max_model_len(requested: int | None, context: int, pool_tokens: int) -> int:
@@ -136,9 +137,6 @@ class LLMEngine:
         dtype_name = "float32" if config.dtype == "auto" else config.dtype
         self.dtype = _TORCH_DTYPES[dtype_name]
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(model_path)
-        # A logprob entry's text, as vLLM's `decoded_token` (None without a tokenizer).
-        self._decode_token = (None if self.tokenizer is None
-                              else functools.partial(_decode_one, self.tokenizer))
         self.model = load_model(
             model_path, dtype=self.dtype, device=self.device,
             attention_backend=config.attention_backend,
@@ -227,12 +225,9 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         ids = []
         for token in token_ids:
-            try:
-                if isinstance(token, bool):
-                    raise TypeError
-                token_id = operator.index(token)
-            except TypeError:
-                raise ValueError(f"prompt_token_ids must be integers, got {token!r}") from None
+            if not is_token_id(token):
+                raise ValueError(f"prompt_token_ids must be integers, got {token!r}")
+            token_id = operator.index(token)
             if not 0 <= token_id < vocab:
                 raise ValueError(
                     f"prompt_token_ids must be integers in [0, {vocab}), got {token!r}")
@@ -406,8 +401,16 @@ class LLMEngine:
                                              self._decoder(item.request.sampling_params)))
 
     def _decoder(self, params: SamplingParams) -> Callable[[int], str] | None:
-        """What gives logprob entries their `decoded_token`: nothing without text."""
-        return self._decode_token if params.detokenize else None
+        """What gives logprob entries their `decoded_token` (vLLM's): nothing without
+        text, or without a tokenizer."""
+        if self.tokenizer is None or not params.detokenize:
+            return None
+        return self._decode_token
+
+    def _decode_token(self, token_id: int) -> str:
+        """A token's own text (a piece of a character reads U+FFFD)."""
+        assert self.tokenizer is not None
+        return str(self.tokenizer.decode([token_id]))
 
     def _prompt_unscored(self, request: Request) -> bool:
         collected = self._core_to_group[request.request_id].prompt_logprobs

@@ -45,13 +45,12 @@ _REFUSED = {
     "use_beam_search": "beam search is not implemented",
     "suffix": "insertion (fill in the middle) is not implemented",
     "audio": "only text output is produced",
-    "chat_template": "a request cannot replace the model's chat template",
     "functions": "function calling is not implemented",
     "function_call": "function calling is not implemented",
 }
 
 
-def _is_set(value: Any) -> bool:
+def is_set(value: Any) -> bool:
     """Whether a client asked for something: false, null and empty mean no (0 means 0)."""
     return value is not None and value is not False and value not in ("", [], {})
 
@@ -60,7 +59,7 @@ def check_supported(body: SamplingFields) -> None:
     """A 400 naming the first option set that this server would otherwise ignore while
     it changes what the client gets back."""
     for option, reason in _REFUSED.items():
-        if _is_set(getattr(body, option, None)):
+        if is_set(getattr(body, option, None)):
             raise bad_request(f"{option} is not supported: {reason}", param=option)
     if body.response_format is not None and body.response_format.get("type") != "text":
         raise bad_request(

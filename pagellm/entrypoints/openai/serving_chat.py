@@ -28,8 +28,8 @@ from pagellm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
-    ChatMessage,
     ChatResponseMessage,
+    TokenizeRequest,
 )
 from pagellm.entrypoints.openai.sampling import build_sampling_params
 from pagellm.entrypoints.openai.serving import (
@@ -37,6 +37,7 @@ from pagellm.entrypoints.openai.serving import (
     ServerContext,
     check_supported,
     final_outputs,
+    is_set,
     merged,
     resolve_max_tokens,
     start_requests,
@@ -50,22 +51,35 @@ from pagellm.entrypoints.openai.transport import (
 )
 
 
-def render_messages(tokenizer: Any, messages: list[ChatMessage], options: ChatOptions
+def render_messages(tokenizer: Any, body: ChatCompletionRequest | TokenizeRequest
                     ) -> list[int]:
-    """The prompt token ids of the conversation, rendered by the engine's one renderer;
-    a conversation or option it refuses is the client's error, a 400 naming the field."""
+    """The prompt token ids of the request's conversation, rendered with its options by
+    the engine's one renderer; a conversation or option it refuses is the client's error,
+    a 400 naming the field."""
+    assert body.messages is not None
+    options = ChatOptions(body.add_generation_prompt, body.continue_final_message,
+                          body.tools, None, body.chat_template_kwargs)
     try:
-        return render_chat(tokenizer, [m.model_dump(exclude_none=True) for m in messages],
+        return render_chat(tokenizer, [m.model_dump(exclude_none=True) for m in body.messages],
                            options)
     except ChatError as error:
         raise bad_request(str(error), param=error.param) from error
 
 
+def check_rendering(body: ChatCompletionRequest | TokenizeRequest) -> None:
+    """What the renderer does not take from a request: a template of its own, or special
+    tokens added on top of those the template writes."""
+    if is_set(body.chat_template):
+        raise bad_request("chat_template is not supported: a request cannot replace the "
+                          "model's chat template", param="chat_template")
+    if body.add_special_tokens:
+        raise bad_request("add_special_tokens is not supported with messages: the chat "
+                          "template writes the special tokens", param="add_special_tokens")
+
+
 def _chat_prompt(tokenizer: Any, body: ChatCompletionRequest, params: SamplingParams,
                  max_model_len: int) -> list[int]:
-    options = ChatOptions(body.add_generation_prompt, body.continue_final_message,
-                          body.tools, None, body.chat_template_kwargs)
-    return params.truncate(render_messages(tokenizer, body.messages, options), max_model_len)
+    return params.truncate(render_messages(tokenizer, body), max_model_len)
 
 
 def _check_chat_options(body: ChatCompletionRequest) -> None:
@@ -75,9 +89,7 @@ def _check_chat_options(body: ChatCompletionRequest) -> None:
     if body.stream and body.prompt_logprobs is not None:
         raise bad_request("prompt_logprobs is not supported for streamed chat; ask without "
                           "stream", param="prompt_logprobs")
-    if body.add_special_tokens:
-        raise bad_request("add_special_tokens is not supported for chat: the chat template "
-                          "writes the special tokens", param="add_special_tokens")
+    check_rendering(body)
 
 
 def _check_tools(body: ChatCompletionRequest) -> None:

@@ -8,7 +8,6 @@ very code the generation endpoints use: `prompt` is encoded as completions encod
 
 from __future__ import annotations
 
-from pagellm.engine.chat_template import ChatOptions
 from pagellm.entrypoints.openai.errors import bad_request
 from pagellm.entrypoints.openai.protocol import (
     DetokenizeRequest,
@@ -17,7 +16,7 @@ from pagellm.entrypoints.openai.protocol import (
     TokenizeResponse,
 )
 from pagellm.entrypoints.openai.serving import ServerContext, encode
-from pagellm.entrypoints.openai.serving_chat import render_messages
+from pagellm.entrypoints.openai.serving_chat import check_rendering, render_messages
 
 
 def _token_ids(context: ServerContext, body: TokenizeRequest) -> list[int]:
@@ -26,10 +25,7 @@ def _token_ids(context: ServerContext, body: TokenizeRequest) -> list[int]:
     if body.prompt is not None:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         return encode(tokenizer, body.prompt, "prompt", add_special)
-    assert body.messages is not None
-    options = ChatOptions(body.add_generation_prompt, body.continue_final_message,
-                          body.tools, None, body.chat_template_kwargs)
-    return render_messages(tokenizer, body.messages, options)
+    return render_messages(tokenizer, body)
 
 
 def _check(body: TokenizeRequest) -> None:
@@ -37,12 +33,8 @@ def _check(body: TokenizeRequest) -> None:
         raise bad_request("give exactly one of prompt (text, as for completions) or "
                           "messages (a conversation, as for chat completions)",
                           param="prompt" if body.messages is None else "messages")
-    if body.chat_template is not None:
-        raise bad_request("chat_template is not supported: a request cannot replace the "
-                          "model's chat template", param="chat_template")
-    if body.messages is not None and body.add_special_tokens:
-        raise bad_request("add_special_tokens is not supported with messages: the chat "
-                          "template writes the special tokens", param="add_special_tokens")
+    if body.messages is not None:
+        check_rendering(body)
 
 
 async def tokenize(context: ServerContext, body: TokenizeRequest) -> TokenizeResponse:
