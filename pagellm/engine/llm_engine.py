@@ -27,9 +27,11 @@ from pagellm.engine.config import EngineConfig, resolve_device
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagellm.engine.text import encode_text
+from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.loader import load_model, load_tokenizer
 from pagellm.model.model_config import load_model_config
 from pagellm.model.resolve import resolve_model_path
+from pagellm.worker.cuda_graphs import CudaGraphRunner
 from pagellm.worker.input_batch import SequenceChunk
 from pagellm.worker.kv_cache import KVCache, num_blocks_for_budget
 from pagellm.worker.model_runner import ModelRunner
@@ -119,6 +121,14 @@ class EngineStats:
     timings: dict[str, float]
 
 
+def uses_cuda_graphs(device: torch.device, config: EngineConfig,
+                     model: LlamaForCausalLM) -> bool:
+    """Decode steps replay CUDA graphs on a GPU unless `enforce_eager` is set or the
+    attention backend cannot be captured."""
+    return (device.type == "cuda" and not config.enforce_eager
+            and model.attn_backend.supports_graph_decode())
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         start = time.perf_counter()
@@ -146,7 +156,8 @@ class LLMEngine:
             config.kv_cache_memory_bytes, config.kv_cache_memory_fraction)
         self.max_model_len = _fitted_max_model_len(config.max_model_len, context,
                                                    num_blocks * config.block_size)
-        self.kv_cache = KVCache(self.model, num_blocks, config.block_size)
+        graphs = uses_cuda_graphs(self.device, config, self.model)
+        self.kv_cache = KVCache(self.model, num_blocks, config.block_size, padding_block=graphs)
         self.kv_manager = KVCacheManager(num_blocks, config.block_size,
                                          config.enable_prefix_caching)
         self.hasher = BlockHasher(config.block_size, config.prefix_caching_hash_algo)
@@ -164,7 +175,10 @@ class LLMEngine:
         tuner = (ThreadTuner(torch.get_num_threads())
                  if self.device.type == "cpu" and not config.num_threads
                  and torch.get_num_threads() > 1 else None)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device, tuner)
+        self.runner = ModelRunner(
+            self.model, self.kv_cache, self.device, tuner,
+            CudaGraphRunner(self.model, self.kv_cache, config.max_num_seqs, self.max_model_len)
+            if graphs else None)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self._groups: dict[str, _Group] = {}
         self._core_to_group: dict[str, _Group] = {}

@@ -93,6 +93,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="compiled CPU kernels for decode steps: paged attention, and "
                             "matmuls on a GGUF's own quantized blocks (float32, AVX-512 or "
                             "AVX2 with FMA; built once into the cache dir) (default: on)")
+    group.add_argument("--enforce-eager", action="store_true",
+                       default=_DEFAULTS["enforce_eager"],
+                       help="on CUDA, run decode steps op by op instead of replaying "
+                            "captured CUDA graphs")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

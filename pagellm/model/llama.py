@@ -203,6 +203,7 @@ class LlamaForCausalLM(nn.Module):
     """Decoder + lm_head with the PageLLM model interface.
 
     - `forward(input_ids[T], positions[T], kv_caches, attn_metadata) -> hidden[T, H]`
+      (`forward_planned` with the backend's plan already made)
     - `compute_logits(hidden[N, H]) -> float32 logits[N, vocab]`
     - KV cache: one `[2, num_blocks, block_size, num_kv_heads, head_dim]` tensor per layer,
       see `kv_cache_shape` / `allocate_kv_caches`.
@@ -245,9 +246,20 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
+        return self.forward_planned(input_ids, positions, kv_caches,
+                                    self.attn_backend.prepare(attn_metadata))
+
+    def forward_planned(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        plan: StepPlan,
+    ) -> torch.Tensor:
+        """`forward` with the attention plan already made: a CUDA graph captures this with
+        a GraphDecodePlan, which is made once per captured shape, not per step."""
         dtype = self.model.embed_tokens.weight.dtype
         cos, sin = self.rotary.cos_sin(positions, dtype)
-        plan = self.attn_backend.prepare(attn_metadata)
         hidden: torch.Tensor = self.model(input_ids, cos, sin, kv_caches, plan)
         return hidden
 

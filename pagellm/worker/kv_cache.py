@@ -54,12 +54,18 @@ def num_blocks_for_budget(
 
 
 class KVCache:
-    """One [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer."""
+    """One [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer.
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int) -> None:
+    With `padding_block`, each tensor holds one block more, which the block pool never
+    hands out (its id is `num_blocks`): the padding rows of a CUDA-graph decode step write
+    their keys and values there, where no request reads them."""
+
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
+                 padding_block: bool = False) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.tensors = model.allocate_kv_caches(num_blocks, block_size)
+        self.padding_block = num_blocks if padding_block else None
+        self.tensors = model.allocate_kv_caches(num_blocks + int(padding_block), block_size)
         total = sum(t.numel() * t.element_size() for t in self.tensors)
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB",

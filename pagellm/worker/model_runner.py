@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagellm.model.llama import LlamaForCausalLM
+from pagellm.worker.cuda_graphs import CudaGraphRunner
 from pagellm.worker.input_batch import SequenceChunk, prepare_inputs
 from pagellm.worker.kv_cache import KVCache
 from pagellm.worker.sampler import (
@@ -50,12 +51,14 @@ class StepOutput:
 @dataclass
 class ModelRunner:
     """Runs steps; with a `thread_tuner`, decode steps run on as many of torch's threads
-    as it finds fastest (see thread_tuner.py), every other step on all of them."""
+    as it finds fastest (see thread_tuner.py), every other step on all of them; with
+    `graphs`, decode steps replay CUDA graphs (see cuda_graphs.py)."""
 
     model: LlamaForCausalLM
     kv_cache: KVCache
     device: torch.device
     thread_tuner: ThreadTuner | None = None
+    graphs: CudaGraphRunner | None = None
     timings: StepTimings = field(default_factory=StepTimings)
 
     def _use_threads(self, decode_rows: int) -> int:
@@ -83,8 +86,12 @@ class ModelRunner:
         decode_rows = len(chunks) if inputs.input_ids.numel() == len(chunks) else 0
         threads = self._use_threads(decode_rows) if self.thread_tuner is not None else 0
         prepared = time.perf_counter()
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.tensors,
-                            inputs.attn_metadata)
+        hidden = None
+        if decode_rows and self.graphs is not None:
+            hidden = self.graphs.forward(inputs)
+        if hidden is None:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.tensors,
+                                inputs.attn_metadata)
         prompt_logprobs: list[list[TokenLogprobs]] = []
         first_row = 0
         for chunk in chunks:

@@ -116,3 +116,18 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             f"greedy near-ties accepted (|logprob gap| < {NEAR_TIE}): {len(near_tie_cases)}")
         for case in near_tie_cases:
             terminalreporter.write_line(f"  {case}")
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight tiny Llama (see make_tiny_model), for the tests that need one model
+    and its `reference`."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama")
+
+
+@pytest.fixture(scope="session")
+def reference(tiny: Path) -> Any:
+    """`tiny` in transformers, float32: what greedy outputs are checked against."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()

@@ -2,7 +2,7 @@
 
 Skipped where torch sees no GPU (CI has none); `scripts/gpu_check.sh` runs it on one. The
 reference stays transformers on the CPU in float32, so a CUDA run is checked against the
-same numbers the CPU engine is.
+same numbers the CPU engine is. Decode steps replay CUDA graphs unless `enforce_eager`.
 """
 
 from __future__ import annotations
@@ -15,25 +15,14 @@ import pytest
 import torch
 
 from pagellm import LLM, SamplingParams
-from tests.engine.conftest import assert_greedy_equal, assert_idle, hf_greedy, make_tiny_model
+from tests.engine.conftest import assert_greedy_equal, assert_idle, hf_greedy
+from tests.engine.test_cuda_graphs import check_shrinking_batches
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 BF16_GAP = 0.25
 """A bfloat16 run may part from the float32 reference only where the reference's two
 candidate tokens are this close in log-probability (bf16 keeps 8 bits of mantissa)."""
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("cuda") / "llama")
-
-
-@pytest.fixture(scope="module")
-def reference(tiny: Path) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
 
 
 def _prompts(seed: int) -> list[list[int]]:
@@ -127,3 +116,21 @@ def test_shared_prefix_on_cuda_skips_the_cascade(tiny: Path, reference: Any,
             assert_greedy_equal(reference, prompt, ours, hf_greedy(reference, prompt, 10),
                                 f"cuda shared prefix {warm=}")
     assert llm.llm_engine.get_stats().prefix_cache_hits > 0
+
+
+def test_decode_graphs_replay_every_batch_shape(tiny: Path, reference: Any) -> None:
+    """Real CUDA graphs, one per (padded batch, table width), sharing one memory pool and
+    replayed in any order, give the reference's tokens; so does the eager engine."""
+    llm = LLM(str(tiny), device="cuda", skip_tokenizer_init=True, block_size=8,
+              max_num_seqs=6, kv_cache_memory_bytes=4 << 20)
+    check_shrinking_batches(llm, reference)
+    eager = LLM(str(tiny), device="cuda", skip_tokenizer_init=True, block_size=8,
+                max_num_seqs=6, kv_cache_memory_bytes=4 << 20, enforce_eager=True)
+    assert eager.llm_engine.runner.graphs is None
+    prompts = _prompts(23)
+    graphed = _generate(llm, prompts, _greedy(16))
+    for prompt, ours, eager_tokens in zip(prompts, graphed, _generate(eager, prompts,
+                                                                      _greedy(16)), strict=True):
+        ref = hf_greedy(reference, prompt, 16)
+        assert_greedy_equal(reference, prompt, ours, ref, "cuda graphs")
+        assert_greedy_equal(reference, prompt, eager_tokens, ref, "cuda eager")

@@ -8,6 +8,7 @@ attention over each request's logical K/V history.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Any
 
@@ -21,6 +22,7 @@ from pagellm.model.attention import (
     ATTENTION_BACKENDS,
     DEFAULT_ATTENTION_BACKEND,
     AttentionSpec,
+    GraphDecodePlan,
     TorchBatchedBackend,
     allocate_kv_caches,
     get_attention_backend,
@@ -151,6 +153,11 @@ def check(name: str, case: dict) -> None:
     out, cache = run_backend(name, case)
     assert out.shape == case["expected"].shape
     torch.testing.assert_close(out.double(), case["expected"], atol=2e-5, rtol=1e-5)
+    check_cache(case, cache)
+
+
+def check_cache(case: dict, cache: torch.Tensor) -> None:
+    """Every request's whole K/V history sits in its slots."""
     bs = case["block_size"]
     for table, (k_hist, v_hist) in zip(case["tables"], case["histories"], strict=True):
         slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(k_hist.shape[0])])
@@ -193,6 +200,54 @@ def test_backends_agree_on_random_batches(seed: int) -> None:
         torch.testing.assert_close(out, outputs[0][0], atol=2e-5, rtol=1e-5)
         assert torch.equal(cache, outputs[0][1])
     check(BACKENDS[0], case)
+
+
+GRAPH_DECODE_SCENARIOS = {
+    "single": [(20, 1)],
+    "batch": [(5, 1), (17, 1), (1, 1), (33, 1)],
+    # A one-token prompt (no context) and a fully cached prompt's last token are steps of
+    # one query per request too, and take the same path.
+    "skewed": [(200, 1), (3, 1), (120, 1), (0, 1)],
+}
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "cpu_kernels"])
+@pytest.mark.parametrize("scenario", sorted(GRAPH_DECODE_SCENARIOS))
+@pytest.mark.parametrize("window", [None, 5])
+def test_graph_decode_plan_matches_dense_reference(kernels: bool, scenario: str,
+                                                   window: int | None) -> None:
+    """The fixed-shape decode of a CUDA graph (tables wider than any request needs, their
+    extra columns pointing at blocks of stale data), run eagerly: the same attention."""
+    for seed in range(3):
+        case = make_case(seed, GRAPH_DECODE_SCENARIOS[scenario], window,
+                         head_dim=64 if kernels else None)
+        meta = case["meta"]
+        rows = meta.block_tables.shape[0]
+        stale = torch.randint(0, case["cache"].shape[1], (rows, 3), dtype=torch.int32,
+                              generator=torch.Generator().manual_seed(seed))
+        wide = dataclasses.replace(meta, block_tables=torch.cat([meta.block_tables, stale], 1))
+        backend = TorchBatchedBackend()
+        backend.configure([case["spec"]])
+        if kernels:
+            if not kernels_loaded():
+                pytest.skip("the CPU kernels cannot be built or run on this machine")
+            backend.use_cpu_kernels()
+        cache = case["cache"].clone()
+        out = backend.forward(case["query"], case["key"], case["value"], cache,
+                              GraphDecodePlan(wide), case["spec"])
+        torch.testing.assert_close(out.double(), case["expected"], atol=2e-5, rtol=1e-5)
+        check_cache(case, cache)
+
+
+def test_graph_decode_plan_builds_each_mask_once() -> None:
+    case = make_case(0, GRAPH_DECODE_SCENARIOS["batch"], None)
+    plan = GraphDecodePlan(case["meta"])
+    first = plan.additive_mask(None, torch.float32)
+    assert plan.additive_mask(None, torch.float32) is first
+    assert plan.additive_mask(4, torch.float32) is not first
+    seq_lens = case["meta"].seq_lens.tolist()
+    visible = (first[:, 0, 0] == 0).sum(dim=1).tolist()
+    assert visible == seq_lens
 
 
 SHARED_PREFIX_SCENARIOS = {

@@ -1,0 +1,183 @@
+"""Decode steps on CUDA replayed from captured graphs instead of launched op by op.
+
+On a GPU this engine's decode step is bound by kernel launches, not arithmetic: a few
+hundred small kernels, each launched from Python (on an H200, ~18 ms a step for one
+request, whatever the batch). A CUDA graph records a step's kernels once and replays them
+with one launch. It replays them on the same memory with the same shapes, so a step is
+padded to a captured shape: the batch to the next of a few sizes (powers of two up to
+`max_num_seqs`), every block table to the next power-of-two width (up to the widest a
+request of `max_model_len` tokens needs). Padding rows write their keys and values into
+the KV cache's padding block and their outputs are dropped; padded table columns are
+masked. Graphs are captured when a shape is first needed (one eager step plus a capture)
+and share one memory pool: only one runs at a time, and each step's output is read before
+the next replay.
+
+Prefill and mixed steps stay eager: their shapes vary with every prompt, and their kernels
+are large enough to hide the launches.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagellm.model.attention import GraphDecodePlan
+from pagellm.model.attention_metadata import AttentionMetadata
+from pagellm.model.llama import LlamaForCausalLM
+from pagellm.worker.input_batch import ModelInputs
+from pagellm.worker.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(limit: int) -> list[int]:
+    """Powers of two below `limit`, then `limit`: the padded sizes a dimension may take
+    (padding at most doubles a step's work)."""
+    sizes = []
+    size = 1
+    while size < limit:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, limit]
+
+
+def _padded(size: int, sizes: list[int]) -> int:
+    return next(s for s in sizes if s >= size)
+
+
+@dataclass
+class _StaticInputs:
+    """The buffers every graph reads: a step's inputs are copied into their first rows."""
+
+    input_ids: torch.Tensor  # [max_batch] int64
+    positions: torch.Tensor  # [max_batch] int64
+    slot_mapping: torch.Tensor  # [max_batch] int64
+    seq_lens: torch.Tensor  # [max_batch] int32
+    block_tables: torch.Tensor  # [max_batch, max_width] int32
+
+
+class CudaGraphRunner:
+    """Runs decode-only steps from CUDA graphs, one per (batch size, table width) used."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, max_batch: int,
+                 max_model_len: int) -> None:
+        if kv_cache.padding_block is None:
+            raise ValueError("CUDA graphs need a KV cache with a padding block")
+        if not model.attn_backend.supports_graph_decode():
+            raise ValueError(f"attention backend {model.attn_backend.name!r} cannot run in "
+                             "a CUDA graph")
+        self.model = model
+        self.kv_cache = kv_cache
+        self.batch_sizes = capture_sizes(max_batch)
+        self.widths = capture_sizes(-(-max_model_len // kv_cache.block_size))
+        device = kv_cache.tensors[0].device
+        padding = kv_cache.padding_block
+        max_rows, max_width = self.batch_sizes[-1], self.widths[-1]
+        self._pad_slot = padding * kv_cache.block_size
+
+        def full(shape: tuple[int, ...], value: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.full(shape, value, dtype=dtype, device=device)
+
+        # Padding rows start as one token at position 0 over the padding block, so what
+        # they compute is finite (a NaN written to the padding block would reach a real
+        # row through a masked key: -inf + NaN is NaN).
+        self._inputs = _StaticInputs(
+            input_ids=full((max_rows,), 0, torch.long),
+            positions=full((max_rows,), 0, torch.long),
+            slot_mapping=full((max_rows,), self._pad_slot, torch.long),
+            seq_lens=full((max_rows,), 1, torch.int32),
+            block_tables=full((max_rows, max_width), padding, torch.int32),
+        )
+        self._replays: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
+        self._pool: _POOL_HANDLE | None = None
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._replays)
+
+    def forward(self, inputs: ModelInputs) -> torch.Tensor | None:
+        """Hidden states [R, H] of a decode-only step (one token per request), or None when
+        the step is larger than any captured shape (then it runs eagerly)."""
+        meta = inputs.attn_metadata
+        rows, width = meta.block_tables.shape
+        if rows > self.batch_sizes[-1] or width > self.widths[-1]:
+            return None
+        shape = (_padded(rows, self.batch_sizes), _padded(width, self.widths))
+        self._fill(inputs, shape[0])
+        replay = self._replays.get(shape)
+        if replay is None:
+            replay = self._capture(*shape)
+            self._replays[shape] = replay
+        return replay()[:rows]
+
+    def _fill(self, inputs: ModelInputs, batch: int) -> None:
+        """Copies the step's inputs into the static buffers. Rows past the step keep what
+        an earlier step left (finite values that are dropped), except their slots, which
+        must point at the padding block: an earlier request's slot may be in use."""
+        meta = inputs.attn_metadata
+        rows, width = meta.block_tables.shape
+        static = self._inputs
+        static.input_ids[:rows].copy_(inputs.input_ids)
+        static.positions[:rows].copy_(inputs.positions)
+        static.slot_mapping[:rows].copy_(meta.slot_mapping)
+        static.seq_lens[:rows].copy_(meta.seq_lens)
+        static.block_tables[:rows, :width].copy_(meta.block_tables)
+        if batch > rows:
+            static.slot_mapping[rows:batch].fill_(self._pad_slot)
+
+    def _capture(self, batch: int, width: int) -> Callable[[], torch.Tensor]:
+        """Records the step of `batch` rows over tables `width` blocks wide, with the
+        buffers already holding the current step, and returns its replay."""
+        static = self._inputs
+        meta = AttentionMetadata(
+            slot_mapping=static.slot_mapping[:batch],
+            block_tables=static.block_tables[:batch, :width],
+            seq_lens=static.seq_lens[:batch],
+            # Read by no decode path (the prefill kernel's inputs); given for the record.
+            query_start_loc=torch.arange(batch + 1, dtype=torch.int32,
+                                         device=static.seq_lens.device),
+            context_lens=static.seq_lens[:batch] - 1,
+            max_query_len=1,
+            max_seq_len=width * self.kv_cache.block_size,
+            block_size=self.kv_cache.block_size,
+            seq_lens_list=[width * self.kv_cache.block_size] * batch,
+            query_lens_list=[1] * batch,
+        )
+
+        def step() -> torch.Tensor:
+            return self.model.forward_planned(
+                static.input_ids[:batch], static.positions[:batch], self.kv_cache.tensors,
+                GraphDecodePlan(meta))
+
+        replay = self._record(step)
+        logger.debug("captured a CUDA graph for decode steps of %d rows x %d blocks",
+                     batch, width)
+        return replay
+
+    def _record(self, step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        """Runs `step` once eagerly on a side stream (first calls allocate workspaces,
+        which a capture must not), then captures it into the shared pool. Running it
+        twice is harmless: a step writes the same keys and values to the same slots."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            output = step()
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return output
+
+        return replay

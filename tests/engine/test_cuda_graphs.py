@@ -1,0 +1,107 @@
+"""Decode steps padded to captured shapes (worker/cuda_graphs.py), checked on the CPU.
+
+A CUDA graph only exists on a GPU (test_cuda.py captures real ones there), but everything
+around it does not: the padded batch, the widened block tables, the static buffers that
+rows of earlier steps leave behind, the padding block and the fixed-shape attention. Here
+the runner's capture is replaced by running the step eagerly each time, on the same
+buffers, and the engine must still give the float32 reference's greedy tokens and leave
+no block in use.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pagellm import LLM, SamplingParams
+from pagellm.engine import llm_engine
+from pagellm.worker.cuda_graphs import CudaGraphRunner, capture_sizes
+from tests.engine.conftest import assert_greedy_equal, assert_idle, hf_greedy
+
+
+@pytest.fixture
+def replayed_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine builds its graph runner on the CPU too, and a 'capture' returns the step
+    itself, run on every replay."""
+    monkeypatch.setattr(llm_engine, "uses_cuda_graphs", lambda *args: True)
+    monkeypatch.setattr(CudaGraphRunner, "_record", lambda self, step: step)
+
+
+def test_capture_sizes_double_up_to_the_limit() -> None:
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(6) == [1, 2, 4, 6]
+    assert capture_sizes(64) == [1, 2, 4, 8, 16, 32, 64]
+
+
+def check_shrinking_batches(llm: LLM, reference: Any) -> None:
+    """Five requests stop one after another, so batches of 5, 4, 3, 2 and 1 run, padded to
+    6, 4, 4, 2 and 1 rows over rows that earlier steps left; their contexts cross table
+    widths of 4, 8 and 16 blocks. `llm` has block_size 8 and max_num_seqs 6."""
+    engine = llm.llm_engine
+    graphs = engine.runner.graphs
+    assert graphs is not None
+    assert engine.kv_cache.padding_block == engine.kv_manager.pool.num_blocks
+    assert engine.kv_cache.tensors[0].shape[1] == engine.kv_manager.pool.num_blocks + 1
+    rng = random.Random(5)
+    prompts = [[rng.randrange(2, 384) for _ in range(n)] for n in (3, 20, 31, 9, 70)]
+    lengths = [30, 24, 18, 12, 6]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    for warm in (False, True):
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                               use_tqdm=False)
+        assert_idle(engine)
+        for prompt, out, n in zip(prompts, outputs, lengths, strict=True):
+            assert_greedy_equal(reference, prompt, list(out.outputs[0].token_ids),
+                                hf_greedy(reference, prompt, n), f"padded decode {warm=}")
+    shapes = set(graphs._replays)
+    assert {batch for batch, _ in shapes} == {1, 2, 4, 6}
+    assert {width for _, width in shapes} >= {4, 8, 16}
+
+
+@pytest.mark.parametrize("cpu_kernels", [False, True], ids=["torch", "cpu_kernels"])
+def test_padded_decode_steps_give_the_reference_tokens(
+        replayed_eagerly: None, tiny: Path, reference: Any, cpu_kernels: bool) -> None:
+    check_shrinking_batches(LLM(str(tiny), device="cpu", skip_tokenizer_init=True,
+                                block_size=8, max_num_seqs=6, kv_cache_memory_bytes=2 << 20,
+                                cpu_kernels=cpu_kernels), reference)
+
+
+def test_preempted_requests_resume_through_padded_steps(
+        replayed_eagerly: None, tiny: Path, reference: Any) -> None:
+    llm = LLM(str(tiny), device="cpu", skip_tokenizer_init=True, block_size=8,
+              kv_cache_memory_bytes=512 * 8 * 14, cpu_kernels=False)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(2, 384) for _ in range(n)] for n in (46, 52, 61)]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                           use_tqdm=False)
+    assert llm.llm_engine.get_stats().num_preemptions > 0
+    assert_idle(llm.llm_engine)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert_greedy_equal(reference, prompt, list(out.outputs[0].token_ids),
+                            hf_greedy(reference, prompt, 24), "padded decode, preempted")
+
+
+def test_steps_beyond_the_captured_shapes_run_eagerly(replayed_eagerly: None,
+                                                      tiny: Path) -> None:
+    llm = LLM(str(tiny), device="cpu", skip_tokenizer_init=True, block_size=8,
+              max_num_seqs=2, kv_cache_memory_bytes=2 << 20, cpu_kernels=False)
+    graphs = llm.llm_engine.runner.graphs
+    assert graphs is not None
+    graphs.batch_sizes = [1]
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": [9, 10, 11]}]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (6, 3)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(out.outputs[0].token_ids) for out in outputs] == [6, 3]
+    assert {batch for batch, _ in graphs._replays} == {1}
+    assert_idle(llm.llm_engine)
+
+
+def test_enforce_eager_and_the_cpu_build_no_graphs(tiny: Path) -> None:
+    llm = LLM(str(tiny), device="cpu", skip_tokenizer_init=True,
+              kv_cache_memory_bytes=1 << 20)
+    assert llm.llm_engine.runner.graphs is None
+    assert llm.llm_engine.kv_cache.padding_block is None
