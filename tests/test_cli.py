@@ -78,7 +78,8 @@ def test_every_engine_option_maps_to_engine_config() -> None:
         "fast", "--kv-cache-memory-bytes", "64MiB", "--max-model-len", "1024",
         "--max-num-batched-tokens", "512", "--max-num-seqs", "8", "--scheduling-policy",
         "cache_aware", "--attention-backend", "torch", "--cache-dir", "/tmp/c", "--seed", "3",
-        "--num-threads", "2", "--kv-cache-memory-fraction", "0.5", "--no-cpu-kernels"])
+        "--num-threads", "2", "--kv-cache-memory-fraction", "0.5", "--no-cpu-kernels",
+        "--enforce-eager"])
     config = engine_config_from_args(args)
     assert config == EngineConfig(
         model="/models/m", dtype="bfloat16", device="cpu", block_size=32,
@@ -86,7 +87,7 @@ def test_every_engine_option_maps_to_engine_config() -> None:
         kv_cache_memory_bytes=64 << 20, max_model_len=1024, max_num_batched_tokens=512,
         max_num_seqs=8, scheduling_policy="cache_aware", attention_backend="torch",
         cache_dir=Path("/tmp/c"), seed=3, num_threads=2, kv_cache_memory_fraction=0.5,
-        cpu_kernels=False)
+        cpu_kernels=False, enforce_eager=True)
 
 
 @pytest.mark.parametrize(("text", "expected"), [

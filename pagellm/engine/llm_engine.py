@@ -190,9 +190,10 @@ class LLMEngine:
         self.startup_seconds = time.perf_counter() - start
         logger.info(
             "PageLLM ready in %.2f s: %s, %s on %s, KV pool %d blocks x %d = %d tokens, "
-            "prefix caching %s", self.startup_seconds, model_path.name, dtype_name,
+            "prefix caching %s%s", self.startup_seconds, model_path.name, dtype_name,
             self.device, num_blocks, config.block_size, num_blocks * config.block_size,
-            "on" if config.enable_prefix_caching else "off")
+            "on" if config.enable_prefix_caching else "off",
+            ", decode steps from CUDA graphs" if graphs else "")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> LLMEngine:

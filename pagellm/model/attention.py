@@ -83,9 +83,7 @@ class GraphDecodePlan(StepPlan):
             key_pos = torch.arange(width, device=meta.seq_lens.device)[None, :]
             query_pos = (meta.seq_lens.long() - 1)[:, None]
             visible = _window_mask(key_pos <= query_pos, key_pos, query_pos, window)
-            cached = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-            cached.masked_fill_(~visible, float("-inf"))
-            cached = cached[:, None, None, :]
+            cached = _additive(visible, dtype)[:, None, None, :]
             self.masks[(window, dtype)] = cached
         return cached
 
@@ -138,6 +136,12 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """Attention output [T, H, D] of the step's queries [T, H, D] over the cache, which
         already holds the step's new keys and values (a fused layer stores them itself)."""
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as scores to add: 0 where visible, -inf elsewhere (a new tensor)."""
+    scores = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return scores.masked_fill_(~visible, float("-inf"))
 
 
 def _window_mask(
@@ -236,9 +240,7 @@ class _Group:
             mask = _window_mask(causal, self.key_pos, self.query_pos, window)[:, None]
             r, _, q, length = mask.shape
             mask = mask[:, :, :, None, :].expand(r, 1, q, repeat, length)
-            cached = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-            cached.masked_fill_(~mask, float("-inf"))
-            cached = cached.view(r, 1, q * repeat, length)
+            cached = _additive(mask, dtype).view(r, 1, q * repeat, length)
             self.additive_masks[key] = cached
         return cached
 

@@ -10,7 +10,13 @@ request of `max_model_len` tokens needs). Padding rows write their keys and valu
 the KV cache's padding block and their outputs are dropped; padded table columns are
 masked. Graphs are captured when a shape is first needed (one eager step plus a capture)
 and share one memory pool: only one runs at a time, and each step's output is read before
-the next replay.
+the next replay. That pool is not part of the KV budget: it holds one layer's gathered
+keys and values, and their transposed copies, of the largest step captured (64 rows x
+2,048 padded tokens of SmolLM2-135M's shape: ~0.4 GB).
+
+Every row attends over the widest row's table, so a batch of one long request and many
+short ones would gather far more keys padded than the eager path does (it groups rows by
+length); such a step runs eagerly (see `MAX_PADDED_KEYS`).
 
 Prefill and mixed steps stay eager: their shapes vary with every prompt, and their kernels
 are large enough to hide the launches.
@@ -35,6 +41,12 @@ if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
 
 logger = logging.getLogger(__name__)
+
+# A step whose padded tables hold more keys than this, and more than twice the keys its
+# rows use, runs eagerly. On an H200 (SmolLM2-135M's shape, float32) a graph's decode step
+# took ~3.5 ms plus ~0.12 ms per 1,000 padded keys, and an eager one 16-20 ms: at 64 rows x
+# 2,048 padded keys the two were even.
+MAX_PADDED_KEYS = 1 << 16
 
 
 def capture_sizes(limit: int) -> list[int]:
@@ -70,9 +82,6 @@ class CudaGraphRunner:
                  max_model_len: int) -> None:
         if kv_cache.padding_block is None:
             raise ValueError("CUDA graphs need a KV cache with a padding block")
-        if not model.attn_backend.supports_graph_decode():
-            raise ValueError(f"attention backend {model.attn_backend.name!r} cannot run in "
-                             "a CUDA graph")
         self.model = model
         self.kv_cache = kv_cache
         self.batch_sizes = capture_sizes(max_batch)
@@ -80,6 +89,7 @@ class CudaGraphRunner:
         device = kv_cache.tensors[0].device
         padding = kv_cache.padding_block
         max_rows, max_width = self.batch_sizes[-1], self.widths[-1]
+        self._padding_block = padding
         self._pad_slot = padding * kv_cache.block_size
 
         def full(shape: tuple[int, ...], value: int, dtype: torch.dtype) -> torch.Tensor:
@@ -95,32 +105,47 @@ class CudaGraphRunner:
             seq_lens=full((max_rows,), 1, torch.int32),
             block_tables=full((max_rows, max_width), padding, torch.int32),
         )
-        self._replays: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
+        # A shape whose capture failed maps to None and runs eagerly from then on.
+        self._replays: dict[tuple[int, int], Callable[[], torch.Tensor] | None] = {}
         self._pool: _POOL_HANDLE | None = None
 
     @property
     def num_graphs(self) -> int:
-        return len(self._replays)
+        return sum(replay is not None for replay in self._replays.values())
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor | None:
         """Hidden states [R, H] of a decode-only step (one token per request), or None when
-        the step is larger than any captured shape (then it runs eagerly)."""
+        the step runs eagerly: larger than any captured shape, padded too wide (see
+        MAX_PADDED_KEYS), or of a shape whose capture failed."""
         meta = inputs.attn_metadata
         rows, width = meta.block_tables.shape
         if rows > self.batch_sizes[-1] or width > self.widths[-1]:
             return None
         shape = (_padded(rows, self.batch_sizes), _padded(width, self.widths))
+        padded_keys = shape[0] * shape[1] * self.kv_cache.block_size
+        if padded_keys > MAX_PADDED_KEYS and padded_keys > 2 * sum(meta.seq_lens_list):
+            return None
+        if shape in self._replays and self._replays[shape] is None:
+            return None
         self._fill(inputs, shape[0])
         replay = self._replays.get(shape)
         if replay is None:
-            replay = self._capture(*shape)
+            try:
+                replay = self._capture(*shape)
+            except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+                logger.warning("decode steps of %d rows x %d blocks run eagerly: their CUDA "
+                               "graph could not be captured (%s)", *shape, exc)
+                self._replays[shape] = None
+                return None
             self._replays[shape] = replay
         return replay()[:rows]
 
     def _fill(self, inputs: ModelInputs, batch: int) -> None:
-        """Copies the step's inputs into the static buffers. Rows past the step keep what
-        an earlier step left (finite values that are dropped), except their slots, which
-        must point at the padding block: an earlier request's slot may be in use."""
+        """Copies the step's inputs into the static buffers and resets the padding rows
+        to one token at position 0 over the padding block. Left as an earlier step had
+        them, a padding row could see no key at all (a sliding window past the padded
+        width), and the NaN of its empty softmax would land in the padding block, where
+        the masked columns of real rows read it (-inf + NaN is NaN)."""
         meta = inputs.attn_metadata
         rows, width = meta.block_tables.shape
         static = self._inputs
@@ -130,7 +155,10 @@ class CudaGraphRunner:
         static.seq_lens[:rows].copy_(meta.seq_lens)
         static.block_tables[:rows, :width].copy_(meta.block_tables)
         if batch > rows:
+            static.positions[rows:batch].zero_()
             static.slot_mapping[rows:batch].fill_(self._pad_slot)
+            static.seq_lens[rows:batch].fill_(1)
+            static.block_tables[rows:batch, 0].fill_(self._padding_block)
 
     def _capture(self, batch: int, width: int) -> Callable[[], torch.Tensor]:
         """Records the step of `batch` rows over tables `width` blocks wide, with the
@@ -140,7 +168,8 @@ class CudaGraphRunner:
             slot_mapping=static.slot_mapping[:batch],
             block_tables=static.block_tables[:batch, :width],
             seq_lens=static.seq_lens[:batch],
-            # Read by no decode path (the prefill kernel's inputs); given for the record.
+            # Only the buffers above and block_size are read (see GraphDecodePlan); these
+            # record the captured shape, not a step's lengths.
             query_start_loc=torch.arange(batch + 1, dtype=torch.int32,
                                          device=static.seq_lens.device),
             context_lens=static.seq_lens[:batch] - 1,
@@ -162,9 +191,10 @@ class CudaGraphRunner:
         return replay
 
     def _record(self, step: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-        """Runs `step` once eagerly on a side stream (first calls allocate workspaces,
-        which a capture must not), then captures it into the shared pool. Running it
-        twice is harmless: a step writes the same keys and values to the same slots."""
+        """Runs `step` once eagerly on a side stream (first calls initialise libraries
+        and lazy caches, which must not happen inside a capture), then captures it into
+        the shared pool. Running it twice is harmless: a step writes the same keys and
+        values to the same slots."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()  # type: ignore[no-untyped-call]

@@ -68,8 +68,9 @@ class KVCache:
         self.tensors = model.allocate_kv_caches(num_blocks + int(padding_block), block_size)
         total = sum(t.numel() * t.element_size() for t in self.tensors)
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB",
+            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB%s",
             num_blocks, block_size, num_blocks * block_size, total / 2**20,
+            " (with a padding block)" if padding_block else "",
         )
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

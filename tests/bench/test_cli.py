@@ -91,9 +91,10 @@ def test_engine_options_reach_the_pagellm_server(tmp_path: Path) -> None:
 
     options = BenchOptions(model_dir=tmp_path, contenders=("pagellm",),
                            engine_kwargs={"scheduling_policy": "fcfs", "max_num_seqs": 4,
-                                          "device": "cpu"})
+                                          "device": "cpu", "enforce_eager": True})
     workload = Workload("shared-prefix", {}, 2, prompts=((1, 2, 3),))
     command = _server("pagellm", options, workload).command
+    assert "--enforce-eager" in command
     assert command[command.index("--scheduling-policy") + 1] == "fcfs"
     assert command[command.index("--device") + 1] == "cpu"
     assert command[command.index("--max-num-seqs") + 1] == "4"

@@ -15,11 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from pagellm import LLM, SamplingParams
 from pagellm.engine import llm_engine
+from pagellm.engine.config import EngineConfig
+from pagellm.engine.llm_engine import LLMEngine
+from pagellm.worker import cuda_graphs
 from pagellm.worker.cuda_graphs import CudaGraphRunner, capture_sizes
-from tests.engine.conftest import assert_greedy_equal, assert_idle, hf_greedy
+from tests.engine.conftest import assert_greedy_equal, assert_idle, hf_greedy, make_tiny_model
 
 
 @pytest.fixture
@@ -100,8 +104,113 @@ def test_steps_beyond_the_captured_shapes_run_eagerly(replayed_eagerly: None,
     assert_idle(llm.llm_engine)
 
 
-def test_enforce_eager_and_the_cpu_build_no_graphs(tiny: Path) -> None:
+def test_stale_padding_rows_under_a_sliding_window(replayed_eagerly: None,
+                                                   tmp_path: Path) -> None:
+    """Step A runs 4 rows, one of them 101 tokens long; step B pads 3 short rows to 4
+    over one block, and its padding row, left as step A had it, would see no key within
+    its window of 4 and write the NaN of an empty softmax into the padding block. A later
+    step of exactly 8 rows (no padding row to overwrite it) has new rows whose padded
+    columns point there: they must still give the reference's tokens."""
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_model(tmp_path / "mistral", "mistral", sliding_window=4)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    engine = LLMEngine(EngineConfig(model=str(path), device="cpu", skip_tokenizer_init=True,
+                                    block_size=8, max_num_seqs=8, cpu_kernels=False,
+                                    kv_cache_memory_bytes=2 << 20))
+    rng = random.Random(3)
+    requests: dict[str, tuple[list[int], int]] = {}
+    done: dict[str, list[int]] = {}
+
+    def add(request_id: str, prompt_len: int, max_tokens: int) -> None:
+        prompt = [rng.randrange(2, 384) for _ in range(prompt_len)]
+        requests[request_id] = (prompt, max_tokens)
+        engine.add_request(request_id, {"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0, max_tokens=max_tokens,
+                                          ignore_eos=True))
+
+    def run(steps: int) -> None:
+        for _ in range(steps):
+            if not engine.has_unfinished_requests():
+                return
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = list(out.outputs[0].token_ids)
+
+    for i in range(3):
+        add(f"short{i}", 5, 12)
+    add("long", 100, 2)
+    run(3)
+    add("new0", 20, 6)
+    for i in range(1, 5):
+        add(f"new{i}", 5, 6)
+    run(1000)
+    assert_idle(engine)
+    for request_id, (prompt, max_tokens) in requests.items():
+        assert_greedy_equal(reference, prompt, done[request_id],
+                            hf_greedy(reference, prompt, max_tokens), request_id)
+
+
+def test_widely_padded_steps_run_eagerly(replayed_eagerly: None, tiny: Path,
+                                         reference: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One long request among short ones: padding every row to its table would gather
+    many times the keys the rows hold, so the step runs eagerly."""
+    monkeypatch.setattr(cuda_graphs, "MAX_PADDED_KEYS", 64)
+    llm = LLM(str(tiny), device="cpu", skip_tokenizer_init=True, block_size=8,
+              max_num_seqs=4, kv_cache_memory_bytes=2 << 20, cpu_kernels=False)
+    graphs = llm.llm_engine.runner.graphs
+    assert graphs is not None
+    rng = random.Random(8)
+    prompts = [[rng.randrange(2, 384) for _ in range(n)] for n in (90, 3, 4, 5)]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                           use_tqdm=False)
+    assert graphs.num_graphs == 0
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert_greedy_equal(reference, prompt, list(out.outputs[0].token_ids),
+                            hf_greedy(reference, prompt, 4), "widely padded")
+    llm.generate([{"prompt_token_ids": prompts[1]}], SamplingParams(max_tokens=3),
+                 use_tqdm=False)
+    assert graphs.num_graphs == 1
+    assert_idle(llm.llm_engine)
+
+
+def test_a_failed_capture_leaves_that_shape_eager(
+        tiny: Path, reference: Any, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    calls: list[int] = []
+
+    def fail(self: CudaGraphRunner, step: Any) -> Any:
+        calls.append(1)
+        raise torch.cuda.OutOfMemoryError("out of memory while capturing")
+
+    monkeypatch.setattr(llm_engine, "uses_cuda_graphs", lambda *args: True)
+    monkeypatch.setattr(CudaGraphRunner, "_record", fail)
+    llm = LLM(str(tiny), device="cpu", skip_tokenizer_init=True, block_size=8,
+              kv_cache_memory_bytes=2 << 20, cpu_kernels=False)
+    graphs = llm.llm_engine.runner.graphs
+    assert graphs is not None
+    prompt = [7, 8, 9, 10, 11]
+    for _ in range(2):
+        out = llm.generate([{"prompt_token_ids": prompt}],
+                           SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                           use_tqdm=False)[0]
+        assert_greedy_equal(reference, prompt, list(out.outputs[0].token_ids),
+                            hf_greedy(reference, prompt, 6), "capture failed")
+    # One try per shape (1 row over 1 block, then 2 blocks), never retried.
+    assert len(calls) == len(graphs._replays) == 2
+    assert graphs.num_graphs == 0
+    assert "could not be captured" in caplog.text
+    assert_idle(llm.llm_engine)
+
+
+def test_graphs_only_on_cuda_and_not_when_eager_is_enforced(tiny: Path) -> None:
     llm = LLM(str(tiny), device="cpu", skip_tokenizer_init=True,
               kv_cache_memory_bytes=1 << 20)
     assert llm.llm_engine.runner.graphs is None
     assert llm.llm_engine.kv_cache.padding_block is None
+    model = llm.llm_engine.model
+    cuda = torch.device("cuda")
+    assert llm_engine.uses_cuda_graphs(cuda, EngineConfig(), model)
+    assert not llm_engine.uses_cuda_graphs(cuda, EngineConfig(enforce_eager=True), model)
+    assert not llm_engine.uses_cuda_graphs(torch.device("cpu"), EngineConfig(), model)
