@@ -187,6 +187,27 @@ def test_generate_jsonl_bad_lines_spoil_only_themselves(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+def test_generate_jsonl_lines_set_their_own_sampling() -> None:
+    """vLLM's names on a line override the options for that line only; a bad value or
+    n > 1 spoils only its line; other keys come back as they were."""
+    lines = [{"prompt": "Count: one, two, three, four,", "max_tokens": 3, "tag": "x"},
+             {"prompt": "Count: one, two, three, four,"},
+             {"prompt": "Count: one, two, three, four,", "stop": [","], "max_tokens": 20},
+             {"prompt": "Hi", "temperature": -1},
+             {"prompt": "Hi", "n": 2},
+             {"prompt": "Hi", "cache_salt": 5}]
+    result = run_cli("generate", "--input", "/dev/stdin", "--max-tokens", "5", *SMALL_ENGINE,
+                     stdin="".join(json.dumps(line) + "\n" for line in lines))
+    assert result.returncode == 1, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert records[0]["completion_tokens"] == 3 and records[0]["tag"] == "x"
+    assert records[1]["completion_tokens"] == 5
+    assert records[2]["finish_reason"] == "stop" and "," not in records[2]["text"]
+    assert "temperature" in records[3]["error"]
+    assert "n must be 1" in records[4]["error"]
+    assert "cache_salt" in records[5]["error"]
+
+
 def test_generate_reads_jsonl_from_a_pipe() -> None:
     result = run_cli("generate", "--input", "/dev/stdin", "--max-tokens", "2", *SMALL_ENGINE,
                      stdin='"Hello"\n{"prompt": "Bonjour"}\n')

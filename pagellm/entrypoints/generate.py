@@ -8,6 +8,7 @@ pipes cleanly.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -27,21 +28,32 @@ from pagellm.entrypoints.engine_args import add_engine_args
 from pagellm.entrypoints.sampling_args import add_sampling_args, sampling_params_from_args
 
 
+# A JSONL line may set these for itself (vLLM's names, as in its batch files); they
+# override the command line's. Every other key is the caller's, echoed back untouched.
+LINE_SAMPLING_KEYS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {"n"}
+
+
 @dataclass
 class Job:
-    """One input prompt: what to echo back, its token ids, or why it cannot run."""
+    """One input prompt: what to echo back, its token ids and its own sampling (None: the
+    command line's), or why it cannot run."""
 
     index: int
     record: dict[str, Any]
     token_ids: list[int] | None = None
     error: str | None = None
+    params: SamplingParams | None = None
+    cache_salt: str | None = None
 
 
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "generate", help="complete prompts offline",
         description="Complete prompts given as arguments, or one per line of a JSONL file "
-                    "(a JSON string, {\"prompt\": ...} or {\"messages\": [...]}).")
+                    "(a JSON string, {\"prompt\": ...} or {\"messages\": [...]}). A line's "
+                    "object may also set its own sampling with SamplingParams' names "
+                    "(max_tokens, temperature, top_p, stop, seed, ...) and cache_salt, over "
+                    "the options'; other keys are echoed back.")
     parser.add_argument("prompt", nargs="*", help="prompts to complete")
     parser.add_argument("--input", type=Path, metavar="FILE", help="JSONL file of prompts")
     parser.add_argument("--output", type=Path, metavar="FILE",
@@ -111,13 +123,29 @@ def _record(number: int, raw: bytes) -> list[dict[str, Any] | str]:
 
 
 def to_job(engine: LLMEngine, index: int, record: dict[str, Any] | str,
-           args: argparse.Namespace) -> Job:
+           args: argparse.Namespace, params: SamplingParams) -> Job:
     if isinstance(record, str):
         return Job(index, {}, error=record)
     try:
-        return Job(index, record, token_ids=_token_ids(engine, record, args))
+        salt = record.get("cache_salt", args.cache_salt)
+        if salt is not None and not isinstance(salt, str):
+            raise ValueError(f"cache_salt must be a string, got {salt!r}")
+        return Job(index, record, token_ids=_token_ids(engine, record, args),
+                   params=_line_params(record, params), cache_salt=salt)
     except (ValueError, TypeError, KeyError) as error:
         return Job(index, record, error=str(error))
+
+
+def _line_params(record: dict[str, Any], params: SamplingParams) -> SamplingParams | None:
+    """The line's own sampling over the command line's, validated; None when it sets
+    none. `n` is refused: a line's result holds one completion."""
+    if "n" in record and record["n"] != 1:
+        raise ValueError("n must be 1 here (a line's result holds one completion); repeat "
+                         "the line instead")
+    own = {key: value for key, value in record.items() if key in LINE_SAMPLING_KEYS}
+    if "logit_bias" in own and isinstance(own["logit_bias"], dict):
+        own["logit_bias"] = {int(token): bias for token, bias in own["logit_bias"].items()}
+    return params.clone(**own) if own else None
 
 
 def _token_ids(engine: LLMEngine, record: dict[str, Any], args: argparse.Namespace
@@ -138,7 +166,7 @@ def _token_ids(engine: LLMEngine, record: dict[str, Any], args: argparse.Namespa
 
 
 def run_jobs(engine: LLMEngine, jobs: list[Job], params: SamplingParams,
-             cache_salt: str | None, progress: bool) -> Iterator[tuple[Job, RequestOutput | None]]:
+             progress: bool) -> Iterator[tuple[Job, RequestOutput | None]]:
     """Yields each job with its output, in input order, as soon as it and those before
     it are done.
 
@@ -155,7 +183,8 @@ def run_jobs(engine: LLMEngine, jobs: list[Job], params: SamplingParams,
     def submit(job: Job) -> None:
         assert job.token_ids is not None
         try:
-            engine.add_request(str(job.index), job.token_ids, params, cache_salt=cache_salt)
+            engine.add_request(str(job.index), job.token_ids, job.params or params,
+                               cache_salt=job.cache_salt)
         except ValueError as error:
             job.error = str(error)
             bar.update(1)
@@ -206,15 +235,14 @@ def result_record(job: Job, output: RequestOutput | None) -> dict[str, Any]:
 
 def run(args: argparse.Namespace, engine: LLMEngine) -> int:
     params = sampling_params_from_args(args)
-    jobs = [to_job(engine, i, r, args) for i, r in enumerate(read_records(args))]
+    jobs = [to_job(engine, i, r, args, params) for i, r in enumerate(read_records(args))]
     jsonl = args.input is not None or args.output is not None
     out: TextIO = args.output.open("w", encoding="utf-8") if args.output else sys.stdout
     started = time.perf_counter()
     totals = {"prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0}
     failures = 0
     try:
-        for job, output in run_jobs(engine, jobs, params, args.cache_salt,
-                                    progress=args.input is not None):
+        for job, output in run_jobs(engine, jobs, params, progress=args.input is not None):
             record = result_record(job, output)
             for key in totals:
                 totals[key] += record.get(key, 0)

@@ -451,9 +451,13 @@ def test_prompt_logprobs_field(client: openai.OpenAI) -> None:
                                       temperature=0, logprobs=2, echo=True).choices[0].logprobs
     assert echo is not None
     for position, entry in enumerate(scores[1:], 1):
+        # The prompt's own token first, as vLLM and the offline Logprob mapping order it.
+        assert next(iter(entry)) == str(prompt[position])
         own = entry[str(prompt[position])]
         assert own["logprob"] == pytest.approx(echo.token_logprobs[position], abs=1e-5)
         assert own["rank"] >= 1 and len(entry) >= 2
+    for token, top in zip((echo.tokens or [])[1:], (echo.top_logprobs or [])[1:], strict=True):
+        assert top is not None and next(iter(top)) == token
     chat = client.chat.completions.create(
         model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=1,
         extra_body={"prompt_logprobs": 0})

@@ -120,13 +120,13 @@ class TokenText:
 
 def _top(entry: Logprob, token: str, token_text: TokenText, num_top: int | None = None
          ) -> dict[str, float]:
-    """{text: logprob} of the (first `num_top`) alternatives. Distinct tokens can share a
-    text (parts of characters all read U+FFFD): the most likely one keeps the key, and the
-    scored token's own logprob always shows."""
-    top: dict[str, float] = {}
+    """{text: logprob} of the scored token, first as in vLLM, then the (first `num_top`)
+    alternatives. Distinct tokens can share a text (parts of characters all read U+FFFD):
+    the scored token's own logprob always shows, and of the alternatives the most likely
+    one keeps the key."""
+    top = {token: _finite(entry.logprob)}
     for alternative, logprob in entry.top_logprobs[:num_top]:
         top.setdefault(token_text(alternative), _finite(logprob))
-    top[token] = _finite(entry.logprob)
     return top
 
 
@@ -162,18 +162,18 @@ def joined(first: CompletionLogprobs, second: CompletionLogprobs, shift: int
 def prompt_logprobs_json(scores: list[Logprob | None], token_text: TokenText, num_top: int
                          ) -> list[dict[str, dict[str, Any]] | None]:
     """vLLM's `prompt_logprobs`: per prompt token, {token id: {logprob, rank,
-    decoded_token}} for it and its first `num_top` alternatives; None for the first
-    token."""
+    decoded_token}} for it (first, as in vLLM and the offline Logprob mapping) and its
+    first `num_top` alternatives; None for the first token."""
     result: list[dict[str, dict[str, Any]] | None] = []
     for entry in scores:
         if entry is None:
             result.append(None)
             continue
-        ranked = {str(t): {"logprob": _finite(lp), "rank": rank,
-                           "decoded_token": token_text(t)}
-                  for rank, (t, lp) in enumerate(entry.top_logprobs[:num_top], 1)}
-        ranked[str(entry.token_id)] = {"logprob": _finite(entry.logprob), "rank": entry.rank,
-                                       "decoded_token": token_text(entry.token_id)}
+        ranked = {str(entry.token_id): {"logprob": _finite(entry.logprob), "rank": entry.rank,
+                                        "decoded_token": token_text(entry.token_id)}}
+        for rank, (t, lp) in enumerate(entry.top_logprobs[:num_top], 1):
+            ranked.setdefault(str(t), {"logprob": _finite(lp), "rank": rank,
+                                       "decoded_token": token_text(t)})
         result.append(ranked)
     return result
 
