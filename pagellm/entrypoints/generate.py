@@ -27,7 +27,6 @@ from pagellm.engine.outputs import RequestOutput
 from pagellm.entrypoints.engine_args import add_engine_args
 from pagellm.entrypoints.sampling_args import add_sampling_args, sampling_params_from_args
 
-
 # A JSONL line may set these for itself (vLLM's names, as in its batch files); they
 # override the command line's. Every other key is the caller's, echoed back untouched.
 LINE_SAMPLING_KEYS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {"n"}
