@@ -228,6 +228,27 @@ def test_chat_keeps_the_conversation_and_reports_cache_hits() -> None:
     assert second_cached >= 32, reports  # the first turn (system prompt included) was cached
 
 
+def test_chat_template_option(tmp_path: Path) -> None:
+    """`--chat-template` renders conversations instead of the model's template: the
+    prompt is then exactly the user's text. A file that cannot be read fails before the
+    model loads, a template that cannot render fails at start."""
+    target = tmp_path / "out.jsonl"
+    prompt = "The capital of France is"
+    result = run_cli("generate", "--chat", "--chat-template", "{{ messages[0].content }}",
+                     "--output", str(target), "--max-tokens", "2", prompt, *SMALL_ENGINE)
+    assert result.returncode == 0, result.stderr
+    plain = run_cli("generate", "--output", str(tmp_path / "plain.jsonl"), "--max-tokens",
+                    "2", prompt, *SMALL_ENGINE)
+    assert plain.returncode == 0, plain.stderr
+    templated = json.loads(target.read_text())
+    assert templated["prompt_tokens"] == json.loads(
+        (tmp_path / "plain.jsonl").read_text())["prompt_tokens"]
+    missing = run_cli("chat", "--chat-template", str(tmp_path / "none.jinja"))
+    assert missing.returncode == 2 and "none.jinja" in missing.stderr
+    broken = run_cli("generate", "--chat", "--chat-template", "{% if %}", "x", *SMALL_ENGINE)
+    assert broken.returncode == 1 and "--chat-template" in broken.stderr, broken.stderr
+
+
 @pytest.mark.parametrize(("argv", "names"), [
     (["serve"], ["SmolLM2-135M-Instruct"]),
     (["serve", "--model", "/models/Qwen3-0.6B/"], ["Qwen3-0.6B"]),

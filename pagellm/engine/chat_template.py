@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pagellm.engine.text import encode_text
@@ -26,6 +27,39 @@ _RESERVED_KWARGS = frozenset({"conversation", "tokenize", "add_generation_prompt
                               "continue_final_message", "tools", "chat_template",
                               "return_dict", "return_tensors", "padding", "truncation",
                               "max_length", "tokenizer_kwargs", "documents"})
+
+
+# Characters that make a `--chat-template` value the template itself, not a file name
+# (vLLM's rule).
+_TEMPLATE_CHARS = frozenset("{}\n")
+
+
+def load_chat_template(value: str) -> str:
+    """The Jinja text of a `--chat-template` value: the template itself when it holds
+    braces or a newline, else the file it names. Raises ValueError naming a file that
+    cannot be read, before any model loads."""
+    if _TEMPLATE_CHARS & set(value):
+        return value
+    try:
+        return Path(value).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"--chat-template {value!r} is neither a template (no '{{') nor a "
+                         f"readable UTF-8 file: {error}") from None
+
+
+def use_chat_template(tokenizer: Any, template: str) -> None:
+    """Makes `template` the tokenizer's own chat template, for every renderer (server,
+    CLI, `LLM.chat` without a template of its own); raises ValueError when it cannot
+    render a one-message conversation (a syntax error, an unknown filter)."""
+    if tokenizer is None:
+        raise ValueError("--chat-template needs the model's tokenizer")
+    previous = getattr(tokenizer, "chat_template", None)
+    tokenizer.chat_template = template
+    try:
+        _render_text(tokenizer, [{"role": "user", "content": "Hello"}])
+    except ChatError as error:
+        tokenizer.chat_template = previous
+        raise ValueError(f"--chat-template: {error}") from None
 
 
 class ChatError(ValueError):
@@ -129,6 +163,10 @@ def _render_text(tokenizer: Any, messages: Any, options: ChatOptions = ChatOptio
                         "messages")
     conversation = check_messages(messages)
     options.check(conversation)
+    if options.chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ChatError("the model has no chat template: give one (`--chat-template` on the "
+                        "command line, `chat_template=` to LLM.chat), or send a completion "
+                        "prompt instead", "messages")
     try:
         return str(tokenizer.apply_chat_template(
             conversation, tools=options.tools, chat_template=options.chat_template,

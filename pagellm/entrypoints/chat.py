@@ -16,7 +16,7 @@ from pagellm.core.sampling_params import SamplingParams
 from pagellm.engine.chat_template import Message, render_chat
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.outputs import RequestOutput
-from pagellm.entrypoints.engine_args import add_engine_args
+from pagellm.entrypoints.engine_args import add_chat_template_arg, add_engine_args
 from pagellm.entrypoints.sampling_args import add_sampling_args, sampling_params_from_args
 
 HELP = "Commands: /reset clears the conversation, /exit (or Ctrl-D) quits; Ctrl-C stops a reply."
@@ -29,6 +29,7 @@ def add_parser(subparsers: Any) -> None:
                     "reply, how many prompt tokens came from the prefix cache. " + HELP)
     parser.add_argument("--system", metavar="TEXT", help="system prompt of the conversation")
     add_sampling_args(parser, max_tokens=512, temperature=0.7)
+    add_chat_template_arg(parser)
     add_engine_args(parser)
 
 

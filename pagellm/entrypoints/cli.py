@@ -18,6 +18,7 @@ from typing import Any
 
 from pagellm.bench.cli import add_bench_parser, run_bench
 from pagellm.engine.async_engine import AsyncLLMEngine
+from pagellm.engine.chat_template import load_chat_template, use_chat_template
 from pagellm.engine.config import EngineConfig
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.entrypoints import chat, generate, serve
@@ -84,6 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             serve.take_model_tag(args)
         config = engine_config_from_args(args)
+        template = load_chat_template(args.chat_template) if args.chat_template else None
         run = _runner(args, launch_time)
     except ValueError as error:
         args.command_parser.error(str(error))
@@ -92,6 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     try:
         engine, inner = _start(args, config)
+        if template is not None:
+            use_chat_template(inner.tokenizer, template)
     except (ValueError, OSError) as error:
         print(f"pagellm: cannot start the engine: {error}", file=sys.stderr)
         return 1

@@ -99,6 +99,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "captured CUDA graphs")
 
 
+def add_chat_template_arg(parser: argparse.ArgumentParser) -> None:
+    """vLLM's `--chat-template`, for the subcommands that render conversations."""
+    parser.add_argument("--chat-template", metavar="TEMPLATE",
+                        help="a Jinja chat template, or the file holding one, used instead "
+                             "of the model's (for a model without one, say)")
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The `EngineConfig` of parsed options; raises ValueError naming a bad option."""
     values: dict[str, Any] = {name: getattr(args, name) for name in _DEFAULTS}

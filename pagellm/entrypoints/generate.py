@@ -24,7 +24,7 @@ from pagellm.core.sampling_params import SamplingParams
 from pagellm.engine.chat_template import render_chat
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.outputs import RequestOutput
-from pagellm.entrypoints.engine_args import add_engine_args
+from pagellm.entrypoints.engine_args import add_chat_template_arg, add_engine_args
 from pagellm.entrypoints.sampling_args import add_sampling_args, sampling_params_from_args
 
 # A JSONL line may set these for itself (vLLM's names, as in its batch files); they
@@ -63,6 +63,7 @@ def add_parser(subparsers: Any) -> None:
                         help="send each prompt as a user message through the chat template")
     parser.add_argument("--cache-salt", metavar="SALT", help="isolate these requests' prefix cache")
     add_sampling_args(parser, max_tokens=64, temperature=0.0)
+    add_chat_template_arg(parser)
     add_engine_args(parser)
 
 

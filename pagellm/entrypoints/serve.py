@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pagellm.engine.async_engine import AsyncLLMEngine
-from pagellm.entrypoints.engine_args import add_engine_args, byte_size
+from pagellm.entrypoints.engine_args import add_chat_template_arg, add_engine_args, byte_size
 from pagellm.model.resolve import is_hub_id
 
 # The default model is a GGUF inside a package, not a path the user chose; it is served
@@ -47,6 +47,7 @@ def add_parser(subparsers: Any) -> None:
     group.add_argument("--log-level", default="info",
                        choices=("critical", "error", "warning", "info", "debug"),
                        help="server log level (default: %(default)s)")
+    add_chat_template_arg(parser)
     add_engine_args(parser)
 
 

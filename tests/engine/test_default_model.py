@@ -3,11 +3,19 @@ the prefix cache used across chat turns, stop strings and detokenization."""
 
 from __future__ import annotations
 
+import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from pagellm import SamplingParams
+from pagellm.engine.chat_template import (
+    ChatError,
+    load_chat_template,
+    render_chat,
+    use_chat_template,
+)
 from tests.engine.conftest import assert_greedy_equal, assert_idle, hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -262,3 +270,25 @@ def test_detokenize_false_and_truncate_prompt_tokens(default_llm: Any) -> None:
     (same,) = default_llm.generate({"prompt_token_ids": ids[-3:]}, SamplingParams(**base),
                                    use_tqdm=False)
     assert tail.outputs[0].token_ids == same.outputs[0].token_ids
+
+
+def test_a_chat_template_given_at_start_replaces_the_models(default_llm: Any,
+                                                            tmp_path: Path) -> None:
+    """`--chat-template`: a template or the file holding one, checked by rendering before
+    it is used; a model left without one says so instead of a template error."""
+    tokenizer = copy.deepcopy(default_llm.get_tokenizer())
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    assert load_chat_template(template) == template
+    (tmp_path / "t.jinja").write_text(template)
+    assert load_chat_template(str(tmp_path / "t.jinja")) == template
+    with pytest.raises(ValueError, match="missing.jinja"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    use_chat_template(tokenizer, template)
+    assert render_chat(tokenizer, [{"role": "user", "content": "Hi"}]) == tokenizer.encode(
+        "<user>Hi", add_special_tokens=False)
+    with pytest.raises(ValueError, match="--chat-template"):
+        use_chat_template(tokenizer, "{% for m in messages %}")
+    assert tokenizer.chat_template == template
+    tokenizer.chat_template = None
+    with pytest.raises(ChatError, match="no chat template"):
+        render_chat(tokenizer, [{"role": "user", "content": "Hi"}])
