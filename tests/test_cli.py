@@ -195,7 +195,9 @@ def test_generate_jsonl_lines_set_their_own_sampling() -> None:
              {"prompt": "Count: one, two, three, four,", "stop": [","], "max_tokens": 20},
              {"prompt": "Hi", "temperature": -1},
              {"prompt": "Hi", "n": 2},
-             {"prompt": "Hi", "cache_salt": 5}]
+             {"prompt": "Hi", "cache_salt": 5},
+             {"prompt": "Hi", "max_token": 3},
+             {"prompt": "Hi", "logprobs": 2}]
     result = run_cli("generate", "--input", "/dev/stdin", "--max-tokens", "5", *SMALL_ENGINE,
                      stdin="".join(json.dumps(line) + "\n" for line in lines))
     assert result.returncode == 1, result.stderr
@@ -206,6 +208,8 @@ def test_generate_jsonl_lines_set_their_own_sampling() -> None:
     assert "temperature" in records[3]["error"]
     assert "n must be 1" in records[4]["error"]
     assert "cache_salt" in records[5]["error"]
+    assert "did you mean 'max_tokens'" in records[6]["error"]
+    assert "logprobs is not supported" in records[7]["error"]
 
 
 def test_generate_reads_jsonl_from_a_pipe() -> None:

@@ -54,6 +54,10 @@ class Logprob(Mapping[int, TokenLogprob]):
     def __len__(self) -> int:
         return len(self._entries())
 
+    def __repr__(self) -> str:
+        """As the dict vLLM gives: {token id: TokenLogprob(...)}, the chosen token first."""
+        return repr(dict(self.items()))
+
     def __eq__(self, other: object) -> bool:
         """Equal to another position field by field, and to a plain mapping when their
         {token id: TokenLogprob} items are (as vLLM's dicts compare)."""

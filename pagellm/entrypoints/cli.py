@@ -54,20 +54,28 @@ def _runner(args: argparse.Namespace, launch_time: float) -> Callable[[Any], int
     return lambda engine: int(module.run(args, engine))
 
 
-def _start(args: argparse.Namespace, config: EngineConfig
+def _start(args: argparse.Namespace, config: EngineConfig, chat_template: str | None
            ) -> tuple[LLMEngine | AsyncLLMEngine, LLMEngine]:
     """The engine the subcommand runs and the `LLMEngine` inside it: the server's is built
-    on the thread that will step it (see `AsyncLLMEngine`)."""
+    on the thread that will step it (see `AsyncLLMEngine`). A `--chat-template` is set on
+    the tokenizer as part of the build, before the server copies it for its own thread."""
+
+    def build() -> LLMEngine:
+        engine = LLMEngine(config)
+        if chat_template is not None:
+            use_chat_template(engine.tokenizer, chat_template)
+        return engine
+
     if args.command == "serve":
         try:
-            engine = AsyncLLMEngine(lambda: LLMEngine(config))
+            engine = AsyncLLMEngine(build)
         except KeyboardInterrupt:
             # The build goes on in its thread, inside torch; an interpreter shutdown around
             # it can abort the process, so leave at once with the usual status.
             sys.stderr.flush()
             os._exit(130)
         return engine, engine.engine
-    plain = LLMEngine(config)
+    plain = build()
     return plain, plain
 
 
@@ -93,9 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pagellm: {error}", file=sys.stderr)
         return 1
     try:
-        engine, inner = _start(args, config)
-        if template is not None:
-            use_chat_template(inner.tokenizer, template)
+        engine, inner = _start(args, config, template)
     except (ValueError, OSError) as error:
         print(f"pagellm: cannot start the engine: {error}", file=sys.stderr)
         return 1

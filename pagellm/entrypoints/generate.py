@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import os
 import sys
@@ -28,8 +29,11 @@ from pagellm.entrypoints.engine_args import add_chat_template_arg, add_engine_ar
 from pagellm.entrypoints.sampling_args import add_sampling_args, sampling_params_from_args
 
 # A JSONL line may set these for itself (vLLM's names, as in its batch files); they
-# override the command line's. Every other key is the caller's, echoed back untouched.
-LINE_SAMPLING_KEYS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {"n"}
+# override the command line's. Every other key is the caller's, echoed back untouched,
+# except the ones a result line has no room for (refused rather than ignored) and near
+# misses of a sampling name (a typo that would silently change nothing).
+_NO_ROOM = frozenset({"n", "logprobs", "prompt_logprobs", "detokenize"})
+LINE_SAMPLING_KEYS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - _NO_ROOM
 
 
 @dataclass
@@ -138,10 +142,18 @@ def to_job(engine: LLMEngine, index: int, record: dict[str, Any] | str,
 
 def _line_params(record: dict[str, Any], params: SamplingParams) -> SamplingParams | None:
     """The line's own sampling over the command line's, validated; None when it sets
-    none. `n` is refused: a line's result holds one completion."""
+    none."""
     if "n" in record and record["n"] != 1:
         raise ValueError("n must be 1 here (a line's result holds one completion); repeat "
                          "the line instead")
+    refused = sorted(set(record) & (_NO_ROOM - {"n"}))
+    if refused:
+        raise ValueError(f"{refused[0]} is not supported in a line: its result holds the "
+                         "text and token counts only (the Python API and the server return it)")
+    for key in record:
+        close = difflib.get_close_matches(key, LINE_SAMPLING_KEYS, n=1, cutoff=0.85)
+        if key not in LINE_SAMPLING_KEYS and close:
+            raise ValueError(f"unknown key {key!r}: did you mean {close[0]!r}?")
     own = {key: value for key, value in record.items() if key in LINE_SAMPLING_KEYS}
     if "logit_bias" in own and isinstance(own["logit_bias"], dict):
         own["logit_bias"] = {int(token): bias for token, bias in own["logit_bias"].items()}

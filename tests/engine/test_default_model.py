@@ -238,6 +238,7 @@ def test_logprobs_read_as_vllm_dicts(default_llm: Any) -> None:
         ranks = sorted(e.rank for e in position.values())
         assert ranks == list(range(1, len(position) + 1))
         assert dict(position.items()) == {t: position[t] for t in position} == position
+        assert repr(position) == repr(dict(position.items()))  # printed as vLLM's dict
     assert sum(p[t].logprob for t, p in zip(completion.token_ids, completion.logprobs,
                                              strict=True)) == pytest.approx(
         completion.cumulative_logprob)

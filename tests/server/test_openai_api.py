@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import MODEL_NAME, Server
+from tests.server.conftest import MODEL_NAME, Server, start_server
 
 # Long enough to fill several KV blocks (16 tokens each), so a repeat can hit the cache.
 SYSTEM_PROMPT = ("You are PageLLM's test assistant. You answer in one short sentence, you "
@@ -507,6 +507,28 @@ def test_tokenize_gives_the_tokens_each_endpoint_sends(server: Server,
     assert decoded.status_code == 200, decoded.text
     assert decoded.json()["prompt"].startswith("<|im_start|>system\n" + SYSTEM_PROMPT)
     assert decoded.json()["prompt"].endswith("<|im_start|>assistant\n")
+
+
+def test_serve_renders_chat_with_the_chat_template_option(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """`serve --chat-template FILE`: /tokenize and chat completions both render with it
+    (the server's own tokenizer copy included)."""
+    folder = tmp_path_factory.mktemp("template")
+    (folder / "plain.jinja").write_text(
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:")
+    templated = start_server(folder, "--chat-template", str(folder / "plain.jinja"))
+    try:
+        messages = [{"role": "user", "content": "What is a cat?"}]
+        rendered = httpx.post(f"{templated.url}/tokenize", json={"messages": messages}).json()
+        decoded = httpx.post(f"{templated.url}/detokenize",
+                             json={"tokens": rendered["tokens"]}).json()["prompt"]
+        assert decoded == "user: What is a cat?\nassistant:"
+        client = openai.OpenAI(base_url=f"{templated.url}/v1", api_key="none", max_retries=0)
+        answer = client.chat.completions.create(model=MODEL_NAME, messages=messages,
+                                                max_tokens=1)
+        assert answer.usage is not None and answer.usage.prompt_tokens == rendered["count"]
+    finally:
+        templated.stop()
 
 
 def test_tokenize_follows_the_chat_options(server: Server) -> None:
