@@ -25,6 +25,7 @@ from pagellm.model.attention import (
     GraphDecodePlan,
     TorchBatchedBackend,
     allocate_kv_caches,
+    batched,
     get_attention_backend,
 )
 
@@ -297,7 +298,7 @@ def test_decode_kernel_is_taken_and_exact(
     check(KERNELS, make_case(3, [(40, 1), (41, 1)], shared_blocks=8, block_size=4,
                              head_dim=head_dim))
     assert calls == ["decode"]
-    monkeypatch.setattr(attention, "MIN_DECODE_CASCADE_KEYS", 1)
+    monkeypatch.setattr(batched, "MIN_DECODE_CASCADE_KEYS", 1)
     for seed, block_size in ((0, 16), (1, 64), (2, 4)):
         shapes = [(max(shared_blocks * block_size, c), 1) for c in (5, 40, 130, 71)]
         calls.clear()

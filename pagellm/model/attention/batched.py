@@ -1,198 +1,24 @@
-"""Paged attention backends: write the step's new K/V into the block pool, then attend.
-
-A backend is chosen by name at start-up and shared by every layer. Each step the model asks
-it once for a *plan* (`prepare`): whatever per-step index tensors and masks the backend
-needs, built once from the AttentionMetadata and reused by all layers, since they only
-depend on the batch's shape. Then each layer calls `forward`.
-
-Both backends here rely on one property of the KV pool: it is allocated zero-filled (see
-`allocate_kv_caches`). The batched backend reads whole blocks, including slots past a
-request's end, and masks them; a masked score is `score + (-inf)`, so a NaN left in
-uninitialised memory would still poison the row.
-"""
+"""The default backend: requests of similar shape share one padded SDPA call, with a
+cascade over a shared prefix on the CPU, the compiled CPU kernels where they serve, and
+the fixed-shape decode of a CUDA graph."""
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from pagellm.model.attention.base import (
+    AttentionBackend,
+    AttentionSpec,
+    GraphDecodePlan,
+    StepPlan,
+    additive_scores,
+    window_mask,
+    write_kv_cache,
+)
 from pagellm.model.attention_metadata import AttentionMetadata
-
-
-@dataclass(frozen=True)
-class AttentionSpec:
-    """The per-layer constants a backend needs."""
-
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    scale: float
-    sliding_window: int | None = None
-
-
-@dataclass
-class StepPlan:
-    """Per-step state shared by all layers; backends subclass it."""
-
-    meta: AttentionMetadata
-
-
-def write_kv_cache(
-    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Store new key/value rows [T, Hkv, D] at flat slots of a [2, N, B, Hkv, D] cache."""
-    flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
-    flat[0].index_copy_(0, slot_mapping, key)
-    flat[1].index_copy_(0, slot_mapping, value)
-
-
-def allocate_kv_caches(
-    num_layers: int,
-    shape: tuple[int, ...],
-    dtype: torch.dtype,
-    device: torch.device | str,
-) -> list[torch.Tensor]:
-    """One zero-filled KV tensor per layer (zeros: see the module docstring)."""
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-
-
-@dataclass
-class GraphDecodePlan(StepPlan):
-    """A decode step of fixed shape, for capture in a CUDA graph: R rows (some of them
-    padding) of one query each, every row's table W blocks wide.
-
-    A captured graph replays the same kernels on the same memory, so nothing here may
-    depend on a step's lengths on the host: `meta`'s tensors are the graph runner's static
-    buffers, refilled before each replay, its lists only give the captured shape (R rows of
-    one query over W blocks), and each row's keys are masked on the device from its
-    `seq_lens` entry. The masks are built by the first layer that needs them and shared by
-    the rest, so inside a graph they are recorded once per step."""
-
-    masks: dict[tuple[int | None, torch.dtype], torch.Tensor] = field(default_factory=dict)
-
-    def additive_mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
-        """0 where row r's query (at position seq_lens[r] - 1) sees key j, else -inf:
-        [R, 1, 1, W * block_size]."""
-        cached = self.masks.get((window, dtype))
-        if cached is None:
-            meta = self.meta
-            width = meta.block_tables.shape[1] * meta.block_size
-            key_pos = torch.arange(width, device=meta.seq_lens.device)[None, :]
-            query_pos = (meta.seq_lens.long() - 1)[:, None]
-            visible = _window_mask(key_pos <= query_pos, key_pos, query_pos, window)
-            cached = _additive(visible, dtype)[:, None, None, :]
-            self.masks[(window, dtype)] = cached
-        return cached
-
-
-class AttentionBackend(ABC):
-    """Interface: plan once per step, then write + attend once per layer."""
-
-    name: str = ""
-
-    def prepare(self, meta: AttentionMetadata) -> StepPlan:
-        """Build the per-step plan. The default needs nothing beyond the metadata."""
-        return StepPlan(meta)
-
-    def supports_graph_decode(self) -> bool:
-        """Whether `attend` takes a GraphDecodePlan (decode steps captured in CUDA graphs;
-        see worker/cuda_graphs.py). The default does not: it plans on the host."""
-        return False
-
-    def configure(self, specs: list[AttentionSpec]) -> None:  # noqa: B027 - optional hook
-        """Called once with every layer's spec, so a backend can turn off paths that some
-        layer cannot use (the default needs nothing)."""
-
-    def use_cpu_kernels(self) -> None:  # noqa: B027 - optional hook
-        """Called by the loader once the compiled CPU kernels are loaded (cpu_kernels), for
-        a backend that has paths using them (the default has none); only for a float32
-        model on the CPU, the one case the kernels serve."""
-
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        plan: StepPlan,
-        spec: AttentionSpec,
-    ) -> torch.Tensor:
-        """Write key/value [T, Hkv, D] into the cache, return attention output [T, H, D]."""
-        self.write(kv_cache, key, value, plan)
-        return self.attend(query, kv_cache, plan, spec)
-
-    def write(
-        self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: StepPlan
-    ) -> None:
-        """Store the step's new key/value rows [T, Hkv, D] at their slots."""
-        write_kv_cache(kv_cache, key, value, plan.meta.slot_mapping)
-
-    @abstractmethod
-    def attend(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, plan: StepPlan, spec: AttentionSpec
-    ) -> torch.Tensor:
-        """Attention output [T, H, D] of the step's queries [T, H, D] over the cache, which
-        already holds the step's new keys and values (a fused layer stores them itself)."""
-
-
-def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean mask as scores to add: 0 where visible, -inf elsewhere (a new tensor)."""
-    scores = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-    return scores.masked_fill_(~visible, float("-inf"))
-
-
-def _window_mask(
-    mask: torch.Tensor, key_pos: torch.Tensor, query_pos: torch.Tensor, window: int | None
-) -> torch.Tensor:
-    """Restrict a causal mask to keys within `window` positions of the query."""
-    if window is None:
-        return mask
-    return mask & (key_pos > query_pos - window)
-
-
-class TorchRefBackend(AttentionBackend):
-    """The reference: one SDPA call per request over its gathered blocks.
-
-    Deliberately plain (exact gathers, an explicit mask with the context offset) so it is
-    easy to trust; every other backend is tested against it. SDPA's own `is_causal` is not
-    used because it aligns the triangle top-left, which is wrong once the query is shorter
-    than the keys (a prefix hit, a chunk, a decode).
-    """
-
-    name = "torch_ref"
-
-    def attend(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, plan: StepPlan, spec: AttentionSpec
-    ) -> torch.Tensor:
-        meta = plan.meta
-        block_size = kv_cache.shape[2]
-        out = torch.empty_like(query)
-        start = 0
-        for r, (seq_len, q_len) in enumerate(
-            zip(meta.seq_lens_list, meta.query_lens_list, strict=True)
-        ):
-            n_blocks = -(-seq_len // block_size)
-            blocks = meta.block_tables[r, :n_blocks].long()
-            keys = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
-            values = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
-            key_pos = torch.arange(seq_len, device=query.device)
-            query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
-            mask = _window_mask(key_pos <= query_pos, key_pos, query_pos, spec.sliding_window)
-            q = query[start : start + q_len].transpose(0, 1)[None]
-            attn = F.scaled_dot_product_attention(
-                q,
-                keys.transpose(0, 1)[None],
-                values.transpose(0, 1)[None],
-                attn_mask=mask,
-                scale=spec.scale,
-                enable_gqa=spec.num_heads != spec.num_kv_heads,
-            )
-            out[start : start + q_len] = attn[0].transpose(0, 1)
-            start += q_len
-        return out
 
 
 @dataclass
@@ -237,10 +63,10 @@ class _Group:
         cached = self.additive_masks.get(key)
         if cached is None:
             causal = self.key_pos <= self.query_pos
-            mask = _window_mask(causal, self.key_pos, self.query_pos, window)[:, None]
+            mask = window_mask(causal, self.key_pos, self.query_pos, window)[:, None]
             r, _, q, length = mask.shape
             mask = mask[:, :, :, None, :].expand(r, 1, q, repeat, length)
-            cached = _additive(mask, dtype).view(r, 1, q * repeat, length)
+            cached = additive_scores(mask, dtype).view(r, 1, q * repeat, length)
             self.additive_masks[key] = cached
         return cached
 
@@ -727,23 +553,3 @@ def _shared_prefix_blocks(meta: AttentionMetadata, members: list[int]) -> int:
     same = (tables == tables[0]).all(dim=0)
     n_prefix = int(same.long().cumprod(0).sum())
     return n_prefix if n_prefix >= MIN_CASCADE_BLOCKS else 0
-
-
-ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
-    TorchRefBackend.name: TorchRefBackend,
-    TorchBatchedBackend.name: TorchBatchedBackend,
-}
-
-DEFAULT_ATTENTION_BACKEND = TorchBatchedBackend.name
-
-
-def get_attention_backend(name: str | None = None) -> AttentionBackend:
-    """A fresh backend instance by name (None: the default)."""
-    chosen = name or DEFAULT_ATTENTION_BACKEND
-    backend_cls = ATTENTION_BACKENDS.get(chosen)
-    if backend_cls is None:
-        raise ValueError(
-            f"unknown attention backend {chosen!r}; choose one of: "
-            + ", ".join(sorted(ATTENTION_BACKENDS))
-        )
-    return backend_cls()
