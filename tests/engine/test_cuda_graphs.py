@@ -214,3 +214,45 @@ def test_graphs_only_on_cuda_and_not_when_eager_is_enforced(tiny: Path) -> None:
     assert llm_engine.uses_cuda_graphs(cuda, EngineConfig(), model)
     assert not llm_engine.uses_cuda_graphs(cuda, EngineConfig(enforce_eager=True), model)
     assert not llm_engine.uses_cuda_graphs(torch.device("cpu"), EngineConfig(), model)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_traffic_through_padded_steps(replayed_eagerly: None, tmp_path: Path,
+                                             seed: int) -> None:
+    """Requests of random lengths arrive while others run, on a sliding-window model
+    (odd seeds) or a plain one, in a 112-token pool that makes most seeds preempt: every
+    request still gives the reference's greedy tokens and the pool ends empty."""
+    from transformers import AutoModelForCausalLM
+
+    rng = random.Random(seed)
+    arch, extra = ("mistral", {"sliding_window": rng.choice([3, 6, 11])}) if seed % 2 else (
+        "llama", {})
+    path = make_tiny_model(tmp_path / arch, arch, **extra)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    engine = LLMEngine(EngineConfig(model=str(path), device="cpu", skip_tokenizer_init=True,
+                                    block_size=rng.choice([4, 8]), max_num_seqs=6,
+                                    cpu_kernels=False, max_num_batched_tokens=64,
+                                    kv_cache_memory_bytes=512 * 8 * 14))
+    requests: dict[str, tuple[list[int], int]] = {}
+    done: dict[str, list[int]] = {}
+    for step in range(400):
+        if len(requests) < 16 and rng.random() < 0.3:
+            request_id = f"r{len(requests)}"
+            prompt = [rng.randrange(2, 384) for _ in range(rng.choice([rng.randint(1, 8), rng.randint(1, 60)]))]
+            max_tokens = rng.randint(1, 24)
+            requests[request_id] = (prompt, max_tokens)
+            engine.add_request(request_id, {"prompt_token_ids": prompt},
+                               SamplingParams(temperature=0, max_tokens=max_tokens,
+                                              ignore_eos=True))
+        for out in engine.step() if engine.has_unfinished_requests() else []:
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+        if len(requests) == 16 and not engine.has_unfinished_requests():
+            break
+    assert len(done) == len(requests) == 16, step
+    assert_idle(engine)
+    if seed in (2, 5):  # these draws overflow the 112-token pool
+        assert engine.get_stats().num_preemptions > 0
+    for request_id, (prompt, max_tokens) in requests.items():
+        assert_greedy_equal(reference, prompt, done[request_id],
+                            hf_greedy(reference, prompt, max_tokens), f"{seed} {request_id}")
