@@ -235,7 +235,7 @@ def test_random_traffic_through_padded_steps(replayed_eagerly: None, tmp_path: P
                                     kv_cache_memory_bytes=512 * 8 * 14))
     requests: dict[str, tuple[list[int], int]] = {}
     done: dict[str, list[int]] = {}
-    for step in range(400):
+    for _ in range(400):
         if len(requests) < 16 and rng.random() < 0.3:
             request_id = f"r{len(requests)}"
             prompt = [rng.randrange(2, 384) for _ in range(rng.choice([rng.randint(1, 8), rng.randint(1, 60)]))]
@@ -249,7 +249,7 @@ def test_random_traffic_through_padded_steps(replayed_eagerly: None, tmp_path: P
                 done[out.request_id] = list(out.outputs[0].token_ids)
         if len(requests) == 16 and not engine.has_unfinished_requests():
             break
-    assert len(done) == len(requests) == 16, step
+    assert len(done) == len(requests) == 16
     assert_idle(engine)
     if seed in (2, 5):  # these draws overflow the 112-token pool
         assert engine.get_stats().num_preemptions > 0
