@@ -62,9 +62,12 @@ class Request:
         cache_salt: str | None = None,
         adapter: str | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
+        # Under the "priority" policy, lower values run first (vLLM's convention).
+        self.priority = priority
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params

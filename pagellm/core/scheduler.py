@@ -103,6 +103,10 @@ class Scheduler:
         preempted: list[Request] = []
         copies, self._pending_copies = self._pending_copies, []
 
+        if self.config.policy == "priority":
+            # Highest priority first, so the budget goes to it and a preemption (always
+            # the last running request) takes the lowest.
+            self.running.sort(key=lambda r: (r.priority, r.arrival_time))
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -205,17 +209,23 @@ class Scheduler:
                 and request.num_overtaken >= self.config.cache_aware_window)
 
     def _waiting_in_policy_order(self) -> list[Request]:
-        """FCFS: queue order. Cache-aware: within the first `cache_aware_window` requests,
-        the longest cached prefix first (ties keep queue order), so requests on a prefix
-        in the pool run together before it is evicted, and share its blocks while they do.
+        """FCFS: queue order. Priority: by priority, then queue order (see
+        SchedulerConfig). Cache-aware: within the first `cache_aware_window` requests, the
+        longest cached prefix first (ties keep queue order), so requests on a prefix in the
+        pool run together before it is evicted, and share its blocks while they do.
 
-        Preempted requests always go first: they hold outputs a client is waiting on. So
-        does, in queue order, a request already overtaken `cache_aware_window` times: a
-        stream of cache hits must not starve a request whose prefix is cold.
+        Preempted requests always go first (under the priority policy, first within their
+        priority): they hold outputs a client is waiting on. So does, in queue order, a
+        request already overtaken `cache_aware_window` times: a stream of cache hits must
+        not starve a request whose prefix is cold.
         """
         waiting = list(self.waiting)
         if self.config.policy == "fcfs" or not waiting:
             return waiting
+        if self.config.policy == "priority":
+            # Within a priority, preempted requests first, then queue order.
+            return sorted(waiting, key=lambda r: (r.priority,
+                                                  r.status is not RequestStatus.PREEMPTED))
         limit = self.config.cache_aware_window
         window = waiting[:limit]
         # A stable sort: the urgent ones, then the rest, each in queue order but for hits.

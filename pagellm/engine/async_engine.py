@@ -209,6 +209,7 @@ class AsyncLLMEngine:
         sampling_params: SamplingParams,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Queues a request and returns the stream of its outputs.
 
@@ -219,7 +220,8 @@ class AsyncLLMEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
 
         def add() -> None:
-            self.engine.add_request(request_id, prompt, sampling_params, cache_salt, arrival)
+            self.engine.add_request(request_id, prompt, sampling_params, cache_salt, arrival,
+                                    priority)
             self._streams[request_id] = stream
 
         try:

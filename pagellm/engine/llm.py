@@ -50,11 +50,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         cache_salt: str | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt; outputs come back in input order.
 
         A single prompt that is invalid raises ValueError. In a list, an invalid prompt
         does not stop the others: its output has `error` set and no completion.
+        `priority`: one per prompt, lower first, with scheduling_policy="priority" (vLLM's).
         """
         if hasattr(prompts, "tolist") and not isinstance(prompts, (list, tuple)):
             prompts = prompts.tolist()  # a NumPy array or tensor: 1-D one prompt, 2-D many
@@ -71,7 +73,11 @@ class LLM:
             params_list = list(sampling_params)
         else:
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
-        return self._run(prompt_list, params_list, use_tqdm, cache_salt, raise_errors=single)
+        priorities = [0] * len(prompt_list) if priority is None else list(priority)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
+        return self._run(prompt_list, params_list, priorities, use_tqdm, cache_salt,
+                         raise_errors=single)
 
     def chat(
         self,
@@ -120,16 +126,19 @@ class LLM:
         self.llm_engine.reset_prefix_cache()
         return True
 
-    def _run(self, prompts: list[PromptInput], params: list[SamplingParams], use_tqdm: bool,
-             cache_salt: str | None, raise_errors: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[PromptInput], params: list[SamplingParams],
+             priorities: list[int], use_tqdm: bool, cache_salt: str | None,
+             raise_errors: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         results: dict[str, RequestOutput] = {}
         order: list[str] = []
-        for index, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+        for index, (prompt, sp, priority) in enumerate(zip(prompts, params, priorities,
+                                                            strict=True)):
             request_id = str(next(self._request_counter))
             order.append(request_id)
             try:
-                engine.add_request(request_id, prompt, sp, cache_salt=cache_salt)
+                engine.add_request(request_id, prompt, sp, cache_salt=cache_salt,
+                                   priority=priority)
             except ValueError as error:
                 if raise_errors:
                     raise

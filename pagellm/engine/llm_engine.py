@@ -265,12 +265,20 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> str:
         """Validates and queues a request; raises ValueError naming the problem, in which
-        case nothing was queued."""
+        case nothing was queued. `priority` (lower runs first) needs the "priority"
+        scheduling policy, as in vLLM."""
         params = sampling_params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority is {priority}, but the scheduling policy is "
+                             f"{self.config.scheduling_policy!r}: start the engine with "
+                             "scheduling_policy='priority' (--scheduling-policy priority)")
         if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
             # vLLM's place for it: a salt in the prompt dict keys that prompt's blocks.
             if cache_salt is not None and cache_salt != prompt["cache_salt"]:
@@ -305,7 +313,7 @@ class LLMEngine:
             sample_params = params if params.n == 1 else params.for_child(index)
             if leader is None:
                 request = Request(core_id, token_ids, sample_params, self.hasher,
-                                  self.eos_token_ids, cache_salt, None, arrival)
+                                  self.eos_token_ids, cache_salt, None, arrival, priority)
                 leader = request
             else:
                 request = leader.fork(core_id, sample_params)

@@ -47,6 +47,7 @@ class Job:
     error: str | None = None
     params: SamplingParams | None = None
     cache_salt: str | None = None
+    priority: int = 0
 
 
 def add_parser(subparsers: Any) -> None:
@@ -55,8 +56,8 @@ def add_parser(subparsers: Any) -> None:
         description="Complete prompts given as arguments, or one per line of a JSONL file "
                     "(a JSON string, {\"prompt\": ...} or {\"messages\": [...]}). A line's "
                     "object may also set its own sampling with SamplingParams' names "
-                    "(max_tokens, temperature, top_p, stop, seed, ...) and cache_salt, over "
-                    "the options'; other keys are echoed back.")
+                    "(max_tokens, temperature, top_p, stop, seed, ...), cache_salt and "
+                    "priority, over the options'; other keys are echoed back.")
     parser.add_argument("prompt", nargs="*", help="prompts to complete")
     parser.add_argument("--input", type=Path, metavar="FILE", help="JSONL file of prompts")
     parser.add_argument("--output", type=Path, metavar="FILE",
@@ -135,7 +136,8 @@ def to_job(engine: LLMEngine, index: int, record: dict[str, Any] | str,
         if salt is not None and not isinstance(salt, str):
             raise ValueError(f"cache_salt must be a string, got {salt!r}")
         return Job(index, record, token_ids=_token_ids(engine, record, args),
-                   params=_line_params(record, params), cache_salt=salt)
+                   params=_line_params(record, params), cache_salt=salt,
+                   priority=record.get("priority", 0))
     except (ValueError, TypeError, KeyError) as error:
         return Job(index, record, error=str(error))
 
@@ -196,7 +198,7 @@ def run_jobs(engine: LLMEngine, jobs: list[Job], params: SamplingParams,
         assert job.token_ids is not None
         try:
             engine.add_request(str(job.index), job.token_ids, job.params or params,
-                               cache_salt=job.cache_salt)
+                               cache_salt=job.cache_salt, priority=job.priority)
         except ValueError as error:
             job.error = str(error)
             bar.update(1)

@@ -63,13 +63,13 @@ class Driver:
         self.outputs: list[SchedulerOutput] = []
         self.all: dict[str, Request] = {}
 
-    def add(self, rid: str, prompt: list[int], salt: str | None = None,
+    def add(self, rid: str, prompt: list[int], salt: str | None = None, priority: int = 0,
             **params: object) -> list[Request]:
         """Adds a request as the engine does (n > 1: a leader plus forked siblings)."""
         sp = SamplingParams(**params)  # type: ignore[arg-type]
         leader_params = sp if sp.n == 1 else sp.for_child(0)
         leader = Request(rid, prompt, leader_params, self.hasher, frozenset({EOS}),
-                         cache_salt=salt)
+                         cache_salt=salt, priority=priority)
         siblings = [leader.fork(f"{rid}#{i}", sp.for_child(i)) for i in range(1, sp.n)]
         self.sched.add_request(leader, siblings)
         for r in [leader, *siblings]:
@@ -436,7 +436,7 @@ def test_tiny_pool_random_workloads_always_finish(seed: int) -> None:
     max_model_len = rng.randint(6, 40)
     d = Driver(num_blocks, block_size=bs, max_model_len=max_model_len,
                max_num_batched_tokens=rng.randint(1, 12), max_num_seqs=rng.randint(1, 5),
-               policy=rng.choice(["fcfs", "cache_aware"]))
+               policy=rng.choice(["fcfs", "cache_aware", "priority"]))
     limit = d.sched.max_seq_len
     base = [rng.randrange(3) for _ in range(limit)]
     expected = {}
@@ -732,6 +732,31 @@ def test_cache_aware_admits_the_longest_cached_prefix_first() -> None:
     assert admission_order("cache_aware") == ["y", "z", "x"]
 
 
+def test_priority_admits_lower_values_first_then_arrival_order() -> None:
+    d = Driver(max_num_seqs=1, policy="priority")
+    for rid, priority in (("x", 2), ("y", 0), ("z", 1), ("w", 0)):
+        d.add(rid, prompt_of(40 + len(rid) + priority, 5), priority=priority, max_tokens=1)
+    order = []
+    while d.sched.has_unfinished_requests():
+        order += [s.request.request_id for s in d.step().scheduled]
+    assert order == ["y", "w", "z", "x"]
+
+
+def test_priority_preempts_the_lowest_priority_running_request() -> None:
+    """When blocks run out, the running request of the lowest priority (the largest
+    value) is preempted, even though it was admitted first; the other runs on."""
+    d = Driver(num_blocks=4, max_num_seqs=2, max_num_batched_tokens=16, policy="priority")
+    (low,) = d.add("low", prompt_of(50, 4), priority=5, max_tokens=8)
+    d.step()
+    (high,) = d.add("high", prompt_of(51, 4), priority=0, max_tokens=8)
+    preempted = []
+    while d.sched.has_unfinished_requests():
+        preempted += d.step().preempted
+    assert preempted and set(preempted) == {low}
+    assert high.num_preemptions == 0 and low.is_finished and high.is_finished
+    d.check_idle()
+
+
 def test_cache_aware_window_limits_the_reordering() -> None:
     d = Driver(max_num_seqs=1, policy="cache_aware")
     d.sched.config.cache_aware_window = 1
@@ -779,7 +804,7 @@ def test_cache_aware_bound_holds_within_one_step() -> None:
     d.run()
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "cache_aware"])
+@pytest.mark.parametrize("policy", ["fcfs", "cache_aware", "priority"])
 def test_preempted_requests_go_first(policy: str) -> None:
     d = Driver(num_blocks=4, max_num_seqs=2, max_num_batched_tokens=3, policy=policy)
     shared = prompt_of(33, 8)

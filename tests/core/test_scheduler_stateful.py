@@ -79,7 +79,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_model_len=st.integers(6, 40),
         budget=st.integers(1, 24),
         max_num_seqs=st.integers(1, 6),
-        policy=st.sampled_from(["fcfs", "cache_aware"]),
+        policy=st.sampled_from(["fcfs", "cache_aware", "priority"]),
         window=st.sampled_from([1, 2, 64]),
         caching=st.sampled_from([True, True, True, False]),
         bases=st.lists(st.lists(st.integers(0, ALPHABET - 1), min_size=16, max_size=16),
@@ -127,10 +127,11 @@ class SchedulerMachine(RuleBasedStateMachine):
           tail=st.lists(st.integers(0, ALPHABET - 1), max_size=4),
           max_tokens=st.none() | st.integers(1, 10), n=st.integers(1, 3),
           salt=st.sampled_from([None, None, "tenant"]),
-          ignore_eos=st.booleans(), stop=st.booleans(), min_tokens=st.integers(0, 3))
+          ignore_eos=st.booleans(), stop=st.booleans(), min_tokens=st.integers(0, 3),
+          priority=st.integers(-2, 2))
     def add_request(self, base: int, cut: int, tail: list[int], max_tokens: int | None,
                     n: int, salt: str | None, ignore_eos: bool, stop: bool,
-                    min_tokens: int) -> None:
+                    min_tokens: int, priority: int) -> None:
         if len(self.sched.requests) >= MAX_LIVE:
             return
         prompt = (self.bases[base % len(self.bases)][: 16 - cut] + tail)[: self.limit - 1]
@@ -145,7 +146,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         rid = f"r{self.next_id}"
         leader_params = params if n == 1 else params.for_child(0)
         leader = Request(rid, prompt, leader_params, self.hasher, frozenset({EOS}),
-                         cache_salt=salt)
+                         cache_salt=salt, priority=priority)
         siblings = [leader.fork(f"{rid}#{i}", params.for_child(i)) for i in range(1, n)]
         self.sched.add_request(leader, siblings)
         for req in [leader, *siblings]:

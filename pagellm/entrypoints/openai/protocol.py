@@ -58,6 +58,7 @@ class SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    priority: int = 0
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
     echo: bool = False

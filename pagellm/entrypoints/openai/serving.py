@@ -156,6 +156,7 @@ async def start_requests(
     cache_salt: str | None,
     arrival_time: float,
     prompt_param: str,
+    priority: int = 0,
 ) -> list[RequestStream]:
     """Queues one engine request per prompt; all or none (an error aborts the started)."""
     streams: list[RequestStream] = []
@@ -164,12 +165,14 @@ async def start_requests(
             engine_prompt: Any = ({"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}
                                   if prompt.text is not None else prompt.token_ids)
             streams.append(await context.engine.add_request(
-                f"{base_id}-{index}", engine_prompt, sampling, cache_salt, arrival_time))
+                f"{base_id}-{index}", engine_prompt, sampling, cache_salt, arrival_time,
+                priority))
     except BaseException as error:
         for stream in streams:
             stream.abort()
         if isinstance(error, ValueError):
-            param = "cache_salt" if str(error).startswith("cache_salt") else prompt_param
+            param = next((name for name in ("cache_salt", "priority")
+                          if str(error).startswith(name)), prompt_param)
             raise bad_request(str(error), param=param) from error
         if isinstance(error, EngineDeadError):
             raise APIError(503, "The server is shutting down.") from error

@@ -138,7 +138,7 @@ async def create_chat_completion(context: ServerContext, body: ChatCompletionReq
         engine.max_model_len, len(prompt.token_ids), requested, "messages", max_tokens_param))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await start_requests(context, request_id, [prompt], [params], body.cache_salt,
-                                   arrival, "messages")
+                                   arrival, "messages", body.priority)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return EventStreamResponse(streamed(_stream(context, request_id, body, streams,

@@ -134,7 +134,7 @@ async def create_completion(context: ServerContext, body: CompletionRequest,
         for p in prompts]
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = await start_requests(context, request_id, prompts, params, body.cache_salt,
-                                   arrival, "prompt")
+                                   arrival, "prompt", body.priority)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return EventStreamResponse(streamed(_stream(context, request_id, body, streams,
