@@ -52,9 +52,10 @@ class SchedulerConfig:
     instead of evicting each other's (the eviction benchmark, where the pool holds a third
     of the prefixes: 22.2 -> 17.1 s, hit rate 0.665 -> 0.745). No request is overtaken more
     than `cache_aware_window` times. "fcfs" admits in arrival order, as vLLM does.
-    "priority" (vLLM's): each request's `priority` (lower first, then arrival) orders both
-    the waiting queue and the running batch, so when blocks run out the lowest-priority
-    running request is the one preempted.
+    "priority" (vLLM's): each request's `priority` (lower first, then arrival) orders the
+    waiting queue, and when blocks run out the lowest-priority running request is the one
+    preempted (taken back out of the step if it was already scheduled in it); running
+    requests keep admission order for the step's budget, as in vLLM.
     """
 
     max_model_len: int

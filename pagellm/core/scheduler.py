@@ -103,10 +103,6 @@ class Scheduler:
         preempted: list[Request] = []
         copies, self._pending_copies = self._pending_copies, []
 
-        if self.config.policy == "priority":
-            # Highest priority first, so the budget goes to it and a preemption (always
-            # the last running request) takes the lowest.
-            self.running.sort(key=lambda r: (r.priority, r.arrival_time))
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -115,7 +111,12 @@ class Scheduler:
                 index += 1
                 continue
             while self.kv_cache.allocate(request, num_new) is None:
-                victim = self.running.pop()
+                victim = self._preemption_victim()
+                position = self.running.index(victim)
+                del self.running[position]
+                if position < index:  # already scheduled in this step: take it back
+                    budget += self._unschedule(victim, scheduled)
+                    index -= 1
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
@@ -129,6 +130,25 @@ class Scheduler:
             budget = self._admit_waiting(budget, scheduled)
         return SchedulerOutput(scheduled, copies, preempted)
 
+    def _preemption_victim(self) -> Request:
+        """The running request to preempt when blocks run out: the last admitted, or
+        under the priority policy the lowest priority (largest value), latest arrival,
+        as vLLM picks it."""
+        if self.config.policy != "priority":
+            return self.running[-1]
+        return max(enumerate(self.running),
+                   key=lambda item: (item[1].priority, item[1].arrival_time, item[0]))[1]
+
+    def _unschedule(self, request: Request, scheduled: list[ScheduledRequest]) -> int:
+        """Takes a request scheduled earlier in this step out again (it is being
+        preempted); returns the tokens of budget it held. Siblings it would have forked
+        wait for it again."""
+        item = next(s for s in scheduled if s.request is request)
+        scheduled.remove(item)
+        if item.forks:
+            self._siblings[request.request_id] = item.forks
+        return item.num_new_tokens
+
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
         """Admits waiting requests in policy order while budget, seats and blocks last.
 
@@ -136,18 +156,23 @@ class Scheduler:
         request (a burst of requests sharing a new prefix) waits one step: next step that
         block is cached and it is a hit, instead of a duplicate computation.
         """
-        if not self.waiting:
+        if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
             return budget
         in_flight = self._blocks_in_flight(scheduled)
+        deferred_priority: int | None = None
         for request in self._waiting_in_policy_order():
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
+            if deferred_priority is not None and request.priority > deferred_priority:
+                break  # nothing of a worse priority takes a seat a deferred request needs
             hits, num_cached = self.kv_cache.find_cached_prefix(request)
             next_block = len(hits)
             # Only a block the request could hit next step is worth waiting for.
             if (next_block < self.kv_cache.max_hit_blocks(request)
                     and request.block_hashes[next_block] in in_flight
                     and not self._overdue(request)):
+                if self.config.policy == "priority" and deferred_priority is None:
+                    deferred_priority = request.priority
                 continue
             num_new = min(request.num_tokens - num_cached, budget)
             # One free block kept per running request for its next block: admitting into

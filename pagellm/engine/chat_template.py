@@ -35,16 +35,19 @@ _TEMPLATE_CHARS = frozenset("{}\n")
 
 
 def load_chat_template(value: str) -> str:
-    """The Jinja text of a `--chat-template` value: the template itself when it holds
-    braces or a newline, else the file it names. Raises ValueError naming a file that
-    cannot be read, before any model loads."""
+    """The Jinja text of a `--chat-template` value, by vLLM's rule: the file it names if
+    there is one, else the value itself when it holds braces or a newline. Raises
+    ValueError naming a value that is neither, before any model loads."""
+    path = Path(value).expanduser()
+    try:
+        if value and path.is_file():
+            return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        if not _TEMPLATE_CHARS & set(value):
+            raise ValueError(f"--chat-template {value!r}: cannot read it: {error}") from None
     if _TEMPLATE_CHARS & set(value):
         return value
-    try:
-        return Path(value).expanduser().read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise ValueError(f"--chat-template {value!r} is neither a template (no '{{') nor a "
-                         f"readable UTF-8 file: {error}") from None
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a template (no '{{')")
 
 
 def use_chat_template(tokenizer: Any, template: str) -> None:

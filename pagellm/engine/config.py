@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
 from pagellm.core.block_hash import HashAlgorithm
 from pagellm.core.config import SchedulingPolicy
@@ -113,6 +113,10 @@ class EngineConfig:
                 or self.num_threads < 1):
             raise ValueError(f"num_threads must be a positive integer (None: all cores), "
                              f"got {self.num_threads!r}")
+        if self.scheduling_policy not in get_args(SchedulingPolicy):
+            raise ValueError(f"scheduling_policy must be one of "
+                             f"{', '.join(get_args(SchedulingPolicy))}, got "
+                             f"{self.scheduling_policy!r}")
         if self.device is not None:
             resolve_device(self.device)
         for name in ("max_num_batched_tokens", "max_num_seqs", "block_size"):

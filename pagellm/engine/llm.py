@@ -73,7 +73,10 @@ class LLM:
             params_list = list(sampling_params)
         else:
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
-        priorities = [0] * len(prompt_list) if priority is None else list(priority)
+        # Checked before anything is queued: a priority the engine would refuse is a
+        # programming error, not one prompt's failure.
+        priorities = ([0] * len(prompt_list) if priority is None
+                      else [self.llm_engine.check_priority(p) for p in priority])
         if len(priorities) != len(prompt_list):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
         return self._run(prompt_list, params_list, priorities, use_tqdm, cache_salt,

@@ -258,6 +258,22 @@ class LLMEngine:
                 f"{self.max_model_len} (the prompt plus at least one generated token must "
                 "fit)")
 
+    def check_priority(self, priority: Any) -> int:
+        """The request priority as an int (NumPy integers too); ValueError for anything
+        else, or for a non-zero one unless the scheduling policy is "priority" (vLLM
+        refuses it too: it would be ignored)."""
+        try:
+            if isinstance(priority, bool):
+                raise TypeError
+            value = operator.index(priority)
+        except TypeError:
+            raise ValueError(f"priority must be an integer, got {priority!r}") from None
+        if value != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority is {value}, but the scheduling policy is "
+                             f"{self.config.scheduling_policy!r}: start the engine with "
+                             "scheduling_policy='priority' (--scheduling-policy priority)")
+        return value
+
     def add_request(
         self,
         request_id: str | None,
@@ -273,12 +289,7 @@ class LLMEngine:
         params = sampling_params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("sampling_params must be a SamplingParams")
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        if priority != 0 and self.config.scheduling_policy != "priority":
-            raise ValueError(f"priority is {priority}, but the scheduling policy is "
-                             f"{self.config.scheduling_policy!r}: start the engine with "
-                             "scheduling_policy='priority' (--scheduling-policy priority)")
+        priority = self.check_priority(priority)
         if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
             # vLLM's place for it: a salt in the prompt dict keys that prompt's blocks.
             if cache_salt is not None and cache_salt != prompt["cache_salt"]:

@@ -93,7 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             serve.take_model_tag(args)
         config = engine_config_from_args(args)
-        template = load_chat_template(args.chat_template) if args.chat_template else None
+        template = (None if args.chat_template is None
+                    else load_chat_template(args.chat_template))
         run = _runner(args, launch_time)
     except ValueError as error:
         args.command_parser.error(str(error))

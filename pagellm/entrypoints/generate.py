@@ -184,9 +184,10 @@ def run_jobs(engine: LLMEngine, jobs: list[Job], params: SamplingParams,
     """Yields each job with its output, in input order, as soon as it and those before
     it are done.
 
-    The first valid prompt runs alone until its prompt is computed: requests admitted in
-    the same step cannot share blocks (only computed blocks are cached), so a shared
-    system prompt would otherwise be computed once per prompt of the first batch.
+    The first valid prompt (of the best priority) runs alone until its prompt is
+    computed: requests admitted in the same step cannot share blocks (only computed blocks
+    are cached), so a shared system prompt would otherwise be computed once per prompt of
+    the first batch.
     """
     pending = [job for job in jobs if job.error is None]
     done: dict[int, RequestOutput] = {}
@@ -204,12 +205,14 @@ def run_jobs(engine: LLMEngine, jobs: list[Job], params: SamplingParams,
             bar.update(1)
 
     try:
-        if pending:
-            submit(pending[0])
+        first = min(pending, key=lambda job: (job.priority, job.index), default=None)
+        if first is not None:
+            submit(first)
             while engine.has_unfinished_requests() and not _collect(engine.step(), done, bar):
                 pass
-        for job in pending[1:]:
-            submit(job)
+        for job in pending:
+            if job is not first:
+                submit(job)
         while True:
             while next_to_yield < len(jobs) and (
                     jobs[next_to_yield].error is not None or jobs[next_to_yield].index in done):

@@ -757,6 +757,44 @@ def test_priority_preempts_the_lowest_priority_running_request() -> None:
     d.check_idle()
 
 
+def _first_steps(d: Driver) -> dict[str, int]:
+    first: dict[str, int] = {}
+    for step in range(200):
+        if not d.sched.has_unfinished_requests():
+            break
+        for item in d.step().scheduled:
+            first.setdefault(item.request.request_id, step)
+    return first
+
+
+def test_priority_a_deferred_request_keeps_its_seat_from_worse_priorities() -> None:
+    """H waits a step for the prefix block A computes (to hit it then); L, of a worse
+    priority, must not take the seat meanwhile."""
+    d = Driver(max_num_seqs=2, policy="priority")
+    shared = prompt_of(60, 8)
+    d.add("A", shared + [1], priority=0, max_tokens=20, ignore_eos=True)
+    d.add("H", shared + [2], priority=0, max_tokens=20, ignore_eos=True)
+    d.add("L", prompt_of(61, 9), priority=5, max_tokens=20, ignore_eos=True)
+    first = _first_steps(d)
+    assert first["H"] <= first["L"], first
+    d.check_idle()
+
+
+def test_priority_running_requests_keep_their_share_of_the_budget() -> None:
+    """A running low-priority request keeps decoding while high-priority prompts arrive
+    (vLLM: running requests are budgeted in admission order; priority picks victims)."""
+    d = Driver(max_num_batched_tokens=4, policy="priority")
+    (low,) = d.add("L", prompt_of(70, 3), priority=5, max_tokens=100, ignore_eos=True)
+    d.step()
+    d.step()
+    before = low.num_output_tokens
+    for i in range(20):
+        d.add(f"H{i}", prompt_of(80 + i, 16), priority=0, max_tokens=1, ignore_eos=True)
+        d.step()
+    assert low.num_output_tokens - before >= 18
+    d.run()
+
+
 def test_cache_aware_window_limits_the_reordering() -> None:
     d = Driver(max_num_seqs=1, policy="cache_aware")
     d.sched.config.cache_aware_window = 1

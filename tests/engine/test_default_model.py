@@ -284,6 +284,10 @@ def test_a_chat_template_given_at_start_replaces_the_models(default_llm: Any,
     assert load_chat_template(str(tmp_path / "t.jinja")) == template
     with pytest.raises(ValueError, match="missing.jinja"):
         load_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="neither a file nor a template"):
+        load_chat_template("")
+    (tmp_path / "{odd}.jinja").write_text(template)  # a file first, as vLLM looks
+    assert load_chat_template(str(tmp_path / "{odd}.jinja")) == template
     use_chat_template(tokenizer, template)
     assert render_chat(tokenizer, [{"role": "user", "content": "Hi"}]) == tokenizer.encode(
         "<user>Hi", add_special_tokens=False)
