@@ -228,6 +228,7 @@ def test_chat_keeps_the_conversation_and_reports_cache_hits() -> None:
                      *SMALL_ENGINE, stdin="Hello there.\nAnd what is your name?\n/exit\n")
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("assistant> ") == 2
+    assert "you> Hello there.\n" in result.stdout  # piped input is echoed in the transcript
     reports = [line for line in result.stderr.splitlines() if "from the prefix cache" in line]
     assert len(reports) == 2, result.stderr
     second_cached = int(reports[1].split(",")[1].split()[0])

@@ -67,6 +67,8 @@ def run(args: argparse.Namespace, engine: LLMEngine) -> int:
         except (EOFError, KeyboardInterrupt):
             print(file=sys.stderr)
             return 0
+        if not sys.stdin.isatty():
+            print(line)  # piped input is not echoed: the transcript shows it after the prompt
         text = line.strip()
         if not text:
             continue
