@@ -531,6 +531,24 @@ def test_serve_renders_chat_with_the_chat_template_option(
         templated.stop()
 
 
+def test_serve_with_the_priority_policy_takes_priorities(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    prioritized = start_server(tmp_path_factory.mktemp("priority"), "--scheduling-policy",
+                               "priority")
+    try:
+        client = openai.OpenAI(base_url=f"{prioritized.url}/v1", api_key="none",
+                               max_retries=0)
+        for priority in (-3, 0, 7):
+            answer = client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=2,
+                                               extra_body={"priority": priority})
+            assert answer.usage is not None and answer.usage.completion_tokens == 2
+        with pytest.raises(openai.BadRequestError, match="priority"):
+            client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=2,
+                                      extra_body={"priority": 1.5})
+    finally:
+        prioritized.stop()
+
+
 def test_tokenize_follows_the_chat_options(server: Server) -> None:
     messages = [{"role": "user", "content": "2 + 2?"},
                 {"role": "assistant", "content": "It is"}]
