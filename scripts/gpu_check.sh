@@ -4,7 +4,8 @@
 # exactness suite (the engine picks CUDA by itself when torch sees a GPU), then offline
 # speed runs (caching on and off, transformers generate on the same GPU, and PageLLM again
 # with --enforce-eager: decode steps launched op by op instead of replayed from CUDA graphs)
-# on a random-weight model of the default model's shape.
+# and the decode-step table of benchmarks/bench_cuda_graphs.py, on a random-weight model of
+# the default model's shape. About 6 minutes on an H200.
 # Usage: bash scripts/gpu_check.sh SHAPE_DIR OUT_DIR
 #   SHAPE_DIR holds the default model's config.json and tokenizer files (its weights do
 #   not need to travel); OUT_DIR gets the test log and each workload's results.
@@ -31,4 +32,7 @@ for workload in shared-prefix multi-turn; do
     bench "$workload" --workload "$workload" --contenders pagellm,pagellm-nocache,hf-generate
     bench "$workload-eager" --workload "$workload" --contenders pagellm --enforce-eager
 done
+python3 benchmarks/bench_cuda_graphs.py "$model" --out "$out/decode-steps.md" \
+    > "$out/decode-steps.log" 2>&1 || status=1
+grep "^|" "$out/decode-steps.log" | tail -10
 exit $status
