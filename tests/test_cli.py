@@ -198,7 +198,8 @@ def test_generate_jsonl_lines_set_their_own_sampling() -> None:
              {"prompt": "Hi", "cache_salt": 5},
              {"prompt": "Hi", "max_token": 3},
              {"prompt": "Hi", "logprobs": 2},
-             {"prompt": "Hi", "priority": 1}]
+             {"prompt": "Hi", "priority": 1},
+             {"prompt": "Hi", "priority": "high"}]
     result = run_cli("generate", "--input", "/dev/stdin", "--max-tokens", "5", *SMALL_ENGINE,
                      stdin="".join(json.dumps(line) + "\n" for line in lines))
     assert result.returncode == 1, result.stderr
@@ -212,6 +213,7 @@ def test_generate_jsonl_lines_set_their_own_sampling() -> None:
     assert "did you mean 'max_tokens'" in records[6]["error"]
     assert "logprobs is not supported" in records[7]["error"]
     assert "scheduling_policy='priority'" in records[8]["error"]  # refused, not ignored
+    assert "priority must be an integer" in records[9]["error"]
 
 
 def test_generate_reads_jsonl_from_a_pipe() -> None:

@@ -137,7 +137,7 @@ def to_job(engine: LLMEngine, index: int, record: dict[str, Any] | str,
             raise ValueError(f"cache_salt must be a string, got {salt!r}")
         return Job(index, record, token_ids=_token_ids(engine, record, args),
                    params=_line_params(record, params), cache_salt=salt,
-                   priority=record.get("priority", 0))
+                   priority=engine.check_priority(record.get("priority", 0)))
     except (ValueError, TypeError, KeyError) as error:
         return Job(index, record, error=str(error))
 
