@@ -38,14 +38,15 @@ def load_chat_template(value: str) -> str:
     """The Jinja text of a `--chat-template` value, by vLLM's rule: the file it names if
     there is one, else the value itself when it holds braces or a newline. Raises
     ValueError naming a value that is neither, before any model loads."""
-    path = Path(value).expanduser()
+    is_template = bool(_TEMPLATE_CHARS & set(value))
     try:
+        path = Path(value).expanduser()
         if value and path.is_file():
             return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
-        if not _TEMPLATE_CHARS & set(value):
+        if not is_template:
             raise ValueError(f"--chat-template {value!r}: cannot read it: {error}") from None
-    if _TEMPLATE_CHARS & set(value):
+    if is_template:
         return value
     raise ValueError(f"--chat-template {value!r} is neither a file nor a template (no '{{')")
 

@@ -132,11 +132,11 @@ def to_job(engine: LLMEngine, index: int, record: dict[str, Any] | str,
     if isinstance(record, str):
         return Job(index, {}, error=record)
     try:
-        salt = record.get("cache_salt", args.cache_salt)
-        if salt is not None and not isinstance(salt, str):
-            raise ValueError(f"cache_salt must be a string, got {salt!r}")
+        # The engine checks the salt when the line is submitted; the priority is checked
+        # here, since lines are ordered by it before that.
         return Job(index, record, token_ids=_token_ids(engine, record, args),
-                   params=_line_params(record, params), cache_salt=salt,
+                   params=_line_params(record, params),
+                   cache_salt=record.get("cache_salt", args.cache_salt),
                    priority=engine.check_priority(record.get("priority", 0)))
     except (ValueError, TypeError, KeyError) as error:
         return Job(index, record, error=str(error))

@@ -125,20 +125,24 @@ class CudaGraphRunner:
         padded_keys = shape[0] * shape[1] * self.kv_cache.block_size
         if padded_keys > MAX_PADDED_KEYS and padded_keys > 2 * sum(meta.seq_lens_list):
             return None
-        if shape in self._replays and self._replays[shape] is None:
+        captured = shape in self._replays
+        if captured and self._replays[shape] is None:
             return None
         self._fill(inputs, shape[0])
-        replay = self._replays.get(shape)
-        if replay is None:
-            try:
-                replay = self._capture(*shape)
-            except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
-                logger.warning("decode steps of %d rows x %d blocks run eagerly: their CUDA "
-                               "graph could not be captured (%s)", *shape, exc)
-                self._replays[shape] = None
-                return None
-            self._replays[shape] = replay
-        return replay()[:rows]
+        if not captured:
+            self._replays[shape] = self._capture_or_none(*shape)
+        replay = self._replays[shape]
+        return None if replay is None else replay()[:rows]
+
+    def _capture_or_none(self, batch: int, width: int) -> Callable[[], torch.Tensor] | None:
+        """The shape's replay, or None (logged once) when it cannot be captured: that
+        shape then runs eagerly."""
+        try:
+            return self._capture(batch, width)
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+            logger.warning("decode steps of %d rows x %d blocks run eagerly: their CUDA "
+                           "graph could not be captured (%s)", batch, width, exc)
+            return None
 
     def _fill(self, inputs: ModelInputs, batch: int) -> None:
         """Copies the step's inputs into the static buffers and resets the padding rows
