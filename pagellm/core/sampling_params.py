@@ -67,8 +67,10 @@ def _flag(name: str, value: object) -> bool:
     return value
 
 
-def _stop_strings(value: object) -> list[str]:
-    """Normalises `stop` to a list: a bare string means one stop string."""
+def _strings(name: str, value: object, *, blank_ok: bool) -> list[str]:
+    """Normalises `stop` or `bad_words` to a list: a bare string means one string. A stop
+    string may be whitespace ("\n" is a common one); a bad word may not, since it is
+    matched as a word without its leading spaces."""
     if value is None:
         return []
     if isinstance(value, str):
@@ -76,24 +78,25 @@ def _stop_strings(value: object) -> list[str]:
     elif isinstance(value, (list, tuple)):
         items = list(value)
     else:
-        raise ValueError(f"stop must be a string or a list of strings, got {value!r}")
+        raise ValueError(f"{name} must be a string or a list of strings, got {value!r}")
     strings: list[str] = []
     for item in items:
-        if not isinstance(item, str) or not item:
-            raise ValueError(f"stop must contain only non-empty strings, got {item!r}")
+        if not isinstance(item, str) or not (item if blank_ok else item.strip()):
+            kind = "non-empty" if blank_ok else "non-blank"
+            raise ValueError(f"{name} must contain only {kind} strings, got {item!r}")
         strings.append(item)
     return strings
 
 
-def _token_ids(value: object) -> list[int]:
+def _token_ids(name: str, value: object) -> list[int]:
     if value is None:
         return []
     if not isinstance(value, (list, tuple)):
-        raise ValueError(f"stop_token_ids must be a list of integers, got {value!r}")
+        raise ValueError(f"{name} must be a list of integers, got {value!r}")
     ids: list[int] = []
     for item in value:
         if isinstance(item, bool) or not isinstance(item, int) or item < 0:
-            raise ValueError(f"stop_token_ids must contain integers >= 0, got {item!r}")
+            raise ValueError(f"{name} must contain integers >= 0, got {item!r}")
         ids.append(item)
     return ids
 
@@ -161,6 +164,12 @@ class SamplingParams:
     - detokenize: False returns token ids only, with empty text (no stop strings then).
     - truncate_prompt_tokens: keep only the prompt's last k tokens (k >= 1; -1: as many
       as fit in max_model_len beside max_tokens); None keeps it whole.
+    - allowed_token_ids: only these token ids may be generated (vLLM's name); None for
+      the whole vocabulary.
+    - bad_words: words never to generate, as vLLM matches them: each word is tokenized
+      alone and after a space, and a generated sequence may not end with either
+      tokenization (the word's last token is banned where the tokens before it were just
+      generated). None for none.
     """
 
     n: int
@@ -184,6 +193,8 @@ class SamplingParams:
     prompt_logprobs: int | None
     detokenize: bool
     truncate_prompt_tokens: int | None
+    allowed_token_ids: list[int] | None
+    bad_words: list[str] | None
 
     def __init__(
         self,
@@ -209,6 +220,8 @@ class SamplingParams:
         prompt_logprobs: int | None = None,
         detokenize: bool = True,
         truncate_prompt_tokens: int | None = None,
+        allowed_token_ids: Sequence[int] | None = None,
+        bad_words: str | Sequence[str] | None = None,
     ) -> None:
         self.n = _integer("n", n)
         if not 1 <= self.n <= MAX_N:
@@ -233,8 +246,8 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {min_tokens!r}")
-        self.stop = _stop_strings(stop)
-        self.stop_token_ids = _token_ids(stop_token_ids)
+        self.stop = _strings("stop", stop, blank_ok=True)
+        self.stop_token_ids = _token_ids("stop_token_ids", stop_token_ids)
         self.ignore_eos = _flag("ignore_eos", ignore_eos)
         self.include_stop_str_in_output = _flag(
             "include_stop_str_in_output", include_stop_str_in_output)
@@ -258,6 +271,12 @@ class SamplingParams:
                 self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1):
             raise ValueError("truncate_prompt_tokens must be >= 1, or -1 for as many as "
                              f"fit, got {truncate_prompt_tokens!r}")
+        self.allowed_token_ids = (None if allowed_token_ids is None else
+                                  _token_ids("allowed_token_ids", allowed_token_ids))
+        if self.allowed_token_ids == []:
+            raise ValueError("allowed_token_ids must not be empty: it would allow no token "
+                             "(None allows every token)")
+        self.bad_words = _strings("bad_words", bad_words, blank_ok=False) or None
 
     def truncate(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
         """The prompt as `truncate_prompt_tokens` keeps it: its last tokens. -1 keeps as

@@ -26,7 +26,7 @@ from pagellm.core.scheduler import Scheduler, SchedulerOutput
 from pagellm.engine.config import EngineConfig, resolve_device
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from pagellm.engine.text import encode_text
+from pagellm.engine.text import bad_words_token_ids, encode_text
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.loader import load_model, load_tokenizer
 from pagellm.model.model_config import load_model_config
@@ -96,6 +96,7 @@ class _Group:
     metrics: RequestMetrics
     by_core_id: dict[str, _Sample] = field(default_factory=dict)
     prompt_logprobs: list[Logprob | None] | None = None
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -311,6 +312,8 @@ class LLMEngine:
         for token in params.logit_bias or {}:
             if token >= vocab:
                 raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}), got {token}")
+        self._check_allowed_token_ids(params)
+        bad_words = self._bad_words_token_ids(params)
         text, token_ids = self.tokenize_prompt(prompt)
         kept = params.truncate(token_ids, self.max_model_len)
         if len(kept) < len(token_ids):
@@ -339,7 +342,8 @@ class LLMEngine:
                 generator, [] if params.logprobs is not None else None))
         assert leader is not None
         group = _Group(request_id, text, token_ids, samples, RequestMetrics(arrival),
-                       prompt_logprobs=None if params.prompt_logprobs is None else [None])
+                       prompt_logprobs=None if params.prompt_logprobs is None else [None],
+                       bad_words_token_ids=bad_words)
         for sample in samples:
             group.by_core_id[sample.request.request_id] = sample
             self._core_to_group[sample.request.request_id] = group
@@ -347,6 +351,32 @@ class LLMEngine:
         self.scheduler.add_request(leader, [s.request for s in samples[1:]])
         self._prompt_tokens += len(token_ids)
         return request_id
+
+    def _check_allowed_token_ids(self, params: SamplingParams) -> None:
+        """Allowed tokens outside the vocabulary, or only ones that min_tokens blocks,
+        would leave a row with nothing to sample."""
+        if params.allowed_token_ids is None:
+            return
+        vocab = self.model_config.vocab_size
+        for token in params.allowed_token_ids:
+            if token >= vocab:
+                raise ValueError(f"allowed_token_ids must be token ids in [0, {vocab}), "
+                                 f"got {token}")
+        blocked = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            blocked |= self.eos_token_ids
+        if params.min_tokens and set(params.allowed_token_ids) <= blocked:
+            raise ValueError("allowed_token_ids holds only EOS and stop tokens, which "
+                             f"min_tokens={params.min_tokens} blocks: nothing could be "
+                             "generated")
+
+    def _bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
+        if not params.bad_words:
+            return []
+        if self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer (skip_tokenizer_init is set): "
+                             "use logit_bias to ban token ids")
+        return bad_words_token_ids(self.tokenizer, params.bad_words)
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """Ends requests now and frees their blocks (they stay cached). Unknown ids are
@@ -386,12 +416,15 @@ class LLMEngine:
         try:
             sampling = None
             if rows:
+                bad_words = [self._core_to_group[r.request_id].bad_words_token_ids
+                             for r in rows]
                 sampling = SamplingMetadata.from_requests(
                     [r.sampling_params for r in rows],
                     [r.prompt_token_ids for r in rows],
                     [r.output_token_ids for r in rows],
                     [self._sample_of(r).generator for r in rows],
                     eos_token_ids=sorted(self.eos_token_ids),
+                    bad_words_token_ids=bad_words if any(bad_words) else None,
                     device=self.device,
                 )
             copies = [(c.src, c.dst) for c in scheduled.block_copies]

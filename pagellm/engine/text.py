@@ -16,3 +16,16 @@ def encode_text(tokenizer: Any, text: str, name: str, add_special_tokens: bool) 
         return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
     except (TypeError, UnicodeError) as error:
         raise ValueError(f"{name} is not valid Unicode text (lone surrogate?)") from error
+
+
+def bad_words_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
+    """The token sequences that spell each bad word: alone and after a space, since a
+    word mid-text usually tokenizes with its leading space (" hello" is one token, not
+    " " and "hello"). Both spellings are banned, as in vLLM."""
+    sequences: list[list[int]] = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = encode_text(tokenizer, text, "bad_words", add_special_tokens=False)
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    return sequences

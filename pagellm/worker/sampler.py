@@ -5,7 +5,10 @@ Order of operations (as in vLLM), for logits[N, vocab] with one row per request:
 0. logit_bias: each request's {token id: bias} added to its logits;
 1. penalties: repetition (over prompt + generated tokens), then frequency and presence
    (over generated tokens only);
-2. min_tokens: EOS and the request's stop token ids get -inf until enough tokens exist;
+2. allowed_token_ids: every other token gets -inf;
+   min_tokens: EOS and the request's stop token ids get -inf until enough tokens exist;
+   bad_words: a bad word's last token gets -inf where the tokens before it were the
+   last ones generated;
 3. logprobs are taken here, as log_softmax of these logits: the model's distribution
    with the request's own rules applied, but *before* temperature and top-k/top-p/min-p.
    That makes a reported logprob depend only on the model, the prompt and the tokens so
@@ -78,7 +81,9 @@ class SamplingMetadata:
     - penalty_rows[P] (int64): rows with any penalty; the three penalty tensors are [P].
     - prompt_tokens / output_tokens: (position in penalty_rows, token id) pairs; prompt
       tokens are listed only for rows with a repetition penalty, the only one using them.
-    - blocked_tokens: (row, token id) pairs that min_tokens forbids this step.
+    - allowed_tokens: the rows limited to allowed_token_ids, and their (row, token id)
+      pairs; every other token of those rows gets -inf.
+    - blocked_tokens: (row, token id) pairs that min_tokens or bad_words forbid this step.
     - logit_bias: (row, token id) pairs and the bias added to each.
     - num_logprobs[N]: the request's `logprobs` (None = not wanted).
     """
@@ -97,6 +102,7 @@ class SamplingMetadata:
     frequency_penalty: torch.Tensor | None
     prompt_tokens: tuple[torch.Tensor, torch.Tensor] | None
     output_tokens: tuple[torch.Tensor, torch.Tensor] | None
+    allowed_tokens: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None
     blocked_tokens: tuple[torch.Tensor, torch.Tensor] | None
     num_logprobs: list[int | None]
     logit_bias: tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None
@@ -118,6 +124,7 @@ class SamplingMetadata:
         generators: Sequence[torch.Generator | None],
         *,
         eos_token_ids: Sequence[int] = (),
+        bad_words_token_ids: Sequence[Sequence[Sequence[int]]] | None = None,
         device: torch.device | str = "cpu",
     ) -> SamplingMetadata:
         """Builds the metadata of one step; row i of the logits belongs to request i.
@@ -127,6 +134,8 @@ class SamplingMetadata:
         `generators[i]` must be the request's own `make_generator(seed)` when it has a
         seed (kept by the caller across steps), else None. `eos_token_ids` are blocked
         with the stop token ids until min_tokens is reached, unless ignore_eos is set.
+        `bad_words_token_ids[i]` are the token sequences request i must not generate (the
+        engine tokenizes its `bad_words`); None when no request has any.
         """
         num_rows = len(params)
         if not (len(prompt_token_ids) == len(output_token_ids) == len(generators) == num_rows):
@@ -144,6 +153,8 @@ class SamplingMetadata:
         min_p: list[float] = []
         seeded_generators: dict[int, torch.Generator] = {}
         penalty_rows: list[int] = []
+        allowed_rows: list[int] = []
+        allowed_lists: list[list[int]] = []
         blocked_rows: list[int] = []
         blocked_lists: list[list[int]] = []
         bias_rows: list[int] = []
@@ -176,13 +187,19 @@ class SamplingMetadata:
                     seeded_generators[len(random_rows) - 1] = generator
             if p.has_penalties:
                 penalty_rows.append(row)
+            if p.allowed_token_ids is not None:
+                allowed_rows.append(row)
+                allowed_lists.append(p.allowed_token_ids)
+            blocked: list[int] = []
             if len(output_token_ids[row]) < p.min_tokens:
-                blocked = list(p.stop_token_ids)
+                blocked.extend(p.stop_token_ids)
                 if not p.ignore_eos:
                     blocked.extend(eos_token_ids)
-                if blocked:
-                    blocked_rows.append(row)
-                    blocked_lists.append(blocked)
+            if bad_words_token_ids is not None:
+                blocked.extend(_bad_word_bans(bad_words_token_ids[row], output_token_ids[row]))
+            if blocked:
+                blocked_rows.append(row)
+                blocked_lists.append(blocked)
 
         def floats(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=dev)
@@ -221,11 +238,26 @@ class SamplingMetadata:
             frequency_penalty=frequency,
             prompt_tokens=prompt_tokens,
             output_tokens=output_tokens,
+            allowed_tokens=((longs(allowed_rows), _token_index(allowed_rows, allowed_lists, dev))
+                            if allowed_rows else None),
             blocked_tokens=_token_index(blocked_rows, blocked_lists, dev) if blocked_rows else None,
             num_logprobs=[p.logprobs for p in params],
             logit_bias=((_token_index(bias_rows, bias_lists, dev), floats(bias_values))
                         if bias_rows else None),
         )
+
+
+def _bad_word_bans(words: Sequence[Sequence[int]], generated: Sequence[int]) -> list[int]:
+    """The tokens that would complete one of `words` right now: a word's last token, where
+    the tokens before it are the last ones generated. Only generated tokens count, as in
+    vLLM: the prompt may say the word."""
+    bans = []
+    for word in words:
+        before = len(word) - 1
+        if before == 0 or (before <= len(generated)
+                           and list(generated[len(generated) - before:]) == list(word[:-1])):
+            bans.append(word[-1])
+    return bans
 
 
 @dataclass
@@ -382,13 +414,18 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
             f"logits must be [{metadata.num_rows}, vocab], got {list(logits.shape)}")
     # A copy only where rows are changed in place (the caller's tensor is left alone).
     edits = (metadata.penalty_rows is not None or metadata.blocked_tokens is not None
-             or metadata.logit_bias is not None)
+             or metadata.logit_bias is not None or metadata.allowed_tokens is not None)
     logits = logits.to(torch.float32, copy=edits)
     if metadata.logit_bias is not None:
         index, bias = metadata.logit_bias
         logits.index_put_(index, bias, accumulate=True)
     if metadata.penalty_rows is not None:
         _apply_penalties(logits, metadata)
+    if metadata.allowed_tokens is not None:
+        rows, allowed = metadata.allowed_tokens
+        kept = logits[allowed]
+        logits[rows] = float("-inf")
+        logits[allowed] = kept
     if metadata.blocked_tokens is not None:
         logits[metadata.blocked_tokens] = float("-inf")
     wants_logprobs = any(k is not None for k in metadata.num_logprobs)

@@ -17,6 +17,7 @@ def test_defaults_follow_vllm() -> None:
     assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p) == (1, 1.0, 1.0, 0, 0.0)
     assert (p.seed, p.max_tokens, p.min_tokens, p.logprobs) == (None, 16, 0, None)
     assert p.stop == [] and p.stop_token_ids == []
+    assert p.allowed_token_ids is None and p.bad_words is None
     assert not p.ignore_eos and not p.include_stop_str_in_output and p.skip_special_tokens
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
     assert p.sampling_type is SamplingType.RANDOM and not p.has_penalties
@@ -31,6 +32,10 @@ def test_normalisation() -> None:
     p = SamplingParams(temperature=1, top_p=1, repetition_penalty=2)
     assert all(isinstance(x, float) for x in (p.temperature, p.top_p, p.repetition_penalty))
     assert SamplingParams(max_tokens=None, min_tokens=1000).max_tokens is None
+    assert SamplingParams(stop="\n").stop == ["\n"]  # whitespace is a fine stop string
+    assert SamplingParams(allowed_token_ids=(4, 2)).allowed_token_ids == [4, 2]
+    assert SamplingParams(bad_words="Paris").bad_words == ["Paris"]
+    assert SamplingParams(bad_words=[]).bad_words is None
 
 
 def test_sampling_type() -> None:
@@ -69,6 +74,9 @@ BAD_VALUES = [
     ("repetition_penalty", 0), ("repetition_penalty", -1), ("repetition_penalty", 101),
     ("repetition_penalty", float("nan")),
     ("logprobs", -1), ("logprobs", 21), ("logprobs", 1.0), ("logprobs", True),
+    ("allowed_token_ids", []), ("allowed_token_ids", [-1]), ("allowed_token_ids", [2.0]),
+    ("allowed_token_ids", 7), ("allowed_token_ids", [True]),
+    ("bad_words", [""]), ("bad_words", "  "), ("bad_words", ["ok", None]), ("bad_words", 3),
 ]
 
 

@@ -16,6 +16,7 @@ from pagellm.engine.chat_template import (
     render_chat,
     use_chat_template,
 )
+from pagellm.engine.text import bad_words_token_ids
 from tests.engine.conftest import assert_greedy_equal, assert_idle, hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -271,6 +272,39 @@ def test_detokenize_false_and_truncate_prompt_tokens(default_llm: Any) -> None:
     (same,) = default_llm.generate({"prompt_token_ids": ids[-3:]}, SamplingParams(**base),
                                    use_tqdm=False)
     assert tail.outputs[0].token_ids == same.outputs[0].token_ids
+
+
+def _contains(tokens: list[int], word: list[int]) -> bool:
+    return any(tokens[i:i + len(word)] == word for i in range(len(tokens) - len(word) + 1))
+
+
+def test_bad_words_and_allowed_token_ids(default_llm: Any) -> None:
+    """vLLM's two vocabulary limits: a banned word is never generated in either spelling
+    (alone or after a space), and allowed_token_ids is all a request can draw from."""
+    llm = default_llm
+    prompt = "Q: What is the capital of France?\nA: The capital of France is"
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    (base,) = llm.generate(prompt, params, use_tqdm=False)
+    assert base.outputs[0].text.startswith(" Paris")
+    spellings = bad_words_token_ids(llm.get_tokenizer(), ["Paris", "New York"])
+    assert len(spellings) == 4  # "Paris", " Paris", "New York", " New York"
+    banned, other = llm.generate([prompt, prompt], [params.clone(bad_words=["Paris", "New York"]),
+                                                    params], use_tqdm=False)
+    assert other.outputs[0].token_ids == base.outputs[0].token_ids  # no leak across rows
+    tokens = list(banned.outputs[0].token_ids)
+    assert tokens != list(base.outputs[0].token_ids)
+    assert not any(_contains(tokens, word) for word in spellings)
+    assert "Paris" not in banned.outputs[0].text
+
+    allowed = llm.get_tokenizer().encode(" the cat sat on a mat.", add_special_tokens=False)
+    runs = llm.generate([prompt] * 3, [SamplingParams(temperature=1.5, seed=s, max_tokens=12,
+                                                      allowed_token_ids=allowed)
+                                       for s in range(3)], use_tqdm=False)
+    drawn = {t for run in runs for t in run.outputs[0].token_ids}
+    assert drawn <= set(allowed) and len(drawn) > 1
+    (greedy,) = llm.generate(prompt, params.clone(allowed_token_ids=allowed), use_tqdm=False)
+    assert set(greedy.outputs[0].token_ids) <= set(allowed)
+    assert_idle(llm.llm_engine)
 
 
 def test_a_chat_template_given_at_start_replaces_the_models(default_llm: Any,

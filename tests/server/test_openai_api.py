@@ -288,6 +288,27 @@ def test_logit_bias_forces_and_forbids_tokens(client: openai.OpenAI) -> None:
     assert forbidden is not None and forbidden.tokens[0] != plain.tokens[0]
 
 
+def test_bad_words_and_allowed_token_ids(client: openai.OpenAI) -> None:
+    """vLLM's extras, sent as the openai client sends them (extra_body)."""
+    kwargs = dict(model=MODEL_NAME, prompt="Q: What is the capital of France?\nA: The capital "
+                  "of France is", max_tokens=8, temperature=0)
+    assert client.completions.create(**kwargs).choices[0].text.startswith(" Paris")
+    banned = client.completions.create(extra_body={"bad_words": ["Paris"]}, **kwargs)
+    assert "Paris" not in banned.choices[0].text
+    allowed = client.completions.create(
+        prompt=[28, 29], max_tokens=6, model=MODEL_NAME, temperature=1.0, seed=3, logprobs=0,
+        extra_body={"allowed_token_ids": [11, 28, 29], "return_tokens_as_token_ids": True})
+    logprobs = allowed.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens
+    assert set(logprobs.tokens) <= {"token_id:11", "token_id:28", "token_id:29"}
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Name a colour."}],
+        max_tokens=4, temperature=0, logprobs=True,
+        extra_body={"allowed_token_ids": [11, 28], "return_tokens_as_token_ids": True})
+    content = chat.choices[0].logprobs.content if chat.choices[0].logprobs else None
+    assert content and {item.token for item in content} <= {"token_id:11", "token_id:28"}
+
+
 def test_continue_final_message_continues_the_assistant(client: openai.OpenAI) -> None:
     from pagellm.engine.chat_template import ChatOptions, render_chat
     from pagellm.engine.config import default_cache_dir

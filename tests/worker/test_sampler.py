@@ -19,6 +19,7 @@ def run(
     outputs: Sequence[Sequence[int]] | None = None,
     generators: Sequence[torch.Generator | None] | None = None,
     eos: Sequence[int] = (),
+    bad_words: Sequence[Sequence[Sequence[int]]] | None = None,
 ) -> SamplerOutput:
     n = len(params)
     md = SamplingMetadata.from_requests(
@@ -27,6 +28,7 @@ def run(
         outputs if outputs is not None else [[]] * n,
         generators if generators is not None else [None] * n,
         eos_token_ids=eos,
+        bad_words_token_ids=bad_words,
     )
     return sample(logits, md)
 
@@ -328,3 +330,59 @@ def test_logit_bias_values_are_checked() -> None:
             SamplingParams(logit_bias=bad)
     assert SamplingParams(logit_bias={}).logit_bias is None
     assert SamplingParams(logit_bias={5: -100}).logit_bias == {5: -100.0}
+
+
+def test_allowed_token_ids_limit_greedy_and_random_rows_only() -> None:
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(4, 50, generator=gen)
+    allowed = [3, 17, 41]
+    params = [SamplingParams(temperature=0, allowed_token_ids=allowed),
+              SamplingParams(temperature=0),
+              SamplingParams(temperature=2.0, allowed_token_ids=allowed, logprobs=2),
+              SamplingParams(temperature=1.0)]
+    best_allowed = max(allowed, key=lambda t: logits[0, t].item())
+    seen: set[int] = set()
+    for _ in range(200):
+        out = run(logits, params)
+        assert out.sampled_token_ids[0] == best_allowed
+        assert out.sampled_token_ids[1] == logits[1].argmax().item()
+        seen.add(out.sampled_token_ids[2])
+    assert seen == set(allowed)  # all three drawn at temperature 2, nothing else
+    logprobs = out.logprobs[2]
+    assert logprobs is not None
+    assert {token for token, _ in logprobs.top_logprobs} <= set(allowed)
+
+
+def test_allowed_token_ids_keep_bias_and_min_tokens_blocks() -> None:
+    logits = torch.zeros(1, 10)
+    logits[0, 9] = 5.0  # not allowed
+    params = SamplingParams(temperature=0, allowed_token_ids=[2, 4, 6],
+                            logit_bias={4: 1.0, 6: 2.0}, min_tokens=1, stop_token_ids=[6])
+    assert run(logits, [params]).sampled_token_ids == [4]  # 6 blocked until min_tokens
+    assert run(logits, [params], outputs=[[2]]).sampled_token_ids == [6]
+
+
+def test_bad_words_ban_the_last_token_only_after_the_rest_was_generated() -> None:
+    logits = torch.zeros(1, 10)
+    logits[0, 7] = 3.0
+    logits[0, 5] = 2.0
+    logits[0, 1] = 1.0
+    greedy = [SamplingParams(temperature=0)]
+    one_token, two_tokens, three_tokens = [7], [4, 7], [3, 4, 5]
+    assert run(logits, greedy, bad_words=[[one_token]]).sampled_token_ids == [5]
+    assert run(logits, greedy, outputs=[[4]], bad_words=[[two_tokens]]).sampled_token_ids == [5]
+    # Not right after 4, or 4 only in the prompt: 7 stays allowed.
+    assert run(logits, greedy, outputs=[[4, 2]], bad_words=[[two_tokens]]
+               ).sampled_token_ids == [7]
+    assert run(logits, greedy, prompts=[[4]], bad_words=[[two_tokens]]).sampled_token_ids == [7]
+    both = [[one_token, three_tokens]]
+    assert run(logits, greedy, outputs=[[9, 3, 4]], bad_words=both).sampled_token_ids == [1]
+    assert run(logits, greedy, outputs=[[4]], bad_words=both).sampled_token_ids == [5]
+
+
+def test_bad_words_are_per_row() -> None:
+    logits = torch.zeros(3, 10)
+    logits[:, 7] = 3.0
+    params = [SamplingParams(temperature=0)] * 3
+    out = run(logits, params, outputs=[[4], [4], [1]], bad_words=[[[4, 7]], [], [[4, 7]]])
+    assert out.sampled_token_ids == [0, 7, 7]

@@ -55,6 +55,8 @@ class SamplingFields(_Strict):
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: str | list[str] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None
@@ -70,8 +72,6 @@ class SamplingFields(_Strict):
     # Known, and refused when set (see check_supported).
     suffix: Any = None
     audio: Any = None
-    allowed_token_ids: Any = None
-    bad_words: Any = None
     use_beam_search: Any = None
     structured_outputs: Any = None
     guided_json: Any = None

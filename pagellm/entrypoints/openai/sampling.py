@@ -30,18 +30,19 @@ def build_sampling_params(
 ) -> SamplingParams:
     """The request's sampling options, validated; raises a 400 APIError naming the field.
 
-    Two checks need the vocabulary, which `SamplingParams` does not know, and both guard
-    the whole batch: a token id outside it in `stop_token_ids`, or a `top_k` too big for
-    the sampler's int64 tensors, would fail the step of every request scheduled with it.
-    `top_k` above the vocabulary means "no limit", so it is clamped; a stop token outside
-    the vocabulary is a client error.
+    Some checks need the vocabulary, which `SamplingParams` does not know, and they guard
+    the whole batch: a token id outside it in `stop_token_ids` or `allowed_token_ids`,
+    or a `top_k` too big for the sampler's int64 tensors, would fail the step of every
+    request scheduled with it. `top_k` above the vocabulary means "no limit", so it is
+    clamped; a token id outside the vocabulary is a client error.
     """
     top_k = request.top_k or 0
     logit_bias = _logit_bias(request.logit_bias, vocab_size)
-    for token in request.stop_token_ids or []:
-        if not 0 <= token < vocab_size:
-            raise bad_request(f"stop_token_ids must be token ids in [0, {vocab_size}), got "
-                              f"{token}", param="stop_token_ids", code="invalid_value")
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        for token in getattr(request, name) or []:
+            if not 0 <= token < vocab_size:
+                raise bad_request(f"{name} must be token ids in [0, {vocab_size}), got "
+                                  f"{token}", param=name, code="invalid_value")
     try:
         return SamplingParams(
             n=request.n,
@@ -64,6 +65,8 @@ def build_sampling_params(
             logit_bias=logit_bias,
             prompt_logprobs=prompt_logprobs,
             truncate_prompt_tokens=request.truncate_prompt_tokens,
+            allowed_token_ids=request.allowed_token_ids,
+            bad_words=request.bad_words,
         )
     except ValueError as error:
         raise _named(str(error), field_names or {}) from error

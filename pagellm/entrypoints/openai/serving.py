@@ -39,9 +39,6 @@ _REFUSED = {
     "guided_regex": _GUIDED,
     "guided_choice": _GUIDED,
     "guided_grammar": _GUIDED,
-    "allowed_token_ids": "restricting the vocabulary is not implemented (logit_bias can "
-                         "strongly disfavour tokens)",
-    "bad_words": "bad words are not implemented (logit_bias can strongly disfavour tokens)",
     "use_beam_search": "beam search is not implemented",
     "suffix": "insertion (fill in the middle) is not implemented",
     "audio": "only text output is produced",
@@ -171,7 +168,8 @@ async def start_requests(
         for stream in streams:
             stream.abort()
         if isinstance(error, ValueError):
-            param = next((name for name in ("cache_salt", "priority")
+            param = next((name for name in ("cache_salt", "priority", "allowed_token_ids",
+                                           "bad_words")
                           if str(error).startswith(name)), prompt_param)
             raise bad_request(str(error), param=param) from error
         if isinstance(error, EngineDeadError):
