@@ -199,7 +199,11 @@ def test_generate_jsonl_lines_set_their_own_sampling() -> None:
              {"prompt": "Hi", "max_token": 3},
              {"prompt": "Hi", "logprobs": 2},
              {"prompt": "Hi", "priority": 1},
-             {"prompt": "Hi", "priority": "high"}]
+             {"prompt": "Hi", "priority": "high"},
+             {"prompt": [504, 3575, 282], "max_tokens": 2},
+             {"prompt": [504, "x"]},
+             {"prompt": "Hi", "allowed_token_ids": []},
+             {"prompt": "Count: one, two, three, four,", "bad_words": [" five"]}]
     result = run_cli("generate", "--input", "/dev/stdin", "--max-tokens", "5", *SMALL_ENGINE,
                      stdin="".join(json.dumps(line) + "\n" for line in lines))
     assert result.returncode == 1, result.stderr
@@ -214,6 +218,10 @@ def test_generate_jsonl_lines_set_their_own_sampling() -> None:
     assert "logprobs is not supported" in records[7]["error"]
     assert "scheduling_policy='priority'" in records[8]["error"]  # refused, not ignored
     assert "priority must be an integer" in records[9]["error"]
+    assert (records[10]["prompt_tokens"], records[10]["completion_tokens"]) == (3, 2)
+    assert "prompt_token_ids must be integers" in records[11]["error"]
+    assert "allowed_token_ids" in records[12]["error"]
+    assert "five" in records[1]["text"] and "five" not in records[13]["text"]
 
 
 def test_generate_reads_jsonl_from_a_pipe() -> None:

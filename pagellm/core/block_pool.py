@@ -204,22 +204,19 @@ class BlockPool:
             self._events.append(BlockStored(block_hash, parent_hash, token_ids, block.block_id))
         return True
 
-    def reset_prefix_cache(self) -> None:
-        """Forgets every cached block.
-
-        Refused while any block is in use: a running request's blocks may be registered
-        later and dropping hashes under it would leave the map and the blocks disagreeing.
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block; False, changing nothing, while any block is in use
+        (vLLM's answer too): a running request's blocks may be registered later, and
+        dropping hashes under it would leave the map and the blocks disagreeing.
         """
         if self.num_used_blocks:
-            raise RuntimeError(
-                f"cannot reset the prefix cache: {self.num_used_blocks} blocks are still in "
-                "use by running requests; wait until the engine is idle"
-            )
+            return False
         for block in self.cached.values():
             block.block_hash = None
         self.cached.clear()
         if self._enable_events:
             self._events.append(AllBlocksCleared())
+        return True
 
     def take_events(self) -> list[KVCacheEvent]:
         events, self._events = self._events, []

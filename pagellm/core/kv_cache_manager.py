@@ -224,8 +224,8 @@ class KVCacheManager:
     def get_block_ids(self, request: Request) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(request.request_id, [])]
 
-    def reset_prefix_cache(self) -> None:
-        self.pool.reset_prefix_cache()
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
 
     def take_events(self) -> list[KVCacheEvent]:
         return self.pool.take_events()

@@ -77,8 +77,12 @@ class IncrementalDetokenizer:
         self.text += window[len(prefix) :]
         if self._num_tokens <= self._min_tokens:
             return None
+        # At the end, U+FFFD stands for a character the tokens left incomplete: text
+        # the model never wrote, so a stop string may not match it.
+        end = len(self.text.rstrip(_REPLACEMENT)) if finished else len(self.text)
         hits = [(self.text.find(stop, search_from), stop) for stop in self._stop]
-        found = min(((at, stop) for at, stop in hits if at >= 0), default=None)
+        found = min(((at, stop) for at, stop in hits if 0 <= at <= end - len(stop)),
+                    default=None)
         if found is None:
             return None
         at, stop = found

@@ -58,12 +58,15 @@ class LLM:
         does not stop the others: its output has `error` set and no completion.
         `priority`: one per prompt, lower first, with scheduling_policy="priority" (vLLM's).
         """
+        # A NumPy array or tensor: 1-D is one prompt whatever its values (a float array
+        # is one bad prompt, an empty one an empty prompt), 2-D a batch.
+        one_array = getattr(prompts, "ndim", None) == 1
         if hasattr(prompts, "tolist") and not isinstance(prompts, (list, tuple)):
-            prompts = prompts.tolist()  # a NumPy array or tensor: 1-D one prompt, 2-D many
+            prompts = prompts.tolist()
         if not isinstance(prompts, (str, dict, list, tuple)):
             raise ValueError("prompts must be a string, a list of token ids, a prompt dict, "
                              f"or a list of these, got {type(prompts).__name__}")
-        single = isinstance(prompts, (str, dict)) or (
+        single = one_array or isinstance(prompts, (str, dict)) or (
             bool(prompts) and is_token_id(prompts[0]))
         prompt_list = cast(list[PromptInput], [prompts] if single else list(prompts))
         if isinstance(sampling_params, Sequence):
@@ -124,10 +127,9 @@ class LLM:
                            ChatOptions(add_generation_prompt=add_generation_prompt))
 
     def reset_prefix_cache(self) -> bool:
-        """Forgets every cached block; True, as in vLLM (between `generate` calls nothing
-        runs, so the reset always succeeds)."""
-        self.llm_engine.reset_prefix_cache()
-        return True
+        """Forgets every cached block; True, or False while requests added to
+        `llm_engine` directly still run (between `generate` calls nothing runs)."""
+        return self.llm_engine.reset_prefix_cache()
 
     def _run(self, prompts: list[PromptInput], params: list[SamplingParams],
              priorities: list[int], use_tqdm: bool, cache_salt: str | None,

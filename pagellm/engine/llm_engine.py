@@ -606,8 +606,13 @@ class LLMEngine:
 
     # ---- introspection --------------------------------------------------------------
 
-    def reset_prefix_cache(self) -> None:
-        self.kv_manager.reset_prefix_cache()
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block; False while requests hold blocks (as in vLLM)."""
+        if self.kv_manager.reset_prefix_cache():
+            return True
+        logger.warning("prefix cache not reset: %d requests are unfinished; reset when "
+                       "the engine is idle", self.get_num_unfinished_requests())
+        return False
 
     def get_stats(self) -> EngineStats:
         cache = self.kv_manager.stats()

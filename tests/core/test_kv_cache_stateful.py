@@ -352,15 +352,12 @@ class KVCacheMachine(RuleBasedStateMachine):
     def reset_prefix_cache(self) -> None:
         if self.pool.num_used_blocks:
             before = self.snapshot()
-            try:
-                self.manager.reset_prefix_cache()
-            except RuntimeError:
-                event("reset refused")
-                assert self.snapshot() == before
-                return
-            raise AssertionError("reset_prefix_cache accepted while blocks are in use")
+            assert self.manager.reset_prefix_cache() is False
+            event("reset refused")
+            assert self.snapshot() == before
+            return
         event("reset" + (" (non-empty cache)" if self.pool.cached else ""))
-        self.manager.reset_prefix_cache()
+        assert self.manager.reset_prefix_cache() is True
         assert self.pool.cached == {}
 
     # --- invariants ---------------------------------------------------------------------

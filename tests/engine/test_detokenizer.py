@@ -86,9 +86,21 @@ def test_stop_string_straddling_min_tokens_is_found(tokenizer: Any) -> None:
 
 
 def test_finish_finds_a_stop_string_in_held_text(tokenizer: Any) -> None:
-    ids = tokenizer.encode(" ab 日", add_special_tokens=False)
+    ids = tokenizer.encode("ab 日", add_special_tokens=False)
     partial = next(k for k in range(1, len(ids)) if tokenizer.decode(ids[:k]).endswith("\ufffd"))
-    detok = _detokenizer(tokenizer, stop=["\ufffd"])
+    assert tokenizer.decode(ids[:partial]) == "ab \ufffd"  # " " and half of 日 in one token
+    detok = _detokenizer(tokenizer, stop=[" "])
     assert all(detok.add_token(token) is None for token in ids[:partial])
-    assert detok.finish() == "\ufffd"
-    assert detok.text == _expected(tokenizer, ids[:partial])[:-1]
+    assert detok.finish() == " "
+    assert detok.text == "ab"
+
+
+def test_a_cut_off_character_never_matches_a_stop_string(tokenizer: Any) -> None:
+    """U+FFFD at the end stands for bytes of a character the sample never finished: the
+    model did not write it, so a stop string containing U+FFFD does not match it."""
+    ids = tokenizer.encode("ab 日", add_special_tokens=False)
+    for stop in ("\ufffd", " \ufffd"):
+        detok = _detokenizer(tokenizer, stop=[stop])
+        assert all(detok.add_token(token) is None for token in ids[:2])
+        assert detok.finish() is None and detok.stopped_by is None
+        assert detok.text == "ab \ufffd"

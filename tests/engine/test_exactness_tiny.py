@@ -219,7 +219,31 @@ def test_token_ids_from_numpy_and_torch(tiny_models: dict[str, Path]) -> None:
     assert [o.outputs[0].token_ids for o in batch] == [plain.outputs[0].token_ids] * 4
     with pytest.raises(ValueError, match="must be integers, got 1.5"):
         llm.generate({"prompt_token_ids": [1, 1.5]}, _greedy(4), use_tqdm=False)
+    # A 1-D array is one prompt even when it cannot be one: one error, not one per value.
+    for bad, message in ((np.array([5.0, 6.0]), "got 5.0"), (torch.tensor([5.0]), "got 5.0"),
+                         (np.array([], dtype=np.int64), "empty")):
+        with pytest.raises(ValueError, match=message):
+            llm.generate(bad, _greedy(4), use_tqdm=False)
     assert_idle(llm.llm_engine)
+
+
+def test_reset_prefix_cache_answers_false_while_requests_run(tiny_models: dict[str, Path]
+                                                             ) -> None:
+    """vLLM's contract: a reset with blocks in use changes nothing and says so."""
+    llm = _llm(tiny_models["llama-gqa-untied"])
+    prompt = _prompts(3, 40, [0])[0]
+    llm.generate({"prompt_token_ids": prompt}, _greedy(2), use_tqdm=False)
+    engine = llm.llm_engine
+    engine.add_request("running", {"prompt_token_ids": prompt}, _greedy(4))
+    engine.step()
+    assert llm.reset_prefix_cache() is False
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.get_stats().prefix_cache_hits > 0  # the cache was kept and hit
+    assert llm.reset_prefix_cache() is True
+    (again,) = llm.generate({"prompt_token_ids": prompt}, _greedy(2), use_tqdm=False)
+    assert again.num_cached_tokens == 0
+    assert_idle(engine)
 
 
 def test_cache_salt_in_the_prompt_dict_keys_the_blocks(tiny_models: dict[str, Path]) -> None:
