@@ -17,6 +17,7 @@ tune_process()
 _EXPORTS = {
     "LLM": "pagellm.engine.llm",
     "LLMEngine": "pagellm.engine.llm_engine",
+    "AsyncLLMEngine": "pagellm.engine.async_engine",
     "EngineConfig": "pagellm.engine.config",
     "SamplingParams": "pagellm.core.sampling_params",
     "RequestOutput": "pagellm.engine.outputs",

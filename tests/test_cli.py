@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import os
 import socket
@@ -18,7 +19,7 @@ import pytest
 from pagellm.engine.config import EngineConfig
 from pagellm.entrypoints.cli import build_parser, main
 from pagellm.entrypoints.engine_args import NOT_ON_CLI, byte_size, engine_config_from_args
-from pagellm.entrypoints.serve import served_model_names, take_model_tag
+from pagellm.entrypoints.serve import served_model_names, server_settings, take_model_tag
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 SMALL_ENGINE = ["--kv-cache-memory-bytes", "32MiB", "--max-model-len", "512"]
@@ -115,6 +116,9 @@ def test_byte_size_rejects(text: str) -> None:
     ["generate", "x", "--output", "/nonexistent/dir/out.jsonl"],
     ["serve", "--port", "99999"],
     ["serve", "--port", "http"],
+    ["serve", "--log-stats-interval", "0"],
+    ["serve", "--log-stats-interval", "nan"],
+    ["serve", "--shutdown-timeout", "-1"],
     ["serve", "/m/a.gguf", "--model", "/m/b.gguf"],
     ["serve", "--bogus"],
     ["generate", "x", "--max-tokns", "5"],
@@ -266,6 +270,34 @@ def test_chat_template_option(tmp_path: Path) -> None:
     assert broken.returncode == 1 and "--chat-template" in broken.stderr, broken.stderr
 
 
+def test_server_options_reach_the_server_settings() -> None:
+    parser = build_parser()
+    settings = server_settings(parser.parse_args(["serve"]), 0.0, "127.0.0.1:8000")
+    assert (settings.log_stats_interval, settings.shutdown_timeout) == (5.0, 10)
+    settings = server_settings(parser.parse_args(
+        ["serve", "--disable-log-stats", "--shutdown-timeout", "0.5"]), 0.0, "x")
+    assert (settings.log_stats_interval, settings.shutdown_timeout) == (None, 0.5)
+    assert server_settings(parser.parse_args(["serve", "--log-stats-interval", "0.25"]),
+                           0.0, "x").log_stats_interval == 0.25
+    from pagellm.entrypoints.openai.api_server import ServerSettings
+
+    with pytest.raises(ValueError, match="log_stats_interval"):
+        ServerSettings(model_names=["m"], log_stats_interval=0)
+
+
+def test_version_and_public_names(capsys: pytest.CaptureFixture[str]) -> None:
+    import pagellm
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"pagellm {pagellm.__version__}"
+    from pagellm import AsyncLLMEngine
+    from pagellm.engine.async_engine import AsyncLLMEngine as defined
+
+    assert AsyncLLMEngine is defined
+
+
 @pytest.mark.parametrize(("argv", "names"), [
     (["serve"], ["SmolLM2-135M-Instruct"]),
     (["serve", "--model", "/models/Qwen3-0.6B/"], ["Qwen3-0.6B"]),
@@ -285,6 +317,10 @@ def test_vllm_spellings_and_wrong_arguments_of_the_python_api() -> None:
     from pagellm import LLM
 
     assert EngineConfig(dtype="half").dtype == "float16"
+    # help(LLM) lists EngineConfig's fields as its arguments, with their defaults.
+    signature = inspect.signature(LLM)
+    assert list(signature.parameters) == [f.name for f in dataclasses.fields(EngineConfig)]
+    assert signature.parameters["block_size"].default == 16
     assert EngineConfig(dtype="float").dtype == "float32"
     assert engine_config_from_args(build_parser().parse_args(
         ["generate", "x", "--dtype", "half"])).dtype == "float16"

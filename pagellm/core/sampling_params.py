@@ -25,6 +25,9 @@ MAX_TEMPERATURE = 100.0
 MAX_REPETITION_PENALTY = 100.0
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
+# Bad words are tokenized when the request is added, on the engine's thread: a cap keeps
+# one request from stalling every other (vLLM has none; a few dozen is the usual use).
+MAX_BAD_WORDS = 1024
 
 
 class SamplingType(enum.IntEnum):
@@ -169,7 +172,7 @@ class SamplingParams:
     - bad_words: words never to generate, as vLLM matches them: each word is tokenized
       alone and after a space, and a generated sequence may not end with either
       tokenization (the word's last token is banned where the tokens before it were just
-      generated). None for none.
+      generated). At most 1,024 words; None for none.
     """
 
     n: int
@@ -277,6 +280,9 @@ class SamplingParams:
             raise ValueError("allowed_token_ids must not be empty: it would allow no token "
                              "(None allows every token)")
         self.bad_words = _strings("bad_words", bad_words, blank_ok=False) or None
+        if self.bad_words is not None and len(self.bad_words) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words must hold at most {MAX_BAD_WORDS} words, got "
+                             f"{len(self.bad_words)}")
 
     def truncate(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
         """The prompt as `truncate_prompt_tokens` keeps it: its last tokens. -1 keeps as

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 import logging
 from collections.abc import Sequence
@@ -44,6 +45,15 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    # help(LLM) and inspect show EngineConfig's fields and defaults as LLM's arguments
+    # (written out here they would be a second copy to keep in step).
+    __init__.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
+        inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        *(inspect.Parameter(f.name, inspect.Parameter.POSITIONAL_OR_KEYWORD
+                            if f.name == "model" else inspect.Parameter.KEYWORD_ONLY,
+                            default=f.default, annotation=f.type)
+          for f in dataclasses.fields(EngineConfig))])
+
     def generate(
         self,
         prompts: PromptInput | Sequence[PromptInput],
@@ -58,9 +68,11 @@ class LLM:
         does not stop the others: its output has `error` set and no completion.
         `priority`: one per prompt, lower first, with scheduling_policy="priority" (vLLM's).
         """
-        # A NumPy array or tensor: 1-D is one prompt whatever its values (a float array
-        # is one bad prompt, an empty one an empty prompt), 2-D a batch.
-        one_array = getattr(prompts, "ndim", None) == 1
+        # A numeric NumPy array or a tensor: 1-D is one prompt whatever its values (a
+        # float array is one bad prompt, an empty one an empty prompt), 2-D a batch. A
+        # 1-D array of strings or of arrays (a dataset column) is a batch.
+        kind = getattr(getattr(prompts, "dtype", None), "kind", "i")  # torch: numeric
+        one_array = getattr(prompts, "ndim", None) == 1 and kind in "biuf"
         if hasattr(prompts, "tolist") and not isinstance(prompts, (list, tuple)):
             prompts = prompts.tolist()
         if not isinstance(prompts, (str, dict, list, tuple)):

@@ -35,7 +35,7 @@ from pagellm.worker.cuda_graphs import CudaGraphRunner
 from pagellm.worker.input_batch import SequenceChunk
 from pagellm.worker.kv_cache import KVCache, num_blocks_for_budget
 from pagellm.worker.model_runner import ModelRunner
-from pagellm.worker.sampler import SamplingMetadata, TokenLogprobs, make_generator
+from pagellm.worker.sampler import BadWords, SamplingMetadata, TokenLogprobs, make_generator
 from pagellm.worker.thread_tuner import ThreadTuner
 
 logger = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ class _Group:
     metrics: RequestMetrics
     by_core_id: dict[str, _Sample] = field(default_factory=dict)
     prompt_logprobs: list[Logprob | None] | None = None
-    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    bad_words: BadWords | None = None
 
     @property
     def finished(self) -> bool:
@@ -312,8 +312,8 @@ class LLMEngine:
         for token in params.logit_bias or {}:
             if token >= vocab:
                 raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}), got {token}")
-        self._check_allowed_token_ids(params)
-        bad_words = self._bad_words_token_ids(params)
+        bad_words = self._bad_words(params)
+        self._check_allowed_token_ids(params, bad_words)
         text, token_ids = self.tokenize_prompt(prompt)
         kept = params.truncate(token_ids, self.max_model_len)
         if len(kept) < len(token_ids):
@@ -343,7 +343,7 @@ class LLMEngine:
         assert leader is not None
         group = _Group(request_id, text, token_ids, samples, RequestMetrics(arrival),
                        prompt_logprobs=None if params.prompt_logprobs is None else [None],
-                       bad_words_token_ids=bad_words)
+                       bad_words=bad_words)
         for sample in samples:
             group.by_core_id[sample.request.request_id] = sample
             self._core_to_group[sample.request.request_id] = group
@@ -352,9 +352,11 @@ class LLMEngine:
         self._prompt_tokens += len(token_ids)
         return request_id
 
-    def _check_allowed_token_ids(self, params: SamplingParams) -> None:
-        """Allowed tokens outside the vocabulary, or only ones that min_tokens blocks,
-        would leave a row with nothing to sample."""
+    def _check_allowed_token_ids(self, params: SamplingParams,
+                                 bad_words: BadWords | None) -> None:
+        """Allowed tokens outside the vocabulary, or only ones that are always banned
+        (one-token bad words) or blocked from the start (EOS and stop ids before
+        min_tokens), would leave the first step nothing to sample."""
         if params.allowed_token_ids is None:
             return
         vocab = self.model_config.vocab_size
@@ -362,21 +364,29 @@ class LLMEngine:
             if token >= vocab:
                 raise ValueError(f"allowed_token_ids must be token ids in [0, {vocab}), "
                                  f"got {token}")
-        blocked = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            blocked |= self.eos_token_ids
-        if params.min_tokens and set(params.allowed_token_ids) <= blocked:
-            raise ValueError("allowed_token_ids holds only EOS and stop tokens, which "
-                             f"min_tokens={params.min_tokens} blocks: nothing could be "
-                             "generated")
+        blocked = set(bad_words.always) if bad_words is not None else set()
+        if params.min_tokens:
+            blocked |= set(params.stop_token_ids)
+            if not params.ignore_eos:
+                blocked |= self.eos_token_ids
+        if set(params.allowed_token_ids) <= blocked:
+            raise ValueError("allowed_token_ids leaves nothing to generate: each allowed "
+                             "token is a bad word, or EOS or a stop token that "
+                             f"min_tokens={params.min_tokens} blocks")
 
-    def _bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
+    def _bad_words(self, params: SamplingParams) -> BadWords | None:
+        """The request's bad words as token sequences; spellings holding a token the
+        model cannot produce (the tokenizer's added tokens beyond its vocabulary) can
+        never be generated, so they are left out."""
         if not params.bad_words:
-            return []
+            return None
         if self.tokenizer is None:
             raise ValueError("bad_words need a tokenizer (skip_tokenizer_init is set): "
                              "use logit_bias to ban token ids")
-        return bad_words_token_ids(self.tokenizer, params.bad_words)
+        vocab = self.model_config.vocab_size
+        words = [word for word in bad_words_token_ids(self.tokenizer, params.bad_words)
+                 if max(word) < vocab]
+        return BadWords.from_token_ids(words) if words else None
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """Ends requests now and frees their blocks (they stay cached). Unknown ids are
@@ -416,15 +426,14 @@ class LLMEngine:
         try:
             sampling = None
             if rows:
-                bad_words = [self._core_to_group[r.request_id].bad_words_token_ids
-                             for r in rows]
+                bad_words = [self._core_to_group[r.request_id].bad_words for r in rows]
                 sampling = SamplingMetadata.from_requests(
                     [r.sampling_params for r in rows],
                     [r.prompt_token_ids for r in rows],
                     [r.output_token_ids for r in rows],
                     [self._sample_of(r).generator for r in rows],
                     eos_token_ids=sorted(self.eos_token_ids),
-                    bad_words_token_ids=bad_words if any(bad_words) else None,
+                    bad_words=bad_words if any(bad_words) else None,
                     device=self.device,
                 )
             copies = [(c.src, c.dst) for c in scheduled.block_copies]

@@ -21,7 +21,9 @@ def encode_text(tokenizer: Any, text: str, name: str, add_special_tokens: bool) 
 def bad_words_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
     """The token sequences that spell each bad word: alone and after a space, since a
     word mid-text usually tokenizes with its leading space (" hello" is one token, not
-    " " and "hello"). Both spellings are banned, as in vLLM."""
+    " " and "hello"). vLLM keeps the after-a-space spelling only when it has as many
+    tokens as the bare one; here it is always kept, since " Paris" may be one token
+    where "Paris" is two, and that is how the word appears mid-sentence."""
     sequences: list[list[int]] = []
     for word in words:
         for text in (word.lstrip(), " " + word.lstrip()):

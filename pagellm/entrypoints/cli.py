@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import pagellm
 from pagellm.bench.cli import add_bench_parser, run_bench
 from pagellm.engine.async_engine import AsyncLLMEngine
 from pagellm.engine.chat_template import load_chat_template, use_chat_template
@@ -32,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pagellm",
         description="PageLLM: LLM inference with a paged KV cache and automatic prefix "
                     "caching.")
+    parser.add_argument("--version", action="version",
+                        version=f"pagellm {pagellm.__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in (serve, generate, chat):
         module.add_parser(subparsers)

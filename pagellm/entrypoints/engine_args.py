@@ -87,7 +87,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=_DEFAULTS["seed"], metavar="N",
                        help="global random seed (default: %(default)s)")
     group.add_argument("--num-threads", type=int, default=_DEFAULTS["num_threads"], metavar="N",
-                       help="torch CPU threads (default: torch's choice)")
+                       help="torch CPU threads, fixed (default: tuned as it runs: all "
+                            "threads, or one for decode steps when that is faster, as on "
+                            "a machine shared with a busy process)")
     group.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction,
                        default=_DEFAULTS["cpu_kernels"],
                        help="compiled CPU kernels for decode steps: paged attention, and "

@@ -168,7 +168,7 @@ def _token_ids(engine: LLMEngine, record: dict[str, Any], args: argparse.Namespa
     if messages is None:
         prompt = record.get("prompt")
         if isinstance(prompt, list) and args.system is None and not args.chat:
-            return engine.tokenize_prompt({"prompt_token_ids": prompt})[1]
+            return engine.tokenize_prompt(prompt)[1]
         if not isinstance(prompt, str):
             raise ValueError("a line needs a 'prompt' (a string, or token ids without "
                              "--system and --chat) or a 'messages' list")

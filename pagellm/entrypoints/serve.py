@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagellm.engine.async_engine import AsyncLLMEngine
 from pagellm.entrypoints.engine_args import add_chat_template_arg, add_engine_args, byte_size
 from pagellm.model.resolve import is_hub_id
+
+if TYPE_CHECKING:
+    from pagellm.entrypoints.openai.api_server import ServerSettings
 
 # The default model is a GGUF inside a package, not a path the user chose; it is served
 # under the name people know it by.
@@ -39,9 +44,13 @@ def add_parser(subparsers: Any) -> None:
     group.add_argument("--max-request-bytes", type=byte_size, default="8MiB", metavar="SIZE",
                        help="largest request body accepted, larger gets 413 "
                             "(default: %(default)s)")
-    group.add_argument("--log-stats-interval", type=float, default=5.0, metavar="S",
+    group.add_argument("--log-stats-interval", type=_seconds(positive=True), default=5.0,
+                       metavar="S",
                        help="seconds between stats log lines while busy (default: %(default)s)")
-    group.add_argument("--shutdown-timeout", type=int, default=10, metavar="S",
+    group.add_argument("--disable-log-stats", action="store_true",
+                       help="no stats log lines (vLLM's name; /metrics still counts)")
+    group.add_argument("--shutdown-timeout", type=_seconds(positive=False), default=10,
+                       metavar="S",
                        help="on SIGINT/SIGTERM, seconds running requests get to finish "
                             "before they are aborted (default: %(default)s)")
     group.add_argument("--log-level", default="info",
@@ -69,6 +78,20 @@ def _port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"not a port number (0-65535): {text!r}")
     return port
+
+
+def _seconds(positive: bool) -> Callable[[str], float]:
+    """A duration option: > 0 where 0 would mean a busy loop, else >= 0."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (value > 0 if positive else value >= 0) or math.isinf(value):
+            bound = "> 0" if positive else ">= 0"
+            raise argparse.ArgumentTypeError(f"seconds must be a number {bound}, got {text!r}")
+        return value
+    return parse
 
 
 def bind(args: argparse.Namespace) -> socket.socket:
@@ -104,16 +127,22 @@ def served_model_names(args: argparse.Namespace) -> list[str]:
     return [DEFAULT_MODEL_NAME]
 
 
-def run(args: argparse.Namespace, engine: AsyncLLMEngine, launch_time: float,
-        sock: socket.socket) -> int:
+def server_settings(args: argparse.Namespace, launch_time: float, address: str
+                    ) -> ServerSettings:
     # Imported here so the offline subcommands work without the server extra installed.
-    from pagellm.entrypoints.openai.api_server import ServerSettings, run_server
+    from pagellm.entrypoints.openai.api_server import ServerSettings
 
-    settings = ServerSettings(
+    return ServerSettings(
         model_names=served_model_names(args), host=args.host, port=args.port,
         api_key=args.api_key or None, max_request_bytes=args.max_request_bytes,
-        log_stats_interval=args.log_stats_interval, shutdown_timeout=args.shutdown_timeout,
-        log_level=args.log_level, launch_time=launch_time,
-        address=_address(sock))
-    run_server(engine, settings, sock)
+        log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
+        shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
+        launch_time=launch_time, address=address)
+
+
+def run(args: argparse.Namespace, engine: AsyncLLMEngine, launch_time: float,
+        sock: socket.socket) -> int:
+    from pagellm.entrypoints.openai.api_server import run_server
+
+    run_server(engine, server_settings(args, launch_time, _address(sock)), sock)
     return 0

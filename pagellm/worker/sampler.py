@@ -8,7 +8,7 @@ Order of operations (as in vLLM), for logits[N, vocab] with one row per request:
 2. allowed_token_ids: every other token gets -inf;
    min_tokens: EOS and the request's stop token ids get -inf until enough tokens exist;
    bad_words: a bad word's last token gets -inf where the tokens before it were the
-   last ones generated;
+   last ones generated; a row left with no allowed token gets its allowed ones back;
 3. logprobs are taken here, as log_softmax of these logits: the model's distribution
    with the request's own rules applied, but *before* temperature and top-k/top-p/min-p.
    That makes a reported logprob depend only on the model, the prompt and the tokens so
@@ -124,7 +124,7 @@ class SamplingMetadata:
         generators: Sequence[torch.Generator | None],
         *,
         eos_token_ids: Sequence[int] = (),
-        bad_words_token_ids: Sequence[Sequence[Sequence[int]]] | None = None,
+        bad_words: Sequence[BadWords | None] | None = None,
         device: torch.device | str = "cpu",
     ) -> SamplingMetadata:
         """Builds the metadata of one step; row i of the logits belongs to request i.
@@ -134,8 +134,8 @@ class SamplingMetadata:
         `generators[i]` must be the request's own `make_generator(seed)` when it has a
         seed (kept by the caller across steps), else None. `eos_token_ids` are blocked
         with the stop token ids until min_tokens is reached, unless ignore_eos is set.
-        `bad_words_token_ids[i]` are the token sequences request i must not generate (the
-        engine tokenizes its `bad_words`); None when no request has any.
+        `bad_words[i]` is what request i must not generate (the engine tokenizes its
+        `bad_words`); None when no request has any.
         """
         num_rows = len(params)
         if not (len(prompt_token_ids) == len(output_token_ids) == len(generators) == num_rows):
@@ -195,8 +195,9 @@ class SamplingMetadata:
                 blocked.extend(p.stop_token_ids)
                 if not p.ignore_eos:
                     blocked.extend(eos_token_ids)
-            if bad_words_token_ids is not None:
-                blocked.extend(_bad_word_bans(bad_words_token_ids[row], output_token_ids[row]))
+            words = bad_words[row] if bad_words is not None else None
+            if words is not None:
+                blocked.extend(words.bans(output_token_ids[row]))
             if blocked:
                 blocked_rows.append(row)
                 blocked_lists.append(blocked)
@@ -247,17 +248,34 @@ class SamplingMetadata:
         )
 
 
-def _bad_word_bans(words: Sequence[Sequence[int]], generated: Sequence[int]) -> list[int]:
-    """The tokens that would complete one of `words` right now: a word's last token, where
-    the tokens before it are the last ones generated. Only generated tokens count, as in
-    vLLM: the prompt may say the word."""
-    bans = []
-    for word in words:
-        before = len(word) - 1
-        if before == 0 or (before <= len(generated)
-                           and list(generated[len(generated) - before:]) == list(word[:-1])):
-            bans.append(word[-1])
-    return bans
+@dataclass(frozen=True)
+class BadWords:
+    """One request's bad words as token sequences, indexed so that a step looks up only
+    the tokens just generated: one-token words are banned outright, a longer word's last
+    token wherever the tokens before it were the last ones generated. Only generated
+    tokens count, as in vLLM: the prompt may say the word."""
+
+    always: frozenset[int]
+    after: dict[tuple[int, ...], list[int]]
+    prefix_lengths: tuple[int, ...]
+
+    @classmethod
+    def from_token_ids(cls, words: Sequence[Sequence[int]]) -> BadWords:
+        always = {word[-1] for word in words if len(word) == 1}
+        after: dict[tuple[int, ...], list[int]] = {}
+        for word in words:
+            if len(word) > 1:
+                after.setdefault(tuple(word[:-1]), []).append(word[-1])
+        return cls(frozenset(always), after, tuple(sorted({len(key) for key in after})))
+
+    def bans(self, generated: Sequence[int]) -> list[int]:
+        """The tokens that would complete a bad word if generated now."""
+        banned = list(self.always)
+        for length in self.prefix_lengths:
+            if length > len(generated):
+                break
+            banned.extend(self.after.get(tuple(generated[len(generated) - length:]), ()))
+        return banned
 
 
 @dataclass
@@ -407,6 +425,19 @@ def _argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+def _unblock_emptied_rows(logits: torch.Tensor,
+                          allowed_tokens: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]],
+                          kept: torch.Tensor) -> None:
+    """A row whose allowed tokens are all blocked (a bad word's last token, or EOS before
+    min_tokens) would sample from nothing; it gets its allowed tokens back instead, since
+    allowed_token_ids is the harder constraint (a format), not a preference."""
+    rows, (pair_rows, pair_tokens) = allowed_tokens
+    emptied = rows[torch.isneginf(logits[rows]).all(dim=-1)]
+    if emptied.numel():
+        restore = torch.isin(pair_rows, emptied)
+        logits[pair_rows[restore], pair_tokens[restore]] = kept[restore]
+
+
 def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
     """Picks one token per row of `logits` [N, vocab]; the input tensor is not modified."""
     if logits.dim() != 2 or logits.shape[0] != metadata.num_rows:
@@ -428,6 +459,8 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         logits[allowed] = kept
     if metadata.blocked_tokens is not None:
         logits[metadata.blocked_tokens] = float("-inf")
+        if metadata.allowed_tokens is not None:
+            _unblock_emptied_rows(logits, metadata.allowed_tokens, kept)
     wants_logprobs = any(k is not None for k in metadata.num_logprobs)
     logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None
 

@@ -77,6 +77,7 @@ BAD_VALUES = [
     ("allowed_token_ids", []), ("allowed_token_ids", [-1]), ("allowed_token_ids", [2.0]),
     ("allowed_token_ids", 7), ("allowed_token_ids", [True]),
     ("bad_words", [""]), ("bad_words", "  "), ("bad_words", ["ok", None]), ("bad_words", 3),
+    ("bad_words", ["w"] * 1025),
 ]
 
 

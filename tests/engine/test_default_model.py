@@ -274,6 +274,18 @@ def test_detokenize_false_and_truncate_prompt_tokens(default_llm: Any) -> None:
     assert tail.outputs[0].token_ids == same.outputs[0].token_ids
 
 
+def test_a_numpy_array_of_strings_is_a_batch(default_llm: Any) -> None:
+    """A dataset column of texts runs as its prompts (a numeric 1-D array is one prompt)."""
+    import numpy as np
+
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    texts = ["The capital of France is", "One, two, three,"]
+    column = default_llm.generate(np.array(texts), params, use_tqdm=False)
+    listed = default_llm.generate(texts, params, use_tqdm=False)
+    assert [o.prompt for o in column] == texts
+    assert [o.outputs[0].token_ids for o in column] == [o.outputs[0].token_ids for o in listed]
+
+
 def _contains(tokens: list[int], word: list[int]) -> bool:
     return any(tokens[i:i + len(word)] == word for i in range(len(tokens) - len(word) + 1))
 
@@ -295,6 +307,10 @@ def test_bad_words_and_allowed_token_ids(default_llm: Any) -> None:
     assert tokens != list(base.outputs[0].token_ids)
     assert not any(_contains(tokens, word) for word in spellings)
     assert "Paris" not in banned.outputs[0].text
+    (paris,) = llm.get_tokenizer().encode(" Paris", add_special_tokens=False)
+    with pytest.raises(ValueError, match="leaves nothing to generate"):
+        llm.generate(prompt, params.clone(allowed_token_ids=[paris], bad_words=["Paris"]),
+                     use_tqdm=False)
 
     allowed = llm.get_tokenizer().encode(" the cat sat on a mat.", add_special_tokens=False)
     runs = llm.generate([prompt] * 3, [SamplingParams(temperature=1.5, seed=s, max_tokens=12,

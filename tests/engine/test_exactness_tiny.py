@@ -216,7 +216,10 @@ def test_token_ids_from_numpy_and_torch(tiny_models: dict[str, Path]) -> None:
             assert out.outputs[0].token_ids == plain.outputs[0].token_ids
     batch = llm.generate(np.array([ids, ids]), _greedy(4), use_tqdm=False)  # 2-D: a batch
     batch += llm.generate([np.array(ids), torch.tensor(ids)], _greedy(4), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in batch] == [plain.outputs[0].token_ids] * 4
+    ragged = np.empty(2, dtype=object)  # a dataset column of token-id arrays
+    ragged[:] = [np.array(ids), np.array(ids[:-1])]
+    batch += llm.generate(ragged, _greedy(4), use_tqdm=False)[:1]
+    assert [o.outputs[0].token_ids for o in batch] == [plain.outputs[0].token_ids] * 5
     with pytest.raises(ValueError, match="must be integers, got 1.5"):
         llm.generate({"prompt_token_ids": [1, 1.5]}, _greedy(4), use_tqdm=False)
     # A 1-D array is one prompt even when it cannot be one: one error, not one per value.

@@ -18,7 +18,7 @@ from pagellm.core.sampling_params import SamplingParams
 from pagellm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from pagellm.engine.config import EngineConfig
 from pagellm.engine.llm_engine import LLMEngine
-from pagellm.entrypoints.openai import serving_completion
+from pagellm.entrypoints.openai import api_server, serving_completion
 from pagellm.entrypoints.openai.api_server import ServerSettings, create_app
 from tests.server.conftest import MODEL_NAME
 
@@ -203,3 +203,27 @@ def test_a_second_shutdown_during_the_first_waits_instead_of_raising(
     engine.shutdown()
     first.join(10)
     assert not engine._thread.is_alive() and not first.is_alive()
+
+
+def test_the_stats_logger_runs_at_its_interval_or_not_at_all(
+        llm_engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--disable-log-stats` (interval None) starts no logger task at all."""
+    started: list[float] = []
+
+    async def log_stats_forever(engine: AsyncLLMEngine, interval: float) -> None:
+        started.append(interval)
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(api_server, "log_stats_forever", log_stats_forever)
+
+    async def serve_briefly(interval: float | None) -> None:
+        engine = AsyncLLMEngine(lambda: llm_engine)
+        app = create_app(engine, ServerSettings(model_names=[MODEL_NAME],
+                                                log_stats_interval=interval))
+        async with app.router.lifespan_context(app):
+            await asyncio.sleep(0.05)
+
+    asyncio.run(serve_briefly(None))
+    assert started == []
+    asyncio.run(serve_briefly(2.5))
+    assert started == [2.5]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from typing import Any
 
 import httpx
 import openai
@@ -99,6 +100,28 @@ def test_chat_stream_with_usage(client: openai.OpenAI) -> None:
     assert chunks[-1].choices == []
     assert chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_continuous_usage_stats_count_the_tokens_so_far(client: openai.OpenAI) -> None:
+    """vLLM's `continuous_usage_stats`: usage on every chunk, growing to the final one."""
+    options: Any = {"include_usage": True, "continuous_usage_stats": True}
+    chat = list(client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Name a colour."}],
+        max_tokens=6, temperature=0, stream=True, stream_options=options))
+    completion = list(client.completions.create(
+        model=MODEL_NAME, prompt="Count: one, two,", max_tokens=6, temperature=0,
+        stream=True, stream_options=options))
+    for chunks in (chat, completion):
+        assert all(c.usage is not None for c in chunks)
+        counts = [c.usage.completion_tokens for c in chunks if c.usage is not None]
+        assert counts == sorted(counts) and counts[-1] == 6 and counts[-2] == 6
+        assert len({c.usage.prompt_tokens for c in chunks if c.usage is not None}) == 1
+        assert chunks[-1].choices == []  # the usage chunk of include_usage still ends it
+    assert chat[0].usage is not None and chat[0].usage.completion_tokens == 0  # role chunk
+    plain = list(client.completions.create(
+        model=MODEL_NAME, prompt="Count: one, two,", max_tokens=6, temperature=0,
+        stream=True, stream_options={"include_usage": True}))
+    assert [c.usage is None for c in plain] == [True] * (len(plain) - 1) + [False]
 
 
 def test_chat_stream_deltas_carry_no_nulls(server: Server) -> None:

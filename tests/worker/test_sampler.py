@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from pagellm.core.sampling_params import SamplingParams
-from pagellm.worker.sampler import SamplerOutput, SamplingMetadata, make_generator, sample
+from pagellm.worker.sampler import (
+    BadWords,
+    SamplerOutput,
+    SamplingMetadata,
+    make_generator,
+    sample,
+)
 
 
 def run(
@@ -28,7 +34,8 @@ def run(
         outputs if outputs is not None else [[]] * n,
         generators if generators is not None else [None] * n,
         eos_token_ids=eos,
-        bad_words_token_ids=bad_words,
+        bad_words=(None if bad_words is None else
+                   [BadWords.from_token_ids(words) if words else None for words in bad_words]),
     )
     return sample(logits, md)
 
@@ -378,6 +385,32 @@ def test_bad_words_ban_the_last_token_only_after_the_rest_was_generated() -> Non
     both = [[one_token, three_tokens]]
     assert run(logits, greedy, outputs=[[9, 3, 4]], bad_words=both).sampled_token_ids == [1]
     assert run(logits, greedy, outputs=[[4]], bad_words=both).sampled_token_ids == [5]
+
+
+def test_bad_words_index_finds_every_word_ending_now() -> None:
+    words = BadWords.from_token_ids([[7], [4, 7], [4, 8], [3, 4, 5], [9, 9]])
+    assert sorted(words.bans([])) == [7]
+    assert sorted(words.bans([1, 4])) == [7, 7, 8]
+    assert sorted(words.bans([3, 4])) == [5, 7, 7, 8]
+    assert sorted(words.bans([9])) == [7, 9]
+    assert sorted(words.bans([9, 3])) == [7]
+
+
+def test_a_row_whose_allowed_tokens_are_all_banned_keeps_them() -> None:
+    """allowed_token_ids wins over a bad word that would leave nothing to sample: the row
+    samples among its allowed tokens (never token 0 of an all -inf row), others stay
+    banned as usual."""
+    logits = torch.zeros(2, 10)
+    logits[:, 5] = 1.0
+    logits[:, 0] = 3.0
+    params = [SamplingParams(temperature=0, allowed_token_ids=[5, 6], logprobs=1),
+              SamplingParams(temperature=0, allowed_token_ids=[5, 6])]
+    out = run(logits, params, outputs=[[4], [2]], bad_words=[[[4, 5], [4, 6]], [[4, 5]]])
+    assert out.sampled_token_ids == [5, 5]
+    logprobs = out.logprobs[0]
+    assert logprobs is not None and logprobs.logprob > -1.0  # a real distribution
+    out = run(logits[1:], params[1:], outputs=[[4]], bad_words=[[[4, 5]]])
+    assert out.sampled_token_ids == [6]
 
 
 def test_bad_words_are_per_row() -> None:

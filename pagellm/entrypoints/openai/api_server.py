@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import importlib.metadata
 import logging
+import math
 import signal
 import socket
 import time
@@ -53,12 +54,20 @@ class ServerSettings:
     port: int = 8000
     api_key: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    log_stats_interval: float = 5.0
-    shutdown_timeout: int = 10
+    log_stats_interval: float | None = 5.0  # None: no stats log lines
+    shutdown_timeout: float = 10
     log_level: str = "info"
     launch_time: float = field(default_factory=time.perf_counter)
     # host:port as bound (the real port when --port 0 let the OS choose), for the log.
     address: str = ""
+
+    def __post_init__(self) -> None:
+        # An interval of 0 would make the stats logger a busy loop.
+        if self.log_stats_interval is not None and not self.log_stats_interval > 0:
+            raise ValueError(f"log_stats_interval must be > 0 or None, got "
+                             f"{self.log_stats_interval!r}")
+        if not self.shutdown_timeout >= 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout!r}")
 
 
 def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
@@ -66,14 +75,16 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        stats_task = asyncio.create_task(log_stats_forever(engine, settings.log_stats_interval))
+        stats_task = (None if settings.log_stats_interval is None else
+                      asyncio.create_task(log_stats_forever(engine, settings.log_stats_interval)))
         logger.info("PageLLM server ready in %.2f s, serving %s on http://%s",
                     time.perf_counter() - settings.launch_time, ", ".join(settings.model_names),
                     settings.address)
         try:
             yield
         finally:
-            stats_task.cancel()
+            if stats_task is not None:
+                stats_task.cancel()
             context.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
             await asyncio.to_thread(engine.shutdown)
             logger.info("shutting down: engine stopped")
@@ -164,7 +175,7 @@ class _GracefulServer(uvicorn.Server):
     (kept as a backstop) would cut connections mid-response and log each as a crash.
     """
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, grace: int) -> None:
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, grace: float) -> None:
         super().__init__(config)
         self.engine = engine
         self.grace = grace
@@ -208,7 +219,7 @@ def run_server(engine: AsyncLLMEngine, settings: ServerSettings, sock: socket.so
     config = uvicorn.Config(
         create_app(engine, settings), host=settings.host, port=settings.port,
         log_level=settings.log_level,
-        timeout_graceful_shutdown=settings.shutdown_timeout + _SHUTDOWN_BACKSTOP_S,
+        timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout) + _SHUTDOWN_BACKSTOP_S,
         access_log=settings.log_level == "debug")
     with _signals_end_gracefully():
         _GracefulServer(config, engine, settings.shutdown_timeout).run(sockets=[sock])

@@ -89,8 +89,9 @@ def validation_error(errors: Sequence[Any]) -> APIError:
     if kind == "missing":
         return bad_request(f"Missing required parameter: '{param}'.", param=param,
                            code="missing_required_parameter")
-    return bad_request(f"Invalid value for '{param}': {first.get('msg', 'invalid value')}.",
-                       param=param, code="invalid_value")
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return bad_request(f"Invalid value for '{param}': {message}.", param=param,
+                       code="invalid_value")
 
 
 def failure(error: BaseException) -> APIError:

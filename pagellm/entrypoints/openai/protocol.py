@@ -21,6 +21,7 @@ from pydantic import (
     Field,
     SerializerFunctionWrapHandler,
     model_serializer,
+    model_validator,
 )
 
 TokenIds = list[int]
@@ -32,6 +33,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far on every chunk too
 
 
 class SamplingFields(_Strict):
@@ -98,6 +100,18 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts_only(cls, data: Any) -> Any:
+        """An image or audio part would otherwise fail as "not a valid string" (the first
+        type of the content union), which hides that lists of text parts are fine."""
+        content = data.get("content") if isinstance(data, dict) else None
+        for part in content if isinstance(content, list) else []:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in (None, "text"):
+                raise ValueError(f"only text content parts are supported, got a {kind!r} part")
+        return data
 
 
 class ChatCompletionRequest(SamplingFields):

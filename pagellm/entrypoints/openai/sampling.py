@@ -30,19 +30,18 @@ def build_sampling_params(
 ) -> SamplingParams:
     """The request's sampling options, validated; raises a 400 APIError naming the field.
 
-    Some checks need the vocabulary, which `SamplingParams` does not know, and they guard
-    the whole batch: a token id outside it in `stop_token_ids` or `allowed_token_ids`,
-    or a `top_k` too big for the sampler's int64 tensors, would fail the step of every
-    request scheduled with it. `top_k` above the vocabulary means "no limit", so it is
-    clamped; a token id outside the vocabulary is a client error.
+    Two checks need the vocabulary, which `SamplingParams` does not know, and both guard
+    the whole batch: a token id outside it in `stop_token_ids`, or a `top_k` too big for
+    the sampler's int64 tensors, would fail the step of every request scheduled with it.
+    `top_k` above the vocabulary means "no limit", so it is clamped; a stop token outside
+    the vocabulary is a client error.
     """
     top_k = request.top_k or 0
     logit_bias = _logit_bias(request.logit_bias, vocab_size)
-    for name in ("stop_token_ids", "allowed_token_ids"):
-        for token in getattr(request, name) or []:
-            if not 0 <= token < vocab_size:
-                raise bad_request(f"{name} must be token ids in [0, {vocab_size}), got "
-                                  f"{token}", param=name, code="invalid_value")
+    for token in request.stop_token_ids or []:
+        if not 0 <= token < vocab_size:
+            raise bad_request(f"stop_token_ids must be token ids in [0, {vocab_size}), got "
+                              f"{token}", param="stop_token_ids", code="invalid_value")
     try:
         return SamplingParams(
             n=request.n,

@@ -21,6 +21,7 @@ from pagellm.entrypoints.openai.metrics import ServerMetrics
 from pagellm.entrypoints.openai.protocol import (
     PromptTokensDetails,
     SamplingFields,
+    StreamOptions,
     UsageInfo,
 )
 
@@ -225,6 +226,22 @@ async def final_outputs(streams: list[RequestStream], metrics: ServerMetrics
         async for index, output in outputs:
             last[index] = output
     return [last[index] for index in range(len(streams))]
+
+
+@dataclass(frozen=True)
+class UsageReport:
+    """Where a stream reports usage (`stream_options`): in a last chunk of its own
+    (`include_usage`), and also on every chunk, counting the tokens so far (vLLM's
+    `continuous_usage_stats`, which needs `include_usage`)."""
+
+    at_end: bool
+    on_every_chunk: bool
+
+    @classmethod
+    def of(cls, options: StreamOptions | None) -> UsageReport:
+        if options is None or not options.include_usage:
+            return cls(False, False)
+        return cls(True, options.continuous_usage_stats)
 
 
 def usage(outputs: list[RequestOutput]) -> UsageInfo:

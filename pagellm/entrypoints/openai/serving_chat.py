@@ -30,11 +30,13 @@ from pagellm.entrypoints.openai.protocol import (
     ChatDelta,
     ChatResponseMessage,
     TokenizeRequest,
+    UsageInfo,
 )
 from pagellm.entrypoints.openai.sampling import build_sampling_params
 from pagellm.entrypoints.openai.serving import (
     Prompt,
     ServerContext,
+    UsageReport,
     check_supported,
     final_outputs,
     is_set,
@@ -140,9 +142,9 @@ async def create_chat_completion(context: ServerContext, body: ChatCompletionReq
     streams = await start_requests(context, request_id, [prompt], [params], body.cache_salt,
                                    arrival, "messages", body.priority)
     if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
         return EventStreamResponse(streamed(_stream(context, request_id, body, streams,
-                                                    include_usage)))
+                                                    UsageReport.of(body.stream_options),
+                                                    len(prompt.token_ids))))
     outputs = await unless_disconnected(raw, final_outputs(streams, context.metrics))
     return JSONResponse(_response(context, request_id, body, outputs[0]).model_dump(mode="json"))
 
@@ -164,19 +166,22 @@ def _response(context: ServerContext, request_id: str, body: ChatCompletionReque
 
 
 async def _stream(context: ServerContext, request_id: str, body: ChatCompletionRequest,
-                  streams: list[RequestStream], include_usage: bool
+                  streams: list[RequestStream], report: UsageReport, prompt_tokens: int
                   ) -> AsyncGenerator[str, None]:
-    """A role chunk per choice, then content deltas, each choice's last with its reason."""
+    """A role chunk per choice, then content deltas, each choice's last with its reason;
+    with continuous usage, every chunk counts the tokens so far (as vLLM's does)."""
     token_text = TokenText(context.engine.tokenizer, body.return_tokens_as_token_ids)
     created = int(time.time())
 
-    def chunk(choices: list[ChatChunkChoice]) -> str:
-        return sse(ChatCompletionChunk(id=request_id, created=created, model=context.model_name,
-                                       choices=choices).model_dump(mode="json",
-                                                                   exclude={"usage"}))
+    def chunk(choices: list[ChatChunkChoice], so_far: UsageInfo | None) -> str:
+        return sse(ChatCompletionChunk(
+            id=request_id, created=created, model=context.model_name, choices=choices,
+            usage=so_far if report.on_every_chunk else None,
+        ).model_dump(mode="json", exclude=None if report.on_every_chunk else {"usage"}))
 
     yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
-                 for i in range(body.n)])
+                 for i in range(body.n)],
+                UsageInfo(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens))
     sent_text: dict[int, int] = {}
     sent_logprobs: dict[int, int] = {}
     done: set[int] = set()
@@ -204,8 +209,8 @@ async def _stream(context: ServerContext, request_id: str, body: ChatCompletionR
             if output.finished:
                 final = output
             if choices:
-                yield chunk(choices)
-    if include_usage and final is not None:
+                yield chunk(choices, usage([output]) if report.on_every_chunk else None)
+    if report.at_end and final is not None:
         last = ChatCompletionChunk(id=request_id, created=created, model=context.model_name,
                                    choices=[], usage=usage([final]))
         yield sse(last.model_dump(mode="json"))

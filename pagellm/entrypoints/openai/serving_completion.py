@@ -32,6 +32,7 @@ from pagellm.entrypoints.openai.sampling import build_sampling_params
 from pagellm.entrypoints.openai.serving import (
     Prompt,
     ServerContext,
+    UsageReport,
     check_choices,
     check_supported,
     encode,
@@ -136,9 +137,8 @@ async def create_completion(context: ServerContext, body: CompletionRequest,
     streams = await start_requests(context, request_id, prompts, params, body.cache_salt,
                                    arrival, "prompt", body.priority)
     if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
         return EventStreamResponse(streamed(_stream(context, request_id, body, streams,
-                                                    include_usage)))
+                                                    UsageReport.of(body.stream_options))))
     outputs = await unless_disconnected(raw, final_outputs(streams, context.metrics))
     return JSONResponse(_response(context, request_id, body, outputs).model_dump(mode="json"))
 
@@ -172,9 +172,10 @@ def _response(context: ServerContext, request_id: str, body: CompletionRequest,
 
 
 async def _stream(context: ServerContext, request_id: str, body: CompletionRequest,
-                  streams: list[RequestStream], include_usage: bool
+                  streams: list[RequestStream], report: UsageReport
                   ) -> AsyncGenerator[str, None]:
-    """One chunk per engine output with each choice's new text (and new logprobs)."""
+    """One chunk per engine output with each choice's new text (and new logprobs); with
+    continuous usage, the chunk counts its prompt's tokens so far (as vLLM's does)."""
     token_text = TokenText(context.engine.tokenizer, body.return_tokens_as_token_ids)
     sent_text: dict[int, int] = {}
     sent_logprobs: dict[int, int] = {}
@@ -213,10 +214,12 @@ async def _stream(context: ServerContext, request_id: str, body: CompletionReque
             if output.finished:
                 finals[prompt_index] = output
             if choices:
-                chunk = CompletionResponse(id=request_id, created=created,
-                                           model=context.model_name, choices=choices)
-                yield sse(chunk.model_dump(mode="json", exclude={"usage"}))
-    if include_usage:
+                chunk = CompletionResponse(
+                    id=request_id, created=created, model=context.model_name, choices=choices,
+                    usage=usage([output]) if report.on_every_chunk else None)
+                yield sse(chunk.model_dump(
+                    mode="json", exclude=None if report.on_every_chunk else {"usage"}))
+    if report.at_end:
         final = CompletionResponse(id=request_id, created=created, model=context.model_name,
                                    choices=[], usage=usage(list(finals.values())))
         yield sse(final.model_dump(mode="json"))
