@@ -21,6 +21,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pagellm.bench.cli import check_output_dir, count, python_path, report_failures  # noqa: E402
 from pagellm.bench.compare import (  # noqa: E402
     HF_GENERATE,
     PAGELLM,
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
                         help="development size (minutes), written to results-quick/")
-    parser.add_argument("--vllm-python", default=None,
+    parser.add_argument("--vllm-python", type=python_path, default=None,
                         help="python of a venv with vLLM's CPU build (else vLLM is skipped)")
     parser.add_argument("--output-dir", type=Path, default=None)
     parser.add_argument("--only", default=None,
@@ -99,22 +100,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rerender", action="store_true",
                         help="rewrite the report and plots from the output directory's "
                              "results.json (after a change to the report), running nothing")
-    parser.add_argument("--hf-batch-size", type=int, default=8)
-    parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--hf-batch-size", type=count(1), default=8)
+    parser.add_argument("--num-threads", type=count(1), default=None)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=1,
+    parser.add_argument("--repeats", type=count(1), default=1,
                         help="runs per contender, median reported (3 on a busy machine)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
     out = args.output_dir or HERE / ("results-quick" if args.quick else "results")
     if args.rerender:
+        if not (out / JSON_NAME).is_file():
+            parser.error(f"--rerender: no {JSON_NAME} in {out} (give its --output-dir)")
         write_report(read_report(out / JSON_NAME), out)
         print(f"rewrote {out}")
         return 0
     specs = QUICK if args.quick else FULL
     if args.only:
         wanted = set(args.only.split(","))
+        labels = sorted({s[0] for s in specs})
+        if wanted - set(labels):
+            parser.error(f"--only: unknown label(s) {', '.join(sorted(wanted - set(labels)))}; "
+                         f"the labels are {', '.join(labels)}")
         specs = [s for s in specs if s[0] in wanted]
     if args.skip_online:
         specs = [s for s in specs if s[2] != "online"]
@@ -122,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         # Development results are never meant to be committed next to the full ones.
         out.mkdir(parents=True, exist_ok=True)
         (out / ".gitignore").write_text("*\n")
+    try:
+        check_output_dir(out)
+    except ValueError as error:
+        parser.error(str(error))
     model_dir = resolve_model_path(None, default_cache_dir())
     tokenizer = load_tokenizer(model_dir)
     engine_kwargs = {"num_threads": args.num_threads} if args.num_threads else {}
@@ -139,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         report.meta["scale"] = "quick (development size)" if args.quick else "full (the issue's)"
         write_report(report, out)
     print(f"wrote {out}")
-    return 0
+    return report_failures(comparisons)
 
 
 if __name__ == "__main__":

