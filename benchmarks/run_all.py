@@ -72,7 +72,9 @@ QUICK: list[Spec] = [
     ("few-shot", "few-shot", "offline", dict(num_requests=4, num_examples=3, output_len=4),
      None, math.inf),
     ("eviction", "eviction", "offline",
-     dict(num_requests=8, num_prefixes=6, prefix_len=64, suffix_len=16, output_len=4), None,
+     # Requests of 212 tokens in an 848-token pool: vLLM's 128-token blocks, one of them
+     # its null block, must still hold one request.
+     dict(num_requests=8, num_prefixes=6, prefix_len=192, suffix_len=16, output_len=4), None,
      math.inf),
     ("no-sharing", "no-sharing", "offline", dict(num_requests=4, prompt_len=144, output_len=4),
      None, math.inf),
