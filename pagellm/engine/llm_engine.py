@@ -426,12 +426,14 @@ class LLMEngine:
         try:
             sampling = None
             if rows:
-                bad_words = [self._core_to_group[r.request_id].bad_words for r in rows]
+                groups = [self._core_to_group[r.request_id] for r in rows]
+                bad_words = [group.bad_words for group in groups]
                 sampling = SamplingMetadata.from_requests(
                     [r.sampling_params for r in rows],
                     [r.prompt_token_ids for r in rows],
                     [r.output_token_ids for r in rows],
-                    [self._sample_of(r).generator for r in rows],
+                    [group.by_core_id[r.request_id].generator
+                     for group, r in zip(groups, rows, strict=True)],
                     eos_token_ids=sorted(self.eos_token_ids),
                     bad_words=bad_words if any(bad_words) else None,
                     device=self.device,

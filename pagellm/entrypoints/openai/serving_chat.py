@@ -174,14 +174,15 @@ async def _stream(context: ServerContext, request_id: str, body: ChatCompletionR
     created = int(time.time())
 
     def chunk(choices: list[ChatChunkChoice], so_far: UsageInfo | None) -> str:
+        """A chunk, with the usage so far where continuous usage is asked for."""
         return sse(ChatCompletionChunk(
             id=request_id, created=created, model=context.model_name, choices=choices,
-            usage=so_far if report.on_every_chunk else None,
-        ).model_dump(mode="json", exclude=None if report.on_every_chunk else {"usage"}))
+            usage=so_far).model_dump(mode="json", exclude=None if so_far else {"usage"}))
 
     yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
                  for i in range(body.n)],
-                UsageInfo(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens))
+                UsageInfo(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens)
+                if report.on_every_chunk else None)
     sent_text: dict[int, int] = {}
     sent_logprobs: dict[int, int] = {}
     done: set[int] = set()
