@@ -20,6 +20,7 @@ _EXPORTS = {
     "AsyncLLMEngine": "pagellm.engine.async_engine",
     "EngineConfig": "pagellm.engine.config",
     "SamplingParams": "pagellm.core.sampling_params",
+    "StructuredOutputsParams": "pagellm.core.sampling_params",
     "RequestOutput": "pagellm.engine.outputs",
     "CompletionOutput": "pagellm.engine.outputs",
     "TextPrompt": "pagellm.inputs",

@@ -129,6 +129,88 @@ def _logit_bias(value: object) -> dict[int, float] | None:
     return bias or None
 
 
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A format the generated text must follow (vLLM's `StructuredOutputsParams`): exactly
+    one of
+
+    - json: a JSON schema (a dict, or its JSON text) the output must validate against;
+    - regex: a regular expression the whole output must match;
+    - choice: the output is exactly one of these strings;
+    - grammar: a context-free grammar, in Lark or GBNF (llama.cpp's) syntax;
+    - json_object: True for any JSON object (OpenAI's `{"type": "json_object"}`).
+
+    disable_any_whitespace keeps JSON compact (no whitespace between tokens), which also
+    stops a small model from filling its budget with newlines; whitespace_pattern is a
+    regex for the whitespace JSON may hold instead. Only the shape is checked here; the
+    engine compiles the constraint and refuses one that does not compile.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in _CONSTRAINTS if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of "
+                f"{', '.join(_CONSTRAINTS)}; got {', '.join(given) or 'none'}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (a dict or its "
+                             f"JSON text), got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, "
+                                 f"got {value!r}")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(item, str) for item in self.choice)):
+                raise ValueError("structured_outputs.choice must be a non-empty list of "
+                                 f"strings, got {self.choice!r}")
+            self.choice = list(self.choice)
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError("structured_outputs.json_object must be True (leave it unset "
+                             f"for no constraint), got {self.json_object!r}")
+        _flag("structured_outputs.disable_any_whitespace", self.disable_any_whitespace)
+        if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
+            raise ValueError("structured_outputs.whitespace_pattern must be a string, got "
+                             f"{self.whitespace_pattern!r}")
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> StructuredOutputsParams:
+        """From JSON-like input (a request body, a JSONL line); unknown keys are errors."""
+        names = {field.name for field in dataclasses.fields(cls)}
+        unknown = sorted(set(fields) - names)
+        if unknown:
+            raise ValueError(f"structured_outputs keys must be among {', '.join(sorted(names))}"
+                             f"; got {unknown[0]!r}")
+        return cls(**fields)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: one of "json", "regex", "choice", "grammar",
+        "json_object"."""
+        return next(name for name in _CONSTRAINTS if getattr(self, name) is not None)
+
+
+def _structured_outputs(value: object) -> StructuredOutputsParams | None:
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError("structured_outputs must be a StructuredOutputsParams or a dict of "
+                         f"its fields, got {type(value).__name__}")
+    return StructuredOutputsParams.from_dict(value)
+
+
 @dataclass(init=False)
 class SamplingParams:
     """Sampling and stopping options of one request, validated on construction.
@@ -173,6 +255,8 @@ class SamplingParams:
       alone and after a space, and a generated sequence may not end with either
       tokenization (the word's last token is banned where the tokens before it were just
       generated). At most 1,024 words; None for none.
+    - structured_outputs: a `StructuredOutputsParams` format (JSON schema, regex, choice,
+      grammar) every completion must follow, or a dict of its fields; None for free text.
     """
 
     n: int
@@ -198,6 +282,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None
     allowed_token_ids: list[int] | None
     bad_words: list[str] | None
+    structured_outputs: StructuredOutputsParams | None
 
     def __init__(
         self,
@@ -225,6 +310,7 @@ class SamplingParams:
         truncate_prompt_tokens: int | None = None,
         allowed_token_ids: Sequence[int] | None = None,
         bad_words: str | Sequence[str] | None = None,
+        structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None,
     ) -> None:
         self.n = _integer("n", n)
         if not 1 <= self.n <= MAX_N:
@@ -283,6 +369,7 @@ class SamplingParams:
         if self.bad_words is not None and len(self.bad_words) > MAX_BAD_WORDS:
             raise ValueError(f"bad_words must hold at most {MAX_BAD_WORDS} words, got "
                              f"{len(self.bad_words)}")
+        self.structured_outputs = _structured_outputs(structured_outputs)
 
     def truncate(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
         """The prompt as `truncate_prompt_tokens` keeps it: its last tokens. -1 keeps as

@@ -26,6 +26,12 @@ from pagellm.core.scheduler import Scheduler, SchedulerOutput
 from pagellm.engine.config import EngineConfig, resolve_device
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagellm.engine.structured_output import (
+    FormatMatcher,
+    Grammar,
+    GrammarCompiler,
+    allowed_tokens,
+)
 from pagellm.engine.text import bad_words_token_ids, encode_text
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.loader import load_model, load_tokenizer
@@ -82,6 +88,7 @@ class _Sample:
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None
     logprobs: list[Logprob] | None
+    matcher: FormatMatcher | None = None
     cumulative_logprob: float = 0.0
 
 
@@ -181,6 +188,9 @@ class LLMEngine:
             CudaGraphRunner(self.model, self.kv_cache, config.max_num_seqs, self.max_model_len)
             if graphs else None)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self._grammars = (None if self.tokenizer is None else
+                          GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                          sorted(self.eos_token_ids)))
         self._groups: dict[str, _Group] = {}
         self._core_to_group: dict[str, _Group] = {}
         self._ids = itertools.count()
@@ -314,6 +324,7 @@ class LLMEngine:
                 raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}), got {token}")
         bad_words = self._bad_words(params)
         self._check_allowed_token_ids(params, bad_words)
+        grammar = self._grammar(params)
         text, token_ids = self.tokenize_prompt(prompt)
         kept = params.truncate(token_ids, self.max_model_len)
         if len(kept) < len(token_ids):
@@ -339,7 +350,8 @@ class LLMEngine:
                                        token_ids, params.stop,
                                        params.include_stop_str_in_output,
                                        params.skip_special_tokens, params.min_tokens),
-                generator, [] if params.logprobs is not None else None))
+                generator, [] if params.logprobs is not None else None,
+                grammar.matcher() if grammar is not None else None))
         assert leader is not None
         group = _Group(request_id, text, token_ids, samples, RequestMetrics(arrival),
                        prompt_logprobs=None if params.prompt_logprobs is None else [None],
@@ -388,6 +400,14 @@ class LLMEngine:
                  if max(word) < vocab]
         return BadWords.from_token_ids(words) if words else None
 
+    def _grammar(self, params: SamplingParams) -> Grammar | None:
+        if params.structured_outputs is None:
+            return None
+        if self._grammars is None:
+            raise ValueError("structured_outputs needs a tokenizer (skip_tokenizer_init is "
+                             "set)")
+        return self._grammars.compile(params.structured_outputs)
+
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """Ends requests now and frees their blocks (they stay cached). Unknown ids are
         ignored: a client may abort a request that just finished."""
@@ -423,19 +443,22 @@ class LLMEngine:
             if group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = now
         rows, chunks = self._chunks(scheduled)
+        samples: list[_Sample] = []
         try:
             sampling = None
             if rows:
                 groups = [self._core_to_group[r.request_id] for r in rows]
+                samples = [group.by_core_id[r.request_id]
+                           for group, r in zip(groups, rows, strict=True)]
                 bad_words = [group.bad_words for group in groups]
                 sampling = SamplingMetadata.from_requests(
                     [r.sampling_params for r in rows],
                     [r.prompt_token_ids for r in rows],
                     [r.output_token_ids for r in rows],
-                    [group.by_core_id[r.request_id].generator
-                     for group, r in zip(groups, rows, strict=True)],
+                    [sample.generator for sample in samples],
                     eos_token_ids=sorted(self.eos_token_ids),
                     bad_words=bad_words if any(bad_words) else None,
+                    format_tokens=self._format_tokens(samples),
                     device=self.device,
                 )
             copies = [(c.src, c.dst) for c in scheduled.block_copies]
@@ -447,11 +470,13 @@ class LLMEngine:
         self._add_prompt_logprobs(scheduled, chunks, result.prompt_logprobs)
         sampled: dict[str, int] = {}
         if result.sampled is not None:
-            for request, token, logprob in zip(rows, result.sampled.sampled_token_ids,
-                                               result.sampled.logprobs, strict=True):
+            for request, sample, token, logprob in zip(
+                    rows, samples, result.sampled.sampled_token_ids, result.sampled.logprobs,
+                    strict=True):
                 sampled[request.request_id] = token
+                if sample.matcher is not None:
+                    sample.matcher.accept(token)
                 if logprob is not None:
-                    sample = self._sample_of(request)
                     sample.cumulative_logprob += logprob.logprob
                     if sample.logprobs is not None:
                         sample.logprobs.append(Logprob(
@@ -462,6 +487,16 @@ class LLMEngine:
         outputs = self._process(updated)
         self._update_time += time.perf_counter() - updated_at
         return outputs
+
+    def _format_tokens(self, samples: list[_Sample]) -> tuple[list[int], torch.Tensor] | None:
+        """The rows under structured output and the tokens their formats allow next."""
+        rows = [row for row, sample in enumerate(samples) if sample.matcher is not None]
+        matchers = [sample.matcher for sample in samples if sample.matcher is not None]
+        if not matchers:
+            return None
+        assert self._grammars is not None
+        return rows, allowed_tokens(matchers, self._grammars.mask_words,
+                                    self.model_config.vocab_size)
 
     def _add_prompt_logprobs(self, scheduled: SchedulerOutput, chunks: list[SequenceChunk],
                              scores: list[list[TokenLogprobs]]) -> None:
@@ -493,9 +528,6 @@ class LLMEngine:
     def _prompt_unscored(self, request: Request) -> bool:
         collected = self._core_to_group[request.request_id].prompt_logprobs
         return collected is not None and len(collected) < request.num_prompt_tokens
-
-    def _sample_of(self, request: Request) -> _Sample:
-        return self._core_to_group[request.request_id].by_core_id[request.request_id]
 
     def _chunks(self, scheduled: SchedulerOutput) -> tuple[list[Request], list[SequenceChunk]]:
         rows: list[Request] = []

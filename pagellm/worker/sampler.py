@@ -5,10 +5,13 @@ Order of operations (as in vLLM), for logits[N, vocab] with one row per request:
 0. logit_bias: each request's {token id: bias} added to its logits;
 1. penalties: repetition (over prompt + generated tokens), then frequency and presence
    (over generated tokens only);
-2. allowed_token_ids: every other token gets -inf;
+2. structured output: tokens that would leave the request's format get -inf;
+   allowed_token_ids: every other token gets -inf;
    min_tokens: EOS and the request's stop token ids get -inf until enough tokens exist;
    bad_words: a bad word's last token gets -inf where the tokens before it were the
-   last ones generated; a row left with no allowed token gets its allowed ones back;
+   last ones generated; a row left with no allowed token gets its allowed ones back,
+   and a row left with no token its format allows gets those back (the format is the
+   hardest rule: it wins over min_tokens, bad words and allowed_token_ids);
 3. logprobs are taken here, as log_softmax of these logits: the model's distribution
    with the request's own rules applied, but *before* temperature and top-k/top-p/min-p.
    That makes a reported logprob depend only on the model, the prompt and the tokens so
@@ -84,6 +87,8 @@ class SamplingMetadata:
     - allowed_tokens: the rows limited to allowed_token_ids, and their (row, token id)
       pairs; every other token of those rows gets -inf.
     - blocked_tokens: (row, token id) pairs that min_tokens or bad_words forbid this step.
+    - format_tokens: the rows under structured output, and [rows, vocab] bool of the
+      tokens each row's format allows next.
     - logit_bias: (row, token id) pairs and the bias added to each.
     - num_logprobs[N]: the request's `logprobs` (None = not wanted).
     """
@@ -104,6 +109,7 @@ class SamplingMetadata:
     output_tokens: tuple[torch.Tensor, torch.Tensor] | None
     allowed_tokens: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None
     blocked_tokens: tuple[torch.Tensor, torch.Tensor] | None
+    format_tokens: tuple[torch.Tensor, torch.Tensor] | None
     num_logprobs: list[int | None]
     logit_bias: tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None
 
@@ -125,6 +131,7 @@ class SamplingMetadata:
         *,
         eos_token_ids: Sequence[int] = (),
         bad_words: Sequence[BadWords | None] | None = None,
+        format_tokens: tuple[Sequence[int], torch.Tensor] | None = None,
         device: torch.device | str = "cpu",
     ) -> SamplingMetadata:
         """Builds the metadata of one step; row i of the logits belongs to request i.
@@ -135,7 +142,8 @@ class SamplingMetadata:
         seed (kept by the caller across steps), else None. `eos_token_ids` are blocked
         with the stop token ids until min_tokens is reached, unless ignore_eos is set.
         `bad_words[i]` is what request i must not generate (the engine tokenizes its
-        `bad_words`); None when no request has any.
+        `bad_words`); None when no request has any. `format_tokens` is (rows, [rows,
+        vocab] bool): the tokens structured output allows each of those rows next.
         """
         num_rows = len(params)
         if not (len(prompt_token_ids) == len(output_token_ids) == len(generators) == num_rows):
@@ -242,6 +250,8 @@ class SamplingMetadata:
             allowed_tokens=((longs(allowed_rows), _token_index(allowed_rows, allowed_lists, dev))
                             if allowed_rows else None),
             blocked_tokens=_token_index(blocked_rows, blocked_lists, dev) if blocked_rows else None,
+            format_tokens=(None if format_tokens is None else
+                           (longs(list(format_tokens[0])), format_tokens[1].to(dev))),
             num_logprobs=[p.logprobs for p in params],
             logit_bias=((_token_index(bias_rows, bias_lists, dev), floats(bias_values))
                         if bias_rows else None),
@@ -445,13 +455,19 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
             f"logits must be [{metadata.num_rows}, vocab], got {list(logits.shape)}")
     # A copy only where rows are changed in place (the caller's tensor is left alone).
     edits = (metadata.penalty_rows is not None or metadata.blocked_tokens is not None
-             or metadata.logit_bias is not None or metadata.allowed_tokens is not None)
+             or metadata.logit_bias is not None or metadata.allowed_tokens is not None
+             or metadata.format_tokens is not None)
     logits = logits.to(torch.float32, copy=edits)
     if metadata.logit_bias is not None:
         index, bias = metadata.logit_bias
         logits.index_put_(index, bias, accumulate=True)
     if metadata.penalty_rows is not None:
         _apply_penalties(logits, metadata)
+    formatted: torch.Tensor | None = None
+    if metadata.format_tokens is not None:
+        format_rows, format_allowed = metadata.format_tokens
+        formatted = logits[format_rows].masked_fill_(~format_allowed, float("-inf"))
+        logits[format_rows] = formatted
     if metadata.allowed_tokens is not None:
         rows, allowed = metadata.allowed_tokens
         kept = logits[allowed]
@@ -461,6 +477,10 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         logits[metadata.blocked_tokens] = float("-inf")
         if metadata.allowed_tokens is not None:
             _unblock_emptied_rows(logits, metadata.allowed_tokens, kept)
+    if formatted is not None and (metadata.allowed_tokens is not None
+                                  or metadata.blocked_tokens is not None):
+        emptied = torch.isneginf(logits[format_rows]).all(dim=-1)
+        logits[format_rows[emptied]] = formatted[emptied]
     wants_logprobs = any(k is not None for k in metadata.num_logprobs)
     logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pagellm.core.sampling_params import SamplingParams, SamplingType
+from pagellm.core.sampling_params import SamplingParams, SamplingType, StructuredOutputsParams
 
 
 def test_defaults_follow_vllm() -> None:
@@ -36,6 +36,10 @@ def test_normalisation() -> None:
     assert SamplingParams(allowed_token_ids=(4, 2)).allowed_token_ids == [4, 2]
     assert SamplingParams(bad_words="Paris").bad_words == ["Paris"]
     assert SamplingParams(bad_words=[]).bad_words is None
+    fmt = SamplingParams(structured_outputs={"choice": ("a", "b")}).structured_outputs
+    assert fmt == StructuredOutputsParams(choice=["a", "b"]) and fmt.kind == "choice"
+    assert SamplingParams(structured_outputs=fmt).structured_outputs is fmt
+    assert StructuredOutputsParams(json={"type": "object"}).kind == "json"
 
 
 def test_sampling_type() -> None:
@@ -78,6 +82,14 @@ BAD_VALUES = [
     ("allowed_token_ids", 7), ("allowed_token_ids", [True]),
     ("bad_words", [""]), ("bad_words", "  "), ("bad_words", ["ok", None]), ("bad_words", 3),
     ("bad_words", ["w"] * 1025),
+    ("structured_outputs", "json"), ("structured_outputs", {}),
+    ("structured_outputs", {"regex": ""}), ("structured_outputs", {"choice": "a"}),
+    ("structured_outputs", {"choice": [1]}), ("structured_outputs", {"json": 3}),
+    ("structured_outputs", {"json_object": False}),
+    ("structured_outputs", {"regex": "a", "choice": ["a"]}),
+    ("structured_outputs", {"json_object": True, "disable_any_whitespace": 1}),
+    ("structured_outputs", {"structural_tag": "{}"}),
+    ("structured_outputs", {"grammar": "a", "whitespace_pattern": 3}),
 ]
 
 

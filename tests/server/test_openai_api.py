@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import uuid
 from typing import Any
 
@@ -368,6 +369,72 @@ def test_tools_with_tool_choice_none_and_earlier_tool_calls(client: openai.OpenA
         model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
         response_format={"type": "text"})
     assert text.choices[0].finish_reason is not None
+
+
+
+CITY_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 24},
+                   "population": {"type": "integer"}},
+    "required": ["city", "population"],
+    "additionalProperties": False,
+}
+
+
+def test_response_format_json_schema(client: openai.OpenAI) -> None:
+    """OpenAI's structured output as the client sends it: the answer parses and follows
+    the schema, and the stream says the same as the whole answer."""
+    kwargs: dict[str, Any] = dict(
+        model=MODEL_NAME, max_tokens=60, temperature=0,
+        messages=[{"role": "user", "content": "Name a big city and its population."}],
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "city", "schema": CITY_SCHEMA, "strict": True}},
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+    result = client.chat.completions.create(**kwargs)
+    choice = result.choices[0]
+    answer = json.loads(choice.message.content or "")
+    assert set(answer) == {"city", "population"} and isinstance(answer["population"], int)
+    assert len(answer["city"]) <= 24 and choice.finish_reason == "stop"
+    streamed = "".join(chunk.choices[0].delta.content or ""
+                       for chunk in client.chat.completions.create(stream=True, **kwargs)
+                       if chunk.choices)
+    assert streamed == choice.message.content
+
+
+def test_chat_completions_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
+    """The openai client's own structured-output helper (it sends a strict schema)."""
+    from pydantic import BaseModel, Field
+
+    class Answer(BaseModel):
+        verdict: bool
+        reason: str = Field(max_length=40)
+
+    result = client.chat.completions.parse(
+        model=MODEL_NAME, max_tokens=60, temperature=0, response_format=Answer,
+        messages=[{"role": "user", "content": "Is water wet? Answer as JSON."}])
+    parsed = result.choices[0].message.parsed
+    assert isinstance(parsed, Answer)
+
+
+def test_json_object_and_guided_choice(client: openai.OpenAI) -> None:
+    obj = client.chat.completions.create(
+        model=MODEL_NAME, max_tokens=80, temperature=0, response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "Give a JSON object with a name."}],
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content or ""), dict)
+    else:
+        assert (obj.choices[0].message.content or "").startswith("{")
+    prompt = "Q: Is the sky green? Answer yes or no.\nA:"
+    for extra in ({"guided_choice": [" yes", " no"]},
+                  {"structured_outputs": {"choice": [" yes", " no"]}}):
+        result = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8,
+                                           temperature=1.0, seed=5, n=3, extra_body=extra)
+        assert {c.text for c in result.choices} <= {" yes", " no"}
+        assert {c.finish_reason for c in result.choices} == {"stop"}
+    digits = client.completions.create(model=MODEL_NAME, prompt="My PIN is", max_tokens=8,
+                                       temperature=0, extra_body={"guided_regex": r" \d{4}"})
+    assert re.fullmatch(r" [0-9]{4}", digits.choices[0].text)
 
 
 def test_health_answers_while_a_huge_prompt_is_tokenized(server: Server) -> None:

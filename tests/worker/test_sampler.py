@@ -26,7 +26,9 @@ def run(
     generators: Sequence[torch.Generator | None] | None = None,
     eos: Sequence[int] = (),
     bad_words: Sequence[Sequence[Sequence[int]]] | None = None,
+    formats: dict[int, Sequence[int]] | None = None,
 ) -> SamplerOutput:
+    """`formats`: row -> the tokens its structured output allows."""
     n = len(params)
     md = SamplingMetadata.from_requests(
         params,
@@ -36,8 +38,16 @@ def run(
         eos_token_ids=eos,
         bad_words=(None if bad_words is None else
                    [BadWords.from_token_ids(words) if words else None for words in bad_words]),
+        format_tokens=None if formats is None else (list(formats), _allowed(formats, logits)),
     )
     return sample(logits, md)
+
+
+def _allowed(formats: dict[int, Sequence[int]], logits: torch.Tensor) -> torch.Tensor:
+    allowed = torch.zeros(len(formats), logits.shape[1], dtype=torch.bool)
+    for index, tokens in enumerate(formats.values()):
+        allowed[index, list(tokens)] = True
+    return allowed
 
 
 def test_greedy_is_argmax_and_input_is_untouched() -> None:
@@ -419,3 +429,38 @@ def test_bad_words_are_per_row() -> None:
     params = [SamplingParams(temperature=0)] * 3
     out = run(logits, params, outputs=[[4], [4], [1]], bad_words=[[[4, 7]], [], [[4, 7]]])
     assert out.sampled_token_ids == [0, 7, 7]
+
+
+def test_a_format_limits_its_rows_greedy_random_and_logprobs() -> None:
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 50, generator=gen)
+    logits[:, 7] = 10.0
+    params = [SamplingParams(temperature=0, logprobs=2), SamplingParams(temperature=0),
+              SamplingParams(temperature=1.0, seed=4)]
+    formats = {0: [3, 9], 2: [11, 12, 13]}
+    for _ in range(20):
+        out = run(logits, params, formats=formats, generators=[None, None, make_generator(4)])
+        assert out.sampled_token_ids[0] == [3, 9][int(logits[0, 9] > logits[0, 3])]
+        assert out.sampled_token_ids[1] == 7  # no format: untouched
+        assert out.sampled_token_ids[2] in (11, 12, 13)
+    logprobs = out.logprobs[0]
+    assert logprobs is not None
+    assert {token for token, _ in logprobs.top_logprobs} == {3, 9}
+    probs = torch.tensor([value for _, value in logprobs.top_logprobs]).exp()
+    assert abs(float(probs.sum()) - 1.0) < 1e-5  # the distribution over the format's tokens
+
+
+def test_the_format_wins_when_other_rules_leave_nothing() -> None:
+    """A format that allows only EOS while min_tokens blocks it, or only a bad word's last
+    token, or only tokens outside allowed_token_ids: the row samples what the format
+    allows (never an all -inf row's token 0); rules that leave something still apply."""
+    logits = torch.zeros(4, 10)
+    logits[:, 0] = 5.0
+    params = [SamplingParams(temperature=0, min_tokens=3),
+              SamplingParams(temperature=0),
+              SamplingParams(temperature=0, allowed_token_ids=[1, 2]),
+              SamplingParams(temperature=0, min_tokens=3)]
+    out = run(logits, params, eos=[8], outputs=[[], [4], [], []],
+              bad_words=[[], [[4, 6]], [], []],
+              formats={0: [8], 1: [6], 2: [5], 3: [8, 9]})
+    assert out.sampled_token_ids == [8, 6, 5, 9]

@@ -5,7 +5,7 @@ client that sends them has a bug it should hear about, not a silent coercion. Ra
 not repeated here: `SamplingParams` owns them, so the HTTP API and the Python API can
 never disagree about what is valid. Unknown fields are ignored, as vLLM does, so clients
 that send options for other servers keep working; but the known options this server
-cannot honour (a JSON schema, a forced tool call, `suffix`) are declared here so that
+cannot honour (a forced tool call, `suffix`) are declared here so that
 `check_supported` can refuse them with a 400: ignoring them would answer 200 with the
 wrong kind of output.
 """
@@ -64,7 +64,15 @@ class SamplingFields(_Strict):
     cache_salt: str | None = None
     priority: int = 0
     logit_bias: dict[str, float] | None = None
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs, and the
+    # guided_* fields of vLLM before 0.11 (see structured_outputs_of).
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
     echo: bool = False
     best_of: int | None = None
     truncate_prompt_tokens: int | None = None
@@ -75,11 +83,6 @@ class SamplingFields(_Strict):
     suffix: Any = None
     audio: Any = None
     use_beam_search: Any = None
-    structured_outputs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
 
 
 class CompletionRequest(SamplingFields):

@@ -9,8 +9,13 @@ own field.
 from __future__ import annotations
 
 import math
+from typing import Any
 
-from pagellm.core.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from pagellm.core.sampling_params import (
+    MAX_LOGIT_BIAS,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from pagellm.entrypoints.openai.errors import APIError, bad_request
 from pagellm.entrypoints.openai.protocol import SamplingFields
 
@@ -37,6 +42,7 @@ def build_sampling_params(
     the vocabulary is a client error.
     """
     top_k = request.top_k or 0
+    structured_outputs = structured_outputs_of(request)
     logit_bias = _logit_bias(request.logit_bias, vocab_size)
     for token in request.stop_token_ids or []:
         if not 0 <= token < vocab_size:
@@ -66,9 +72,67 @@ def build_sampling_params(
             truncate_prompt_tokens=request.truncate_prompt_tokens,
             allowed_token_ids=request.allowed_token_ids,
             bad_words=request.bad_words,
+            structured_outputs=structured_outputs,
         )
     except ValueError as error:
         raise _named(str(error), field_names or {}) from error
+
+
+# vLLM's request fields before 0.11, and the structured_outputs key each one sets.
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar", "guided_whitespace_pattern": "whitespace_pattern"}
+
+
+def structured_outputs_of(request: SamplingFields) -> StructuredOutputsParams | None:
+    """The request's format, from whichever field the client used: `response_format`
+    (OpenAI: json_object, or json_schema with its `schema`), `structured_outputs`
+    (vLLM's dict), or vLLM's older `guided_*` fields. They may be combined (a
+    response_format schema with structured_outputs' whitespace options), but one format
+    given twice is a 400, as is a response_format type other than text, json_object and
+    json_schema."""
+    fields: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+
+    def put(key: str, value: Any, source: str) -> None:
+        if key in fields:
+            raise bad_request(f"{source} sets the {key} format, which {origin[key]} "
+                              "already sets; give it once", param=source)
+        fields[key] = value
+        origin[key] = source
+
+    for key, value in (request.structured_outputs or {}).items():
+        put(key, value, "structured_outputs")
+    for name, key in _GUIDED_FIELDS.items():
+        value = getattr(request, name)
+        if value is not None:
+            put(key, value, name)
+    response_format = request.response_format
+    kind = None if response_format is None else response_format.get("type")
+    if kind == "json_object":
+        put("json_object", True, "response_format")
+    elif kind == "json_schema":
+        put("json", _response_schema(response_format), "response_format")
+    elif response_format is not None and kind != "text":
+        raise bad_request(f"response_format type must be 'text', 'json_object' or "
+                          f"'json_schema', got {kind!r}", param="response_format")
+    if not fields:
+        return None
+    try:
+        return StructuredOutputsParams.from_dict(fields)
+    except ValueError as error:
+        param = next((origin[key] for key in fields if f".{key} " in str(error)),
+                     next(iter(origin.values())))
+        raise bad_request(str(error), param=param, code="invalid_value") from error
+
+
+def _response_schema(response_format: Any) -> Any:
+    """The schema of OpenAI's {"type": "json_schema", "json_schema": {"name": ...,
+    "schema": {...}, "strict": ...}}."""
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict) or spec.get("schema") is None:
+        raise bad_request("response_format of type 'json_schema' needs json_schema.schema, "
+                          "the JSON schema of the answer", param="response_format")
+    return spec["schema"]
 
 
 def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:

@@ -33,13 +33,7 @@ MAX_CHOICES = 256
 
 
 # Options OpenAI or vLLM define that this server does not implement, and why.
-_GUIDED = "structured output (guided decoding) is not implemented"
 _REFUSED = {
-    "structured_outputs": _GUIDED,
-    "guided_json": _GUIDED,
-    "guided_regex": _GUIDED,
-    "guided_choice": _GUIDED,
-    "guided_grammar": _GUIDED,
     "use_beam_search": "beam search is not implemented",
     "suffix": "insertion (fill in the middle) is not implemented",
     "audio": "only text output is produced",
@@ -59,11 +53,6 @@ def check_supported(body: SamplingFields) -> None:
     for option, reason in _REFUSED.items():
         if is_set(getattr(body, option, None)):
             raise bad_request(f"{option} is not supported: {reason}", param=option)
-    if body.response_format is not None and body.response_format.get("type") != "text":
-        raise bad_request(
-            f"response_format {body.response_format.get('type')!r} is not supported: only "
-            "{'type': 'text'}; structured output (JSON) is not implemented",
-            param="response_format")
     if body.modalities is not None and set(body.modalities) - {"text"}:
         raise bad_request("modalities: only text output is produced", param="modalities")
     if body.best_of is not None and body.best_of != body.n:
@@ -170,7 +159,7 @@ async def start_requests(
             stream.abort()
         if isinstance(error, ValueError):
             param = next((name for name in ("cache_salt", "priority", "allowed_token_ids",
-                                           "bad_words")
+                                           "bad_words", "structured_outputs")
                           if str(error).startswith(name)), prompt_param)
             raise bad_request(str(error), param=param) from error
         if isinstance(error, EngineDeadError):

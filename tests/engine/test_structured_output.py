@@ -1,0 +1,203 @@
+"""Structured output on the default model: every format kind is followed, greedy under a
+format is the reference's argmax among the tokens the format allows, and a format
+changes nothing for the other requests of a batch, for the prefix cache, or across
+preemptions."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import llguidance
+import numpy as np
+import pytest
+import torch
+
+from pagellm import SamplingParams
+from pagellm.core.sampling_params import StructuredOutputsParams
+from pagellm.engine.structured_output import FormatMatcher, allowed_tokens
+from tests.engine.conftest import NEAR_TIE, assert_idle
+
+pytestmark = pytest.mark.slow
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 20},
+                   "age": {"type": "integer", "minimum": 0, "maximum": 130},
+                   "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+
+
+def _prompt(llm: Any, question: str) -> str:
+    rendered: str = llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+    return rendered
+
+
+def _greedy(fmt: StructuredOutputsParams, max_tokens: int = 64) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=fmt)
+
+
+def test_each_format_kind_is_followed(default_llm: Any) -> None:
+    llm = default_llm
+    cases: list[tuple[str, StructuredOutputsParams, Any]] = [
+        ("Describe a person.", StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
+         lambda text: set(json.loads(text)) == {"name", "age", "tags"}),
+        ("Describe a cat as JSON.", StructuredOutputsParams(json=json.dumps(SCHEMA)),
+         lambda text: 0 <= json.loads(text)["age"] <= 130),
+        ("Give me a phone number.", StructuredOutputsParams(regex=r"\d{3}-\d{4}"),
+         lambda text: re.fullmatch(r"[0-9]{3}-[0-9]{4}", text)),
+        ("Is the sky blue?", StructuredOutputsParams(choice=["Yes, it is.", "No."]),
+         lambda text: text in ("Yes, it is.", "No.")),
+        ("Say hi.", StructuredOutputsParams(grammar='root ::= "hi" (" " name)?\n'
+                                                    'name ::= [a-z]+'),
+         lambda text: re.fullmatch(r"hi( [a-z]+)?", text)),
+        ("Count.", StructuredOutputsParams(grammar='start: NUM ("," NUM)~1..3\n'
+                                                   'NUM: /[1-9]/'),
+         lambda text: re.fullmatch(r"[1-9](,[1-9]){1,3}", text)),
+    ]
+    outputs = llm.generate([_prompt(llm, q) for q, _, _ in cases],
+                           [_greedy(fmt, 80) for _, fmt, _ in cases], use_tqdm=False)
+    for (_, fmt, check), output in zip(cases, outputs, strict=True):
+        completion = output.outputs[0]
+        assert completion.finish_reason == "stop", (fmt, completion)
+        assert check(completion.text), (fmt, completion.text)
+    # Any JSON object: a small model may go on adding keys until max_tokens.
+    (anything,) = llm.generate(_prompt(llm, "Give me JSON."), _greedy(
+        StructuredOutputsParams(json_object=True, disable_any_whitespace=True), 80),
+        use_tqdm=False)
+    completion = anything.outputs[0]
+    if completion.finish_reason == "stop":
+        assert isinstance(json.loads(completion.text), dict)
+    else:
+        assert completion.text.startswith("{") and len(completion.token_ids) == 80
+    assert_idle(llm.llm_engine)
+
+
+def _reference(model: Any, tokenizer: llguidance.LLTokenizer, spec: str, prompt: list[int],
+               eos: set[int], max_tokens: int) -> list[int]:
+    """transformers' greedy, each step the argmax among the tokens a fresh llguidance
+    matcher allows (read from its own bitmask, not through our code)."""
+    matcher = llguidance.LLMatcher(tokenizer, spec)
+    tokens: list[int] = []
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            logits = model(torch.tensor([prompt + tokens])).logits[0, -1].double()
+            bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8),
+                                 bitorder="little")[:logits.shape[0]]
+            logits[torch.from_numpy(bits == 0)] = float("-inf")
+            tokens.append(int(logits.argmax()))
+            if tokens[-1] in eos:
+                break
+            assert matcher.consume_token(tokens[-1])
+    return tokens
+
+
+def test_greedy_under_a_format_is_the_reference_argmax_among_allowed_tokens(
+        default_llm: Any, default_hf_model: Any) -> None:
+    llm = default_llm
+    engine = llm.llm_engine
+    formats = [StructuredOutputsParams(json=SCHEMA),
+               StructuredOutputsParams(regex=r"(Yes|No), because [a-z ]{1,30}\."),
+               StructuredOutputsParams(choice=["red", "green", "blue", "light blue"])]
+    prompt = llm.get_tokenizer().encode(_prompt(llm, "Answer in the format asked."))
+    outputs = llm.generate([{"prompt_token_ids": prompt}] * 3,
+                           [_greedy(fmt, 48) for fmt in formats], use_tqdm=False)
+    compiler = engine._grammars
+    for fmt, output in zip(formats, outputs, strict=True):
+        ours = list(output.outputs[0].token_ids)
+        ref = _reference(default_hf_model, compiler.tokenizer, compiler.compile(fmt).spec,
+                         prompt, set(engine.eos_token_ids), 48)
+        if ours != ref:  # only a true near-tie may part them (see conftest)
+            first = next(i for i, (a, b) in enumerate(zip(ours, ref, strict=False)) if a != b)
+            with torch.no_grad():
+                logprobs = default_hf_model(torch.tensor([prompt + ref[:first]])).logits[0, -1]
+            logprobs = logprobs.log_softmax(-1)
+            assert abs(float(logprobs[ours[first]] - logprobs[ref[first]])) < NEAR_TIE, (
+                fmt, ours, ref)
+
+
+def test_a_format_changes_nothing_else(default_llm: Any) -> None:
+    """The unconstrained request of a mixed batch gets its solo tokens; a constrained
+    request gets the same tokens again from the prefix cache; sampled completions of
+    n > 1 each follow the format."""
+    llm = default_llm
+    free_prompt = "The three largest cities of Europe are"
+    free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    (solo,) = llm.generate(free_prompt, free, use_tqdm=False)
+    fmt = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    prompt = _prompt(llm, "Describe a person as JSON, with a long introduction first.")
+    mixed = llm.generate([prompt, free_prompt], [_greedy(fmt), free], use_tqdm=False)
+    assert mixed[1].outputs[0].token_ids == solo.outputs[0].token_ids
+    (again,) = llm.generate(prompt, _greedy(fmt), use_tqdm=False)
+    assert again.num_cached_tokens > 0
+    assert again.outputs[0].token_ids == mixed[0].outputs[0].token_ids
+
+    (sampled,) = llm.generate(prompt, SamplingParams(n=4, temperature=1.0, seed=7,
+                                                     max_tokens=80, structured_outputs=fmt),
+                              use_tqdm=False)
+    texts = [c.text for c in sampled.outputs]
+    assert len(set(texts)) > 1
+    for completion in sampled.outputs:
+        if completion.finish_reason == "stop":
+            assert set(json.loads(completion.text)) == {"name", "age", "tags"}
+        else:  # cut by max_tokens: still a prefix of the format
+            assert completion.text.startswith('{"')
+    assert_idle(llm.llm_engine)
+
+
+def test_a_preempted_request_keeps_its_format() -> None:
+    """Preemption recomputes the tokens but keeps the matcher where it was: on a pool too
+    small for the batch, every request still ends in the format with the tokens it gets
+    alone."""
+    from pagellm import LLM
+
+    llm = LLM(kv_cache_memory_bytes=18 * 16 * 2 * 30 * 3 * 64 * 4, block_size=16,
+              max_num_batched_tokens=512)
+    prompts = [_prompt(llm, f"Describe person number {i} as JSON.") for i in range(6)]
+    fmt = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    alone = [llm.generate(p, _greedy(fmt), use_tqdm=False)[0] for p in prompts]
+    together = llm.generate(prompts, _greedy(fmt), use_tqdm=False)
+    assert llm.llm_engine.get_stats().num_preemptions > 0
+    for a, b in zip(alone, together, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        if b.outputs[0].finish_reason == "stop":
+            json.loads(b.outputs[0].text)
+    assert_idle(llm.llm_engine)
+
+
+@pytest.mark.parametrize("fmt, message", [
+    (dict(regex="[0-9"), "structured_outputs.regex is not a valid regular expression"),
+    (dict(json={"type": "nonsense"}), "structured_outputs.json is not a valid JSON schema"),
+    (dict(json="{not json"), "structured_outputs.json is not a valid JSON schema"),
+    (dict(json="[1, 2]"), "must be a JSON object"),
+    (dict(grammar="root ::= ("), "structured_outputs.grammar is not a valid grammar"),
+    (dict(json={"type": "object"}, whitespace_pattern="[ "), "not a valid JSON schema"),
+])
+def test_a_format_that_does_not_compile_is_refused(default_llm: Any, fmt: dict[str, Any],
+                                                   message: str) -> None:
+    engine = default_llm.llm_engine
+    with pytest.raises(ValueError, match=re.escape(message)):
+        engine.add_request(None, "Hello", _greedy(StructuredOutputsParams(**fmt)))
+    assert not engine.has_unfinished_requests()
+
+
+def test_allowed_tokens_unpacks_the_bitmask_of_each_row(default_llm: Any) -> None:
+    """Row by row, the bool mask holds exactly the tokens the matcher's bitmask holds."""
+    compiler = default_llm.llm_engine._grammars
+    vocab = default_llm.llm_engine.model_config.vocab_size
+    grammars = [compiler.compile(StructuredOutputsParams(choice=["yes", "no"])),
+                compiler.compile(StructuredOutputsParams(regex=r"[0-9]+"))]
+    matchers = [grammar.matcher() for grammar in grammars]
+    mask = allowed_tokens(matchers, compiler.mask_words, vocab)
+    for row, grammar in enumerate(grammars):
+        fresh = llguidance.LLMatcher(compiler.tokenizer, grammar.spec)
+        bits = np.unpackbits(np.frombuffer(fresh.compute_bitmask(), dtype=np.uint8),
+                             bitorder="little")[:vocab]
+        assert mask[row].tolist() == (bits == 1).tolist()
+    text = default_llm.get_tokenizer()
+    assert {text.decode([t]) for t in mask[0].nonzero().flatten().tolist()} >= {"yes", "no"}
+    assert isinstance(matchers[0], FormatMatcher)
