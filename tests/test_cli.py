@@ -209,7 +209,8 @@ def test_generate_jsonl_lines_set_their_own_sampling() -> None:
              {"prompt": "Hi", "allowed_token_ids": []},
              {"prompt": "Count: one, two, three, four,", "bad_words": [" five"]},
              {"prompt": "Is it day?", "structured_outputs": {"choice": [" yes", " no"]}},
-             {"prompt": "Hi", "structured_outputs": {"regex": "("}}]
+             {"prompt": "Hi", "structured_outputs": {"regex": "("}},
+             {"prompt": "Hi", "response_format": {"type": "json_object"}}]
     result = run_cli("generate", "--input", "/dev/stdin", "--max-tokens", "5", *SMALL_ENGINE,
                      stdin="".join(json.dumps(line) + "\n" for line in lines))
     assert result.returncode == 1, result.stderr
@@ -230,6 +231,7 @@ def test_generate_jsonl_lines_set_their_own_sampling() -> None:
     assert "five" in records[1]["text"] and "five" not in records[13]["text"]
     assert records[14]["text"] in (" yes", " no") and records[14]["finish_reason"] == "stop"
     assert "structured_outputs.regex is not a valid regular expression" in records[15]["error"]
+    assert "response_format is the server's spelling" in records[16]["error"]
 
 
 def test_generate_reads_jsonl_from_a_pipe() -> None:

@@ -10,6 +10,7 @@ the HTTP layer can validate without importing torch.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 from collections.abc import Sequence
@@ -132,7 +133,7 @@ def _logit_bias(value: object) -> dict[int, float] | None:
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-@dataclass
+@dataclass(frozen=True)
 class StructuredOutputsParams:
     """A format the generated text must follow (vLLM's `StructuredOutputsParams`): exactly
     one of
@@ -143,10 +144,13 @@ class StructuredOutputsParams:
     - grammar: a context-free grammar, in Lark or GBNF (llama.cpp's) syntax;
     - json_object: True for any JSON object (OpenAI's `{"type": "json_object"}`).
 
-    disable_any_whitespace keeps JSON compact (no whitespace between tokens), which also
-    stops a small model from filling its budget with newlines; whitespace_pattern is a
-    regex for the whitespace JSON may hold instead. Only the shape is checked here; the
-    engine compiles the constraint and refuses one that does not compile.
+    JSON options: disable_any_whitespace keeps JSON compact (no whitespace between
+    tokens), which also stops a small model from filling its budget with newlines;
+    whitespace_pattern is a regex for the whitespace JSON may hold instead;
+    disable_additional_properties reads a schema's objects as closed (no property beyond
+    those listed) unless they say otherwise. Only the shape is checked here; the engine
+    compiles the format and refuses one that does not compile. Frozen, and its lists and
+    dicts are copied, so a request's format cannot change under it.
     """
 
     json: str | dict[str, Any] | None = None
@@ -155,6 +159,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
@@ -163,9 +168,11 @@ class StructuredOutputsParams:
             raise ValueError(
                 "structured_outputs must set exactly one of "
                 f"{', '.join(_CONSTRAINTS)}; got {', '.join(given) or 'none'}")
-        if self.json is not None and not isinstance(self.json, (str, dict)):
-            raise ValueError(f"structured_outputs.json must be a JSON schema (a dict or its "
-                             f"JSON text), got {type(self.json).__name__}")
+        if self.json is not None:
+            if not isinstance(self.json, (str, dict)):
+                raise ValueError("structured_outputs.json must be a JSON schema (a dict or "
+                                 f"its JSON text), got {type(self.json).__name__}")
+            object.__setattr__(self, "json", copy.deepcopy(self.json))
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -176,28 +183,36 @@ class StructuredOutputsParams:
                     or not all(isinstance(item, str) for item in self.choice)):
                 raise ValueError("structured_outputs.choice must be a non-empty list of "
                                  f"strings, got {self.choice!r}")
-            self.choice = list(self.choice)
+            object.__setattr__(self, "choice", list(self.choice))
         if self.json_object is not None and self.json_object is not True:
             raise ValueError("structured_outputs.json_object must be True (leave it unset "
-                             f"for no constraint), got {self.json_object!r}")
+                             f"for no format), got {self.json_object!r}")
         _flag("structured_outputs.disable_any_whitespace", self.disable_any_whitespace)
+        _flag("structured_outputs.disable_additional_properties",
+              self.disable_additional_properties)
         if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
             raise ValueError("structured_outputs.whitespace_pattern must be a string, got "
                              f"{self.whitespace_pattern!r}")
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> StructuredOutputsParams:
-        """From JSON-like input (a request body, a JSONL line); unknown keys are errors."""
+        """From JSON-like input (a request body, a JSONL line). Null values count as unset,
+        as a client serialising vLLM's whole dataclass sends them; unknown keys are
+        errors, so a misspelt format is not silently dropped."""
+        given = {key: value for key, value in fields.items() if value is not None}
+        if "structural_tag" in given:
+            raise ValueError("structured_outputs.structural_tag is not supported; the format "
+                             f"must be one of {', '.join(_CONSTRAINTS)}")
         names = {field.name for field in dataclasses.fields(cls)}
-        unknown = sorted(set(fields) - names)
+        unknown = sorted(set(given) - names)
         if unknown:
             raise ValueError(f"structured_outputs keys must be among {', '.join(sorted(names))}"
                              f"; got {unknown[0]!r}")
-        return cls(**fields)
+        return cls(**given)
 
     @property
     def kind(self) -> str:
-        """Which constraint is set: one of "json", "regex", "choice", "grammar",
+        """Which format is set: one of "json", "regex", "choice", "grammar",
         "json_object"."""
         return next(name for name in _CONSTRAINTS if getattr(self, name) is not None)
 

@@ -26,12 +26,7 @@ from pagellm.core.scheduler import Scheduler, SchedulerOutput
 from pagellm.engine.config import EngineConfig, resolve_device
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from pagellm.engine.structured_output import (
-    FormatMatcher,
-    Grammar,
-    GrammarCompiler,
-    allowed_tokens,
-)
+from pagellm.engine.structured_output import FormatMatcher, GrammarCompiler, allowed_tokens
 from pagellm.engine.text import bad_words_token_ids, encode_text
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.loader import load_model, load_tokenizer
@@ -104,6 +99,7 @@ class _Group:
     by_core_id: dict[str, _Sample] = field(default_factory=dict)
     prompt_logprobs: list[Logprob | None] | None = None
     bad_words: BadWords | None = None
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -324,12 +320,12 @@ class LLMEngine:
                 raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}), got {token}")
         bad_words = self._bad_words(params)
         self._check_allowed_token_ids(params, bad_words)
-        grammar = self._grammar(params)
         text, token_ids = self.tokenize_prompt(prompt)
         kept = params.truncate(token_ids, self.max_model_len)
         if len(kept) < len(token_ids):
             text, token_ids = None, kept
         self.check_prompt_length(len(token_ids))
+        matchers = self._format_matchers(params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         samples = []
         leader: Request | None = None
@@ -351,7 +347,7 @@ class LLMEngine:
                                        params.include_stop_str_in_output,
                                        params.skip_special_tokens, params.min_tokens),
                 generator, [] if params.logprobs is not None else None,
-                grammar.matcher() if grammar is not None else None))
+                matchers[index] if matchers else None))
         assert leader is not None
         group = _Group(request_id, text, token_ids, samples, RequestMetrics(arrival),
                        prompt_logprobs=None if params.prompt_logprobs is None else [None],
@@ -400,13 +396,15 @@ class LLMEngine:
                  if max(word) < vocab]
         return BadWords.from_token_ids(words) if words else None
 
-    def _grammar(self, params: SamplingParams) -> Grammar | None:
+    def _format_matchers(self, params: SamplingParams) -> list[FormatMatcher]:
+        """One matcher per completion of a formatted request (none without a format).
+        Called after the cheap checks: compiling is the costly one."""
         if params.structured_outputs is None:
-            return None
+            return []
         if self._grammars is None:
             raise ValueError("structured_outputs needs a tokenizer (skip_tokenizer_init is "
                              "set)")
-        return self._grammars.compile(params.structured_outputs)
+        return self._grammars.matchers(params.structured_outputs, params.n)
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """Ends requests now and frees their blocks (they stay cached). Unknown ids are
@@ -469,6 +467,7 @@ class LLMEngine:
         updated_at = time.perf_counter()
         self._add_prompt_logprobs(scheduled, chunks, result.prompt_logprobs)
         sampled: dict[str, int] = {}
+        format_failures: dict[str, str] = {}
         if result.sampled is not None:
             for request, sample, token, logprob in zip(
                     rows, samples, result.sampled.sampled_token_ids, result.sampled.logprobs,
@@ -476,6 +475,8 @@ class LLMEngine:
                 sampled[request.request_id] = token
                 if sample.matcher is not None:
                     sample.matcher.accept(token)
+                    if sample.matcher.error is not None:
+                        format_failures[request.request_id] = sample.matcher.error
                 if logprob is not None:
                     sample.cumulative_logprob += logprob.logprob
                     if sample.logprobs is not None:
@@ -484,9 +485,23 @@ class LLMEngine:
                             logprob.top_logprobs, len(sample.detokenizer.text),
                             self._decoder(request.sampling_params)))
         updated = self.scheduler.update_from_output(scheduled, sampled)
+        for request in updated:
+            if request.request_id in format_failures:
+                self._fail_format(request, format_failures[request.request_id])
         outputs = self._process(updated)
         self._update_time += time.perf_counter() - updated_at
         return outputs
+
+    def _fail_format(self, request: Request, reason: str) -> None:
+        """Ends a completion whose matcher failed: what it would generate next is no longer
+        known to follow the format, and its text must not pass for a formatted answer."""
+        logger.warning("request %s: structured output failed: %s", request.request_id, reason)
+        group = self._core_to_group[request.request_id]
+        group.error = f"structured output failed: {reason}"
+        if not request.is_finished:
+            self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+        else:
+            request.status = RequestStatus.FINISHED_ERROR
 
     def _format_tokens(self, samples: list[_Sample]) -> tuple[list[int], torch.Tensor] | None:
         """The rows under structured output and the tokens their formats allow next."""
@@ -624,6 +639,7 @@ class LLMEngine:
             metrics=group.metrics,
             prompt_logprobs=(list(group.prompt_logprobs)
                              if group.prompt_logprobs is not None else None),
+            error=group.error,
         )
 
     def _forget(self, group: _Group) -> None:
@@ -641,9 +657,8 @@ class LLMEngine:
         for group in groups.values():
             for sample in group.samples:
                 self.scheduler.finish(sample.request, RequestStatus.FINISHED_ERROR)
-            output = self._output(group)
-            output.error = f"internal error while computing this request: {error}"
-            outputs.append(output)
+            group.error = f"internal error while computing this request: {error}"
+            outputs.append(self._output(group))
             self._forget(group)
         return outputs
 

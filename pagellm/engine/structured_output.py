@@ -8,20 +8,24 @@ the format, as a bitmask over the vocabulary, and the sampler sets every other l
 finish_reason "stop". Nothing here touches the KV cache: a constrained request shares
 and caches its prompt's blocks like any other.
 
-The token table llguidance needs is built from the tokenizer on the first constrained
-request (about 0.3 s for a 49k vocabulary), not at start-up, so engines that never see
-one do not pay for it.
+Everything runs on the engine's thread, between steps. The token table llguidance needs
+is built on the first formatted request (about 0.3 s for a 49k vocabulary), not at
+start-up, so engines that never see one do not pay for it. A format is compiled once
+(and kept for the next requests with the same one, as a batch of prompts or a chat
+service's fixed schema repeat it); each completion gets a copy of the compiled matcher.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
-from dataclasses import dataclass
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.hf
+import numpy as np
 import torch
 
 from pagellm.core.sampling_params import StructuredOutputsParams
@@ -31,84 +35,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_BITS = torch.arange(32, dtype=torch.int32)
-
-
-@dataclass
-class Grammar:
-    """A compiled format, ready to start matchers (one per completion of a request)."""
-
-    spec: str
-    tokenizer: llguidance.LLTokenizer
-
-    def matcher(self) -> FormatMatcher:
-        return FormatMatcher(llguidance.LLMatcher(self.tokenizer, self.spec, log_level=0))
-
-
-class FormatMatcher:
-    """Follows one completion's tokens through its format."""
-
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
-        self._matcher = matcher
-        self._warned = False
-
-    def fill_mask(self, words: torch.Tensor) -> None:
-        """Writes the allowed next tokens into `words`, one int32 row of 32-token words.
-        A stopped matcher (format complete) allows only EOS; so does one in an error
-        state, which ends the completion rather than letting it leave the format."""
-        assert words.dtype == torch.int32 and words.is_contiguous()
-        self._matcher.unsafe_compute_mask_ptr(words.data_ptr(),
-                                              words.numel() * words.element_size())
-        self._check()
-
-    def accept(self, token_id: int) -> None:
-        """Advances past a generated token. After the format is complete the only token
-        left is EOS, which `ignore_eos` may keep generating; those are not the format's."""
-        if not self._matcher.is_stopped():
-            self._matcher.consume_token(token_id)
-            self._check()
-
-    def _check(self) -> None:
-        if self._matcher.is_error() and not self._warned:
-            self._warned = True
-            logger.warning("structured output stopped following its format: %s",
-                           self._matcher.get_error())
-
-
-class GrammarCompiler:
-    """Compiles requests' formats against one tokenizer; bad formats raise ValueError."""
-
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
-        self._hf_tokenizer = tokenizer
-        self._vocab_size = vocab_size
-        self._eos_token_ids = eos_token_ids
-        self._tokenizer: llguidance.LLTokenizer | None = None
-
-    @property
-    def tokenizer(self) -> llguidance.LLTokenizer:
-        if self._tokenizer is None:
-            try:
-                self._tokenizer = llguidance.hf.from_tokenizer(
-                    self._hf_tokenizer, n_vocab=max(self._vocab_size, len(self._hf_tokenizer)),
-                    eos_token=self._eos_token_ids)
-            except ValueError as error:
-                raise ValueError(f"structured_outputs needs a fast (Rust) tokenizer: {error}"
-                                 ) from error
-        return self._tokenizer
-
-    @property
-    def mask_words(self) -> int:
-        """int32 words of one row of the bitmask."""
-        return (self.tokenizer.vocab_size + 31) // 32
-
-    def compile(self, params: StructuredOutputsParams) -> Grammar:
-        spec = _grammar_spec(params)
-        error = llguidance.LLMatcher.validate_grammar(spec, self.tokenizer)
-        if error:
-            raise ValueError(f"structured_outputs.{params.kind} is not a valid "
-                             f"{_KIND_NAMES[params.kind]}: {error.strip()}")
-        return Grammar(spec, self.tokenizer)
-
+# Compiled formats kept for reuse; each holds the grammar's lexer and parser tables.
+_CACHED_FORMATS = 64
+# Characters of llguidance's error kept in the request's error and the log.
+_MAX_REASON = 500
 
 _KIND_NAMES = {
     "json": "JSON schema",
@@ -119,7 +49,82 @@ _KIND_NAMES = {
 }
 
 
-def _grammar_spec(params: StructuredOutputsParams) -> str:
+class FormatMatcher:
+    """Follows one completion's tokens through its format."""
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self._matcher = matcher
+
+    def fill_mask(self, words: np.ndarray) -> None:
+        """Writes the allowed next tokens into `words`, one int32 row of 32-token words.
+        A stopped matcher (format complete) allows only EOS."""
+        assert words.dtype == np.int32 and words.flags["C_CONTIGUOUS"]
+        self._matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+
+    def accept(self, token_id: int) -> None:
+        """Advances past a generated token. Once the format is complete only EOS is left,
+        which `ignore_eos` or `min_tokens` may keep generating: those are past the format,
+        not in it."""
+        if not self._matcher.is_stopped():
+            self._matcher.consume_token(token_id)
+
+    @property
+    def error(self) -> str | None:
+        """Why the matcher can no longer follow the format (a parser limit, a token it
+        did not allow), or None. An error is final: the completion must end."""
+        if not self._matcher.is_error():
+            return None
+        reason = self._matcher.get_error() or "the matcher failed"
+        # llguidance may quote the whole grammar (28 KB for 2,000 choices).
+        return reason if len(reason) <= _MAX_REASON else reason[:_MAX_REASON] + " ..."
+
+
+class GrammarCompiler:
+    """Compiles requests' formats against one tokenizer; bad formats raise ValueError."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self._hf_tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._eos_token_ids = eos_token_ids
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        """llguidance's table of every token's bytes, built on first use (see the module
+        docstring). Without EOS ids llguidance takes the tokenizer's own."""
+        if self._tokenizer is None:
+            try:
+                self._tokenizer = llguidance.hf.from_tokenizer(
+                    self._hf_tokenizer, n_vocab=max(self._vocab_size, len(self._hf_tokenizer)),
+                    eos_token=self._eos_token_ids or None)
+            except ValueError as error:
+                raise ValueError(f"structured_outputs cannot use this model's tokenizer: "
+                                 f"{error}") from error
+        return self._tokenizer
+
+    @property
+    def mask_words(self) -> int:
+        """int32 words in one row of the bitmask."""
+        return (self.tokenizer.vocab_size + 31) // 32
+
+    def matchers(self, params: StructuredOutputsParams, count: int) -> list[FormatMatcher]:
+        """`count` fresh matchers of the format (one per completion), from one compile."""
+        spec = grammar_spec(params)
+        compiled = self._compiled.get(spec)
+        if compiled is None:
+            compiled = llguidance.LLMatcher(self.tokenizer, spec, log_level=0)
+            if compiled.is_error():
+                raise ValueError(f"structured_outputs.{params.kind} is not a valid "
+                                 f"{_KIND_NAMES[params.kind]}: {compiled.get_error().strip()}")
+            self._compiled[spec] = compiled
+            if len(self._compiled) > _CACHED_FORMATS:
+                self._compiled.popitem(last=False)
+        self._compiled.move_to_end(spec)
+        return [FormatMatcher(compiled.deep_copy()) for _ in range(count)]
+
+
+def grammar_spec(params: StructuredOutputsParams) -> str:
     """llguidance's grammar text for the format (ValueError if it cannot be read)."""
     kind = params.kind
     try:
@@ -129,6 +134,8 @@ def _grammar_spec(params: StructuredOutputsParams) -> str:
                 schema = json.loads(schema)
             if not isinstance(schema, dict):
                 raise ValueError("a JSON schema must be a JSON object")
+            if params.disable_additional_properties:
+                schema = _closed_objects(schema)
             options: JsonCompileOptions = {
                 "whitespace_flexible": not params.disable_any_whitespace}
             if params.whitespace_pattern is not None:
@@ -136,7 +143,8 @@ def _grammar_spec(params: StructuredOutputsParams) -> str:
             spec: str = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
             return spec
         if kind == "choice":
-            return llguidance.grammar_from("choice", json.dumps(params.choice))
+            assert params.choice is not None
+            return _choice_grammar(params.choice)
         if kind == "regex":
             assert params.regex is not None
             # \d means an ASCII digit, as most users mean it (in Rust's and Python's
@@ -151,10 +159,51 @@ def _grammar_spec(params: StructuredOutputsParams) -> str:
                          f"{error}") from error
 
 
+def _choice_grammar(choices: list[str]) -> str:
+    """The choices as one Lark terminal (an upper-case rule), which llguidance's lexer
+    matches as a single automaton: as alternatives of the start rule they would be parser
+    items, and llguidance's parser gives up beyond 2,000 of them in a row (measured: 2,001
+    choices failed after one token). The empty choice, which no terminal can match,
+    makes the terminal optional."""
+    alternatives = " | ".join(json.dumps(choice) for choice in dict.fromkeys(choices) if choice)
+    if not alternatives:
+        return llguidance.LLMatcher.grammar_from_lark('start: ""')
+    optional = "?" if "" in choices else ""
+    return llguidance.LLMatcher.grammar_from_lark(
+        f"start: CHOICE{optional}\nCHOICE: {alternatives}")
+
+
+def _closed_objects(schema: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the schema where every object that does not say otherwise allows no
+    property beyond its listed ones (vLLM's disable_additional_properties)."""
+    closed = copy.deepcopy(schema)
+
+    def close(node: Any) -> None:
+        if isinstance(node, dict):
+            if ("properties" in node or node.get("type") == "object") \
+                    and "additionalProperties" not in node:
+                node["additionalProperties"] = False
+            for value in node.values():
+                close(value)
+        elif isinstance(node, list):
+            for value in node:
+                close(value)
+
+    close(closed)
+    return closed
+
+
 def allowed_tokens(matchers: list[FormatMatcher], words: int, vocab_size: int) -> torch.Tensor:
     """[len(matchers), vocab_size] bool: which tokens each matcher allows next."""
-    packed = torch.empty((len(matchers), words), dtype=torch.int32)
+    packed = np.empty((len(matchers), words), dtype=np.int32)
     for row, matcher in enumerate(matchers):
         matcher.fill_mask(packed[row])
-    bits = (packed.unsqueeze(-1) >> _BITS) & 1
-    return bits.view(len(matchers), -1)[:, :vocab_size].bool()
+    return unpack_bitmask(packed, vocab_size)
+
+
+def unpack_bitmask(packed: np.ndarray, vocab_size: int) -> torch.Tensor:
+    """llguidance's bitmask (bit b of int32 word w is token 32 w + b) as [rows, vocab]
+    bool, one byte per token (unpacking through int32 shifts would take 32x the
+    memory)."""
+    bits = np.unpackbits(packed.view(np.uint8), axis=1, bitorder="little")
+    return torch.from_numpy(bits[:, :vocab_size]).bool()

@@ -34,6 +34,9 @@ from pagellm.entrypoints.sampling_args import add_sampling_args, sampling_params
 # misses of a sampling name (a typo that would silently change nothing).
 _NO_ROOM = frozenset({"n", "logprobs", "prompt_logprobs", "detokenize"})
 LINE_SAMPLING_KEYS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - _NO_ROOM
+# The server's ways of giving a format: refused in a line rather than echoed back unused.
+_SERVER_FORMAT_KEYS = frozenset({"response_format", "guided_json", "guided_regex",
+                                 "guided_choice", "guided_grammar", "guided_whitespace_pattern"})
 
 
 @dataclass
@@ -152,6 +155,11 @@ def _line_params(record: dict[str, Any], params: SamplingParams) -> SamplingPara
     if refused:
         raise ValueError(f"{refused[0]} is not supported in a line: its result holds the "
                          "text and token counts only (the Python API and the server return it)")
+    server_only = sorted(set(record) & _SERVER_FORMAT_KEYS)
+    if server_only:
+        raise ValueError(f"{server_only[0]} is the server's spelling: a line sets its format "
+                         'with structured_outputs, e.g. {"structured_outputs": {"choice": '
+                         '["yes", "no"]}}')
     for key in record:
         close = difflib.get_close_matches(key, LINE_SAMPLING_KEYS, n=1, cutoff=0.85)
         if key not in LINE_SAMPLING_KEYS and close:

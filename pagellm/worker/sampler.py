@@ -9,9 +9,9 @@ Order of operations (as in vLLM), for logits[N, vocab] with one row per request:
    allowed_token_ids: every other token gets -inf;
    min_tokens: EOS and the request's stop token ids get -inf until enough tokens exist;
    bad_words: a bad word's last token gets -inf where the tokens before it were the
-   last ones generated; a row left with no allowed token gets its allowed ones back,
-   and a row left with no token its format allows gets those back (the format is the
-   hardest rule: it wins over min_tokens, bad words and allowed_token_ids);
+   last ones generated. A row these leave with no token gets its allowed tokens back,
+   and if it still has none, its format's (the format is the hardest rule: it wins over
+   min_tokens, bad words and allowed_token_ids);
 3. logprobs are taken here, as log_softmax of these logits: the model's distribution
    with the request's own rules applied, but *before* temperature and top-k/top-p/min-p.
    That makes a reported logprob depend only on the model, the prompt and the tokens so
@@ -435,17 +435,14 @@ def _argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def _unblock_emptied_rows(logits: torch.Tensor,
-                          allowed_tokens: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]],
-                          kept: torch.Tensor) -> None:
-    """A row whose allowed tokens are all blocked (a bad word's last token, or EOS before
-    min_tokens) would sample from nothing; it gets its allowed tokens back instead, since
-    allowed_token_ids is the harder constraint (a format), not a preference."""
-    rows, (pair_rows, pair_tokens) = allowed_tokens
-    emptied = rows[torch.isneginf(logits[rows]).all(dim=-1)]
-    if emptied.numel():
-        restore = torch.isin(pair_rows, emptied)
-        logits[pair_rows[restore], pair_tokens[restore]] = kept[restore]
+def _restore_emptied_rows(logits: torch.Tensor, rows: torch.Tensor, before: torch.Tensor
+                          ) -> None:
+    """Rows of `rows` left with no token to sample (all -inf) get their logits from
+    `before` back. The rules that only forbid (bad words, EOS before min_tokens) give way
+    to the ones that define what may be written at all (allowed_token_ids, a format):
+    a row sampling from nothing would take token 0."""
+    emptied = torch.isneginf(logits[rows]).all(dim=-1)
+    logits[rows[emptied]] = before[emptied]
 
 
 def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
@@ -463,24 +460,26 @@ def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         logits.index_put_(index, bias, accumulate=True)
     if metadata.penalty_rows is not None:
         _apply_penalties(logits, metadata)
-    formatted: torch.Tensor | None = None
+    # Each row's logits under the rules that define what may be written, for
+    # _restore_emptied_rows: (rows, their logits) after the format, then after
+    # allowed_token_ids, restored in the opposite order, so the format wins last.
+    defining: list[tuple[torch.Tensor, torch.Tensor]] = []
     if metadata.format_tokens is not None:
-        format_rows, format_allowed = metadata.format_tokens
-        formatted = logits[format_rows].masked_fill_(~format_allowed, float("-inf"))
-        logits[format_rows] = formatted
+        rows, allowed = metadata.format_tokens
+        formatted = logits[rows].masked_fill_(~allowed, float("-inf"))
+        logits[rows] = formatted
+        defining.append((rows, formatted))
     if metadata.allowed_tokens is not None:
-        rows, allowed = metadata.allowed_tokens
-        kept = logits[allowed]
+        rows, pairs = metadata.allowed_tokens
+        kept = logits[pairs]
         logits[rows] = float("-inf")
-        logits[allowed] = kept
+        logits[pairs] = kept
+        defining.append((rows, logits[rows]))
     if metadata.blocked_tokens is not None:
         logits[metadata.blocked_tokens] = float("-inf")
-        if metadata.allowed_tokens is not None:
-            _unblock_emptied_rows(logits, metadata.allowed_tokens, kept)
-    if formatted is not None and (metadata.allowed_tokens is not None
-                                  or metadata.blocked_tokens is not None):
-        emptied = torch.isneginf(logits[format_rows]).all(dim=-1)
-        logits[format_rows[emptied]] = formatted[emptied]
+    if metadata.blocked_tokens is not None or len(defining) > 1:
+        for rows, before in reversed(defining):
+            _restore_emptied_rows(logits, rows, before)
     wants_logprobs = any(k is not None for k in metadata.num_logprobs)
     logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None
 

@@ -16,7 +16,12 @@ import torch
 
 from pagellm import SamplingParams
 from pagellm.core.sampling_params import StructuredOutputsParams
-from pagellm.engine.structured_output import FormatMatcher, allowed_tokens
+from pagellm.engine.structured_output import (
+    FormatMatcher,
+    allowed_tokens,
+    grammar_spec,
+    unpack_bitmask,
+)
 from tests.engine.conftest import NEAR_TIE, assert_idle
 
 pytestmark = pytest.mark.slow
@@ -109,8 +114,8 @@ def test_greedy_under_a_format_is_the_reference_argmax_among_allowed_tokens(
     compiler = engine._grammars
     for fmt, output in zip(formats, outputs, strict=True):
         ours = list(output.outputs[0].token_ids)
-        ref = _reference(default_hf_model, compiler.tokenizer, compiler.compile(fmt).spec,
-                         prompt, set(engine.eos_token_ids), 48)
+        ref = _reference(default_hf_model, compiler.tokenizer, grammar_spec(fmt), prompt,
+                         set(engine.eos_token_ids), 48)
         if ours != ref:  # only a true near-tie may part them (see conftest)
             first = next(i for i, (a, b) in enumerate(zip(ours, ref, strict=False)) if a != b)
             with torch.no_grad():
@@ -189,15 +194,108 @@ def test_allowed_tokens_unpacks_the_bitmask_of_each_row(default_llm: Any) -> Non
     """Row by row, the bool mask holds exactly the tokens the matcher's bitmask holds."""
     compiler = default_llm.llm_engine._grammars
     vocab = default_llm.llm_engine.model_config.vocab_size
-    grammars = [compiler.compile(StructuredOutputsParams(choice=["yes", "no"])),
-                compiler.compile(StructuredOutputsParams(regex=r"[0-9]+"))]
-    matchers = [grammar.matcher() for grammar in grammars]
+    formats = [StructuredOutputsParams(choice=["yes", "no"]),
+               StructuredOutputsParams(regex=r"[0-9]+")]
+    matchers = [compiler.matchers(fmt, 1)[0] for fmt in formats]
     mask = allowed_tokens(matchers, compiler.mask_words, vocab)
-    for row, grammar in enumerate(grammars):
-        fresh = llguidance.LLMatcher(compiler.tokenizer, grammar.spec)
+    for row, fmt in enumerate(formats):
+        fresh = llguidance.LLMatcher(compiler.tokenizer, grammar_spec(fmt))
         bits = np.unpackbits(np.frombuffer(fresh.compute_bitmask(), dtype=np.uint8),
                              bitorder="little")[:vocab]
         assert mask[row].tolist() == (bits == 1).tolist()
     text = default_llm.get_tokenizer()
     assert {text.decode([t]) for t in mask[0].nonzero().flatten().tolist()} >= {"yes", "no"}
     assert isinstance(matchers[0], FormatMatcher)
+
+
+def test_unpack_bitmask_reads_every_bit_of_a_word() -> None:
+    """Bit b of word w is token 32 w + b, the sign bit (token 31 of a word) included;
+    tokens past the vocabulary are cut."""
+    packed = np.array([[-2**31, 1], [-1, 0], [5, -2**31 + 1]], dtype=np.int32)
+    mask = unpack_bitmask(packed, 60)
+    assert mask.shape == (3, 60) and mask.dtype == torch.bool
+    assert mask[0].nonzero().flatten().tolist() == [31, 32]
+    assert mask[1].nonzero().flatten().tolist() == list(range(32))
+    assert mask[2].nonzero().flatten().tolist() == [0, 2, 32]
+
+
+def test_a_format_is_compiled_once_and_copied_per_completion(default_llm: Any) -> None:
+    compiler = default_llm.llm_engine._grammars
+    fmt = StructuredOutputsParams(regex=r"[a-c]{2}")
+    first = compiler.matchers(fmt, 3)
+    again = compiler.matchers(StructuredOutputsParams(regex=r"[a-c]{2}"), 1)
+    assert len({id(m) for m in first + again}) == 4
+    assert compiler._compiled[grammar_spec(fmt)] is not None
+    (a,) = default_llm.get_tokenizer().encode("a", add_special_tokens=False)
+    first[0].accept(a)  # copies do not share their state
+    masks = allowed_tokens(first[:2], compiler.mask_words, 49152)
+    assert masks[0].sum() < masks[1].sum()
+
+
+def test_disable_additional_properties_closes_the_schemas_objects(default_llm: Any) -> None:
+    llm = default_llm
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}},
+              "required": ["name"]}
+    prompt = _prompt(llm, "Describe a person as JSON with many fields.")
+    closed, open_ = llm.generate([prompt, prompt], [
+        _greedy(StructuredOutputsParams(json=schema, disable_any_whitespace=True,
+                                        disable_additional_properties=True)),
+        _greedy(StructuredOutputsParams(json=schema, disable_any_whitespace=True))],
+        use_tqdm=False)
+    assert set(json.loads(closed.outputs[0].text)) == {"name"}
+    assert open_.outputs[0].text != closed.outputs[0].text  # the model adds fields when free
+
+
+def test_after_the_format_only_eos_follows(default_llm: Any) -> None:
+    """min_tokens and ignore_eos keep a completed format generating: only EOS tokens
+    follow it, which leave the text alone (they are special tokens)."""
+    llm = default_llm
+    eos = llm.llm_engine.eos_token_ids
+    fmt = StructuredOutputsParams(choice=["yes", "no"])
+    prompt = _prompt(llm, "Yes or no?")
+    (plain,) = llm.generate(prompt, _greedy(fmt, 8), use_tqdm=False)
+    longer = llm.generate([prompt, prompt], [
+        SamplingParams(temperature=0, max_tokens=8, min_tokens=5, structured_outputs=fmt),
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, structured_outputs=fmt)],
+        use_tqdm=False)
+    base = list(plain.outputs[0].token_ids)
+    assert base[-1] in eos
+    for output, length in zip(longer, (5, 6), strict=True):
+        tokens = list(output.outputs[0].token_ids)
+        assert tokens[:len(base) - 1] == base[:-1]
+        assert all(t in eos for t in tokens[len(base) - 1:]) and len(tokens) == length
+        assert output.outputs[0].text == plain.outputs[0].text
+    assert_idle(llm.llm_engine)
+
+
+def test_a_failed_matcher_ends_its_request_with_an_error(default_llm: Any) -> None:
+    """A grammar past llguidance's parser limits (2,001 alternatives in one rule) compiles
+    but fails after its first token: the completion ends with finish_reason "error" and
+    the output's error set, instead of passing a cut text off as formatted; the other
+    request of the step goes on."""
+    llm = default_llm
+    rule = " | ".join(f'"item {i}"' for i in range(2001))
+    failed, free = llm.generate(
+        [_prompt(llm, "Pick an item."), "The sky is"],
+        [_greedy(StructuredOutputsParams(grammar=f"start: {rule}")),
+         SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)], use_tqdm=False)
+    assert failed.outputs[0].finish_reason == "error"
+    assert failed.error is not None and failed.error.startswith("structured output failed: ")
+    assert len(failed.error) < 600  # llguidance's message quotes the grammar: cut short
+    assert free.error is None and len(free.outputs[0].token_ids) == 5
+    assert_idle(llm.llm_engine)
+
+
+def test_thousands_of_choices(default_llm: Any) -> None:
+    """Choices are one lexer automaton, not parser alternatives: 2,001 of them work."""
+    choices = [f"item {i}" for i in range(2001)]
+    (output,) = default_llm.generate(
+        _prompt(default_llm, "Pick an item."),
+        _greedy(StructuredOutputsParams(choice=choices)), use_tqdm=False)
+    assert output.outputs[0].finish_reason == "stop" and output.outputs[0].text in choices
+    compiler = default_llm.llm_engine._grammars
+    (matcher,) = compiler.matchers(StructuredOutputsParams(choice=["", "a", "ab", "a"]), 1)
+    first = allowed_tokens([matcher], compiler.mask_words, 49152)[0]
+    text = default_llm.get_tokenizer()
+    allowed = {text.decode([t]) for t in first.nonzero().flatten().tolist()}
+    assert allowed == {"a", "ab", "<|im_end|>"}  # the empty choice: EOS at once

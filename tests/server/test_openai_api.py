@@ -389,7 +389,7 @@ def test_response_format_json_schema(client: openai.OpenAI) -> None:
         messages=[{"role": "user", "content": "Name a big city and its population."}],
         response_format={"type": "json_schema",
                          "json_schema": {"name": "city", "schema": CITY_SCHEMA, "strict": True}},
-        extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+        extra_body={"structured_outputs": {"json": None, "disable_any_whitespace": True}})
     result = client.chat.completions.create(**kwargs)
     choice = result.choices[0]
     answer = json.loads(choice.message.content or "")
@@ -432,6 +432,18 @@ def test_json_object_and_guided_choice(client: openai.OpenAI) -> None:
                                            temperature=1.0, seed=5, n=3, extra_body=extra)
         assert {c.text for c in result.choices} <= {" yes", " no"}
         assert {c.finish_reason for c in result.choices} == {"stop"}
+    # vLLM's StructuredOutputsParams serialised whole, unset fields as null.
+    vllm_style = {"json": None, "regex": None, "choice": [" yes", " no"], "grammar": None,
+                  "json_object": None, "disable_any_whitespace": False,
+                  "disable_additional_properties": False, "whitespace_pattern": None,
+                  "structural_tag": None}
+    result = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8,
+                                       temperature=0, extra_body={"structured_outputs": vllm_style})
+    assert result.choices[0].text in (" yes", " no")
+    rule = " | ".join(f'"item {i}"' for i in range(2001))  # past llguidance's parser limit
+    with pytest.raises(openai.InternalServerError, match="structured output failed"):
+        client.completions.create(model=MODEL_NAME, prompt="Pick:", max_tokens=8,
+                                  extra_body={"guided_grammar": f"start: {rule}"})
     digits = client.completions.create(model=MODEL_NAME, prompt="My PIN is", max_tokens=8,
                                        temperature=0, extra_body={"guided_regex": r" \d{4}"})
     assert re.fullmatch(r" [0-9]{4}", digits.choices[0].text)

@@ -95,13 +95,14 @@ def structured_outputs_of(request: SamplingFields) -> StructuredOutputsParams | 
 
     def put(key: str, value: Any, source: str) -> None:
         if key in fields:
-            raise bad_request(f"{source} sets the {key} format, which {origin[key]} "
-                              "already sets; give it once", param=source)
+            raise bad_request(f"{source} sets {key}, which {origin[key]} already sets; "
+                              "give it once", param=source)
         fields[key] = value
         origin[key] = source
 
     for key, value in (request.structured_outputs or {}).items():
-        put(key, value, "structured_outputs")
+        if value is not None:  # vLLM's dataclass serialised whole: null means unset
+            put(key, value, "structured_outputs")
     for name, key in _GUIDED_FIELDS.items():
         value = getattr(request, name)
         if value is not None:
@@ -115,14 +116,24 @@ def structured_outputs_of(request: SamplingFields) -> StructuredOutputsParams | 
     elif response_format is not None and kind != "text":
         raise bad_request(f"response_format type must be 'text', 'json_object' or "
                           f"'json_schema', got {kind!r}", param="response_format")
-    if not fields:
+    if not fields and request.structured_outputs is None:
         return None
     try:
         return StructuredOutputsParams.from_dict(fields)
     except ValueError as error:
         param = next((origin[key] for key in fields if f".{key} " in str(error)),
-                     next(iter(origin.values())))
+                     next(iter(origin.values()), "structured_outputs"))
         raise bad_request(str(error), param=param, code="invalid_value") from error
+
+
+def format_field(request: SamplingFields) -> str:
+    """The field that carries the request's format, named by errors about the format
+    (one that does not compile is found by the engine, after structured_outputs_of)."""
+    if (request.response_format or {}).get("type") in ("json_object", "json_schema"):
+        return "response_format"
+    return next((name for name in _GUIDED_FIELDS
+                 if name != "guided_whitespace_pattern" and getattr(request, name) is not None),
+                "structured_outputs")
 
 
 def _response_schema(response_format: Any) -> Any:

@@ -143,9 +143,11 @@ async def start_requests(
     cache_salt: str | None,
     arrival_time: float,
     prompt_param: str,
-    priority: int = 0,
+    priority: int,
+    format_param: str,
 ) -> list[RequestStream]:
-    """Queues one engine request per prompt; all or none (an error aborts the started)."""
+    """Queues one engine request per prompt; all or none (an error aborts the started).
+    An engine error names its field: `format_param` for the format's."""
     streams: list[RequestStream] = []
     try:
         for index, (prompt, sampling) in enumerate(zip(prompts, params, strict=True)):
@@ -159,8 +161,10 @@ async def start_requests(
             stream.abort()
         if isinstance(error, ValueError):
             param = next((name for name in ("cache_salt", "priority", "allowed_token_ids",
-                                           "bad_words", "structured_outputs")
+                                           "bad_words")
                           if str(error).startswith(name)), prompt_param)
+            if str(error).startswith("structured_outputs"):
+                param = format_param
             raise bad_request(str(error), param=param) from error
         if isinstance(error, EngineDeadError):
             raise APIError(503, "The server is shutting down.") from error

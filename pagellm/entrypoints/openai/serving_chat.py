@@ -32,7 +32,7 @@ from pagellm.entrypoints.openai.protocol import (
     TokenizeRequest,
     UsageInfo,
 )
-from pagellm.entrypoints.openai.sampling import build_sampling_params
+from pagellm.entrypoints.openai.sampling import build_sampling_params, format_field
 from pagellm.entrypoints.openai.serving import (
     Prompt,
     ServerContext,
@@ -140,7 +140,7 @@ async def create_chat_completion(context: ServerContext, body: ChatCompletionReq
         engine.max_model_len, len(prompt.token_ids), requested, "messages", max_tokens_param))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await start_requests(context, request_id, [prompt], [params], body.cache_salt,
-                                   arrival, "messages", body.priority)
+                                   arrival, "messages", body.priority, format_field(body))
     if body.stream:
         return EventStreamResponse(streamed(_stream(context, request_id, body, streams,
                                                     UsageReport.of(body.stream_options),

@@ -28,7 +28,7 @@ from pagellm.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from pagellm.entrypoints.openai.sampling import build_sampling_params
+from pagellm.entrypoints.openai.sampling import build_sampling_params, format_field
 from pagellm.entrypoints.openai.serving import (
     Prompt,
     ServerContext,
@@ -135,7 +135,7 @@ async def create_completion(context: ServerContext, body: CompletionRequest,
         for p in prompts]
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = await start_requests(context, request_id, prompts, params, body.cache_salt,
-                                   arrival, "prompt", body.priority)
+                                   arrival, "prompt", body.priority, format_field(body))
     if body.stream:
         return EventStreamResponse(streamed(_stream(context, request_id, body, streams,
                                                     UsageReport.of(body.stream_options))))
