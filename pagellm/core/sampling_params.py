@@ -130,7 +130,8 @@ def _logit_bias(value: object) -> dict[int, float] | None:
     return bias or None
 
 
-_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+# The formats of StructuredOutputsParams, of which a request sets exactly one.
+FORMAT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 @dataclass(frozen=True)
@@ -163,11 +164,11 @@ class StructuredOutputsParams:
     whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
-        given = [name for name in _CONSTRAINTS if getattr(self, name) is not None]
+        given = [name for name in FORMAT_KINDS if getattr(self, name) is not None]
         if len(given) != 1:
             raise ValueError(
                 "structured_outputs must set exactly one of "
-                f"{', '.join(_CONSTRAINTS)}; got {', '.join(given) or 'none'}")
+                f"{', '.join(FORMAT_KINDS)}; got {', '.join(given) or 'none'}")
         if self.json is not None:
             if not isinstance(self.json, (str, dict)):
                 raise ValueError("structured_outputs.json must be a JSON schema (a dict or "
@@ -202,7 +203,7 @@ class StructuredOutputsParams:
         given = {key: value for key, value in fields.items() if value is not None}
         if "structural_tag" in given:
             raise ValueError("structured_outputs.structural_tag is not supported; the format "
-                             f"must be one of {', '.join(_CONSTRAINTS)}")
+                             f"must be one of {', '.join(FORMAT_KINDS)}")
         names = {field.name for field in dataclasses.fields(cls)}
         unknown = sorted(set(given) - names)
         if unknown:
@@ -214,7 +215,7 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         """Which format is set: one of "json", "regex", "choice", "grammar",
         "json_object"."""
-        return next(name for name in _CONSTRAINTS if getattr(self, name) is not None)
+        return next(name for name in FORMAT_KINDS if getattr(self, name) is not None)
 
 
 def _structured_outputs(value: object) -> StructuredOutputsParams | None:

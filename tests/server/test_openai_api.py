@@ -449,6 +449,94 @@ def test_json_object_and_guided_choice(client: openai.OpenAI) -> None:
     assert re.fullmatch(r" [0-9]{4}", digits.choices[0].text)
 
 
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object",
+                   "properties": {"city": {"type": "string", "maxLength": 20},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object",
+                                       "properties": {"zone": {"type": "string", "maxLength": 12}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+
+
+def _streamed_tool_calls(chunks: Any) -> tuple[list[dict[str, str]], str | None, str]:
+    """Tool calls put together from a stream's deltas, as the openai client does."""
+    calls: dict[int, dict[str, str]] = {}
+    reason, content = None, ""
+    for chunk in chunks:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for piece in choice.delta.tool_calls or []:
+                call = calls.setdefault(piece.index, {"id": "", "name": "", "arguments": ""})
+                call["id"] += piece.id or ""
+                call["name"] += piece.function.name or "" if piece.function else ""
+                call["arguments"] += piece.function.arguments or "" if piece.function else ""
+            reason = choice.finish_reason or reason
+    return [calls[i] for i in sorted(calls)], reason, content
+
+
+def test_a_named_tool_choice_answers_its_arguments(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = dict(
+        model=MODEL_NAME, max_tokens=60, temperature=0, tools=[WEATHER_TOOL, TIME_TOOL],
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+    result = client.chat.completions.create(**kwargs)
+    message = result.choices[0].message
+    assert message.content is None and result.choices[0].finish_reason == "stop"
+    (call,) = message.tool_calls or []
+    assert call.type == "function" and call.function.name == "get_weather"
+    arguments = json.loads(call.function.arguments)
+    assert set(arguments) == {"city", "unit"} and arguments["unit"] in ("celsius", "fahrenheit")
+    calls, reason, content = _streamed_tool_calls(
+        client.chat.completions.create(stream=True, **kwargs))
+    assert content == "" and reason == "stop"
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        ("get_weather", call.function.arguments)]
+    assert calls[0]["id"].startswith("chatcmpl-tool-")
+
+
+def test_required_tool_choice_answers_calls(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = dict(
+        model=MODEL_NAME, max_tokens=80, temperature=0, tools=[WEATHER_TOOL, TIME_TOOL],
+        tool_choice="required", parallel_tool_calls=False,
+        messages=[{"role": "user", "content": "What time is it in Tokyo?"}],
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+    result = client.chat.completions.create(**kwargs)
+    choice = result.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls or []  # parallel_tool_calls=False: one call
+    assert call.function.name in ("get_weather", "get_time")
+    schema = (WEATHER_TOOL if call.function.name == "get_weather" else TIME_TOOL)["function"]
+    assert set(json.loads(call.function.arguments)) == set(schema["parameters"]["required"])
+    calls, reason, content = _streamed_tool_calls(
+        client.chat.completions.create(stream=True, **kwargs))
+    assert content == "" and reason == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        (call.function.name, call.function.arguments)]
+
+
+def test_parse_with_a_pydantic_function_tool(client: openai.OpenAI) -> None:
+    """The openai client's strict function tools, read back into the model class, as
+    libraries such as instructor use them."""
+    from pydantic import BaseModel, Field
+
+    class Weather(BaseModel):
+        city: str = Field(max_length=20)
+        celsius: bool
+
+    result = client.chat.completions.parse(
+        model=MODEL_NAME, max_tokens=60, temperature=0,
+        messages=[{"role": "user", "content": "Weather in Oslo?"}],
+        tools=[openai.pydantic_function_tool(Weather)],
+        tool_choice={"type": "function", "function": {"name": "Weather"}})
+    (call,) = result.choices[0].message.tool_calls or []
+    assert isinstance(call.function.parsed_arguments, Weather)
+
+
 def test_health_answers_while_a_huge_prompt_is_tokenized(server: Server) -> None:
     """Tokenizing runs off the event loop: a megabyte of text takes a while to encode,
     and every other request must not wait for it."""

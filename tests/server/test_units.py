@@ -207,3 +207,42 @@ def test_tokens_as_token_ids_never_collide() -> None:
     block = completion_logprobs(entries, TokenText(FakeTokenizer(), as_token_ids=True), None)
     assert block.tokens == ["token_id:12"]
     assert block.top_logprobs == [{"token_id:12": -1.0, "token_id:13": -2.0}]
+
+
+def test_forced_tool_call_formats() -> None:
+    """A named function's answer is its arguments' schema (an empty object when it has
+    none); "required" is an array of {name, parameters} with the tools' $defs at the top,
+    where their references point; a whole answer reads back into calls."""
+    from pagellm.entrypoints.openai.protocol import ChatCompletionRequest
+    from pagellm.entrypoints.openai.tool_calls import tool_call_format
+
+    point = {"type": "object", "properties": {"x": {"type": "number"}}}
+    tools = [{"type": "function", "function": {"name": "draw", "parameters": {
+                 "type": "object", "properties": {"at": {"$ref": "#/$defs/point"}},
+                 "$defs": {"point": point}}}},
+             {"type": "function", "function": {"name": "clear"}}]
+    user = [{"role": "user", "content": "hi"}]
+
+    def request(**fields: object) -> ChatCompletionRequest:
+        return ChatCompletionRequest.model_validate({"messages": user, "tools": tools, **fields})
+
+    named = tool_call_format(request(tool_choice={"type": "function",
+                                                  "function": {"name": "clear"}}))
+    assert named is not None and named.function == "clear"
+    assert named.schema == {"type": "object", "properties": {}}
+    (call,) = named.calls('{"a"') or []  # a cut answer is still the named call
+    assert (call.function.name, call.function.arguments) == ("clear", '{"a"')
+
+    required = tool_call_format(request(tool_choice="required", parallel_tool_calls=False))
+    assert required is not None and required.function is None
+    assert required.schema["$defs"] == {"point": point} and required.schema["maxItems"] == 1
+    draw = required.schema["items"]["anyOf"][0]["properties"]
+    assert draw["name"] == {"const": "draw"} and "$defs" not in draw["parameters"]
+    assert tools[0]["function"]["parameters"]["$defs"] == {"point": point}  # not modified
+    calls = required.calls('[{"name": "draw", "parameters": {"at": {"x": 1}}}, '
+                           '{"name": "clear", "parameters": {}}]')
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls or []] == [
+        ("draw", {"at": {"x": 1}}), ("clear", {})]
+    assert required.calls('[{"name": "dr') is None
+    assert "maxItems" not in tool_call_format(request(tool_choice="required")).schema
+    assert tool_call_format(request(tool_choice="none")) is None

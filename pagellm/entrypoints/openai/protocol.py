@@ -129,6 +129,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     # Known, and refused when set (see check_supported).
     chat_template: Any = None
     functions: Any = None
@@ -210,9 +211,45 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+
+class _WithoutNulls(BaseModel):
+    """Stream pieces leave out what they do not carry, as OpenAI's and vLLM's do: strict
+    client schemas reject `"role": null`."""
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class DeltaFunctionCall(_WithoutNulls):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_WithoutNulls):
+    """A stream's piece of a tool call: the first names the call (id, type, function
+    name), the next ones add to its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
 
 
 class ChatChoice(BaseModel):
@@ -233,16 +270,12 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
-class ChatDelta(BaseModel):
-    """A stream's increment: OpenAI and vLLM leave out what a chunk does not carry (the
-    role after the first chunk), and strict client schemas reject `"role": null`."""
+class ChatDelta(_WithoutNulls):
+    """A stream's increment (the role only in the first chunk)."""
 
     role: str | None = None
     content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return {key: value for key, value in handler(self).items() if value is not None}
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 from pagellm.core.sampling_params import (
+    FORMAT_KINDS,
     MAX_LOGIT_BIAS,
     SamplingParams,
     StructuredOutputsParams,
@@ -32,6 +33,7 @@ def build_sampling_params(
     prompt_logprobs: int | None,
     vocab_size: int,
     field_names: dict[str, str] | None = None,
+    tool_schema: dict[str, Any] | None = None,
 ) -> SamplingParams:
     """The request's sampling options, validated; raises a 400 APIError naming the field.
 
@@ -42,7 +44,7 @@ def build_sampling_params(
     the vocabulary is a client error.
     """
     top_k = request.top_k or 0
-    structured_outputs = structured_outputs_of(request)
+    structured_outputs = structured_outputs_of(request, tool_schema)
     logit_bias = _logit_bias(request.logit_bias, vocab_size)
     for token in request.stop_token_ids or []:
         if not 0 <= token < vocab_size:
@@ -83,20 +85,24 @@ _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice
                   "guided_grammar": "grammar", "guided_whitespace_pattern": "whitespace_pattern"}
 
 
-def structured_outputs_of(request: SamplingFields) -> StructuredOutputsParams | None:
+def structured_outputs_of(request: SamplingFields, tool_schema: dict[str, Any] | None = None
+                          ) -> StructuredOutputsParams | None:
     """The request's format, from whichever field the client used: `response_format`
     (OpenAI: json_object, or json_schema with its `schema`), `structured_outputs`
-    (vLLM's dict), or vLLM's older `guided_*` fields. They may be combined (a
-    response_format schema with structured_outputs' whitespace options), but one format
-    given twice is a 400, as is a response_format type other than text, json_object and
-    json_schema."""
+    (vLLM's dict), vLLM's older `guided_*` fields, or a forced tool call's schema
+    (`tool_schema`, see tool_calls.py). They may be combined (a schema with
+    structured_outputs' whitespace options), but one format given twice is a 400, as is
+    a response_format type other than text, json_object and json_schema."""
     fields: dict[str, Any] = {}
     origin: dict[str, str] = {}
 
     def put(key: str, value: Any, source: str) -> None:
-        if key in fields:
-            raise bad_request(f"{source} sets {key}, which {origin[key]} already sets; "
-                              "give it once", param=source)
+        clash = key if key in fields else next(
+            (other for other in fields if other in FORMAT_KINDS and key in FORMAT_KINDS
+             and origin[other] != source), None)
+        if clash is not None:
+            raise bad_request(f"{source} sets {key}, but {origin[clash]} already sets "
+                              f"{clash}; give one format", param=source)
         fields[key] = value
         origin[key] = source
 
@@ -116,6 +122,8 @@ def structured_outputs_of(request: SamplingFields) -> StructuredOutputsParams | 
     elif response_format is not None and kind != "text":
         raise bad_request(f"response_format type must be 'text', 'json_object' or "
                           f"'json_schema', got {kind!r}", param="response_format")
+    if tool_schema is not None:
+        put("json", tool_schema, "tool_choice")
     if not fields and request.structured_outputs is None:
         return None
     try:

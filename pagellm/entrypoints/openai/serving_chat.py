@@ -29,7 +29,10 @@ from pagellm.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     ChatDelta,
     ChatResponseMessage,
+    DeltaFunctionCall,
+    DeltaToolCall,
     TokenizeRequest,
+    ToolCall,
     UsageInfo,
 )
 from pagellm.entrypoints.openai.sampling import build_sampling_params, format_field
@@ -45,6 +48,7 @@ from pagellm.entrypoints.openai.serving import (
     start_requests,
     usage,
 )
+from pagellm.entrypoints.openai.tool_calls import ToolCallFormat, new_call_id, tool_call_format
 from pagellm.entrypoints.openai.transport import (
     EventStreamResponse,
     sse,
@@ -94,19 +98,6 @@ def _check_chat_options(body: ChatCompletionRequest) -> None:
     check_rendering(body)
 
 
-def _check_tools(body: ChatCompletionRequest) -> None:
-    """Tool definitions may be given for the template to render, but no tool call is
-    ever parsed out of the answer, so only tool_choice "none" can be honoured."""
-    choice = body.tool_choice
-    if body.tools and choice != "none":
-        raise bad_request("tool calling is not supported: send tools with tool_choice "
-                          "\"none\" (they are only rendered into the prompt), or no tools",
-                          param="tool_choice" if choice is not None else "tools")
-    if not body.tools and choice is not None and choice != "none":
-        raise bad_request("tool_choice needs tools, and tool calling is not supported",
-                          param="tool_choice")
-
-
 def _logprobs_setting(body: ChatCompletionRequest) -> int | None:
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
@@ -124,7 +115,7 @@ async def create_chat_completion(context: ServerContext, body: ChatCompletionReq
                           param="stream_options")
     check_supported(body)
     _check_chat_options(body)
-    _check_tools(body)
+    tool_format = tool_call_format(body)
     engine = context.engine
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None \
         else "max_tokens"
@@ -133,31 +124,39 @@ async def create_chat_completion(context: ServerContext, body: ChatCompletionReq
     base = build_sampling_params(
         body, max_tokens=requested, logprobs=_logprobs_setting(body),
         prompt_logprobs=body.prompt_logprobs, vocab_size=engine.vocab_size,
-        field_names={"logprobs": "top_logprobs", "max_tokens": max_tokens_param})
+        field_names={"logprobs": "top_logprobs", "max_tokens": max_tokens_param},
+        tool_schema=tool_format.schema if tool_format is not None else None)
     prompt = Prompt(None, await context.off_loop(_chat_prompt, engine.tokenizer, body, base,
                                             engine.max_model_len))
     params = base.clone(max_tokens=resolve_max_tokens(
         engine.max_model_len, len(prompt.token_ids), requested, "messages", max_tokens_param))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await start_requests(context, request_id, [prompt], [params], body.cache_salt,
-                                   arrival, "messages", body.priority, format_field(body))
+                                   arrival, "messages", body.priority,
+                                   "tool_choice" if tool_format else format_field(body))
     if body.stream:
         return EventStreamResponse(streamed(_stream(context, request_id, body, streams,
                                                     UsageReport.of(body.stream_options),
-                                                    len(prompt.token_ids))))
+                                                    len(prompt.token_ids), tool_format)))
     outputs = await unless_disconnected(raw, final_outputs(streams, context.metrics))
-    return JSONResponse(_response(context, request_id, body, outputs[0]).model_dump(mode="json"))
+    return JSONResponse(_response(context, request_id, body, outputs[0], tool_format)
+                        .model_dump(mode="json"))
 
 
 def _response(context: ServerContext, request_id: str, body: ChatCompletionRequest,
-              output: RequestOutput) -> ChatCompletionResponse:
+              output: RequestOutput, tool_format: ToolCallFormat | None
+              ) -> ChatCompletionResponse:
     token_text = TokenText(context.engine.tokenizer, body.return_tokens_as_token_ids)
-    choices = [
-        ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                   logprobs=chat_logprobs(c.logprobs, token_text) if c.logprobs is not None
-                   else None,
-                   finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-        for c in output.outputs]
+    choices = []
+    for c in output.outputs:
+        calls = tool_format.calls(c.text) if tool_format is not None else None
+        message = (ChatResponseMessage(content=None, tool_calls=calls) if calls is not None
+                   else ChatResponseMessage(content=c.text))
+        choices.append(ChatChoice(
+            index=c.index, message=message,
+            logprobs=chat_logprobs(c.logprobs, token_text) if c.logprobs is not None else None,
+            finish_reason=_finish_reason(c.finish_reason, calls, tool_format),
+            stop_reason=c.stop_reason))
     return ChatCompletionResponse(
         id=request_id, model=context.model_name, choices=choices, usage=usage([output]),
         prompt_logprobs=(prompt_logprobs_json(output.prompt_logprobs, token_text,
@@ -165,11 +164,45 @@ def _response(context: ServerContext, request_id: str, body: ChatCompletionReque
                          if output.prompt_logprobs is not None else None))
 
 
+def _finish_reason(reason: str | None, calls: list[ToolCall] | None,
+                   tool_format: ToolCallFormat | None) -> str | None:
+    """A whole forced tool call's reason is the format's; a cut one keeps its own."""
+    if calls is None or tool_format is None or reason != "stop":
+        return reason
+    return tool_format.finish_reason
+
+
+def _delta(text: str, whole: str, tool_format: ToolCallFormat | None, first: bool,
+           calls: list[ToolCall] | None) -> ChatDelta:
+    """One choice's increment: its new text, or as a forced tool call: a piece of a named
+    function's arguments (the first piece naming the call), or every "required" call at
+    once (`whole` as text if it is not a whole array)."""
+    if tool_format is None:
+        return ChatDelta(content=text)
+    if tool_format.function is not None:
+        function = DeltaFunctionCall(name=tool_format.function if first else None,
+                                     arguments=text)
+        return ChatDelta(tool_calls=[DeltaToolCall(
+            index=0, id=new_call_id() if first else None, type="function" if first else None,
+            function=function)])
+    if calls is None:
+        return ChatDelta(content=whole)
+    return ChatDelta(tool_calls=[
+        DeltaToolCall(index=i, id=call.id, type="function",
+                      function=DeltaFunctionCall(name=call.function.name,
+                                                 arguments=call.function.arguments))
+        for i, call in enumerate(calls)])
+
+
 async def _stream(context: ServerContext, request_id: str, body: ChatCompletionRequest,
-                  streams: list[RequestStream], report: UsageReport, prompt_tokens: int
-                  ) -> AsyncGenerator[str, None]:
+                  streams: list[RequestStream], report: UsageReport, prompt_tokens: int,
+                  tool_format: ToolCallFormat | None) -> AsyncGenerator[str, None]:
     """A role chunk per choice, then content deltas, each choice's last with its reason;
-    with continuous usage, every chunk counts the tokens so far (as vLLM's does)."""
+    with continuous usage, every chunk counts the tokens so far (as vLLM's does).
+
+    A forced tool call streams as OpenAI's do: a named function's arguments as they come
+    (the first piece naming the call); "required" calls once the array is whole (a
+    partial array names no call yet), or as content if it never is."""
     token_text = TokenText(context.engine.tokenizer, body.return_tokens_as_token_ids)
     created = int(time.time())
 
@@ -185,6 +218,8 @@ async def _stream(context: ServerContext, request_id: str, body: ChatCompletionR
                 if report.on_every_chunk else None)
     sent_text: dict[int, int] = {}
     sent_logprobs: dict[int, int] = {}
+    waits_for_whole = tool_format is not None and tool_format.function is None
+    named_started: set[int] = set()
     done: set[int] = set()
     final: RequestOutput | None = None
     async with aclosing(merged(streams, context.metrics)) as outputs:
@@ -192,21 +227,30 @@ async def _stream(context: ServerContext, request_id: str, body: ChatCompletionR
             choices = []
             for completion in output.outputs:
                 index = completion.index
+                finished = completion.finish_reason is not None
+                if index in done or (waits_for_whole and not finished):
+                    continue
                 delta = completion.text[sent_text.get(index, 0):]
-                if index in done or (not delta and completion.finish_reason is None):
+                if not delta and not finished:
                     continue
                 sent_text[index] = len(completion.text)
-                if completion.finish_reason is not None:
+                if finished:
                     done.add(index)
                 logprobs = None
                 if completion.logprobs is not None:
                     logprobs = chat_logprobs(
                         completion.logprobs[sent_logprobs.get(index, 0):], token_text)
                     sent_logprobs[index] = len(completion.logprobs)
+                calls = (tool_format.calls(completion.text)
+                         if tool_format is not None and finished else None)
                 choices.append(ChatChunkChoice(
-                    index=index, delta=ChatDelta(content=delta), logprobs=logprobs,
-                    finish_reason=completion.finish_reason,
+                    index=index, delta=_delta(delta, completion.text, tool_format,
+                                              index not in named_started, calls),
+                    logprobs=logprobs,
+                    finish_reason=_finish_reason(completion.finish_reason, calls, tool_format),
                     stop_reason=completion.stop_reason))
+                if tool_format is not None:
+                    named_started.add(index)
             if output.finished:
                 final = output
             if choices:

@@ -1,0 +1,144 @@
+"""Forced tool calls: `tool_choice` "required" or a named function, answered as JSON under
+the tools' schemas (structured output), then read back into OpenAI's `tool_calls`.
+
+This is how vLLM answers those two choices, and it needs no model-specific parser: the
+answer is generated in a known format. A named function's answer is its arguments, a
+JSON object under the function's `parameters` schema (finish_reason "stop", as OpenAI
+gives for a forced function); "required" answers a JSON array of `{"name",
+"parameters"}` objects, one per call (finish_reason "tool_calls"). "auto", where the
+model decides whether to call a tool in its own syntax, needs such a parser and is
+refused, as vLLM refuses it without `--tool-call-parser`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from pagellm.entrypoints.openai.errors import bad_request
+from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, FunctionCall, ToolCall
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """What a forced tool call makes of a chat completion: the JSON schema its answer
+    follows, and the forced function's name (None for "required": any of the tools)."""
+
+    schema: dict[str, Any]
+    function: str | None
+
+    def calls(self, text: str) -> list[ToolCall] | None:
+        """The tool calls an answer makes. A named function's call is its text whole or
+        cut (by max_tokens: its finish_reason says so), as a stream sends its arguments
+        piece by piece; "required" calls are read from the whole array, and a cut one
+        (None) is returned as text."""
+        if self.function is not None:
+            return [_call(self.function, text)]
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(value, list) or not all(
+                isinstance(item, dict) and {"name", "parameters"} <= set(item) for item in value):
+            return None
+        return [_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
+                for item in value]
+
+    @property
+    def finish_reason(self) -> str:
+        """The finish reason of a whole answer."""
+        return "stop" if self.function is not None else "tool_calls"
+
+
+def _call(name: str, arguments: str) -> ToolCall:
+    return ToolCall(id=new_call_id(), function=FunctionCall(name=name, arguments=arguments))
+
+
+def new_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def tool_call_format(body: ChatCompletionRequest) -> ToolCallFormat | None:
+    """The request's forced tool call, or None (no tools, or tool_choice "none": the
+    tools are only rendered into the prompt). Bad tools or choices are a 400."""
+    choice = body.tool_choice
+    tools = _functions(body.tools or [])
+    if not body.tools:
+        if choice is not None and choice != "none":
+            raise bad_request("tool_choice needs tools", param="tool_choice")
+        return None
+    if choice == "none":
+        return None
+    if choice is None or choice == "auto":
+        raise bad_request(
+            'tool_choice "auto" (the default with tools) needs a parser of the model\'s own '
+            'tool-call syntax, which PageLLM does not have: use "required" or a named '
+            'function (answered as JSON under the tools\' schemas), or "none"',
+            param="tool_choice" if choice is not None else "tools")
+    if choice == "required":
+        return ToolCallFormat(_any_call_schema(tools, body.parallel_tool_calls), None)
+    name = _named_function(choice)
+    if name not in tools:
+        raise bad_request(f"tool_choice names the function {name!r}, which is not in tools",
+                          param="tool_choice")
+    return ToolCallFormat(tools[name], name)
+
+
+def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each function's name and its arguments' schema (an empty object when it takes
+    none), checked: an unusable tool would fail later as a schema error."""
+    functions: dict[str, dict[str, Any]] = {}
+    for index, tool in enumerate(tools):
+        function = tool.get("function")
+        if tool.get("type") != "function" or not isinstance(function, dict):
+            raise bad_request(f'tools[{index}] must be {{"type": "function", "function": '
+                              '{"name": ..., "parameters": ...}}', param=f"tools[{index}]")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad_request(f"tools[{index}].function.name must be a non-empty string",
+                              param=f"tools[{index}].function.name")
+        if name in functions:
+            raise bad_request(f"tools[{index}].function.name {name!r} is given twice",
+                              param=f"tools[{index}].function.name")
+        parameters = function.get("parameters")
+        if parameters is not None and not isinstance(parameters, dict):
+            raise bad_request(f"tools[{index}].function.parameters must be a JSON schema "
+                              "object", param=f"tools[{index}].function.parameters")
+        functions[name] = parameters or {"type": "object", "properties": {}}
+    return functions
+
+
+def _named_function(choice: Any) -> str:
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        name = (choice.get("function") or {}).get("name")
+        if isinstance(name, str):
+            return name
+    raise bad_request('tool_choice must be "none", "auto", "required" or {"type": '
+                      '"function", "function": {"name": ...}}', param="tool_choice")
+
+
+def _any_call_schema(tools: dict[str, dict[str, Any]], parallel: bool | None
+                     ) -> dict[str, Any]:
+    """A JSON array of one call or more (one if parallel_tool_calls is false), each
+    `{"name": <a tool>, "parameters": <its arguments>}`. The tools' `$defs` move to the
+    top, where their `#/$defs/...` references point once the schemas are nested."""
+    definitions: dict[str, Any] = {}
+    calls = []
+    for name, parameters in tools.items():
+        parameters = copy.deepcopy(parameters)
+        for key, value in parameters.pop("$defs", {}).items():
+            if definitions.setdefault(key, value) != value:
+                raise bad_request(f"two tools define $defs/{key} differently; give the "
+                                  "definitions distinct names", param="tools")
+        calls.append({"type": "object",
+                      "properties": {"name": {"const": name}, "parameters": parameters},
+                      "required": ["name", "parameters"], "additionalProperties": False})
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if parallel is False:
+        schema["maxItems"] = 1
+    if definitions:
+        schema["$defs"] = definitions
+    return schema
