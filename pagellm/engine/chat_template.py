@@ -8,6 +8,7 @@ refuses what the server refuses.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,8 +155,37 @@ def check_messages(messages: Any) -> list[Message]:
                 raise ChatError(f"messages[{index}].{field} must be "
                                 f"{_KIND_NAMES[kind]}, got {value!r}", "messages")
             rendered[field] = value
+        if "tool_calls" in rendered:
+            calls = _tool_calls(index, rendered.pop("tool_calls"))
+            if calls:
+                rendered["tool_calls"] = calls
         conversation.append(rendered)
     return conversation
+
+
+def _tool_calls(index: int, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An assistant's tool calls as templates read them (vLLM's rules): the arguments
+    as a dict, not OpenAI's JSON text, which a template's `tojson` would encode twice;
+    and an empty list left out, since `'tool_calls' in message` sends some templates
+    down their tool path (Llama 3.1's then refuses anything but one call)."""
+    parsed = []
+    for number, call in enumerate(calls):
+        function = call.get("function")
+        if call.get("type", "function") != "function" or not isinstance(function, dict):
+            raise ChatError(f"messages[{index}].tool_calls[{number}] must be "
+                            '{"type": "function", "function": {"name", "arguments"}}',
+                            "messages")
+        arguments = function.get("arguments") or {}
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                arguments = None
+        if not isinstance(arguments, dict):
+            raise ChatError(f"messages[{index}].tool_calls[{number}].function.arguments "
+                            "must be a JSON object (or its JSON text)", "messages")
+        parsed.append({**call, "function": {**function, "arguments": arguments}})
+    return parsed
 
 
 def _render_text(tokenizer: Any, messages: Any, options: ChatOptions = ChatOptions()) -> str:

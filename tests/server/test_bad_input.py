@@ -177,6 +177,10 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
     ("a tool that is not a function", "/v1/chat/completions",
      {"messages": USER, "tools": [{"type": "retrieval"}], "tool_choice": "required"}, 400,
      "tools[0]", "function"),
+    ("tool parameters that are not an object", "/v1/chat/completions",
+     {"messages": USER, "tool_choice": "required", "tools": [
+         {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     400, "tools[0].function.parameters", "of an object"),
     ("two tools of one name", "/v1/chat/completions",
      {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}] * 2,
       "tool_choice": "required"}, 400, "tools[1].function.name", "given twice"),
@@ -186,8 +190,8 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
      "tool_choice", "give one format"),
     ("tool parameters that do not compile", "/v1/chat/completions",
      {"messages": USER, "tool_choice": {"type": "function", "function": {"name": "f"}},
-      "tools": [{"type": "function", "function": {"name": "f",
-                                                  "parameters": {"type": "nonsense"}}}]},
+      "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+          "type": "object", "properties": {"a": {"type": "nonsense"}}}}}]},
      400, "tool_choice", "not a valid JSON schema"),
     ("functions", "/v1/chat/completions",
      {"messages": USER, "functions": [{"name": "f"}]}, 400, "functions", "not supported"),

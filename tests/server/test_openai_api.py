@@ -497,6 +497,12 @@ def test_a_named_tool_choice_answers_its_arguments(client: openai.OpenAI) -> Non
     assert [(c["name"], c["arguments"]) for c in calls] == [
         ("get_weather", call.function.arguments)]
     assert calls[0]["id"].startswith("chatcmpl-tool-")
+    # The agent loop: the answer and the tool's result go back into the conversation.
+    follow_up = client.chat.completions.create(
+        model=MODEL_NAME, max_tokens=8, temperature=0, tools=[WEATHER_TOOL], tool_choice="none",
+        messages=[*kwargs["messages"], message.model_dump(exclude_none=True),
+                  {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 20 C."}])
+    assert follow_up.choices[0].message.content and not follow_up.choices[0].message.tool_calls
 
 
 def test_required_tool_choice_answers_calls(client: openai.OpenAI) -> None:

@@ -210,15 +210,16 @@ def test_tokens_as_token_ids_never_collide() -> None:
 
 
 def test_forced_tool_call_formats() -> None:
-    """A named function's answer is its arguments' schema (an empty object when it has
-    none); "required" is an array of {name, parameters} with the tools' $defs at the top,
-    where their references point; a whole answer reads back into calls."""
+    """A named function's answer is its arguments' schema (no keys when it has none);
+    "required" is an array of {name, parameters} whose local references are moved to
+    where each tool's schema now sits; a whole answer reads back into calls."""
     from pagellm.entrypoints.openai.protocol import ChatCompletionRequest
     from pagellm.entrypoints.openai.tool_calls import tool_call_format
 
     point = {"type": "object", "properties": {"x": {"type": "number"}}}
     tools = [{"type": "function", "function": {"name": "draw", "parameters": {
-                 "type": "object", "properties": {"at": {"$ref": "#/$defs/point"}},
+                 "type": "object", "properties": {"at": {"$ref": "#/$defs/point"},
+                                                  "then": {"$ref": "#"}},
                  "$defs": {"point": point}}}},
              {"type": "function", "function": {"name": "clear"}}]
     user = [{"role": "user", "content": "hi"}]
@@ -229,16 +230,20 @@ def test_forced_tool_call_formats() -> None:
     named = tool_call_format(request(tool_choice={"type": "function",
                                                   "function": {"name": "clear"}}))
     assert named is not None and named.function == "clear"
-    assert named.schema == {"type": "object", "properties": {}}
+    assert named.schema == {"type": "object", "properties": {},
+                            "additionalProperties": False}
     (call,) = named.calls('{"a"') or []  # a cut answer is still the named call
     assert (call.function.name, call.function.arguments) == ("clear", '{"a"')
 
     required = tool_call_format(request(tool_choice="required", parallel_tool_calls=False))
     assert required is not None and required.function is None
-    assert required.schema["$defs"] == {"point": point} and required.schema["maxItems"] == 1
+    assert required.schema["maxItems"] == 1
     draw = required.schema["items"]["anyOf"][0]["properties"]
-    assert draw["name"] == {"const": "draw"} and "$defs" not in draw["parameters"]
-    assert tools[0]["function"]["parameters"]["$defs"] == {"point": point}  # not modified
+    assert draw["name"] == {"const": "draw"} and draw["parameters"]["$defs"] == {"point": point}
+    here = "#/items/anyOf/0/properties/parameters"
+    assert draw["parameters"]["properties"] == {"at": {"$ref": f"{here}/$defs/point"},
+                                                "then": {"$ref": here}}
+    assert tools[0]["function"]["parameters"]["properties"]["then"] == {"$ref": "#"}
     calls = required.calls('[{"name": "draw", "parameters": {"at": {"x": 1}}}, '
                            '{"name": "clear", "parameters": {}}]')
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls or []] == [

@@ -225,7 +225,7 @@ class ToolCall(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
-    tool_calls: list[ToolCall] = Field(default_factory=list)
+    tool_calls: list[ToolCall] | None = None  # absent, as OpenAI's, unless a tool is called
 
 
 class _WithoutNulls(BaseModel):

@@ -180,6 +180,8 @@ def _delta(text: str, whole: str, tool_format: ToolCallFormat | None, first: boo
     if tool_format is None:
         return ChatDelta(content=text)
     if tool_format.function is not None:
+        if not text and not first:
+            return ChatDelta()
         function = DeltaFunctionCall(name=tool_format.function if first else None,
                                      arguments=text)
         return ChatDelta(tool_calls=[DeltaToolCall(

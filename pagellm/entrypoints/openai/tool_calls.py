@@ -12,7 +12,6 @@ refused, as vLLM refuses it without `--tool-call-parser`.
 
 from __future__ import annotations
 
-import copy
 import json
 import uuid
 from dataclasses import dataclass
@@ -104,11 +103,17 @@ def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             raise bad_request(f"tools[{index}].function.name {name!r} is given twice",
                               param=f"tools[{index}].function.name")
         parameters = function.get("parameters")
-        if parameters is not None and not isinstance(parameters, dict):
-            raise bad_request(f"tools[{index}].function.parameters must be a JSON schema "
-                              "object", param=f"tools[{index}].function.parameters")
-        functions[name] = parameters or {"type": "object", "properties": {}}
+        if parameters is not None and (not isinstance(parameters, dict)
+                                       or parameters.get("type", "object") != "object"):
+            raise bad_request(f"tools[{index}].function.parameters must be the JSON schema "
+                              "of an object (the arguments)",
+                              param=f"tools[{index}].function.parameters")
+        functions[name] = parameters or _NO_ARGUMENTS
     return functions
+
+
+# The arguments of a function that declares none: "{}", as OpenAI answers.
+_NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 def _named_function(choice: Any) -> str:
@@ -123,22 +128,28 @@ def _named_function(choice: Any) -> str:
 def _any_call_schema(tools: dict[str, dict[str, Any]], parallel: bool | None
                      ) -> dict[str, Any]:
     """A JSON array of one call or more (one if parallel_tool_calls is false), each
-    `{"name": <a tool>, "parameters": <its arguments>}`. The tools' `$defs` move to the
-    top, where their `#/$defs/...` references point once the schemas are nested."""
-    definitions: dict[str, Any] = {}
+    `{"name": <a tool>, "parameters": <its arguments>}`."""
     calls = []
-    for name, parameters in tools.items():
-        parameters = copy.deepcopy(parameters)
-        for key, value in parameters.pop("$defs", {}).items():
-            if definitions.setdefault(key, value) != value:
-                raise bad_request(f"two tools define $defs/{key} differently; give the "
-                                  "definitions distinct names", param="tools")
+    for index, (name, parameters) in enumerate(tools.items()):
+        nested = f"#/items/anyOf/{index}/properties/parameters"
         calls.append({"type": "object",
-                      "properties": {"name": {"const": name}, "parameters": parameters},
+                      "properties": {"name": {"const": name},
+                                     "parameters": _moved_refs(parameters, nested)},
                       "required": ["name", "parameters"], "additionalProperties": False})
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
     if parallel is False:
         schema["maxItems"] = 1
-    if definitions:
-        schema["$defs"] = definitions
     return schema
+
+
+def _moved_refs(node: Any, root: str) -> Any:
+    """A copy of a tool's schema whose local references (`#`, `#/$defs/..`,
+    `#/definitions/..`, any pointer into it) point where the schema now sits, nested in
+    the array of calls; left alone, `#` would mean the whole array."""
+    if isinstance(node, dict):
+        return {key: (root + value[1:] if key == "$ref" and isinstance(value, str)
+                      and value.startswith("#") else _moved_refs(value, root))
+                for key, value in node.items()}
+    if isinstance(node, list):
+        return [_moved_refs(value, root) for value in node]
+    return node
