@@ -132,6 +132,13 @@ def _logit_bias(value: object) -> dict[int, float] | None:
 
 # The formats of StructuredOutputsParams, of which a request sets exactly one.
 FORMAT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+# vLLM's request fields for a format before 0.11, and the StructuredOutputsParams field
+# each one sets (the server still takes them).
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar", "guided_whitespace_pattern": "whitespace_pattern"}
+# Keys of vLLM's StructuredOutputsParams that change nothing here: its private fields
+# (`_backend`, ...) and disable_fallback (which backend to fall back to).
+_IGNORED_KEYS = frozenset({"disable_fallback"})
 
 
 @dataclass(frozen=True)
@@ -197,10 +204,12 @@ class StructuredOutputsParams:
 
     @classmethod
     def from_dict(cls, fields: dict[str, Any]) -> StructuredOutputsParams:
-        """From JSON-like input (a request body, a JSONL line). Null values count as unset,
-        as a client serialising vLLM's whole dataclass sends them; unknown keys are
-        errors, so a misspelt format is not silently dropped."""
-        given = {key: value for key, value in fields.items() if value is not None}
+        """From JSON-like input (a request body, a JSONL line). Null values count as unset
+        and vLLM's backend keys are ignored, as a client serialising vLLM's whole
+        dataclass sends them; unknown keys are errors, so a misspelt format is not
+        silently dropped."""
+        given = {key: value for key, value in fields.items()
+                 if value is not None and not key.startswith("_") and key not in _IGNORED_KEYS}
         if "structural_tag" in given:
             raise ValueError("structured_outputs.structural_tag is not supported; the format "
                              f"must be one of {', '.join(FORMAT_KINDS)}")

@@ -595,7 +595,7 @@ class LLMEngine:
         As in vLLM, the token that stopped the request (EOS or one of `stop_token_ids`)
         adds no text unless `include_stop_str_in_output` is set. A stop string found in
         the last step's text wins over the reason the scheduler gave (length, say): the
-        text was cut at it.
+        text was cut at it; but not over an error, which says the text cannot be trusted.
         """
         request = sample.request
         stopped_on_token = request.status == RequestStatus.FINISHED_STOPPED
@@ -609,7 +609,8 @@ class LLMEngine:
             return
         request.stop_reason = stop
         if request.is_finished:
-            request.status = RequestStatus.FINISHED_STOPPED
+            if request.status != RequestStatus.FINISHED_ERROR:
+                request.status = RequestStatus.FINISHED_STOPPED
         else:
             self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
 

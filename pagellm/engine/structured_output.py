@@ -17,7 +17,6 @@ service's fixed schema repeat it); each completion gets a copy of the compiled m
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 from collections import OrderedDict
@@ -173,24 +172,49 @@ def _choice_grammar(choices: list[str]) -> str:
         f"start: CHOICE{optional}\nCHOICE: {alternatives}")
 
 
-def _closed_objects(schema: dict[str, Any]) -> dict[str, Any]:
+# JSON Schema keywords whose value is a subschema, a list of them, or a map of them:
+# the only places _closed_objects looks (a `const`, `enum` or `default` is data, and a
+# property may well be called "properties").
+_SUBSCHEMA = ("items", "additionalItems", "additionalProperties", "not", "if", "then", "else",
+              "contains", "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
+                   "dependentSchemas")
+
+
+def _closed_objects(schema: Any) -> Any:
     """A copy of the schema where every object that does not say otherwise allows no
     property beyond its listed ones (vLLM's disable_additional_properties)."""
-    closed = copy.deepcopy(schema)
-
-    def close(node: Any) -> None:
-        if isinstance(node, dict):
-            if ("properties" in node or node.get("type") == "object") \
-                    and "additionalProperties" not in node:
-                node["additionalProperties"] = False
-            for value in node.values():
-                close(value)
-        elif isinstance(node, list):
-            for value in node:
-                close(value)
-
-    close(closed)
+    if not isinstance(schema, dict):
+        return schema
+    closed = dict(schema)
+    if ("properties" in closed or closed.get("type") == "object") \
+            and "additionalProperties" not in closed:
+        closed["additionalProperties"] = False
+    for key in _SUBSCHEMA:
+        if isinstance(closed.get(key), dict):
+            closed[key] = _closed_objects(closed[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(closed.get(key), list):
+            closed[key] = [_closed_objects(item) for item in closed[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(closed.get(key), dict):
+            closed[key] = {name: _closed_objects(item) for name, item in closed[key].items()}
     return closed
+
+
+def format_error(params: StructuredOutputsParams) -> str | None:
+    """Why the format does not compile, or None; without the tokenizer, so it can be
+    asked before a request reaches the engine (the engine compiles it again, against
+    the tokenizer, and refuses what fails there)."""
+    try:
+        error: str = llguidance.LLMatcher.validate_grammar(grammar_spec(params), None)
+    except ValueError as bad:
+        return str(bad)
+    if not error:
+        return None
+    return f"structured_outputs.{params.kind} is not a valid {_KIND_NAMES[params.kind]}: " \
+           f"{error.strip()}"
 
 
 def allowed_tokens(matchers: list[FormatMatcher], words: int, vocab_size: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
-from pagellm.core.sampling_params import SamplingParams
+from pagellm.core.sampling_params import GUIDED_FIELDS, SamplingParams
 from pagellm.engine.chat_template import render_chat
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.engine.outputs import RequestOutput
@@ -35,8 +35,7 @@ from pagellm.entrypoints.sampling_args import add_sampling_args, sampling_params
 _NO_ROOM = frozenset({"n", "logprobs", "prompt_logprobs", "detokenize"})
 LINE_SAMPLING_KEYS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - _NO_ROOM
 # The server's ways of giving a format: refused in a line rather than echoed back unused.
-_SERVER_FORMAT_KEYS = frozenset({"response_format", "guided_json", "guided_regex",
-                                 "guided_choice", "guided_grammar", "guided_whitespace_pattern"})
+_SERVER_FORMAT_KEYS = frozenset({"response_format", *GUIDED_FIELDS})
 
 
 @dataclass

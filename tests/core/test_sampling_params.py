@@ -40,6 +40,10 @@ def test_normalisation() -> None:
     assert fmt == StructuredOutputsParams(choice=["a", "b"]) and fmt.kind == "choice"
     assert SamplingParams(structured_outputs=fmt).structured_outputs is fmt
     assert StructuredOutputsParams(json={"type": "object"}).kind == "json"
+    # vLLM's dataclass serialised whole: nulls, its private and backend keys are ignored.
+    vllm = {"json": None, "regex": "a+", "structural_tag": None, "_backend": None,
+            "_backend_was_auto": False, "disable_fallback": False}
+    assert StructuredOutputsParams.from_dict(vllm) == StructuredOutputsParams(regex="a+")
 
 
 def test_sampling_type() -> None:

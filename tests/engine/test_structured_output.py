@@ -219,17 +219,35 @@ def test_unpack_bitmask_reads_every_bit_of_a_word() -> None:
     assert mask[2].nonzero().flatten().tolist() == [0, 2, 32]
 
 
-def test_a_format_is_compiled_once_and_copied_per_completion(default_llm: Any) -> None:
+def test_a_format_is_compiled_once_and_copied_per_completion(
+        default_llm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One compile per format, while it is among the last 64 used; each completion gets
+    its own copy, whose state it does not share."""
+    from pagellm.engine import structured_output
+
     compiler = default_llm.llm_engine._grammars
+    compiles: list[str] = []
+    real = llguidance.LLMatcher
+
+    def counting(tokenizer: Any, spec: str, **kwargs: Any) -> Any:
+        compiles.append(spec)
+        return real(tokenizer, spec, **kwargs)
+
+    for name in ("grammar_from_lark", "grammar_from_json_schema", "validate_grammar"):
+        setattr(counting, name, getattr(real, name))
+    monkeypatch.setattr(structured_output.llguidance, "LLMatcher", counting)
     fmt = StructuredOutputsParams(regex=r"[a-c]{2}")
     first = compiler.matchers(fmt, 3)
     again = compiler.matchers(StructuredOutputsParams(regex=r"[a-c]{2}"), 1)
-    assert len({id(m) for m in first + again}) == 4
-    assert compiler._compiled[grammar_spec(fmt)] is not None
+    assert len(compiles) == 1 and len({id(m) for m in first + again}) == 4
     (a,) = default_llm.get_tokenizer().encode("a", add_special_tokens=False)
     first[0].accept(a)  # copies do not share their state
     masks = allowed_tokens(first[:2], compiler.mask_words, 49152)
     assert masks[0].sum() < masks[1].sum()
+    for i in range(64):  # 64 other formats push the first out
+        compiler.matchers(StructuredOutputsParams(choice=[f"word {i}"]), 1)
+    compiler.matchers(fmt, 1)
+    assert len(compiles) == 66 and compiles[-1] == compiles[0]
 
 
 def test_disable_additional_properties_closes_the_schemas_objects(default_llm: Any) -> None:

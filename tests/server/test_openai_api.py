@@ -525,6 +525,50 @@ def test_required_tool_choice_answers_calls(client: openai.OpenAI) -> None:
         (call.function.name, call.function.arguments)]
 
 
+
+def test_forced_tool_calls_with_n_cuts_and_none(client: openai.OpenAI) -> None:
+    """n > 1 sampled calls arrive the same streamed or not; a named call cut by
+    max_tokens keeps its partial arguments with finish_reason "length"; with
+    tool_choice "none" a response_format still applies, to the content."""
+    messages = [{"role": "user", "content": "What is the weather in Rome?"}]
+    kwargs: dict[str, Any] = dict(
+        model=MODEL_NAME, max_tokens=60, temperature=1.0, seed=11, n=3, messages=messages,
+        tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+    result = client.chat.completions.create(**kwargs)
+    whole = {c.index: (c.message.tool_calls or [])[0].function.arguments for c in result.choices}
+    pieces: dict[int, str] = {}
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            for piece in choice.delta.tool_calls or []:
+                pieces[choice.index] = pieces.get(choice.index, "") + (
+                    piece.function.arguments or "" if piece.function else "")
+    assert pieces == whole and len(set(whole.values())) > 1
+
+    cut = client.chat.completions.create(**{**kwargs, "n": 1, "max_tokens": 4})
+    assert cut.choices[0].finish_reason == "length"
+    (call,) = cut.choices[0].message.tool_calls or []
+    assert call.function.arguments.startswith("{") and len(call.function.arguments) > 1
+
+    answer = client.chat.completions.create(
+        model=MODEL_NAME, max_tokens=40, temperature=0, messages=messages, tools=[WEATHER_TOOL],
+        tool_choice="none", response_format={"type": "json_object"},
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+    assert not answer.choices[0].message.tool_calls
+    assert (answer.choices[0].message.content or "").startswith("{")
+
+
+def test_a_stream_whose_format_fails_ends_with_an_error_event(client: openai.OpenAI) -> None:
+    rule = " | ".join(f'"item {i}"' for i in range(2001))  # past llguidance's parser limit
+    stream = client.chat.completions.create(
+        model=MODEL_NAME, max_tokens=8, stream=True,
+        messages=[{"role": "user", "content": "Pick one."}],
+        extra_body={"guided_grammar": f"start: {rule}"})
+    with pytest.raises(openai.APIError, match="structured output failed"):
+        for _ in stream:
+            pass
+
+
 def test_parse_with_a_pydantic_function_tool(client: openai.OpenAI) -> None:
     """The openai client's strict function tools, read back into the model class, as
     libraries such as instructor use them."""

@@ -244,6 +244,10 @@ def test_forced_tool_call_formats() -> None:
     assert draw["parameters"]["properties"] == {"at": {"$ref": f"{here}/$defs/point"},
                                                 "then": {"$ref": here}}
     assert tools[0]["function"]["parameters"]["properties"]["then"] == {"$ref": "#"}
+    from pagellm.core.sampling_params import StructuredOutputsParams
+    from pagellm.engine.structured_output import format_error
+
+    assert format_error(StructuredOutputsParams(json=required.schema)) is None  # it compiles
     calls = required.calls('[{"name": "draw", "parameters": {"at": {"x": 1}}}, '
                            '{"name": "clear", "parameters": {}}]')
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls or []] == [

@@ -464,3 +464,16 @@ def test_the_format_wins_when_other_rules_leave_nothing() -> None:
               bad_words=[[], [[4, 6]], [], []],
               formats={0: [8], 1: [6], 2: [5], 3: [8, 9]})
     assert out.sampled_token_ids == [8, 6, 5, 9]
+
+
+def test_a_row_under_a_format_and_allowed_ids_keeps_both_when_bad_words_empty_it() -> None:
+    """Restoring goes from the narrowest rules out: a row whose format and allowed ids
+    share tokens that bad words then ban gets those shared tokens back (not every token
+    of its format), and only a row whose rules share nothing falls back to its format."""
+    logits = torch.zeros(2, 10)
+    logits[:, 7] = 5.0  # in the format, not allowed
+    logits[:, 3] = 1.0
+    params = [SamplingParams(temperature=0, allowed_token_ids=[2, 3, 4])] * 2
+    out = run(logits, params, outputs=[[9], [9]], bad_words=[[[9, 2], [9, 3]], []],
+              formats={0: [2, 3, 7], 1: [7, 8]})
+    assert out.sampled_token_ids == [3, 7]

@@ -5,7 +5,7 @@ client that sends them has a bug it should hear about, not a silent coercion. Ra
 not repeated here: `SamplingParams` owns them, so the HTTP API and the Python API can
 never disagree about what is valid. Unknown fields are ignored, as vLLM does, so clients
 that send options for other servers keep working; but the known options this server
-cannot honour (a forced tool call, `suffix`) are declared here so that
+cannot honour (`suffix`, beam search) are declared here so that
 `check_supported` can refuse them with a 400: ignoring them would answer 200 with the
 wrong kind of output.
 """
@@ -225,7 +225,7 @@ class ToolCall(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
-    tool_calls: list[ToolCall] | None = None  # absent, as OpenAI's, unless a tool is called
+    tool_calls: list[ToolCall] | None = None  # null unless a tool is called
 
 
 class _WithoutNulls(BaseModel):

@@ -9,10 +9,12 @@ own field.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from pagellm.core.sampling_params import (
     FORMAT_KINDS,
+    GUIDED_FIELDS,
     MAX_LOGIT_BIAS,
     SamplingParams,
     StructuredOutputsParams,
@@ -33,7 +35,7 @@ def build_sampling_params(
     prompt_logprobs: int | None,
     vocab_size: int,
     field_names: dict[str, str] | None = None,
-    tool_schema: dict[str, Any] | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """The request's sampling options, validated; raises a 400 APIError naming the field.
 
@@ -44,7 +46,6 @@ def build_sampling_params(
     the vocabulary is a client error.
     """
     top_k = request.top_k or 0
-    structured_outputs = structured_outputs_of(request, tool_schema)
     logit_bias = _logit_bias(request.logit_bias, vocab_size)
     for token in request.stop_token_ids or []:
         if not 0 <= token < vocab_size:
@@ -80,13 +81,19 @@ def build_sampling_params(
         raise _named(str(error), field_names or {}) from error
 
 
-# vLLM's request fields before 0.11, and the structured_outputs key each one sets.
-_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-                  "guided_grammar": "grammar", "guided_whitespace_pattern": "whitespace_pattern"}
+
+
+@dataclass(frozen=True)
+class RequestFormat:
+    """The request's format and the field that carried it, which errors about the
+    format name (the engine finds one that does not compile)."""
+
+    params: StructuredOutputsParams | None
+    field: str
 
 
 def structured_outputs_of(request: SamplingFields, tool_schema: dict[str, Any] | None = None
-                          ) -> StructuredOutputsParams | None:
+                          ) -> RequestFormat:
     """The request's format, from whichever field the client used: `response_format`
     (OpenAI: json_object, or json_schema with its `schema`), `structured_outputs`
     (vLLM's dict), vLLM's older `guided_*` fields, or a forced tool call's schema
@@ -109,7 +116,7 @@ def structured_outputs_of(request: SamplingFields, tool_schema: dict[str, Any] |
     for key, value in (request.structured_outputs or {}).items():
         if value is not None:  # vLLM's dataclass serialised whole: null means unset
             put(key, value, "structured_outputs")
-    for name, key in _GUIDED_FIELDS.items():
+    for name, key in GUIDED_FIELDS.items():
         value = getattr(request, name)
         if value is not None:
             put(key, value, name)
@@ -125,23 +132,14 @@ def structured_outputs_of(request: SamplingFields, tool_schema: dict[str, Any] |
     if tool_schema is not None:
         put("json", tool_schema, "tool_choice")
     if not fields and request.structured_outputs is None:
-        return None
+        return RequestFormat(None, "structured_outputs")
     try:
-        return StructuredOutputsParams.from_dict(fields)
+        params = StructuredOutputsParams.from_dict(fields)
     except ValueError as error:
         param = next((origin[key] for key in fields if f".{key} " in str(error)),
                      next(iter(origin.values()), "structured_outputs"))
         raise bad_request(str(error), param=param, code="invalid_value") from error
-
-
-def format_field(request: SamplingFields) -> str:
-    """The field that carries the request's format, named by errors about the format
-    (one that does not compile is found by the engine, after structured_outputs_of)."""
-    if (request.response_format or {}).get("type") in ("json_object", "json_schema"):
-        return "response_format"
-    return next((name for name in _GUIDED_FIELDS
-                 if name != "guided_whitespace_pattern" and getattr(request, name) is not None),
-                "structured_outputs")
+    return RequestFormat(params, origin.get(params.kind, "structured_outputs"))
 
 
 def _response_schema(response_format: Any) -> Any:

@@ -160,12 +160,16 @@ async def start_requests(
         for stream in streams:
             stream.abort()
         if isinstance(error, ValueError):
+            message = str(error)
             param = next((name for name in ("cache_salt", "priority", "allowed_token_ids",
                                            "bad_words")
-                          if str(error).startswith(name)), prompt_param)
-            if str(error).startswith("structured_outputs"):
+                          if message.startswith(name)), prompt_param)
+            if message.startswith("structured_outputs"):
                 param = format_param
-            raise bad_request(str(error), param=param) from error
+                if format_param != "structured_outputs" and "." in message.split(" ")[0]:
+                    # Said with the field the client used: "response_format is not ...".
+                    message = format_param + message[message.index(" "):]
+            raise bad_request(message, param=param) from error
         if isinstance(error, EngineDeadError):
             raise APIError(503, "The server is shutting down.") from error
         raise

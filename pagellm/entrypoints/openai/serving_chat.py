@@ -35,7 +35,7 @@ from pagellm.entrypoints.openai.protocol import (
     ToolCall,
     UsageInfo,
 )
-from pagellm.entrypoints.openai.sampling import build_sampling_params, format_field
+from pagellm.entrypoints.openai.sampling import build_sampling_params, structured_outputs_of
 from pagellm.entrypoints.openai.serving import (
     Prompt,
     ServerContext,
@@ -116,6 +116,8 @@ async def create_chat_completion(context: ServerContext, body: ChatCompletionReq
     check_supported(body)
     _check_chat_options(body)
     tool_format = tool_call_format(body)
+    request_format = structured_outputs_of(
+        body, tool_format.schema if tool_format is not None else None)
     engine = context.engine
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None \
         else "max_tokens"
@@ -125,15 +127,14 @@ async def create_chat_completion(context: ServerContext, body: ChatCompletionReq
         body, max_tokens=requested, logprobs=_logprobs_setting(body),
         prompt_logprobs=body.prompt_logprobs, vocab_size=engine.vocab_size,
         field_names={"logprobs": "top_logprobs", "max_tokens": max_tokens_param},
-        tool_schema=tool_format.schema if tool_format is not None else None)
+        structured_outputs=request_format.params)
     prompt = Prompt(None, await context.off_loop(_chat_prompt, engine.tokenizer, body, base,
                                             engine.max_model_len))
     params = base.clone(max_tokens=resolve_max_tokens(
         engine.max_model_len, len(prompt.token_ids), requested, "messages", max_tokens_param))
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await start_requests(context, request_id, [prompt], [params], body.cache_salt,
-                                   arrival, "messages", body.priority,
-                                   "tool_choice" if tool_format else format_field(body))
+                                   arrival, "messages", body.priority, request_format.field)
     if body.stream:
         return EventStreamResponse(streamed(_stream(context, request_id, body, streams,
                                                     UsageReport.of(body.stream_options),
@@ -166,10 +167,13 @@ def _response(context: ServerContext, request_id: str, body: ChatCompletionReque
 
 def _finish_reason(reason: str | None, calls: list[ToolCall] | None,
                    tool_format: ToolCallFormat | None) -> str | None:
-    """A whole forced tool call's reason is the format's; a cut one keeps its own."""
-    if calls is None or tool_format is None or reason != "stop":
+    """"required" calls read from a whole answer finish with "tool_calls", as OpenAI's;
+    a named function's call keeps "stop" (OpenAI's for a forced function), and a cut
+    answer its own reason."""
+    if (tool_format is None or tool_format.function is not None or calls is None
+            or reason != "stop"):
         return reason
-    return tool_format.finish_reason
+    return "tool_calls"
 
 
 def _delta(text: str, whole: str, tool_format: ToolCallFormat | None, first: bool,
@@ -244,7 +248,7 @@ async def _stream(context: ServerContext, request_id: str, body: ChatCompletionR
                         completion.logprobs[sent_logprobs.get(index, 0):], token_text)
                     sent_logprobs[index] = len(completion.logprobs)
                 calls = (tool_format.calls(completion.text)
-                         if tool_format is not None and finished else None)
+                         if tool_format is not None and waits_for_whole and finished else None)
                 choices.append(ChatChunkChoice(
                     index=index, delta=_delta(delta, completion.text, tool_format,
                                               index not in named_started, calls),

@@ -28,7 +28,7 @@ from pagellm.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from pagellm.entrypoints.openai.sampling import build_sampling_params, format_field
+from pagellm.entrypoints.openai.sampling import build_sampling_params, structured_outputs_of
 from pagellm.entrypoints.openai.serving import (
     Prompt,
     ServerContext,
@@ -124,9 +124,11 @@ async def create_completion(context: ServerContext, body: CompletionRequest,
                           param="stream_options")
     check_supported(body)
     engine = context.engine
+    request_format = structured_outputs_of(body)
     base = build_sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs,
                                  prompt_logprobs=_prompt_logprobs(body),
-                                 vocab_size=engine.vocab_size)
+                                 vocab_size=engine.vocab_size,
+                                 structured_outputs=request_format.params)
     prompts = await context.off_loop(_prompts, context, body, base)
     check_choices(len(prompts), body.n)
     params = [
@@ -135,7 +137,7 @@ async def create_completion(context: ServerContext, body: CompletionRequest,
         for p in prompts]
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = await start_requests(context, request_id, prompts, params, body.cache_salt,
-                                   arrival, "prompt", body.priority, format_field(body))
+                                   arrival, "prompt", body.priority, request_format.field)
     if body.stream:
         return EventStreamResponse(streamed(_stream(context, request_id, body, streams,
                                                     UsageReport.of(body.stream_options))))

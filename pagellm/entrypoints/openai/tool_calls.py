@@ -17,6 +17,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from pagellm.core.sampling_params import StructuredOutputsParams
+from pagellm.engine.structured_output import format_error
 from pagellm.entrypoints.openai.errors import bad_request
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, FunctionCall, ToolCall
 
@@ -46,17 +48,14 @@ class ToolCallFormat:
         return [_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
                 for item in value]
 
-    @property
-    def finish_reason(self) -> str:
-        """The finish reason of a whole answer."""
-        return "stop" if self.function is not None else "tool_calls"
-
 
 def _call(name: str, arguments: str) -> ToolCall:
     return ToolCall(id=new_call_id(), function=FunctionCall(name=name, arguments=arguments))
 
 
 def new_call_id() -> str:
+    """A call's id, unique, in vLLM's form: the client sends it back with the tool's
+    result (`tool_call_id`)."""
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
@@ -64,7 +63,6 @@ def tool_call_format(body: ChatCompletionRequest) -> ToolCallFormat | None:
     """The request's forced tool call, or None (no tools, or tool_choice "none": the
     tools are only rendered into the prompt). Bad tools or choices are a 400."""
     choice = body.tool_choice
-    tools = _functions(body.tools or [])
     if not body.tools:
         if choice is not None and choice != "none":
             raise bad_request("tool_choice needs tools", param="tool_choice")
@@ -77,6 +75,7 @@ def tool_call_format(body: ChatCompletionRequest) -> ToolCallFormat | None:
             'tool-call syntax, which PageLLM does not have: use "required" or a named '
             'function (answered as JSON under the tools\' schemas), or "none"',
             param="tool_choice" if choice is not None else "tools")
+    tools = _functions(body.tools)
     if choice == "required":
         return ToolCallFormat(_any_call_schema(tools, body.parallel_tool_calls), None)
     name = _named_function(choice)
@@ -88,7 +87,8 @@ def tool_call_format(body: ChatCompletionRequest) -> ToolCallFormat | None:
 
 def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Each function's name and its arguments' schema (an empty object when it takes
-    none), checked: an unusable tool would fail later as a schema error."""
+    none), checked here so that an error names the tool (compiled within the call's
+    format it would name tool_choice)."""
     functions: dict[str, dict[str, Any]] = {}
     for index, tool in enumerate(tools):
         function = tool.get("function")
@@ -108,6 +108,11 @@ def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             raise bad_request(f"tools[{index}].function.parameters must be the JSON schema "
                               "of an object (the arguments)",
                               param=f"tools[{index}].function.parameters")
+        error = format_error(StructuredOutputsParams(json=parameters or _NO_ARGUMENTS))
+        if error is not None:
+            raise bad_request(error.replace("structured_outputs.json",
+                                            f"tools[{index}].function.parameters", 1),
+                              param=f"tools[{index}].function.parameters")
         functions[name] = parameters or _NO_ARGUMENTS
     return functions
 
@@ -117,6 +122,7 @@ _NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": Fal
 
 
 def _named_function(choice: Any) -> str:
+    """The function a `{"type": "function", "function": {"name": ...}}` choice names."""
     if isinstance(choice, dict) and choice.get("type") == "function":
         name = (choice.get("function") or {}).get("name")
         if isinstance(name, str):
