@@ -396,6 +396,13 @@ class LLMEngine:
                  if max(word) < vocab]
         return BadWords.from_token_ids(words) if words else None
 
+    def prepare_format(self, params: SamplingParams) -> None:
+        """Compiles the request's format ahead of `add_request`, from any thread, so that
+        `add_request` finds it compiled (a large grammar takes up to a second, all of it
+        on the caller's thread). Raises ValueError for a format that does not compile."""
+        if params.structured_outputs is not None and self._grammars is not None:
+            self._grammars.compile(params.structured_outputs)
+
     def _format_matchers(self, params: SamplingParams) -> list[FormatMatcher]:
         """One matcher per completion of a formatted request (none without a format).
         Called after the cheap checks: compiling is the costly one."""

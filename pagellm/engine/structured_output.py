@@ -8,17 +8,21 @@ the format, as a bitmask over the vocabulary, and the sampler sets every other l
 finish_reason "stop". Nothing here touches the KV cache: a constrained request shares
 and caches its prompt's blocks like any other.
 
-Everything runs on the engine's thread, between steps. The token table llguidance needs
-is built on the first formatted request (about 0.3 s for a 49k vocabulary), not at
-start-up, so engines that never see one do not pay for it. A format is compiled once
-(and kept for the next requests with the same one, as a batch of prompts or a chat
-service's fixed schema repeat it); each completion gets a copy of the compiled matcher.
+The token table llguidance needs is built on the first formatted request (about 0.3 s
+for a 49k vocabulary), not at start-up, so engines that never see one do not pay for it.
+A format is compiled once (and kept for the next requests with the same one, as a batch
+of prompts or a chat service's fixed schema repeat it); each completion gets a copy of
+the compiled matcher. Compiling may take from any thread: the server compiles a request's
+format on a thread of its own before adding the request, since a large grammar can take
+a second, which on the engine's thread would stall every stream (see AsyncLLMEngine);
+masks and copies stay on the engine's thread.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
@@ -87,39 +91,53 @@ class GrammarCompiler:
         self._eos_token_ids = eos_token_ids
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._tokenizer_lock = threading.Lock()
+        self._cache_lock = threading.Lock()
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
         """llguidance's table of every token's bytes, built on first use (see the module
         docstring). Without EOS ids llguidance takes the tokenizer's own."""
-        if self._tokenizer is None:
-            try:
-                self._tokenizer = llguidance.hf.from_tokenizer(
-                    self._hf_tokenizer, n_vocab=max(self._vocab_size, len(self._hf_tokenizer)),
-                    eos_token=self._eos_token_ids or None)
-            except ValueError as error:
-                raise ValueError(f"structured_outputs cannot use this model's tokenizer: "
-                                 f"{error}") from error
-        return self._tokenizer
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                try:
+                    self._tokenizer = llguidance.hf.from_tokenizer(
+                        self._hf_tokenizer,
+                        n_vocab=max(self._vocab_size, len(self._hf_tokenizer)),
+                        eos_token=self._eos_token_ids or None)
+                except ValueError as error:
+                    raise ValueError(f"structured_outputs cannot use this model's tokenizer: "
+                                     f"{error}") from error
+            return self._tokenizer
 
     @property
     def mask_words(self) -> int:
         """int32 words in one row of the bitmask."""
         return (self.tokenizer.vocab_size + 31) // 32
 
-    def matchers(self, params: StructuredOutputsParams, count: int) -> list[FormatMatcher]:
-        """`count` fresh matchers of the format (one per completion), from one compile."""
+    def compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
+        """The format's compiled matcher, never advanced (copies are); from the cache of
+        the last formats used when it is there. Safe from any thread; two threads
+        compiling one new format at once both compile it."""
         spec = grammar_spec(params)
-        compiled = self._compiled.get(spec)
-        if compiled is None:
-            compiled = llguidance.LLMatcher(self.tokenizer, spec, log_level=0)
-            if compiled.is_error():
-                raise ValueError(f"structured_outputs.{params.kind} is not a valid "
-                                 f"{_KIND_NAMES[params.kind]}: {compiled.get_error().strip()}")
+        with self._cache_lock:
+            compiled = self._compiled.get(spec)
+            if compiled is not None:
+                self._compiled.move_to_end(spec)
+                return compiled
+        compiled = llguidance.LLMatcher(self.tokenizer, spec, log_level=0)
+        if compiled.is_error():
+            raise ValueError(f"structured_outputs.{params.kind} is not a valid "
+                             f"{_KIND_NAMES[params.kind]}: {compiled.get_error().strip()}")
+        with self._cache_lock:
             self._compiled[spec] = compiled
             if len(self._compiled) > _CACHED_FORMATS:
                 self._compiled.popitem(last=False)
-        self._compiled.move_to_end(spec)
+        return compiled
+
+    def matchers(self, params: StructuredOutputsParams, count: int) -> list[FormatMatcher]:
+        """`count` fresh matchers of the format (one per completion), from one compile."""
+        compiled = self.compile(params)
         return [FormatMatcher(compiled.deep_copy()) for _ in range(count)]
 
 

@@ -156,6 +156,54 @@ def test_rejected_request_raises_value_error_and_queues_nothing(engine: AsyncLLM
     assert not engine.engine.has_unfinished_requests()
 
 
+def test_a_format_compiles_off_the_engine_thread_while_others_stream(
+        engine: AsyncLLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A format that takes long to compile (a large grammar can take a second) is
+    compiled on a thread of its own: a running stream keeps getting tokens meanwhile,
+    and a format that does not compile is refused with nothing queued."""
+    from pagellm.core.sampling_params import StructuredOutputsParams
+
+    compiled_on: list[str] = []
+    prepare = LLMEngine.prepare_format
+
+    def slow(self: LLMEngine, params: SamplingParams) -> None:
+        compiled_on.append(threading.current_thread().name)
+        threading.Event().wait(1.0)
+        prepare(self, params)
+
+    monkeypatch.setattr(LLMEngine, "prepare_format", slow)
+    fmt = StructuredOutputsParams(choice=[" yes", " no"])
+
+    async def run() -> tuple[int, str]:
+        free = await engine.add_request("free", "Count: one, two,", SamplingParams(
+            temperature=0, max_tokens=200, ignore_eos=True))
+        counts: list[int] = []
+
+        async def read() -> None:
+            async for output in free:
+                counts.append(len(output.outputs[0].token_ids))
+
+        reader = asyncio.ensure_future(read())
+        await asyncio.sleep(0.3)
+        before = counts[-1] if counts else 0
+        formatted = await engine.add_request("formatted", "Is it day?", SamplingParams(
+            temperature=0, max_tokens=4, structured_outputs=fmt))
+        during = (counts[-1] if counts else 0) - before
+        async for output in formatted:
+            text = output.outputs[0].text
+        with pytest.raises(ValueError, match="not a valid regular expression"):
+            await engine.add_request("bad", "x", SamplingParams(
+                structured_outputs=StructuredOutputsParams(regex="(")))
+        free.abort()
+        reader.cancel()
+        return during, text
+
+    during, text = asyncio.run(run())
+    assert compiled_on and all(name.startswith("pagellm-formats") for name in compiled_on)
+    assert during > 5  # tokens kept coming during the one-second compile
+    assert text in (" yes", " no")
+
+
 def test_the_engine_is_built_and_stepped_on_one_thread(llm_engine: LLMEngine) -> None:
     """torch's kernels must run on one thread only (a second OpenMP team made decode
     30-50% slower on 2 cores), so the build runs on the thread that steps."""
