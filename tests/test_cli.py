@@ -122,6 +122,8 @@ def test_byte_size_rejects(text: str) -> None:
     ["serve", "/m/a.gguf", "--model", "/m/b.gguf"],
     ["serve", "--bogus"],
     ["generate", "x", "--max-tokns", "5"],
+    ["serve", "--enable-auto-tool-choice"],
+    ["serve", "--enable-auto-tool-choice", "--tool-call-parser", "mistral"],
 ])
 def test_bad_options_fail_before_loading_the_model(argv: list[str],
                                                    capsys: pytest.CaptureFixture[str]) -> None:
@@ -285,6 +287,12 @@ def test_server_options_reach_the_server_settings() -> None:
     assert (settings.log_stats_interval, settings.shutdown_timeout) == (None, 0.5)
     assert server_settings(parser.parse_args(["serve", "--log-stats-interval", "0.25"]),
                            0.0, "x").log_stats_interval == 0.25
+    assert settings.tool_call_parser is None
+    assert server_settings(parser.parse_args(
+        ["serve", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]), 0.0, "x"
+    ).tool_call_parser == "hermes"
+    assert server_settings(parser.parse_args(["serve", "--tool-call-parser", "hermes"]),
+                           0.0, "x").tool_call_parser is None  # vLLM's rule: not enabled
     from pagellm.entrypoints.openai.api_server import ServerSettings
 
     with pytest.raises(ValueError, match="log_stats_interval"):

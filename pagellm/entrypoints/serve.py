@@ -53,6 +53,12 @@ def add_parser(subparsers: Any) -> None:
                        metavar="S",
                        help="on SIGINT/SIGTERM, seconds running requests get to finish "
                             "before they are aborted (default: %(default)s)")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='answer tool_choice "auto" (the default with tools), reading the '
+                            "model's tool calls with --tool-call-parser")
+    group.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                       help="the model's tool-call syntax: hermes (<tool_call> blocks: "
+                            "Qwen2.5, Qwen3, Hermes, ...)")
     group.add_argument("--log-level", default="info",
                        choices=("critical", "error", "warning", "info", "debug"),
                        help="server log level (default: %(default)s)")
@@ -68,6 +74,19 @@ def take_model_tag(args: argparse.Namespace) -> None:
         raise ValueError(f"the model is given twice: {args.model_tag!r} and --model "
                          f"{args.model!r}")
     args.model = args.model_tag
+
+
+def check_tool_args(args: argparse.Namespace) -> None:
+    """vLLM's rule: --enable-auto-tool-choice needs --tool-call-parser (a parser alone
+    leaves "auto" refused)."""
+    from pagellm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
+
+    if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                         f"got {args.tool_call_parser!r}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the model's "
+                         "tool-call syntax, e.g. hermes)")
 
 
 def _port(text: str) -> int:
@@ -137,6 +156,7 @@ def server_settings(args: argparse.Namespace, launch_time: float, address: str
         api_key=args.api_key or None, max_request_bytes=args.max_request_bytes,
         log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
         launch_time=launch_time, address=address)
 
 

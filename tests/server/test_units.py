@@ -214,7 +214,7 @@ def test_forced_tool_call_formats() -> None:
     "required" is an array of {name, parameters} whose local references are moved to
     where each tool's schema now sits; a whole answer reads back into calls."""
     from pagellm.entrypoints.openai.protocol import ChatCompletionRequest
-    from pagellm.entrypoints.openai.tool_calls import tool_call_format
+    from pagellm.entrypoints.openai.tool_calls import ToolCallFormat, tool_call_reader
 
     point = {"type": "object", "properties": {"x": {"type": "number"}}}
     tools = [{"type": "function", "function": {"name": "draw", "parameters": {
@@ -227,12 +227,19 @@ def test_forced_tool_call_formats() -> None:
     def request(**fields: object) -> ChatCompletionRequest:
         return ChatCompletionRequest.model_validate({"messages": user, "tools": tools, **fields})
 
+    def tool_call_format(body: ChatCompletionRequest) -> ToolCallFormat:
+        reader = tool_call_reader(body, None)
+        assert isinstance(reader, ToolCallFormat)
+        return reader
+
     named = tool_call_format(request(tool_choice={"type": "function",
                                                   "function": {"name": "clear"}}))
     assert named is not None and named.function == "clear"
     assert named.schema == {"type": "object", "properties": {},
                             "additionalProperties": False}
-    (call,) = named.calls('{"a"') or []  # a cut answer is still the named call
+    content, cut = named.split('{"a"')  # a cut answer is still the named call
+    (call,) = cut or []
+    assert content is None
     assert (call.function.name, call.function.arguments) == ("clear", '{"a"')
 
     required = tool_call_format(request(tool_choice="required", parallel_tool_calls=False))
@@ -248,10 +255,37 @@ def test_forced_tool_call_formats() -> None:
     from pagellm.engine.structured_output import format_error
 
     assert format_error(StructuredOutputsParams(json=required.schema)) is None  # it compiles
-    calls = required.calls('[{"name": "draw", "parameters": {"at": {"x": 1}}}, '
+    _, calls = required.split('[{"name": "draw", "parameters": {"at": {"x": 1}}}, '
                            '{"name": "clear", "parameters": {}}]')
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls or []] == [
         ("draw", {"at": {"x": 1}}), ("clear", {})]
-    assert required.calls('[{"name": "dr') is None
+    assert required.split('[{"name": "dr') == ('[{"name": "dr', None)
     assert "maxItems" not in tool_call_format(request(tool_choice="required")).schema
-    assert tool_call_format(request(tool_choice="none")) is None
+    assert tool_call_reader(request(tool_choice="none"), "hermes") is None
+
+
+def test_hermes_tool_calls_are_read_out_of_the_answer() -> None:
+    from pagellm.entrypoints.openai.tool_calls import HermesToolParser
+
+    parser = HermesToolParser()
+    text = ('Let me look.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Zürich"}}\n'
+            '</tool_call>\n<tool_call>\n{"name": "time", "arguments": {}}')  # left open
+    content, calls = parser.split(text)
+    assert content == "Let me look.\n"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls or []] == [
+        ("weather", {"city": "Zürich"}), ("time", {})]
+    assert "Zürich" in (calls or [])[0].function.arguments  # not \\u-escaped
+    assert parser.split('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>'
+                        )[1][0].function.arguments == '{"a": 1}'  # already JSON text
+    assert parser.split("<tool_call>\n{}</tool_call>")[0] == "<tool_call>\n{}</tool_call>"
+    assert parser.split("<tool_call>{not json</tool_call>")[1] is None
+    assert parser.split("plain answer") == ("plain answer", None)
+    assert parser.split(' \n<tool_call>{"name": "f"}</tool_call>')[0] is None
+
+    # A stream sends the content up to where a call may begin, and nothing blank.
+    assert parser.streamed_content("Let me") == "Let me"
+    assert parser.streamed_content("Let me <tool") == "Let me "
+    assert parser.streamed_content("Let me <toolbox") == "Let me <toolbox"
+    assert parser.streamed_content("Let me <tool_call>\n{") == "Let me "
+    assert parser.streamed_content("\n<tool_ca") == ""
+    assert parser.streamed_content("x<") == "x"

@@ -36,6 +36,7 @@ from pagellm.entrypoints.openai.serving_chat import create_chat_completion
 from pagellm.entrypoints.openai.serving_completion import create_completion
 from pagellm.entrypoints.openai.serving_tokenization import detokenize, tokenize
 from pagellm.entrypoints.openai.stats_logger import log_stats_forever
+from pagellm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("pagellm.server")
 
@@ -57,6 +58,7 @@ class ServerSettings:
     log_stats_interval: float | None = 5.0  # None: no stats log lines
     shutdown_timeout: float = 10
     log_level: str = "info"
+    tool_call_parser: str | None = None  # --enable-auto-tool-choice --tool-call-parser
     launch_time: float = field(default_factory=time.perf_counter)
     # host:port as bound (the real port when --port 0 let the OS choose), for the log.
     address: str = ""
@@ -68,6 +70,9 @@ class ServerSettings:
                              f"{self.log_stats_interval!r}")
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout!r}")
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)} "
+                             f"or None, got {self.tool_call_parser!r}")
 
 
 def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
@@ -91,7 +96,8 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
 
     app = FastAPI(title="PageLLM OpenAI-compatible API", lifespan=lifespan)
     context = ServerContext(engine, list(settings.model_names),
-                            ServerMetrics(engine, settings.model_names[0]))
+                            ServerMetrics(engine, settings.model_names[0]),
+                            settings.tool_call_parser)
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
     if settings.api_key:

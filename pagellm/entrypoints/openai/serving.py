@@ -67,6 +67,7 @@ class ServerContext:
     engine: AsyncLLMEngine
     model_names: list[str]
     metrics: ServerMetrics
+    tool_call_parser: str | None = None  # for tool_choice "auto" (see tool_calls.py)
     tokenizer_thread: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenizer"))
 

@@ -48,7 +48,12 @@ from pagellm.entrypoints.openai.serving import (
     start_requests,
     usage,
 )
-from pagellm.entrypoints.openai.tool_calls import ToolCallFormat, new_call_id, tool_call_format
+from pagellm.entrypoints.openai.tool_calls import (
+    ToolCallFormat,
+    ToolCallReader,
+    new_call_id,
+    tool_call_reader,
+)
 from pagellm.entrypoints.openai.transport import (
     EventStreamResponse,
     sse,
@@ -115,9 +120,9 @@ async def create_chat_completion(context: ServerContext, body: ChatCompletionReq
                           param="stream_options")
     check_supported(body)
     _check_chat_options(body)
-    tool_format = tool_call_format(body)
+    reader = tool_call_reader(body, context.tool_call_parser)
     request_format = structured_outputs_of(
-        body, tool_format.schema if tool_format is not None else None)
+        body, reader.schema if isinstance(reader, ToolCallFormat) else None)
     engine = context.engine
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None \
         else "max_tokens"
@@ -138,25 +143,23 @@ async def create_chat_completion(context: ServerContext, body: ChatCompletionReq
     if body.stream:
         return EventStreamResponse(streamed(_stream(context, request_id, body, streams,
                                                     UsageReport.of(body.stream_options),
-                                                    len(prompt.token_ids), tool_format)))
+                                                    len(prompt.token_ids), reader)))
     outputs = await unless_disconnected(raw, final_outputs(streams, context.metrics))
-    return JSONResponse(_response(context, request_id, body, outputs[0], tool_format)
+    return JSONResponse(_response(context, request_id, body, outputs[0], reader)
                         .model_dump(mode="json"))
 
 
 def _response(context: ServerContext, request_id: str, body: ChatCompletionRequest,
-              output: RequestOutput, tool_format: ToolCallFormat | None
+              output: RequestOutput, reader: ToolCallReader | None
               ) -> ChatCompletionResponse:
     token_text = TokenText(context.engine.tokenizer, body.return_tokens_as_token_ids)
     choices = []
     for c in output.outputs:
-        calls = tool_format.calls(c.text) if tool_format is not None else None
-        message = (ChatResponseMessage(content=None, tool_calls=calls) if calls is not None
-                   else ChatResponseMessage(content=c.text))
+        content, calls = reader.split(c.text) if reader is not None else (c.text, None)
         choices.append(ChatChoice(
-            index=c.index, message=message,
+            index=c.index, message=ChatResponseMessage(content=content, tool_calls=calls),
             logprobs=chat_logprobs(c.logprobs, token_text) if c.logprobs is not None else None,
-            finish_reason=_finish_reason(c.finish_reason, calls, tool_format),
+            finish_reason=_finish_reason(c.finish_reason, calls, reader),
             stop_reason=c.stop_reason))
     return ChatCompletionResponse(
         id=request_id, model=context.model_name, choices=choices, usage=usage([output]),
@@ -166,34 +169,27 @@ def _response(context: ServerContext, request_id: str, body: ChatCompletionReque
 
 
 def _finish_reason(reason: str | None, calls: list[ToolCall] | None,
-                   tool_format: ToolCallFormat | None) -> str | None:
-    """"required" calls read from a whole answer finish with "tool_calls", as OpenAI's;
-    a named function's call keeps "stop" (OpenAI's for a forced function), and a cut
-    answer its own reason."""
-    if (tool_format is None or tool_format.function is not None or calls is None
-            or reason != "stop"):
+                   reader: ToolCallReader | None) -> str | None:
+    """An answer that made calls finishes as its reader says ("tool_calls"; a named
+    function's call keeps "stop", OpenAI's for a forced function); a cut answer keeps
+    its own reason."""
+    if reader is None or calls is None or reason != "stop":
         return reason
-    return "tool_calls"
+    return reader.finish_reason or reason
 
 
-def _delta(text: str, whole: str, tool_format: ToolCallFormat | None, first: bool,
-           calls: list[ToolCall] | None) -> ChatDelta:
-    """One choice's increment: its new text, or as a forced tool call: a piece of a named
-    function's arguments (the first piece naming the call), or every "required" call at
-    once (`whole` as text if it is not a whole array)."""
-    if tool_format is None:
-        return ChatDelta(content=text)
-    if tool_format.function is not None:
-        if not text and not first:
-            return ChatDelta()
-        function = DeltaFunctionCall(name=tool_format.function if first else None,
-                                     arguments=text)
-        return ChatDelta(tool_calls=[DeltaToolCall(
-            index=0, id=new_call_id() if first else None, type="function" if first else None,
-            function=function)])
-    if calls is None:
-        return ChatDelta(content=whole)
-    return ChatDelta(tool_calls=[
+def _named_piece(text: str, function: str, first: bool) -> ChatDelta:
+    """A piece of a named function's arguments, the first one naming the call."""
+    if not text and not first:
+        return ChatDelta()
+    return ChatDelta(tool_calls=[DeltaToolCall(
+        index=0, id=new_call_id() if first else None, type="function" if first else None,
+        function=DeltaFunctionCall(name=function if first else None, arguments=text))])
+
+
+def _calls_delta(content: str | None, calls: list[ToolCall]) -> ChatDelta:
+    """The end of an answer read whole: its last content, and every call at once."""
+    return ChatDelta(content=content or None, tool_calls=[
         DeltaToolCall(index=i, id=call.id, type="function",
                       function=DeltaFunctionCall(name=call.function.name,
                                                  arguments=call.function.arguments))
@@ -202,13 +198,14 @@ def _delta(text: str, whole: str, tool_format: ToolCallFormat | None, first: boo
 
 async def _stream(context: ServerContext, request_id: str, body: ChatCompletionRequest,
                   streams: list[RequestStream], report: UsageReport, prompt_tokens: int,
-                  tool_format: ToolCallFormat | None) -> AsyncGenerator[str, None]:
+                  reader: ToolCallReader | None) -> AsyncGenerator[str, None]:
     """A role chunk per choice, then content deltas, each choice's last with its reason;
     with continuous usage, every chunk counts the tokens so far (as vLLM's does).
 
-    A forced tool call streams as OpenAI's do: a named function's arguments as they come
-    (the first piece naming the call); "required" calls once the array is whole (a
-    partial array names no call yet), or as content if it never is."""
+    Tool calls stream as OpenAI's do where that can be known: a named function's
+    arguments as they come (the first piece naming the call). Other calls are read from
+    the whole answer and sent with the last chunk ("required": a partial array names no
+    call yet; a parsed answer: its content is sent up to where a call begins)."""
     token_text = TokenText(context.engine.tokenizer, body.return_tokens_as_token_ids)
     created = int(time.time())
 
@@ -224,8 +221,7 @@ async def _stream(context: ServerContext, request_id: str, body: ChatCompletionR
                 if report.on_every_chunk else None)
     sent_text: dict[int, int] = {}
     sent_logprobs: dict[int, int] = {}
-    waits_for_whole = tool_format is not None and tool_format.function is None
-    named_started: set[int] = set()
+    named = reader.function if isinstance(reader, ToolCallFormat) else None
     done: set[int] = set()
     final: RequestOutput | None = None
     async with aclosing(merged(streams, context.metrics)) as outputs:
@@ -234,12 +230,25 @@ async def _stream(context: ServerContext, request_id: str, body: ChatCompletionR
             for completion in output.outputs:
                 index = completion.index
                 finished = completion.finish_reason is not None
-                if index in done or (waits_for_whole and not finished):
+                if index in done:
                     continue
-                delta = completion.text[sent_text.get(index, 0):]
-                if not delta and not finished:
+                sent = sent_text.get(index, 0)
+                calls = None
+                if reader is None or named is not None:
+                    shown = completion.text
+                    delta = ChatDelta(content=shown[sent:]) if named is None else \
+                        _named_piece(shown[sent:], named, index not in sent_text)
+                elif not finished:
+                    shown = reader.streamed_content(completion.text)
+                    delta = ChatDelta(content=shown[sent:])
+                else:
+                    content, calls = reader.split(completion.text)
+                    shown = completion.text
+                    delta = (ChatDelta(content=completion.text[sent:]) if calls is None
+                             else _calls_delta((content or "")[sent:], calls))
+                if len(shown) == sent and not finished:
                     continue
-                sent_text[index] = len(completion.text)
+                sent_text[index] = len(shown)
                 if finished:
                     done.add(index)
                 logprobs = None
@@ -247,16 +256,10 @@ async def _stream(context: ServerContext, request_id: str, body: ChatCompletionR
                     logprobs = chat_logprobs(
                         completion.logprobs[sent_logprobs.get(index, 0):], token_text)
                     sent_logprobs[index] = len(completion.logprobs)
-                calls = (tool_format.calls(completion.text)
-                         if tool_format is not None and waits_for_whole and finished else None)
                 choices.append(ChatChunkChoice(
-                    index=index, delta=_delta(delta, completion.text, tool_format,
-                                              index not in named_started, calls),
-                    logprobs=logprobs,
-                    finish_reason=_finish_reason(completion.finish_reason, calls, tool_format),
+                    index=index, delta=delta, logprobs=logprobs,
+                    finish_reason=_finish_reason(completion.finish_reason, calls, reader),
                     stop_reason=completion.stop_reason))
-                if tool_format is not None:
-                    named_started.add(index)
             if output.finished:
                 final = output
             if choices:

@@ -1,18 +1,23 @@
-"""Forced tool calls: `tool_choice` "required" or a named function, answered as JSON under
-the tools' schemas (structured output), then read back into OpenAI's `tool_calls`.
+"""Tool calls: read out of a chat answer into OpenAI's `tool_calls`.
 
-This is how vLLM answers those two choices, and it needs no model-specific parser: the
-answer is generated in a known format. A named function's answer is its arguments, a
-JSON object under the function's `parameters` schema (finish_reason "stop", as OpenAI
-gives for a forced function); "required" answers a JSON array of `{"name",
-"parameters"}` objects, one per call (finish_reason "tool_calls"). "auto", where the
-model decides whether to call a tool in its own syntax, needs such a parser and is
-refused, as vLLM refuses it without `--tool-call-parser`.
+Forced calls (`tool_choice` "required" or a named function) are answered as JSON under
+the tools' schemas (structured output), as vLLM answers them, with no model-specific
+parser: a named function's answer is its arguments, a JSON object under its
+`parameters` schema (finish_reason "stop", as OpenAI gives for a forced function);
+"required" answers a JSON array of `{"name", "parameters"}` objects, one per call
+(finish_reason "tool_calls").
+
+"auto", where the model decides whether to call a tool, in its own syntax, needs a
+parser of that syntax (vLLM's `--enable-auto-tool-choice --tool-call-parser NAME`):
+here `hermes`, the `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks of
+Qwen2.5/Qwen3, Hermes and the many models trained on that format. Without a parser
+"auto" is refused, as in vLLM.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +26,9 @@ from pagellm.core.sampling_params import StructuredOutputsParams
 from pagellm.engine.structured_output import format_error
 from pagellm.entrypoints.openai.errors import bad_request
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, FunctionCall, ToolCall
+
+# The parsers of models' own tool-call syntax, by their vLLM names.
+TOOL_CALL_PARSERS = ("hermes",)
 
 
 @dataclass(frozen=True)
@@ -31,22 +39,79 @@ class ToolCallFormat:
     schema: dict[str, Any]
     function: str | None
 
-    def calls(self, text: str) -> list[ToolCall] | None:
-        """The tool calls an answer makes. A named function's call is its text whole or
+    def split(self, text: str) -> tuple[str | None, list[ToolCall] | None]:
+        """(content, calls) of an answer. A named function's call is its text whole or
         cut (by max_tokens: its finish_reason says so), as a stream sends its arguments
         piece by piece; "required" calls are read from the whole array, and a cut one
-        (None) is returned as text."""
+        comes back as content."""
         if self.function is not None:
-            return [_call(self.function, text)]
+            return None, [_call(self.function, text)]
         try:
             value = json.loads(text)
         except json.JSONDecodeError:
-            return None
+            return text, None
         if not isinstance(value, list) or not all(
                 isinstance(item, dict) and {"name", "parameters"} <= set(item) for item in value):
-            return None
-        return [_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
-                for item in value]
+            return text, None
+        return None, [_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
+                      for item in value]
+
+    def streamed_content(self, text: str) -> str:
+        """A forced answer is all calls: no content before the end."""
+        return ""
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The reason of an answer that made calls (None: its own, "stop")."""
+        return None if self.function is not None else "tool_calls"
+
+
+_HERMES_OPEN = "<tool_call>"
+_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.DOTALL)
+
+
+class HermesToolParser:
+    """`<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` blocks, after
+    optional text (the content). A block left open at the end still counts (a model may
+    stop there); a block that is not such JSON makes the whole answer content, as in
+    vLLM."""
+
+    finish_reason = "tool_calls"
+
+    def split(self, text: str) -> tuple[str | None, list[ToolCall] | None]:
+        start = text.find(_HERMES_OPEN)
+        if start < 0:
+            return text, None
+        calls = []
+        for match in _HERMES_CALL.finditer(text, start):
+            try:
+                call = json.loads(match.group(1))
+            except json.JSONDecodeError:
+                return text, None
+            if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+                return text, None
+            arguments = call.get("arguments", {})
+            calls.append(_call(call["name"], arguments if isinstance(arguments, str)
+                               else json.dumps(arguments, ensure_ascii=False)))
+        content = text[:start]
+        return (content if content.strip() else None), calls
+
+    def streamed_content(self, text: str) -> str:
+        """The text a stream may send before the end: what comes before a tool call,
+        less a tail that may be the start of one, and nothing while it is all blank
+        (an answer that is only calls has no content)."""
+        start = text.find(_HERMES_OPEN)
+        if start < 0:
+            start = len(text)
+            for keep in range(min(len(_HERMES_OPEN) - 1, len(text)), 0, -1):
+                if _HERMES_OPEN.startswith(text[-keep:]):
+                    start = len(text) - keep
+                    break
+        shown = text[:start]
+        return shown if shown.strip() else ""
+
+
+ToolCallReader = ToolCallFormat | HermesToolParser
 
 
 def _call(name: str, arguments: str) -> ToolCall:
@@ -59,9 +124,10 @@ def new_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
-def tool_call_format(body: ChatCompletionRequest) -> ToolCallFormat | None:
-    """The request's forced tool call, or None (no tools, or tool_choice "none": the
-    tools are only rendered into the prompt). Bad tools or choices are a 400."""
+def tool_call_reader(body: ChatCompletionRequest, parser: str | None) -> ToolCallReader | None:
+    """How the request's answer is read for tool calls: a forced call's format, the
+    server's parser for "auto", or None (no tools, or tool_choice "none": the tools are
+    only rendered into the prompt). Bad tools or choices are a 400."""
     choice = body.tool_choice
     if not body.tools:
         if choice is not None and choice != "none":
@@ -69,11 +135,14 @@ def tool_call_format(body: ChatCompletionRequest) -> ToolCallFormat | None:
         return None
     if choice == "none":
         return None
+    if (choice is None or choice == "auto") and parser == "hermes":
+        return HermesToolParser()
     if choice is None or choice == "auto":
         raise bad_request(
             'tool_choice "auto" (the default with tools) needs a parser of the model\'s own '
-            'tool-call syntax, which PageLLM does not have: use "required" or a named '
-            'function (answered as JSON under the tools\' schemas), or "none"',
+            "tool-call syntax: start the server with --enable-auto-tool-choice "
+            '--tool-call-parser hermes, or use "required" or a named function (answered '
+            'as JSON under the tools\' schemas), or "none"',
             param="tool_choice" if choice is not None else "tools")
     tools = _functions(body.tools)
     if choice == "required":

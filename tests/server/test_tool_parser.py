@@ -1,0 +1,89 @@
+"""tool_choice "auto" with `--enable-auto-tool-choice --tool-call-parser hermes`: calls
+read out of the model's own `<tool_call>` blocks, the same streamed or not. The default
+model does not write such blocks by itself, so its answers are fixed with a one-choice
+format (structured output), which the parser then reads like any answer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from pagellm.engine.async_engine import AsyncLLMEngine
+from pagellm.engine.config import EngineConfig
+from pagellm.engine.llm_engine import LLMEngine
+from pagellm.entrypoints.openai.api_server import ServerSettings, create_app
+from tests.server.conftest import MODEL_NAME
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object",
+                                          "properties": {"city": {"type": "string"}}}}}
+CALLING = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": '
+           '{"city": "Paris"}}\n</tool_call>')
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[AsyncLLMEngine]:
+    engine = AsyncLLMEngine(lambda: LLMEngine(EngineConfig(kv_cache_memory_bytes=32 << 20,
+                                                           max_model_len=512)))
+    yield engine
+    engine.shutdown()
+    assert engine.engine.get_stats().kv_cache_usage == 0
+
+
+def ask(engine: AsyncLLMEngine, parser: str | None, answer: str, stream: bool
+        ) -> tuple[str | None, list[tuple[str, dict[str, Any]]], str | None]:
+    """(content, [(function, arguments)], finish_reason) of one chat answer fixed to
+    `answer`, through the openai client against the app in this process."""
+    app = create_app(engine, ServerSettings(model_names=[MODEL_NAME], tool_call_parser=parser))
+
+    async def run() -> tuple[str | None, list[tuple[str, dict[str, Any]]], str | None]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="x",
+                                        http_client=http, max_retries=0)
+            kwargs: dict[str, Any] = dict(
+                model=MODEL_NAME, max_tokens=60, temperature=0, tools=[WEATHER],
+                messages=[{"role": "user", "content": "Weather in Paris?"}],
+                extra_body={"structured_outputs": {"choice": [answer]}})
+            if not stream:
+                result = await client.chat.completions.create(**kwargs)
+                message = result.choices[0].message
+                return (message.content,
+                        [(c.function.name, json.loads(c.function.arguments))
+                         for c in message.tool_calls or []], result.choices[0].finish_reason)
+            content, reason = "", None
+            calls: dict[int, list[str]] = {}
+            async for chunk in await client.chat.completions.create(stream=True, **kwargs):
+                for choice in chunk.choices:
+                    content += choice.delta.content or ""
+                    for piece in choice.delta.tool_calls or []:
+                        assert piece.id and piece.function and piece.function.name
+                        calls[piece.index] = [piece.function.name,
+                                              piece.function.arguments or ""]
+                    reason = choice.finish_reason or reason
+            return (content or None,
+                    [(name, json.loads(arguments)) for name, arguments in calls.values()],
+                    reason)
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_tool_calls_are_parsed_from_hermes_blocks(engine: AsyncLLMEngine,
+                                                       stream: bool) -> None:
+    content, calls, reason = ask(engine, "hermes", CALLING, stream)
+    assert content == "Let me check.\n"
+    assert calls == [("get_weather", {"city": "Paris"})] and reason == "tool_calls"
+    plain = ask(engine, "hermes", "No tool is needed here.", stream)
+    assert plain == ("No tool is needed here.", [], "stop")
+
+
+def test_auto_without_a_parser_is_refused(engine: AsyncLLMEngine) -> None:
+    with pytest.raises(openai.BadRequestError, match="--tool-call-parser hermes"):
+        ask(engine, None, CALLING, False)
