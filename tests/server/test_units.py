@@ -279,6 +279,13 @@ def test_hermes_tool_calls_are_read_out_of_the_answer() -> None:
                         )[1][0].function.arguments == '{"a": 1}'  # already JSON text
     assert parser.split("<tool_call>\n{}</tool_call>")[0] == "<tool_call>\n{}</tool_call>"
     assert parser.split("<tool_call>{not json</tool_call>")[1] is None
+    for block in ('{"name": "f", "args": {"a": 1}}', '{"name": "f", "arguments": "a"}',
+                  '{"name": "f", "arguments": [1]}', '{"name": "f", "arguments": null}'):
+        assert parser.split(f"<tool_call>{block}</tool_call>")[1] is None, block
+    (named_only,) = parser.split('<tool_call>{"name": "f"}')[1] or []
+    assert named_only.function.arguments == "{}"
+    (parameters,) = parser.split('<tool_call>{"name": "f", "parameters": {"a": 1}}</tool_c')[1] or []
+    assert json.loads(parameters.function.arguments) == {"a": 1}  # a cut closing tag too
     assert parser.split("plain answer") == ("plain answer", None)
     assert parser.split(' \n<tool_call>{"name": "f"}</tool_call>')[0] is None
 

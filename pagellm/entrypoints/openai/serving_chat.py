@@ -49,6 +49,7 @@ from pagellm.entrypoints.openai.serving import (
     usage,
 )
 from pagellm.entrypoints.openai.tool_calls import (
+    HermesToolParser,
     ToolCallFormat,
     ToolCallReader,
     new_call_id,
@@ -133,6 +134,10 @@ async def create_chat_completion(context: ServerContext, body: ChatCompletionReq
         prompt_logprobs=body.prompt_logprobs, vocab_size=engine.vocab_size,
         field_names={"logprobs": "top_logprobs", "max_tokens": max_tokens_param},
         structured_outputs=request_format.params)
+    if isinstance(reader, HermesToolParser):
+        # Some models' <tool_call> is a special token, which the text would otherwise
+        # drop with the call's tags (vLLM's parser does the same).
+        base = base.clone(skip_special_tokens=False)
     prompt = Prompt(None, await context.off_loop(_chat_prompt, engine.tokenizer, body, base,
                                             engine.max_model_len))
     params = base.clone(max_tokens=resolve_max_tokens(

@@ -67,14 +67,17 @@ class ToolCallFormat:
 
 
 _HERMES_OPEN = "<tool_call>"
+_HERMES_CLOSE = "</tool_call>"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|\Z)", re.DOTALL)
 
 
 class HermesToolParser:
     """`<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` blocks, after
-    optional text (the content). A block left open at the end still counts (a model may
-    stop there); a block that is not such JSON makes the whole answer content, as in
-    vLLM."""
+    optional text (the content; text between and after blocks is dropped, as in vLLM).
+    A block left open at the end still counts (a model may stop there, or max_tokens cut
+    its closing tag). A block that is not a call (not JSON; no name; arguments that are
+    not an object or its JSON text) makes the whole answer content, as in vLLM; a call
+    may give its arguments as "parameters", as some models write them."""
 
     finish_reason = "tool_calls"
 
@@ -83,16 +86,11 @@ class HermesToolParser:
         if start < 0:
             return text, None
         calls = []
-        for match in _HERMES_CALL.finditer(text, start):
-            try:
-                call = json.loads(match.group(1))
-            except json.JSONDecodeError:
+        for match in _HERMES_CALL.finditer(_without_cut_close(text), start):
+            call = _hermes_call(match.group(1))
+            if call is None:
                 return text, None
-            if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
-                return text, None
-            arguments = call.get("arguments", {})
-            calls.append(_call(call["name"], arguments if isinstance(arguments, str)
-                               else json.dumps(arguments, ensure_ascii=False)))
+            calls.append(call)
         content = text[:start]
         return (content if content.strip() else None), calls
 
@@ -102,13 +100,42 @@ class HermesToolParser:
         (an answer that is only calls has no content)."""
         start = text.find(_HERMES_OPEN)
         if start < 0:
-            start = len(text)
-            for keep in range(min(len(_HERMES_OPEN) - 1, len(text)), 0, -1):
-                if _HERMES_OPEN.startswith(text[-keep:]):
-                    start = len(text) - keep
-                    break
+            start = len(text) - _partial_tag(text, _HERMES_OPEN)
         shown = text[:start]
         return shown if shown.strip() else ""
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag` (without being all
+    of it)."""
+    return next((keep for keep in range(min(len(tag) - 1, len(text)), 0, -1)
+                 if tag.startswith(text[-keep:])), 0)
+
+
+def _without_cut_close(text: str) -> str:
+    """The answer less a closing tag cut short at its very end."""
+    return text[:len(text) - _partial_tag(text, _HERMES_CLOSE)]
+
+
+def _hermes_call(block: str) -> ToolCall | None:
+    try:
+        call = json.loads(block)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    key = next((key for key in ("arguments", "parameters") if key in call), None)
+    if key is None and set(call) != {"name"}:
+        return None
+    arguments = {} if key is None else call[key]
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return _call(call["name"], json.dumps(arguments, ensure_ascii=False))
 
 
 ToolCallReader = ToolCallFormat | HermesToolParser
