@@ -58,7 +58,7 @@ def add_parser(subparsers: Any) -> None:
                             "model's tool calls with --tool-call-parser")
     group.add_argument("--tool-call-parser", default=None, metavar="NAME",
                        help="the model's tool-call syntax: hermes (<tool_call> blocks: "
-                            "Qwen2.5, Qwen3, Hermes, ...)")
+                            "Qwen2.5, Qwen3, Hermes, ...) or llama3_json (Llama 3.1-3.3)")
     group.add_argument("--log-level", default="info",
                        choices=("critical", "error", "warning", "info", "debug"),
                        help="server log level (default: %(default)s)")

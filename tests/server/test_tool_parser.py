@@ -1,5 +1,6 @@
-"""tool_choice "auto" with `--enable-auto-tool-choice --tool-call-parser hermes`: calls
-read out of the model's own `<tool_call>` blocks, the same streamed or not. The default
+"""tool_choice "auto" with `--enable-auto-tool-choice --tool-call-parser NAME`: calls
+read out of the model's own syntax (hermes' `<tool_call>` blocks, Llama 3's JSON), the
+same streamed or not. The default
 model does not write such blocks by itself, so its answers are fixed with a one-choice
 format (structured output), which the parser then reads like any answer."""
 
@@ -75,12 +76,16 @@ def ask(engine: AsyncLLMEngine, parser: str | None, answer: str, stream: bool
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_auto_tool_calls_are_parsed_from_hermes_blocks(engine: AsyncLLMEngine,
-                                                       stream: bool) -> None:
-    content, calls, reason = ask(engine, "hermes", CALLING, stream)
-    assert content == "Let me check.\n"
-    assert calls == [("get_weather", {"city": "Paris"})] and reason == "tool_calls"
-    plain = ask(engine, "hermes", "No tool is needed here.", stream)
+@pytest.mark.parametrize("parser, answer, content", [
+    ("hermes", CALLING, "Let me check.\n"),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}', None),
+])
+def test_auto_tool_calls_are_parsed_from_the_models_syntax(
+        engine: AsyncLLMEngine, stream: bool, parser: str, answer: str,
+        content: str | None) -> None:
+    assert ask(engine, parser, answer, stream) == (
+        content, [("get_weather", {"city": "Paris"})], "tool_calls")
+    plain = ask(engine, parser, "No tool is needed here.", stream)
     assert plain == ("No tool is needed here.", [], "stop")
 
 

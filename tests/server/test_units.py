@@ -296,3 +296,23 @@ def test_hermes_tool_calls_are_read_out_of_the_answer() -> None:
     assert parser.streamed_content("Let me <tool_call>\n{") == "Let me "
     assert parser.streamed_content("\n<tool_ca") == ""
     assert parser.streamed_content("x<") == "x"
+
+
+def test_llama3_json_tool_calls_are_the_whole_answer() -> None:
+    from pagellm.entrypoints.openai.tool_calls import Llama3JsonToolParser
+
+    parser = Llama3JsonToolParser()
+    content, calls = parser.split('<|python_tag|>{"name": "weather", "parameters": '
+                                  '{"city": "Oslo"}}; {"name": "time", "arguments": {}}')
+    assert content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls or []] == [
+        ("weather", {"city": "Oslo"}), ("time", {})]
+    assert parser.split(' {"name": "f", "parameters": {"a": 1}}\n')[1] is not None
+    for text in ('The answer is {"name": "f", "parameters": {}}',  # prose: content
+                 '{"name": "f", "parameters": {}} and then some text',
+                 '{"city": "Oslo"}', '{"name": "f", "parameters": ', "Just text."):
+        assert parser.split(text) == (text, None), text
+    assert parser.streamed_content("  ") == ""
+    assert parser.streamed_content("<|python") == ""
+    assert parser.streamed_content('{"name"') == ""
+    assert parser.streamed_content("Hello") == "Hello"

@@ -49,7 +49,6 @@ from pagellm.entrypoints.openai.serving import (
     usage,
 )
 from pagellm.entrypoints.openai.tool_calls import (
-    HermesToolParser,
     ToolCallFormat,
     ToolCallReader,
     new_call_id,
@@ -134,9 +133,9 @@ async def create_chat_completion(context: ServerContext, body: ChatCompletionReq
         prompt_logprobs=body.prompt_logprobs, vocab_size=engine.vocab_size,
         field_names={"logprobs": "top_logprobs", "max_tokens": max_tokens_param},
         structured_outputs=request_format.params)
-    if isinstance(reader, HermesToolParser):
-        # Some models' <tool_call> is a special token, which the text would otherwise
-        # drop with the call's tags (vLLM's parser does the same).
+    if reader is not None and not isinstance(reader, ToolCallFormat):
+        # A parsed syntax's markers are special tokens in some models (<tool_call>,
+        # Llama's <|python_tag|>), which the text would otherwise drop (as vLLM does).
         base = base.clone(skip_special_tokens=False)
     prompt = Prompt(None, await context.off_loop(_chat_prompt, engine.tokenizer, body, base,
                                             engine.max_model_len))

@@ -10,7 +10,8 @@ parser: a named function's answer is its arguments, a JSON object under its
 "auto", where the model decides whether to call a tool, in its own syntax, needs a
 parser of that syntax (vLLM's `--enable-auto-tool-choice --tool-call-parser NAME`):
 here `hermes`, the `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks of
-Qwen2.5/Qwen3, Hermes and the many models trained on that format. Without a parser
+Qwen2.5/Qwen3, Hermes and the many models trained on that format, and `llama3_json`,
+Llama 3.1-3.3's answer of `{"name": ..., "parameters": ...}` objects. Without a parser
 "auto" is refused, as in vLLM.
 """
 
@@ -26,9 +27,6 @@ from pagellm.core.sampling_params import StructuredOutputsParams
 from pagellm.engine.structured_output import format_error
 from pagellm.entrypoints.openai.errors import bad_request
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, FunctionCall, ToolCall
-
-# The parsers of models' own tool-call syntax, by their vLLM names.
-TOOL_CALL_PARSERS = ("hermes",)
 
 
 @dataclass(frozen=True)
@@ -105,6 +103,46 @@ class HermesToolParser:
         return shown if shown.strip() else ""
 
 
+class Llama3JsonToolParser:
+    """Llama 3.1-3.3's tool calls: the whole answer is one `{"name": ...,
+    "parameters": {...}}` object or several separated by ";", after an optional
+    `<|python_tag|>` (the chat template asks for this form; vLLM's `llama3_json`). An
+    answer of anything else is content. Stricter than vLLM's parser, which takes any
+    such object found anywhere in the text, prose around it included."""
+
+    finish_reason = "tool_calls"
+
+    def split(self, text: str) -> tuple[str | None, list[ToolCall] | None]:
+        rest = text.lstrip().removeprefix(_PYTHON_TAG).lstrip()
+        if not rest.startswith("{"):
+            return text, None
+        calls = []
+        decoder = json.JSONDecoder()
+        while rest:
+            try:
+                value, end = decoder.raw_decode(rest)
+            except json.JSONDecodeError:
+                return text, None
+            call = _named_call(value)
+            if call is None:
+                return text, None
+            calls.append(call)
+            rest = rest[end:].lstrip()
+            if rest.startswith(";"):
+                rest = rest[1:].lstrip()
+            elif rest:
+                return text, None
+        return None, calls
+
+    def streamed_content(self, text: str) -> str:
+        """Nothing while the answer may still be calls (blank, or begun with "{" or the
+        tag); all of it once it cannot be."""
+        start = text.lstrip()
+        if not start or _PYTHON_TAG.startswith(start) or start.startswith((_PYTHON_TAG, "{")):
+            return ""
+        return text
+
+
 def _partial_tag(text: str, tag: str) -> int:
     """The length of the longest end of `text` that begins `tag` (without being all
     of it)."""
@@ -122,6 +160,12 @@ def _hermes_call(block: str) -> ToolCall | None:
         call = json.loads(block)
     except json.JSONDecodeError:
         return None
+    return _named_call(call)
+
+
+def _named_call(call: Any) -> ToolCall | None:
+    """A call from a model's `{"name": ..., "arguments" or "parameters": {...}}`; None
+    if that is not what it is (the answer is then content)."""
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return None
     key = next((key for key in ("arguments", "parameters") if key in call), None)
@@ -138,7 +182,12 @@ def _hermes_call(block: str) -> ToolCall | None:
     return _call(call["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-ToolCallReader = ToolCallFormat | HermesToolParser
+_PYTHON_TAG = "<|python_tag|>"
+
+ToolCallReader = ToolCallFormat | HermesToolParser | Llama3JsonToolParser
+# The parsers of models' own tool-call syntax, by their vLLM names.
+TOOL_CALL_PARSERS: dict[str, type[HermesToolParser | Llama3JsonToolParser]] = {
+    "hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
 
 
 def _call(name: str, arguments: str) -> ToolCall:
@@ -162,8 +211,8 @@ def tool_call_reader(body: ChatCompletionRequest, parser: str | None) -> ToolCal
         return None
     if choice == "none":
         return None
-    if (choice is None or choice == "auto") and parser == "hermes":
-        return HermesToolParser()
+    if (choice is None or choice == "auto") and parser is not None:
+        return TOOL_CALL_PARSERS[parser]()
     if choice is None or choice == "auto":
         raise bad_request(
             'tool_choice "auto" (the default with tools) needs a parser of the model\'s own '
