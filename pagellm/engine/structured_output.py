@@ -12,7 +12,7 @@ The token table llguidance needs is built on the first formatted request (about 
 for a 49k vocabulary), not at start-up, so engines that never see one do not pay for it.
 A format is compiled once (and kept for the next requests with the same one, as a batch
 of prompts or a chat service's fixed schema repeat it); each completion gets a copy of
-the compiled matcher. Compiling may take from any thread: the server compiles a request's
+the compiled matcher. Compiling may run on any thread: the server compiles a request's
 format on a thread of its own before adding the request, since a large grammar can take
 a second, which on the engine's thread would stall every stream (see AsyncLLMEngine);
 masks and copies stay on the engine's thread.
