@@ -17,6 +17,8 @@ from pagellm.entrypoints.openai.logprobs import (
     completion_logprobs,
 )
 from pagellm.entrypoints.openai.metrics import Histogram, ServerMetrics
+from pagellm.entrypoints.openai.response_store import ResponseStore
+from pagellm.entrypoints.openai.responses_protocol import ResponseObject
 from pagellm.entrypoints.openai.serving import resolve_max_tokens
 from pagellm.entrypoints.openai.stats_logger import describe
 
@@ -316,3 +318,30 @@ def test_llama3_json_tool_calls_are_the_whole_answer() -> None:
     assert parser.streamed_content("<|python") == ""
     assert parser.streamed_content('{"name"') == ""
     assert parser.streamed_content("Hello") == "Hello"
+
+
+def _stored(response_id: str, text: str) -> tuple[ResponseObject, list[dict[str, str]]]:
+    response = ResponseObject(
+        id=response_id, status="completed", model="m", temperature=1.0, top_p=1.0,
+        top_logprobs=0, tools=[], tool_choice="none", parallel_tool_calls=True,
+        text={"format": {"type": "text"}}, truncation="disabled", metadata={}, store=True)
+    return response, [{"role": "user", "content": text}]
+
+
+def test_response_store_forgets_the_least_recently_used_past_its_size() -> None:
+    one = _stored("resp_1", "a" * 100)
+    size = len(one[0].model_dump_json()) + len(json.dumps(one[1]))
+    store = ResponseStore(max_bytes=2 * size + 10)
+    store.put(*one)
+    store.put(*_stored("resp_2", "b" * 100))
+    assert store.get("resp_1") is not None  # now the most recently used
+    store.put(*_stored("resp_3", "c" * 100))
+    assert store.get("resp_2") is None and store.get("resp_1") is not None
+    assert len(store) == 2 and store.used_bytes <= store.max_bytes
+    store.put(*_stored("resp_4", "d" * 10 * size))  # bigger than the store: not kept
+    assert store.get("resp_4") is None and len(store) == 2
+    assert store.delete("resp_1") and not store.delete("resp_1")
+    store.put(*_stored("resp_3", "e"))  # replaced, counted once
+    assert len(store) == 1 and store.used_bytes == store.get("resp_3").size  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="max_bytes"):
+        ResponseStore(max_bytes=-1)

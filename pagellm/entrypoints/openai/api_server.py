@@ -31,9 +31,20 @@ from pagellm.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from pagellm.entrypoints.openai.response_store import ResponseStore
+from pagellm.entrypoints.openai.responses_protocol import (
+    DeletedResponse,
+    ResponseObject,
+    ResponsesRequest,
+)
 from pagellm.entrypoints.openai.serving import ServerContext
 from pagellm.entrypoints.openai.serving_chat import create_chat_completion
 from pagellm.entrypoints.openai.serving_completion import create_completion
+from pagellm.entrypoints.openai.serving_responses import (
+    create_response,
+    delete_response,
+    retrieve_response,
+)
 from pagellm.entrypoints.openai.serving_tokenization import detokenize, tokenize
 from pagellm.entrypoints.openai.stats_logger import log_stats_forever
 from pagellm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
@@ -98,6 +109,7 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     context = ServerContext(engine, list(settings.model_names),
                             ServerMetrics(engine, settings.model_names[0]),
                             settings.tool_call_parser)
+    stored = ResponseStore()
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
     if settings.api_key:
@@ -110,6 +122,18 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await _guarded(create_chat_completion(context, body, request))
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await _guarded(create_response(context, stored, body, request))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> ResponseObject:
+        return retrieve_response(stored, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def remove_response(response_id: str) -> DeletedResponse:
+        return delete_response(stored, response_id)
 
     @app.get("/v1/models")
     async def models() -> ModelList:

@@ -27,16 +27,16 @@ from pydantic import (
 TokenIds = list[int]
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: usage so far on every chunk too
 
 
-class SamplingFields(_Strict):
+class SamplingFields(StrictModel):
     """Fields shared by both endpoints, with OpenAI's defaults and vLLM's extras."""
 
     model: str | None = None
@@ -92,12 +92,12 @@ class CompletionRequest(SamplingFields):
     add_special_tokens: bool = True
 
 
-class TextContentPart(_Strict):
+class TextContentPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
@@ -136,7 +136,7 @@ class ChatCompletionRequest(SamplingFields):
     function_call: Any = None
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(StrictModel):
     """vLLM's /tokenize: a `prompt` (as completions encode it) or `messages` (as chat
     completions render them), so a client can see exactly the tokens a request sends."""
 
@@ -153,7 +153,7 @@ class TokenizeRequest(_Strict):
     chat_template: Any = None
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(StrictModel):
     model: str | None = None
     tokens: TokenIds
 
@@ -228,7 +228,7 @@ class ChatResponseMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None  # null unless a tool is called
 
 
-class _WithoutNulls(BaseModel):
+class WithoutNulls(BaseModel):
     """Stream pieces leave out what they do not carry, as OpenAI's and vLLM's do: strict
     client schemas reject `"role": null`."""
 
@@ -237,12 +237,12 @@ class _WithoutNulls(BaseModel):
         return {key: value for key, value in handler(self).items() if value is not None}
 
 
-class DeltaFunctionCall(_WithoutNulls):
+class DeltaFunctionCall(WithoutNulls):
     name: str | None = None
     arguments: str | None = None
 
 
-class DeltaToolCall(_WithoutNulls):
+class DeltaToolCall(WithoutNulls):
     """A stream's piece of a tool call: the first names the call (id, type, function
     name), the next ones add to its arguments."""
 
@@ -270,7 +270,7 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
-class ChatDelta(_WithoutNulls):
+class ChatDelta(WithoutNulls):
     """A stream's increment (the role only in the first chunk)."""
 
     role: str | None = None

@@ -6,6 +6,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -111,13 +112,22 @@ def _logprobs_setting(body: ChatCompletionRequest) -> int | None:
     return body.top_logprobs or 0
 
 
-async def create_chat_completion(context: ServerContext, body: ChatCompletionRequest,
-                                 raw: Request) -> Response:
-    arrival = time.monotonic()
-    context.check_model(body.model)
-    if body.stream_options is not None and not body.stream:
-        raise bad_request("stream_options is only allowed when stream is true",
-                          param="stream_options")
+@dataclass
+class ChatRun:
+    """A chat request started in the engine: its streams, how its answer is read for
+    tool calls, and its prompt's length (for usage)."""
+
+    request_id: str
+    streams: list[RequestStream]
+    reader: ToolCallReader | None
+    prompt_tokens: int
+
+
+async def start_chat(context: ServerContext, body: ChatCompletionRequest, arrival: float,
+                     request_id: str) -> ChatRun:
+    """Checks a chat request, renders its conversation and queues it: what the chat and
+    responses endpoints share. A request the server cannot take is a 400 naming the
+    chat field."""
     check_supported(body)
     _check_chat_options(body)
     reader = tool_call_reader(body, context.tool_call_parser)
@@ -141,15 +151,25 @@ async def create_chat_completion(context: ServerContext, body: ChatCompletionReq
                                             engine.max_model_len))
     params = base.clone(max_tokens=resolve_max_tokens(
         engine.max_model_len, len(prompt.token_ids), requested, "messages", max_tokens_param))
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await start_requests(context, request_id, [prompt], [params], body.cache_salt,
                                    arrival, "messages", body.priority, request_format.field)
+    return ChatRun(request_id, streams, reader, len(prompt.token_ids))
+
+
+async def create_chat_completion(context: ServerContext, body: ChatCompletionRequest,
+                                 raw: Request) -> Response:
+    arrival = time.monotonic()
+    context.check_model(body.model)
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options is only allowed when stream is true",
+                          param="stream_options")
+    run = await start_chat(context, body, arrival, f"chatcmpl-{uuid.uuid4().hex}")
     if body.stream:
-        return EventStreamResponse(streamed(_stream(context, request_id, body, streams,
+        return EventStreamResponse(streamed(_stream(context, run.request_id, body, run.streams,
                                                     UsageReport.of(body.stream_options),
-                                                    len(prompt.token_ids), reader)))
-    outputs = await unless_disconnected(raw, final_outputs(streams, context.metrics))
-    return JSONResponse(_response(context, request_id, body, outputs[0], reader)
+                                                    run.prompt_tokens, run.reader)))
+    outputs = await unless_disconnected(raw, final_outputs(run.streams, context.metrics))
+    return JSONResponse(_response(context, run.request_id, body, outputs[0], run.reader)
                         .model_dump(mode="json"))
 
 

@@ -1,0 +1,71 @@
+"""The responses kept for `previous_response_id` and `GET /v1/responses/{id}`.
+
+OpenAI stores every response unless told `store: false`; a client then continues a
+conversation by naming the last response instead of sending it again. Here the store is
+in memory and bounded by size: the least recently used responses are forgotten first, so
+a long-running server cannot grow without limit (vLLM's store, behind an environment
+variable, never forgets). Continuing from a stored response is where the prefix cache
+pays: the earlier turns render to the same tokens, whose KV blocks are still cached.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from pagellm.entrypoints.openai.responses_protocol import ResponseObject
+
+DEFAULT_STORE_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    """A response, and the conversation that continuing from it starts with: its input
+    messages (without the instructions, which do not carry over, as in OpenAI's API)
+    and its answer."""
+
+    response: ResponseObject
+    conversation: list[dict[str, Any]]
+    size: int
+
+
+class ResponseStore:
+    """Responses by id, least recently used first out once `max_bytes` is exceeded
+    (a response bigger than the whole store is not kept)."""
+
+    def __init__(self, max_bytes: int = DEFAULT_STORE_BYTES) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self.used_bytes = 0
+        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, response: ResponseObject, conversation: list[dict[str, Any]]) -> None:
+        size = (len(response.model_dump_json())
+                + len(json.dumps(conversation, ensure_ascii=False)))
+        self.delete(response.id)
+        if size > self.max_bytes:
+            return
+        self._entries[response.id] = StoredResponse(response, conversation, size)
+        self.used_bytes += size
+        while self.used_bytes > self.max_bytes:
+            _, oldest = self._entries.popitem(last=False)
+            self.used_bytes -= oldest.size
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        entry = self._entries.get(response_id)
+        if entry is not None:
+            self._entries.move_to_end(response_id)
+        return entry
+
+    def delete(self, response_id: str) -> bool:
+        entry = self._entries.pop(response_id, None)
+        if entry is None:
+            return False
+        self.used_bytes -= entry.size
+        return True
