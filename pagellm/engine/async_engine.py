@@ -257,6 +257,11 @@ class AsyncLLMEngine:
 
         self._submit(abort)
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block, between two steps; False while requests hold
+        blocks (see LLMEngine.reset_prefix_cache)."""
+        return await self._call(self.engine.reset_prefix_cache)
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Aborts every request (their streams get EngineDeadError) and stops the thread.
 

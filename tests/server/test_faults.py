@@ -121,6 +121,38 @@ def test_api_key_guards_v1_only(engine: AsyncLLMEngine) -> None:
     assert right.status_code == 200, right.text
 
 
+def test_reset_prefix_cache_empties_the_cache_when_idle(engine: AsyncLLMEngine) -> None:
+    """vLLM's POST /reset_prefix_cache: a repeat is served from the cache, and after a
+    reset it is computed again; it fails while a request holds blocks, and needs the API
+    key when the server has one."""
+    app = create_app(engine, ServerSettings(model_names=[MODEL_NAME], api_key="s3cret"))
+    body = {"prompt": "The history of the paged KV cache, told briefly. " * 4, "max_tokens": 1}
+    key = {"Authorization": "Bearer s3cret"}
+
+    async def cached_tokens(client: httpx.AsyncClient) -> int:
+        reply = await client.post("/v1/completions", json=body, headers=key)
+        return int(reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    async def run() -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test",
+                                     timeout=60) as client:
+            await cached_tokens(client)
+            assert await cached_tokens(client) > 0
+            assert (await client.post("/reset_prefix_cache")).status_code == 401
+            reset = await client.post("/reset_prefix_cache", headers=key)
+            assert reset.status_code == 200 and reset.json() == {"success": True}
+            assert await cached_tokens(client) == 0
+            stream = await engine.add_request("holding", "Hello there",
+                                              SamplingParams(max_tokens=50, ignore_eos=True))
+            async with stream:
+                await stream.__anext__()
+                busy = await client.post("/reset_prefix_cache", headers=key)
+                assert busy.json() == {"success": False}
+
+    asyncio.run(run())
+
+
 def test_shutdown_ends_streams_and_refuses_new_requests(engine: AsyncLLMEngine) -> None:
     async def run() -> tuple[BaseException | None, BaseException | None]:
         stream = await engine.add_request("long", "Tell me a story.",

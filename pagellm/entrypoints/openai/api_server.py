@@ -153,6 +153,12 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
         return await detokenize(context, body)
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        """vLLM's (in its dev mode): a cold cache for the next measurement. It fails
+        (`success` false) while requests hold blocks; the caller may retry."""
+        return JSONResponse({"success": await engine.reset_prefix_cache()})
+
     @app.get("/version")
     async def version() -> Response:
         return JSONResponse({"version": importlib.metadata.version("pagellm")})

@@ -98,8 +98,14 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
+# Paths that need the API key: the API, and the one endpoint outside it that changes
+# the server's state.
+_GUARDED_PREFIXES = ("/v1", "/reset_prefix_cache")
+
+
 class APIKeyMiddleware:
-    """401 for any /v1 request without `Authorization: Bearer <api key>`.
+    """401 for any /v1 request (and /reset_prefix_cache) without `Authorization: Bearer
+    <api key>`.
 
     /health and /metrics stay open: load balancers and Prometheus probe them without
     credentials, and they reveal no request data.
@@ -110,7 +116,7 @@ class APIKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"].startswith(_GUARDED_PREFIXES):
             given = next((value for name, value in scope.get("headers", ())
                           if name == b"authorization"), b"")
             if not hmac.compare_digest(given, self.expected):
