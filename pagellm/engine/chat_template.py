@@ -163,6 +163,16 @@ def check_messages(messages: Any) -> list[Message]:
     return conversation
 
 
+def json_object(value: Any) -> dict[str, Any] | None:
+    """A dict, or the JSON text of one (tool-call arguments come either way); else None."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            return None
+    return value if isinstance(value, dict) else None
+
+
 def _tool_calls(index: int, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """An assistant's tool calls as templates read them (vLLM's rules): the arguments
     as a dict, not OpenAI's JSON text, which a template's `tojson` would encode twice;
@@ -175,13 +185,8 @@ def _tool_calls(index: int, calls: list[dict[str, Any]]) -> list[dict[str, Any]]
             raise ChatError(f"messages[{index}].tool_calls[{number}] must be "
                             '{"type": "function", "function": {"name", "arguments"}}',
                             "messages")
-        arguments = function.get("arguments") or {}
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                arguments = None
-        if not isinstance(arguments, dict):
+        arguments = json_object(function.get("arguments") or {})
+        if arguments is None:
             raise ChatError(f"messages[{index}].tool_calls[{number}].function.arguments "
                             "must be a JSON object (or its JSON text)", "messages")
         parsed.append({**call, "function": {**function, "arguments": arguments}})

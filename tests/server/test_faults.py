@@ -7,6 +7,7 @@ injected exactly where it is wanted.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -52,6 +53,20 @@ def post_all(engine: AsyncLLMEngine, bodies: list[dict[str, Any]],
     return asyncio.run(run())
 
 
+def fail_the_third_model_run(engine: AsyncLLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = engine.engine.runner
+    execute = runner.execute
+    calls = {"n": 0}
+
+    def flaky_execute(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected model failure")
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", flaky_execute)
+
+
 def test_a_bug_in_one_request_fails_only_that_request(
         engine: AsyncLLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     original = serving_completion._response
@@ -90,22 +105,34 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(
 
 def test_a_failing_model_run_fails_the_stream_with_an_error_event(
         engine: AsyncLLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
-    runner = engine.engine.runner
-    execute = runner.execute
-    calls = {"n": 0}
-
-    def flaky_execute(*args: Any, **kwargs: Any) -> Any:
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("injected model failure")
-        return execute(*args, **kwargs)
-
-    monkeypatch.setattr(runner, "execute", flaky_execute)
+    fail_the_third_model_run(engine, monkeypatch)
     response = post_all(engine, [{"prompt": "Hello", "max_tokens": 6, "stream": True}])[0]
     assert response.status_code == 200
     events = [line for line in response.text.splitlines() if line.startswith("data: ")]
     assert '"error"' in events[-2] and "injected model failure" in events[-2]
     assert events[-1] == "data: [DONE]"
+
+
+def test_a_failing_model_run_ends_a_responses_stream_with_an_error_event(
+        engine: AsyncLLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """OpenAI's form: an `error` event (type, code, message), and no `[DONE]`."""
+    fail_the_third_model_run(engine, monkeypatch)
+    app = create_app(engine, ServerSettings(model_names=[MODEL_NAME]))
+
+    async def run() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test",
+                                     timeout=60) as client:
+            return await client.post("/v1/responses", json={
+                "input": "Hello", "max_output_tokens": 6, "stream": True})
+
+    response = asyncio.run(run())
+    assert response.status_code == 200
+    blocks = [block for block in response.text.split("\n\n") if block]
+    assert blocks[-1].startswith("event: error\n")
+    last = json.loads(blocks[-1].split("data: ", 1)[1])
+    assert last["type"] == "error" and "injected model failure" in last["message"]
+    assert last["code"] == "server_error" and "[DONE]" not in response.text
 
 
 def test_api_key_guards_v1_only(engine: AsyncLLMEngine) -> None:

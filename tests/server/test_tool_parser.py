@@ -92,3 +92,41 @@ def test_auto_tool_calls_are_parsed_from_the_models_syntax(
 def test_auto_without_a_parser_is_refused(engine: AsyncLLMEngine) -> None:
     with pytest.raises(openai.BadRequestError, match="--tool-call-parser hermes"):
         ask(engine, None, CALLING, False)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_responses_api_reads_calls_with_the_same_parser(engine: AsyncLLMEngine,
+                                                           stream: bool) -> None:
+    """Through /v1/responses: the text before the call is the message (a stream never
+    shows the call's markup), then a function_call item; deltas add up to the text."""
+    app = create_app(engine, ServerSettings(model_names=[MODEL_NAME],
+                                            tool_call_parser="hermes"))
+    tool = {"type": "function", "name": "get_weather",
+            "parameters": WEATHER["function"]["parameters"]}  # type: ignore[index]
+
+    async def run() -> tuple[list[Any], str]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="x",
+                                        http_client=http, max_retries=0)
+            kwargs: dict[str, Any] = dict(
+                model=MODEL_NAME, input="Weather in Paris?", tools=[tool],
+                max_output_tokens=60, temperature=0,
+                extra_body={"structured_outputs": {"choice": [CALLING]}})
+            if not stream:
+                response = await client.responses.create(**kwargs)
+                return response.output, response.output_text
+            deltas = ""
+            async with client.responses.stream(**kwargs) as events:
+                async for event in events:
+                    if event.type == "response.output_text.delta":
+                        deltas += event.delta
+                final = await events.get_final_response()
+            return final.output, deltas
+
+    output, text = asyncio.run(run())
+    assert text == "Let me check.\n"
+    assert [item.type for item in output] == ["message", "function_call"]
+    assert output[0].content[0].text == "Let me check.\n"
+    assert (output[1].name, json.loads(output[1].arguments)) == ("get_weather",
+                                                               {"city": "Paris"})

@@ -18,9 +18,13 @@ from pagellm.entrypoints.openai.logprobs import (
 )
 from pagellm.entrypoints.openai.metrics import Histogram, ServerMetrics
 from pagellm.entrypoints.openai.response_store import ResponseStore
-from pagellm.entrypoints.openai.responses_protocol import ResponseObject
+from pagellm.entrypoints.openai.responses_input import Conversation
+from pagellm.entrypoints.openai.responses_protocol import ResponseObject, ResponsesRequest
 from pagellm.entrypoints.openai.serving import resolve_max_tokens
+from pagellm.entrypoints.openai.serving_chat import ChatRun
+from pagellm.entrypoints.openai.serving_responses import _Answer
 from pagellm.entrypoints.openai.stats_logger import describe
+from pagellm.entrypoints.openai.tool_calls import ToolCallFormat
 
 
 class FakeTokenizer:
@@ -320,17 +324,19 @@ def test_llama3_json_tool_calls_are_the_whole_answer() -> None:
     assert parser.streamed_content("Hello") == "Hello"
 
 
-def _stored(response_id: str, text: str) -> tuple[ResponseObject, list[dict[str, str]]]:
+def _stored(response_id: str, text: str
+            ) -> tuple[ResponseObject, list[dict[str, str]], list[dict[str, str]]]:
     response = ResponseObject(
-        id=response_id, status="completed", model="m", temperature=1.0, top_p=1.0,
+        id=response_id, created_at=0, status="completed", model="m", temperature=1.0,
+        top_p=1.0,
         top_logprobs=0, tools=[], tool_choice="none", parallel_tool_calls=True,
         text={"format": {"type": "text"}}, truncation="disabled", metadata={}, store=True)
-    return response, [{"role": "user", "content": text}]
+    return response, [], [{"role": "user", "content": text}]
 
 
 def test_response_store_forgets_the_least_recently_used_past_its_size() -> None:
     one = _stored("resp_1", "a" * 100)
-    size = len(one[0].model_dump_json()) + len(json.dumps(one[1]))
+    size = len(one[0].model_dump_json()) + len(json.dumps(one[2]))
     store = ResponseStore(max_bytes=2 * size + 10)
     store.put(*one)
     store.put(*_stored("resp_2", "b" * 100))
@@ -345,3 +351,41 @@ def test_response_store_forgets_the_least_recently_used_past_its_size() -> None:
     assert len(store) == 1 and store.used_bytes == store.get("resp_3").size  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="max_bytes"):
         ResponseStore(max_bytes=-1)
+
+
+def test_response_store_counts_bytes_and_each_added_message_once() -> None:
+    store = ResponseStore()
+    response, _, cjk = _stored("resp_1", "\u4e2d" * 100)  # 3 bytes each in UTF-8
+    store.put(response, [], cjk)
+    assert store.used_bytes >= len(response.model_dump_json()) + 300
+    before = store.used_bytes
+    long_history = [{"role": "user", "content": "x" * 100_000}]
+    follow_up, _, added = _stored("resp_2", "y")
+    store.put(follow_up, long_history, added)  # the history is the earlier turns' objects
+    assert store.used_bytes - before < 1_000
+    assert store.get("resp_2").conversation == long_history + added  # type: ignore[union-attr]
+
+
+def test_a_stored_turn_carries_the_call_ids_the_client_was_given() -> None:
+    """The client answers a call by its call_id, so the stored conversation that the
+    answer continues must name the call by that same id."""
+    store = ResponseStore()
+    body = ResponsesRequest(input="Weather?", tool_choice="required",
+                            tools=[{"type": "function", "name": "f", "parameters": {}}])
+    run = ChatRun("resp_x", [], ToolCallFormat({"type": "array"}, None), 3)
+    answer = _Answer(body, "resp_x", "m", run, Conversation.of([], body.input), store, None)
+    text = '[{"name": "f", "parameters": {"a": 1}}, {"name": "f", "parameters": {}}]'
+    response = answer.finish(RequestOutput("resp_x-0", None, [1, 2, 3], [
+        CompletionOutput(0, text, [5, 6], finish_reason="stop")], True))
+    stored = store.get("resp_x")
+    assert stored is not None
+    turn = stored.conversation[-1]
+    assert [call["id"] for call in turn["tool_calls"]] == [
+        item.call_id for item in response.output]  # type: ignore[union-attr]
+    assert stored.response.model_dump() == response.model_dump()
+    cut = _Answer(body, "resp_y", "m", run, Conversation.of([], body.input), store, None)
+    cut_response = cut.finish(RequestOutput("resp_y-0", None, [1, 2, 3], [
+        CompletionOutput(0, text[:30], [5, 6], finish_reason="length")], True))
+    assert cut_response.status == "incomplete"
+    cut_turn = store.get("resp_y").conversation[-1]  # type: ignore[union-attr]
+    assert cut_turn == {"role": "assistant", "content": text[:30]}

@@ -22,18 +22,27 @@ DEFAULT_STORE_BYTES = 256 * 1024 * 1024
 
 @dataclass(frozen=True)
 class StoredResponse:
-    """A response, and the conversation that continuing from it starts with: its input
-    messages (without the instructions, which do not carry over, as in OpenAI's API)
-    and its answer."""
+    """A response, kept as its JSON (a tenth of the memory of its objects when it has
+    logprobs), and the conversation that continuing from it starts with: its input
+    messages (without the instructions, which do not carry over, as in OpenAI's API) and
+    its answer."""
 
-    response: ResponseObject
+    response_json: bytes
     conversation: list[dict[str, Any]]
     size: int
+
+    @property
+    def response(self) -> ResponseObject:
+        return ResponseObject.model_validate_json(self.response_json)
 
 
 class ResponseStore:
     """Responses by id, least recently used first out once `max_bytes` is exceeded
-    (a response bigger than the whole store is not kept)."""
+    (a response bigger than the whole store is not kept).
+
+    A response's size is its JSON's and that of the messages it added to the
+    conversation: the earlier messages are the same objects as in the response it
+    continued, so a long chain of turns is counted once, not once per turn."""
 
     def __init__(self, max_bytes: int = DEFAULT_STORE_BYTES) -> None:
         if max_bytes < 0:
@@ -45,13 +54,16 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, response: ResponseObject, conversation: list[dict[str, Any]]) -> None:
-        size = (len(response.model_dump_json())
-                + len(json.dumps(conversation, ensure_ascii=False)))
+    def put(self, response: ResponseObject, history: list[dict[str, Any]],
+            added: list[dict[str, Any]]) -> None:
+        """Keeps `response`, whose conversation is `history` (that of the response it
+        continued) followed by the messages it `added`."""
+        response_json = response.model_dump_json().encode()
+        size = len(response_json) + len(json.dumps(added, ensure_ascii=False).encode())
         self.delete(response.id)
         if size > self.max_bytes:
             return
-        self._entries[response.id] = StoredResponse(response, conversation, size)
+        self._entries[response.id] = StoredResponse(response_json, history + added, size)
         self.used_bytes += size
         while self.used_bytes > self.max_bytes:
             _, oldest = self._entries.popitem(last=False)

@@ -9,7 +9,6 @@ the item (`input[2].call_id`).
 
 from __future__ import annotations
 
-import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -21,7 +20,7 @@ class ResponsesRequest(StrictModel):
     """OpenAI's fields, then the sampling extras vLLM's Responses API takes too."""
 
     model: str | None = None
-    input: str | list[dict[str, Any]]
+    input: str | list[Any]  # items, checked in responses_input (errors name the item)
     instructions: str | None = None
     previous_response_id: str | None = None
     store: bool = True
@@ -38,13 +37,12 @@ class ResponsesRequest(StrictModel):
     truncation: Literal["auto", "disabled"] = "disabled"
     metadata: dict[str, str] | None = None
     user: str | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's, as in chat
     # Accepted and echoed: they change nothing for the models this server runs.
     reasoning: dict[str, Any] | None = None
     max_tool_calls: int | None = None  # counts built-in tools' calls, of which there are none
-    service_tier: str | None = None
-    safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    stream_options: dict[str, Any] | None = None
+    safety_identifier: str | None = None
     # vLLM's sampling extras (as in its ResponsesRequest).
     top_k: int | None = None
     min_p: float | None = None
@@ -118,21 +116,16 @@ class IncompleteDetails(BaseModel):
     reason: Literal["max_output_tokens", "content_filter"]
 
 
-class ResponseErrorInfo(BaseModel):
-    code: str
-    message: str
-
-
 class ResponseObject(BaseModel):
     """A response as OpenAI returns it: the output and usage, and the request's settings
     echoed back."""
 
     id: str
     object: Literal["response"] = "response"
-    created_at: int = Field(default_factory=lambda: int(time.time()))
+    created_at: int
     completed_at: int | None = None
     status: Status
-    error: ResponseErrorInfo | None = None
+    error: None = None  # a failed request is an HTTP error or an "error" event instead
     incomplete_details: IncompleteDetails | None = None
     model: str
     output: list[OutputItem] = Field(default_factory=list)
@@ -152,6 +145,9 @@ class ResponseObject(BaseModel):
     store: bool
     background: bool = False
     reasoning: dict[str, Any] | None = None
+    max_tool_calls: int | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     service_tier: str = "default"
     user: str | None = None
 

@@ -216,6 +216,20 @@ async def merged(streams: list[RequestStream], metrics: ServerMetrics
             stream.abort()
 
 
+async def aborting_on_exit(streams: list[RequestStream], events: AsyncGenerator[str, None]
+                           ) -> AsyncGenerator[str, None]:
+    """`events`, and the streams aborted when they end: a client that leaves while the
+    first events (before `merged` runs) are being sent would otherwise leave its request
+    running to its last token for nobody."""
+    try:
+        async with aclosing(events):
+            async for event in events:
+                yield event
+    finally:
+        for stream in streams:
+            stream.abort()
+
+
 async def final_outputs(streams: list[RequestStream], metrics: ServerMetrics
                         ) -> list[RequestOutput]:
     """The finished output of every stream, in prompt order."""

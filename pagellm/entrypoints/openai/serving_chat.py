@@ -41,6 +41,7 @@ from pagellm.entrypoints.openai.serving import (
     Prompt,
     ServerContext,
     UsageReport,
+    aborting_on_exit,
     check_supported,
     final_outputs,
     is_set,
@@ -165,9 +166,9 @@ async def create_chat_completion(context: ServerContext, body: ChatCompletionReq
                           param="stream_options")
     run = await start_chat(context, body, arrival, f"chatcmpl-{uuid.uuid4().hex}")
     if body.stream:
-        return EventStreamResponse(streamed(_stream(context, run.request_id, body, run.streams,
-                                                    UsageReport.of(body.stream_options),
-                                                    run.prompt_tokens, run.reader)))
+        events = _stream(context, run.request_id, body, run.streams,
+                         UsageReport.of(body.stream_options), run.prompt_tokens, run.reader)
+        return EventStreamResponse(streamed(aborting_on_exit(run.streams, events)))
     outputs = await unless_disconnected(raw, final_outputs(run.streams, context.metrics))
     return JSONResponse(_response(context, run.request_id, body, outputs[0], run.reader)
                         .model_dump(mode="json"))

@@ -1,20 +1,16 @@
 """POST /v1/responses (OpenAI's Responses API), and the stored responses' GET and DELETE.
 
-A response is a chat completion underneath, as in vLLM: the input items (with the
-instructions as a system message, and the stored conversation of `previous_response_id`
-before them) become a chat conversation, the Responses fields become the chat request's,
+A response is a chat completion underneath, as in vLLM: the input (after the stored
+conversation of `previous_response_id`) becomes a chat conversation (responses_input.py),
 and the one chat path renders, queues and reads tool calls. Only the shapes differ: the
 answer comes back as output items (a message of `output_text`, then one `function_call`
 item per call), and a stream is OpenAI's typed events (`response.output_text.delta`, ...)
-rather than chat chunks. Errors name the Responses field (`input`, `max_output_tokens`,
-`text.format`, `tools[0].parameters`), not the chat field they were checked as.
+rather than chat chunks.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
-import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
@@ -27,8 +23,16 @@ from fastapi.responses import JSONResponse, Response
 from pagellm.engine.outputs import CompletionOutput, RequestOutput
 from pagellm.entrypoints.openai.errors import APIError, bad_request, failure
 from pagellm.entrypoints.openai.logprobs import TokenText, chat_logprobs
-from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, ChatTokenLogprob, ToolCall
+from pagellm.entrypoints.openai.protocol import ChatTokenLogprob
 from pagellm.entrypoints.openai.response_store import ResponseStore
+from pagellm.entrypoints.openai.responses_input import (
+    HISTORY,
+    Conversation,
+    chat_request,
+    check_options,
+    renamed,
+    wants_logprobs,
+)
 from pagellm.entrypoints.openai.responses_protocol import (
     DeletedResponse,
     FunctionCallItem,
@@ -43,229 +47,83 @@ from pagellm.entrypoints.openai.responses_protocol import (
     Status,
     StreamEvent,
 )
-from pagellm.entrypoints.openai.serving import ServerContext, final_outputs, merged, usage
+from pagellm.entrypoints.openai.serving import (
+    ServerContext,
+    aborting_on_exit,
+    final_outputs,
+    merged,
+    usage,
+)
 from pagellm.entrypoints.openai.serving_chat import ChatRun, start_chat
-from pagellm.entrypoints.openai.tool_calls import ToolCallReader
-from pagellm.entrypoints.openai.transport import EventStreamResponse, unless_disconnected
+from pagellm.entrypoints.openai.transport import EventStreamResponse, sse, unless_disconnected
 
-# The include entry that asks for the output text's logprobs.
-_LOGPROBS = "message.output_text.logprobs"
-_TEXT_PARTS = ("input_text", "output_text", "text")
+Emit = Callable[..., str]
 
 
 async def create_response(context: ServerContext, store: ResponseStore,
                           body: ResponsesRequest, raw: Request) -> Response:
     arrival = time.monotonic()
     context.check_model(body.model)
-    _check_options(body)
+    check_options(body)
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         previous = store.get(body.previous_response_id)
         if previous is None:
-            raise APIError(404, f"Response with id '{body.previous_response_id}' not found.",
-                           param="previous_response_id")
+            raise _not_found(body.previous_response_id, "previous_response_id")
         history = previous.conversation
-    conversation = history + _input_messages(body.input)
-    instructions = ([{"role": "system", "content": body.instructions}]
-                    if body.instructions else [])
+    conversation = Conversation.of(history, body.input)
+    if not conversation.messages:
+        raise bad_request("input has no message to answer (reasoning items are dropped)",
+                          param="input")
     response_id = f"resp_{uuid.uuid4().hex}"
-    try:
-        run = await start_chat(context, _chat_request(body, instructions + conversation),
-                               arrival, response_id)
-    except APIError as error:
-        raise _renamed(error) from error
+    while True:
+        try:
+            run = await start_chat(context, chat_request(body, conversation), arrival,
+                                   response_id)
+            break
+        except APIError as error:
+            # truncation "auto": the oldest turns go until the rest fits (OpenAI's rule;
+            # the instructions stay).
+            shorter = (conversation.without_first_turn() if body.truncation == "auto"
+                       and error.code == "context_length_exceeded" else None)
+            if shorter is None:
+                raise renamed(error, body, conversation) from error
+            conversation = shorter
     answer = _Answer(body, response_id, context.model_name, run, conversation,
                      store if body.store else None,
-                     TokenText(context.engine.tokenizer) if _wants_logprobs(body) else None)
+                     TokenText(context.engine.tokenizer) if wants_logprobs(body) else None)
     if body.stream:
-        return EventStreamResponse(answer.events(context))
+        return EventStreamResponse(aborting_on_exit(run.streams, answer.events(context)))
     outputs = await unless_disconnected(raw, final_outputs(run.streams, context.metrics))
     return JSONResponse(answer.finish(outputs[0]).model_dump(mode="json"))
 
 
 def retrieve_response(store: ResponseStore, response_id: str) -> ResponseObject:
+    """A stored response, as it was answered (a 404 once deleted or forgotten)."""
     stored = store.get(response_id)
     if stored is None:
-        raise _not_found(response_id)
+        raise _not_found(response_id, "response_id")
     return stored.response
 
 
 def delete_response(store: ResponseStore, response_id: str) -> DeletedResponse:
+    """Forgets a stored response; continuing from it is a 404 afterwards."""
     if not store.delete(response_id):
-        raise _not_found(response_id)
+        raise _not_found(response_id, "response_id")
     return DeletedResponse(id=response_id)
 
 
-def _not_found(response_id: str) -> APIError:
-    return APIError(404, f"Response with id '{response_id}' not found.", param="response_id")
-
-
-def _check_options(body: ResponsesRequest) -> None:
-    """A 400 for what this server does not do, where going on would answer 200 with
-    something other than what the client asked for."""
-    refused = {"background": "background responses are not supported; ask with stream "
-                             "to read the answer as it is generated",
-               "conversation": "conversation objects are not supported; continue with "
-                               "previous_response_id",
-               "prompt": "stored prompt templates are not supported; send the input"}
-    for option, reason in refused.items():
-        if getattr(body, option) not in (None, False):
-            raise bad_request(f"{option} is not supported: {reason}", param=option)
-    if isinstance(body.input, list) and not body.input and body.previous_response_id is None:
-        raise bad_request("input must not be empty", param="input")
-
-
-def _wants_logprobs(body: ResponsesRequest) -> bool:
-    return _LOGPROBS in (body.include or []) or bool(body.top_logprobs)
-
-
-def _text_content(content: Any, where: str) -> str | list[dict[str, str]] | None:
-    """A message's content as chat takes it: a string, or its text parts (input_text,
-    output_text) as chat text parts; any other part is a 400 naming it."""
-    if content is None or isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad_request(f"{where}.content must be a string or a list of content parts",
-                          param=f"{where}.content")
-    parts = []
-    for index, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise bad_request(f"{where}.content[{index}] is a {kind!r} part; only text parts "
-                              "(input_text, output_text) are supported",
-                              param=f"{where}.content[{index}]")
-        parts.append({"type": "text", "text": part["text"]})
-    return parts
-
-
-def _string(item: dict[str, Any], key: str, where: str) -> str:
-    value = item.get(key)
-    if not isinstance(value, str):
-        raise bad_request(f"{where}.{key} must be a string", param=f"{where}.{key}")
-    return value
-
-
-def _input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The input as chat messages: a string is one user message; items are messages,
-    the client's record of earlier function calls (merged into the assistant message
-    before them, as one chat turn with tool_calls) and their outputs (tool messages).
-    Reasoning items are dropped: the models served here do not reason."""
-    if isinstance(items, str):
-        return [{"role": "user", "content": items}]
-    messages: list[dict[str, Any]] = []
-    for index, item in enumerate(items):
-        where = f"input[{index}]"
-        kind = item.get("type", "message" if "role" in item else None)
-        if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "system", "developer", "assistant"):
-                raise bad_request(f"{where}.role must be one of user, system, developer, "
-                                  f"assistant, got {role!r}", param=f"{where}.role")
-            messages.append({"role": role,
-                             "content": _text_content(item.get("content"), where)})
-        elif kind == "function_call":
-            call = {"id": _string(item, "call_id", where), "type": "function",
-                    "function": {"name": _string(item, "name", where),
-                                 "arguments": _string(item, "arguments", where)}}
-            if messages and messages[-1]["role"] == "assistant":
-                messages[-1].setdefault("tool_calls", []).append(call)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
-                             "content": _text_content(item.get("output"), where)})
-        elif kind != "reasoning":
-            raise bad_request(f"{where} has type {kind!r}, which is not supported (message, "
-                              "function_call, function_call_output)", param=f"{where}.type")
-    return messages
-
-
-def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """Responses' flat function tools in chat's form; a built-in tool (web_search,
-    file_search, ...) is a 400: there is nothing here to run it."""
-    if tools is None:
-        return None
-    converted = []
-    for index, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            raise bad_request(f"tools[{index}] has type {kind!r}; only function tools are "
-                              "supported", param=f"tools[{index}].type")
-        converted.append({"type": "function", "function": {
-            key: tool[key] for key in ("name", "description", "parameters", "strict")
-            if key in tool}})
-    return converted
-
-
-def _chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-    if choice is None or isinstance(choice, str):
-        return choice
-    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
-        return {"type": "function", "function": {"name": choice["name"]}}
-    raise bad_request('tool_choice must be "none", "auto", "required" or {"type": '
-                      '"function", "name": ...}', param="tool_choice")
-
-
-def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
-    """`text.format` as chat's response_format (whose json_schema nests what Responses
-    gives flat)."""
-    spec = (text or {}).get("format")
-    kind = spec.get("type") if isinstance(spec, dict) else None
-    if spec is None or kind == "text":
-        return None
-    if kind == "json_object":
-        return {"type": "json_object"}
-    if kind == "json_schema":
-        if spec.get("schema") is None:
-            raise bad_request("text.format of type 'json_schema' needs schema, the JSON "
-                              "schema of the answer", param="text.format")
-        return {"type": "json_schema", "json_schema": {
-            key: spec[key] for key in ("name", "schema", "strict") if key in spec}}
-    raise bad_request(f"text.format type must be 'text', 'json_object' or 'json_schema', "
-                      f"got {kind!r}", param="text.format")
-
-
-# Fields with the same name and meaning in both requests.
-_SHARED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                  "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
-                  "min_tokens", "ignore_eos", "logit_bias", "skip_special_tokens",
-                  "include_stop_str_in_output", "cache_salt", "priority",
-                  "parallel_tool_calls")
-
-
-def _chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]
-                  ) -> ChatCompletionRequest:
-    fields: dict[str, Any] = {name: getattr(body, name) for name in _SHARED_FIELDS}
-    logprobs = _wants_logprobs(body)
-    fields.update(
-        messages=messages, max_completion_tokens=body.max_output_tokens,
-        logprobs=logprobs, top_logprobs=body.top_logprobs if logprobs else None,
-        tools=_chat_tools(body.tools), tool_choice=_chat_tool_choice(body.tool_choice),
-        response_format=_response_format(body.text),
-        truncate_prompt_tokens=-1 if body.truncation == "auto" else None)
-    return ChatCompletionRequest.model_validate(fields)
-
-
-# Chat's field names in errors, and the Responses fields they stand for.
-_RENAMES = ((re.compile(r"\btools\[(\d+)\]\.function\."), r"tools[\1]."),
-            (re.compile(r"\bmax_completion_tokens\b"), "max_output_tokens"),
-            (re.compile(r"\bresponse_format\b"), "text.format"),
-            (re.compile(r"\bmessages\b"), "input"))
-
-
-def _renamed(error: APIError) -> APIError:
-    def rename(text: str) -> str:
-        for pattern, replacement in _RENAMES:
-            text = pattern.sub(replacement, text)
-        return text
-
-    return APIError(error.status, rename(error.message),
-                    param=None if error.param is None else rename(error.param),
-                    code=error.code, type=error.type)
+def _not_found(response_id: str, param: str) -> APIError:
+    return APIError(404, f"Response with id '{response_id}' not found.", param=param)
 
 
 def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _status(completion: CompletionOutput) -> Status:
+    """Cut by max_output_tokens: incomplete (OpenAI's reason); otherwise completed."""
+    return "incomplete" if completion.finish_reason == "length" else "completed"
 
 
 class _Answer:
@@ -273,7 +131,7 @@ class _Answer:
     streamed or whole, and stores it (with the conversation so far) when it ends."""
 
     def __init__(self, body: ResponsesRequest, response_id: str, model: str, run: ChatRun,
-                 conversation: list[dict[str, Any]], store: ResponseStore | None,
+                 conversation: Conversation, store: ResponseStore | None,
                  token_text: TokenText | None) -> None:
         self.body = body
         self.response_id = response_id
@@ -285,19 +143,16 @@ class _Answer:
         self.token_text = token_text
         self.message_id = _item_id("msg")
 
-    @property
-    def reader(self) -> ToolCallReader | None:
-        return self.run.reader
-
     def response(self, status: Status, output: list[OutputItem],
                  result: RequestOutput | None = None) -> ResponseObject:
+        """The response object: the output so far, and the request's settings echoed."""
         body = self.body
-        finish = result.outputs[0].finish_reason if result is not None else None
+        text = body.text or {}
         return ResponseObject(
             id=self.response_id, created_at=self.created_at, status=status,
             completed_at=int(time.time()) if result is not None else None,
             incomplete_details=(IncompleteDetails(reason="max_output_tokens")
-                                if finish == "length" else None),
+                                if status == "incomplete" else None),
             model=self.model, output=output,
             usage=_usage(result) if result is not None else None,
             instructions=body.instructions, previous_response_id=body.previous_response_id,
@@ -305,35 +160,20 @@ class _Answer:
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_logprobs=body.top_logprobs or 0, tools=body.tools or [],
-            tool_choice=body.tool_choice or ("auto" if body.tools else "none"),
+            tool_choice=body.tool_choice or "auto",
             parallel_tool_calls=body.parallel_tool_calls,
-            text=body.text or {"format": {"type": "text"}}, truncation=body.truncation,
-            metadata=body.metadata or {}, store=body.store, reasoning=body.reasoning,
+            text={**text, "format": text.get("format") or {"type": "text"}},
+            truncation=body.truncation, metadata=body.metadata or {}, store=body.store,
+            reasoning=body.reasoning, max_tool_calls=body.max_tool_calls,
+            prompt_cache_key=body.prompt_cache_key, safety_identifier=body.safety_identifier,
             user=body.user)
-
-    def split(self, completion: CompletionOutput) -> tuple[str | None, list[ToolCall] | None]:
-        if self.reader is None:
-            return completion.text, None
-        return self.reader.split(completion.text)
 
     def logprobs(self, completion: CompletionOutput, start: int = 0
                  ) -> list[ChatTokenLogprob] | None:
+        """The logprobs of the completion's tokens from `start`, if they were asked for."""
         if self.token_text is None or completion.logprobs is None:
             return None
         return chat_logprobs(completion.logprobs[start:], self.token_text).content or []
-
-    def items(self, completion: CompletionOutput) -> list[OutputItem]:
-        """The message (when there is text, or no call) and one item per call."""
-        content, calls = self.split(completion)
-        status = _status(completion)
-        items: list[OutputItem] = []
-        if content or not calls:
-            items.append(self.message(content or "", status, self.logprobs(completion)))
-        items.extend(FunctionCallItem(id=_item_id("fc"), call_id=call.id,
-                                      name=call.function.name,
-                                      arguments=call.function.arguments, status="completed")
-                     for call in calls or [])
-        return items
 
     def message(self, text: str, status: Status, logprobs: list[ChatTokenLogprob] | None
                 ) -> OutputMessage:
@@ -341,64 +181,86 @@ class _Answer:
                              content=[OutputText(text=text, logprobs=logprobs)])
 
     def finish(self, result: RequestOutput) -> ResponseObject:
-        """The response with its whole output, kept in the store if asked."""
+        """The whole response: the message (when there is text, or no call) and one
+        item per call, read once, so that the stored conversation carries the very call
+        ids the client answers with; kept in the store if asked."""
         completion = result.outputs[0]
-        response = self.response(_status(completion), self.items(completion), result)
+        reader = self.run.reader
+        content, calls = (completion.text, None) if reader is None \
+            else reader.split(completion.text)
+        status = _status(completion)
+        output: list[OutputItem] = []
+        if content or not calls:
+            output.append(self.message(content or "", status, self.logprobs(completion)))
+        output.extend(FunctionCallItem(id=_item_id("fc"), call_id=call.id,
+                                       name=call.function.name,
+                                       arguments=call.function.arguments, status=status)
+                      for call in calls or [])
+        response = self.response(status, output, result)
         if self.store is not None:
-            content, calls = self.split(completion)
+            # A call cut short has no arguments to answer: the turn keeps it as text.
             answer: dict[str, Any] = {"role": "assistant", "content": content}
-            if calls:
+            if calls and status == "completed":
                 answer["tool_calls"] = [call.model_dump() for call in calls]
-            self.store.put(response, [*self.conversation, answer])
+            elif calls:
+                answer["content"] = completion.text
+            kept = self.conversation
+            history = [m for m, o in zip(kept.messages, kept.origins, strict=True)
+                       if o == HISTORY]
+            self.store.put(response, history, kept.messages[len(history):] + [answer])
         return response
 
     async def events(self, context: ServerContext) -> AsyncGenerator[str, None]:
         """OpenAI's event stream: created, in_progress, the message's text as deltas as
-        it comes (held back where a tool call may begin, as chat's stream does), each
-        item's done events, and the whole response last. That last event is
-        "response.completed" whatever the status inside (as vLLM sends it; OpenAI's SDK
-        reads the final response only from that event). A failure is an "error" event;
-        the stream has no `[DONE]`, as OpenAI's has none."""
+        it comes (held back where a tool call may begin, as chat's stream does; each
+        delta with the logprobs of the tokens since the last), each item's done events,
+        and the whole response last. That last event is "response.completed" whatever
+        the status inside (as vLLM sends it; OpenAI's SDK reads the final response only
+        from that event). A failure is an "error" event; the stream has no `[DONE]`, as
+        OpenAI's has none."""
         numbers = itertools.count()
 
         def event(kind: str, **fields: Any) -> str:
             payload = StreamEvent(type=kind, sequence_number=next(numbers), **fields)
-            return (f"event: {kind}\ndata: "
-                    f"{json.dumps(payload.model_dump(mode='json'), ensure_ascii=False)}\n\n")
+            return sse(payload.model_dump(mode="json"), kind)
 
+        reader = self.run.reader
+        sent = sent_logprobs = 0
+        opened = False
         try:
             started = self.response("in_progress", [])
             yield event("response.created", response=started)
             yield event("response.in_progress", response=started)
-            sent = 0
-            sent_logprobs = 0
-            opened = False
             async with aclosing(merged(self.run.streams, context.metrics)) as outputs:
                 async for _, result in outputs:
                     completion = result.outputs[0]
-                    finished = completion.finish_reason is not None
-                    if not finished:
-                        shown = (completion.text if self.reader is None
-                                 else self.reader.streamed_content(completion.text))
+                    response = None
+                    if completion.finish_reason is None:
+                        shown = completion.text if reader is None \
+                            else reader.streamed_content(completion.text)
                     else:
-                        shown = self.split(completion)[0] or ""
-                    if len(shown) > sent:
+                        response = self.finish(result)
+                        first = response.output[0]
+                        shown = first.content[0].text if isinstance(first, OutputMessage) \
+                            else ""
+                    logprobs = self.logprobs(completion, sent_logprobs)
+                    # The last tokens' logprobs (EOS adds no text) close the deltas, so
+                    # that they add up to the message's.
+                    last = response is not None and isinstance(response.output[0],
+                                                               OutputMessage) and bool(logprobs)
+                    if len(shown) > sent or last:
                         if not opened:
-                            yield _open_events(self, event)
+                            yield self._opening(event)
                             opened = True
-                        logprobs = (self.logprobs(completion, sent_logprobs)
-                                    if self.reader is None else None)
-                        sent_logprobs = len(completion.logprobs or [])
                         yield event("response.output_text.delta", item_id=self.message_id,
                                     output_index=0, content_index=0, delta=shown[sent:],
                                     logprobs=logprobs or [])
-                        sent = len(shown)
-                    if finished:
-                        response = self.finish(result)
+                        sent, sent_logprobs = len(shown), len(completion.logprobs or [])
+                    if response is not None:
                         for index, item in enumerate(response.output):
                             if isinstance(item, OutputMessage) and not opened:
-                                yield _open_events(self, event)
-                            for text in _item_done_events(item, index, event):
+                                yield self._opening(event)
+                            for text in _closing(item, index, event):
                                 yield text
                         yield event("response.completed", response=response)
         except Exception as error:  # noqa: BLE001 - reported to the client as OpenAI does
@@ -406,18 +268,15 @@ class _Answer:
             yield event("error", code=info.code or info.type, message=info.message,
                         param=info.param)
 
-
-def _open_events(answer: _Answer, event: Callable[..., str]) -> str:
-    """The events that open the message item, before its first text."""
-    return (event("response.output_item.added", output_index=0,
-                  item=answer.message("", "in_progress", None).model_copy(
-                      update={"content": []}))
-            + event("response.content_part.added", item_id=answer.message_id,
-                    output_index=0, content_index=0, part=OutputText(text="")))
+    def _opening(self, event: Emit) -> str:
+        """The events that open the message item, before its first text."""
+        empty = OutputMessage(id=self.message_id, status="in_progress", content=[])
+        return (event("response.output_item.added", output_index=0, item=empty)
+                + event("response.content_part.added", item_id=self.message_id,
+                        output_index=0, content_index=0, part=OutputText(text="")))
 
 
-def _item_done_events(item: OutputItem, index: int, event: Callable[..., str]
-                      ) -> list[str]:
+def _closing(item: OutputItem, index: int, event: Emit) -> list[str]:
     """The events that close an item: a message's text and part done, or a function
     call added whole with its arguments in one delta; then the item done."""
     if isinstance(item, OutputMessage):
@@ -434,11 +293,6 @@ def _item_done_events(item: OutputItem, index: int, event: Callable[..., str]
             event("response.function_call_arguments.done", item_id=item.id,
                   output_index=index, arguments=item.arguments),
             event("response.output_item.done", output_index=index, item=item)]
-
-
-def _status(completion: CompletionOutput) -> Status:
-    """Cut by max_output_tokens: incomplete (OpenAI's reason); otherwise completed."""
-    return "incomplete" if completion.finish_reason == "length" else "completed"
 
 
 def _usage(result: RequestOutput) -> ResponseUsage:

@@ -26,8 +26,10 @@ T = TypeVar("T")
 DONE = "data: [DONE]\n\n"
 
 
-def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, allow_nan=False)}\n\n"
+def sse(payload: dict[str, Any], event: str | None = None) -> str:
+    """One server-sent event; `event` names its type (the Responses API's streams do)."""
+    kind = "" if event is None else f"event: {event}\n"
+    return f"{kind}data: {json.dumps(payload, ensure_ascii=False, allow_nan=False)}\n\n"
 
 
 async def streamed(events: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:

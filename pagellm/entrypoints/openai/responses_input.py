@@ -1,0 +1,268 @@
+"""A Responses request as the chat request that answers it (see serving_responses.py).
+
+The input items become chat messages, each remembering the item it came from, so that
+an error the chat path finds in a message names the client's item (`input[2]`) and not
+its place in the chat list, which also holds the instructions and the stored history.
+The Responses fields become chat's, and chat's field names in errors become the
+Responses names again.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from pagellm.core.sampling_params import MAX_LOGPROBS
+from pagellm.engine.chat_template import json_object
+from pagellm.entrypoints.openai.errors import APIError, bad_request
+from pagellm.entrypoints.openai.protocol import ChatCompletionRequest
+from pagellm.entrypoints.openai.responses_protocol import ResponsesRequest
+from pagellm.entrypoints.openai.serving import is_set
+
+# The include entry that asks for the output text's logprobs.
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+_TEXT_PARTS = ("input_text", "output_text", "text")
+_ROLES = ("user", "system", "developer", "assistant")
+# Known Responses options this server cannot honour, refused rather than ignored.
+_REFUSED = {"background": "background responses are not supported; ask with stream to "
+                          "read the answer as it is generated",
+            "conversation": "conversation objects are not supported; continue with "
+                            "previous_response_id",
+            "prompt": "stored prompt templates are not supported; send the input"}
+# What `include` may ask for (OpenAI's list); only the logprobs change the answer here.
+_INCLUDES = frozenset({LOGPROBS_INCLUDE, "reasoning.encrypted_content",
+                       "file_search_call.results", "web_search_call.results",
+                       "web_search_call.action.sources", "message.input_image.image_url",
+                       "computer_call_output.output.image_url",
+                       "code_interpreter_call.outputs"})
+# Where the stored history's messages came from, for errors.
+HISTORY = "the conversation of previous_response_id"
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """Chat messages (without the instructions) and, for each, what it came from: an
+    input item (`input[3]`) or the stored history."""
+
+    messages: list[dict[str, Any]]
+    origins: list[str]
+
+    @classmethod
+    def of(cls, history: list[dict[str, Any]], items: str | list[Any]) -> Conversation:
+        new = _input_messages(items)
+        return cls(history + [message for message, _ in new],
+                   [HISTORY] * len(history) + [origin for _, origin in new])
+
+    def without_first_turn(self) -> Conversation | None:
+        """The conversation less its oldest turn (its first message, and what follows up
+        to the next user message), as truncation "auto" drops whole items, oldest first;
+        None when no user message would be left."""
+        rest = 1
+        while rest < len(self.messages) and self.messages[rest]["role"] != "user":
+            rest += 1
+        if rest >= len(self.messages):
+            return None
+        return Conversation(self.messages[rest:], self.origins[rest:])
+
+
+def check_options(body: ResponsesRequest) -> None:
+    """A 400 for what this server does not do, where going on would answer 200 with
+    something other than what the client asked for."""
+    for option, reason in _REFUSED.items():
+        if is_set(getattr(body, option)):
+            raise bad_request(f"{option} is not supported: {reason}", param=option)
+    if isinstance(body.input, list) and not body.input and body.previous_response_id is None:
+        raise bad_request("input must not be empty", param="input")
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got "
+                          f"{body.top_logprobs}", param="top_logprobs")
+    for index, entry in enumerate(body.include or []):
+        if entry not in _INCLUDES:
+            raise bad_request(f"include[{index}] {entry!r} is not one of "
+                              f"{', '.join(sorted(_INCLUDES))}", param=f"include[{index}]")
+
+
+def wants_logprobs(body: ResponsesRequest) -> bool:
+    """Logprobs come with the include entry asking for them (top_logprobs only says how
+    many alternatives each has), as in OpenAI's API and vLLM."""
+    return LOGPROBS_INCLUDE in (body.include or [])
+
+
+def _text_content(content: Any, where: str) -> str | list[dict[str, str]]:
+    """Text as chat takes it: a string, or the text parts (input_text, output_text) as
+    chat text parts; a missing text or any other part is a 400 naming it (`where` is the
+    field, `input[2].content`)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        raise bad_request(f"{where} must be a string or a non-empty list of text parts",
+                          param=where)
+    parts = []
+    for index, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise bad_request(f"{where}[{index}] is a {kind!r} part; only text parts "
+                              "(input_text, output_text) are supported",
+                              param=f"{where}[{index}]")
+        parts.append({"type": "text", "text": part["text"]})
+    return parts
+
+
+def _string(item: dict[str, Any], key: str, where: str) -> str:
+    """A required string field of an input item."""
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise bad_request(f"{where}.{key} must be a string", param=f"{where}.{key}")
+    return value
+
+
+def _arguments(item: dict[str, Any], where: str) -> str:
+    """A function call's arguments: the JSON text of an object, as its call gave them."""
+    text = _string(item, "arguments", where)
+    if json_object(text) is None:
+        raise bad_request(f"{where}.arguments must be the JSON text of an object, got "
+                          f"{text[:80]!r}", param=f"{where}.arguments")
+    return text
+
+
+def _input_messages(items: str | list[Any]) -> list[tuple[dict[str, Any], str]]:
+    """The input as (chat message, origin) pairs: a string is one user message; items are
+    messages, the client's record of earlier function calls (merged into the assistant
+    message before them, as one chat turn with tool_calls) and their outputs (tool
+    messages). Reasoning items are dropped: the models served here do not reason."""
+    if isinstance(items, str):
+        return [({"role": "user", "content": items}, "input")]
+    messages: list[tuple[dict[str, Any], str]] = []
+    for index, item in enumerate(items):
+        where = f"input[{index}]"
+        if not isinstance(item, dict):
+            raise bad_request(f"{where} must be an item object (a message, function_call or "
+                              f"function_call_output), got {type(item).__name__}", param=where)
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in _ROLES:
+                raise bad_request(f"{where}.role must be one of {', '.join(_ROLES)}, got "
+                                  f"{role!r}", param=f"{where}.role")
+            messages.append(({"role": role,
+                              "content": _text_content(item.get("content"),
+                                                       f"{where}.content")}, where))
+        elif kind == "function_call":
+            call = {"id": _string(item, "call_id", where), "type": "function",
+                    "function": {"name": _string(item, "name", where),
+                                 "arguments": _arguments(item, where)}}
+            if messages and messages[-1][0]["role"] == "assistant":
+                messages[-1][0].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append(({"role": "assistant", "content": None,
+                                  "tool_calls": [call]}, where))
+        elif kind == "function_call_output":
+            messages.append(({"role": "tool", "tool_call_id": _string(item, "call_id", where),
+                              "content": _text_content(item.get("output"), f"{where}.output")},
+                             where))
+        elif kind != "reasoning":
+            raise bad_request(f"{where} has type {kind!r}, which is not supported (message, "
+                              "function_call, function_call_output)", param=f"{where}.type")
+    return messages
+
+
+def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Responses' flat function tools in chat's form; a built-in tool (web_search,
+    file_search, ...) is a 400: there is nothing here to run it."""
+    if tools is None:
+        return None
+    converted = []
+    for index, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            raise bad_request(f"tools[{index}] has type {kind!r}; only function tools are "
+                              "supported", param=f"tools[{index}].type")
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise bad_request(f"tools[{index}].name must be a non-empty string",
+                              param=f"tools[{index}].name")
+        converted.append({"type": "function", "function": {
+            key: tool[key] for key in ("name", "description", "parameters", "strict")
+            if key in tool}})
+    return converted
+
+
+def _chat_tool_choice(choice: str | dict[str, Any] | None, tools: list[dict[str, Any]] | None
+                      ) -> str | dict[str, Any] | None:
+    """Chat's form of the choice. "auto" and "none" without tools mean no tools (vLLM's
+    default is "auto" with none), where chat would refuse a choice without tools."""
+    if choice in ("none", "auto") and not tools:
+        return None
+    if choice is None or choice in ("none", "auto", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" \
+            and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise bad_request('tool_choice must be "none", "auto", "required" or {"type": '
+                      '"function", "name": ...}', param="tool_choice")
+
+
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`text.format` as chat's response_format, which nests under `json_schema` what
+    Responses gives flat; chat checks the rest (an unknown type is its 400)."""
+    spec = (text or {}).get("format")
+    if not isinstance(spec, dict) or spec.get("type") != "json_schema":
+        return spec
+    if not isinstance(spec.get("schema"), dict):
+        raise bad_request("text.format of type 'json_schema' needs schema, the JSON "
+                          "schema of the answer (an object)", param="text.format")
+    return {"type": "json_schema", "json_schema": {
+        key: spec[key] for key in ("name", "schema", "strict") if key in spec}}
+
+
+# Fields with the same name and meaning in both requests.
+_SHARED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                  "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
+                  "min_tokens", "ignore_eos", "logit_bias", "skip_special_tokens",
+                  "include_stop_str_in_output", "cache_salt", "priority",
+                  "parallel_tool_calls", "structured_outputs")
+
+
+def chat_request(body: ResponsesRequest, conversation: Conversation) -> ChatCompletionRequest:
+    """The chat request answering `body` over `conversation`, with the instructions as
+    its system message."""
+    fields: dict[str, Any] = {name: getattr(body, name) for name in _SHARED_FIELDS}
+    instructions = ([{"role": "system", "content": body.instructions}]
+                    if body.instructions else [])
+    logprobs = wants_logprobs(body)
+    fields.update(
+        messages=instructions + conversation.messages,
+        max_completion_tokens=body.max_output_tokens,
+        logprobs=logprobs, top_logprobs=body.top_logprobs if logprobs else None,
+        tools=_chat_tools(body.tools) or None,
+        tool_choice=_chat_tool_choice(body.tool_choice, body.tools),
+        response_format=_response_format(body.text))
+    return ChatCompletionRequest.model_validate(fields)
+
+
+# Chat's field names in errors, and the Responses fields they stand for.
+_RENAMES = ((re.compile(r"\btools\[(\d+)\]\.function\."), r"tools[\1]."),
+            (re.compile(r"\bmax_(?:completion_)?tokens\b"), "max_output_tokens"),
+            (re.compile(r"\bresponse_format\b"), "text.format"))
+_MESSAGE = re.compile(r"\bmessages\[(\d+)\]")
+
+
+def renamed(error: APIError, body: ResponsesRequest, conversation: Conversation) -> APIError:
+    """A chat error in the Responses request's terms: its fields, and the input item a
+    message came from (the chat list starts with the instructions, if any)."""
+    offset = 1 if body.instructions else 0
+
+    def origin(match: re.Match[str]) -> str:
+        index = int(match.group(1)) - offset
+        return "instructions" if index < 0 else conversation.origins[index]
+
+    def rename(text: str) -> str:
+        for pattern, replacement in _RENAMES:
+            text = pattern.sub(replacement, text)
+        return _MESSAGE.sub(origin, text)
+
+    param = error.param
+    if param is not None:
+        param = "input" if param == "messages" else rename(param)
+    return APIError(error.status, rename(error.message), param=param, code=error.code,
+                    type=error.type)
