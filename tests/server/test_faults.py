@@ -148,6 +148,22 @@ def test_api_key_guards_v1_only(engine: AsyncLLMEngine) -> None:
     assert right.status_code == 200, right.text
 
 
+def test_anthropic_clients_may_send_the_key_as_x_api_key(engine: AsyncLLMEngine) -> None:
+    app = create_app(engine, ServerSettings(model_names=[MODEL_NAME], api_key="s3cret"))
+    body = {"max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]}
+
+    async def run() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test",
+                                     timeout=60) as client:
+            return [await client.post("/v1/messages", json=body, headers=headers)
+                    for headers in ({"x-api-key": "s3cret"}, {"x-api-key": "nope"}, {})]
+
+    right, wrong, missing = asyncio.run(run())
+    assert right.status_code == 200, right.text
+    assert wrong.status_code == missing.status_code == 401
+
+
 def test_reset_prefix_cache_empties_the_cache_when_idle(engine: AsyncLLMEngine) -> None:
     """vLLM's POST /reset_prefix_cache: a repeat is served from the cache, and after a
     reset it is computed again; it fails while a request holds blocks, and needs the API

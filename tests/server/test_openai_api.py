@@ -236,10 +236,12 @@ def test_repeated_system_prompt_is_served_from_cache(client: openai.OpenAI) -> N
 
 
 def test_cache_salt_isolates_tenants(client: openai.OpenAI) -> None:
+    system = f"Session {uuid.uuid4().hex}. {SYSTEM_PROMPT}"  # cached by no other test
+
     def cached(salt: str | None) -> int:
         extra = {"cache_salt": salt} if salt is not None else {}
         result = client.chat.completions.create(
-            model=MODEL_NAME, messages=chat(SYSTEM_PROMPT, "Name a tree."),
+            model=MODEL_NAME, messages=chat(system, "Name a tree."),
             max_tokens=2, temperature=0, extra_body=extra)
         return result.usage.prompt_tokens_details.cached_tokens
 

@@ -19,6 +19,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from pagellm.engine.async_engine import AsyncLLMEngine
 from pagellm.entrypoints.openai.errors import APIError, failure, install_error_handlers
+from pagellm.entrypoints.openai.messages_protocol import (
+    CountTokensRequest,
+    CountTokensResponse,
+    MessagesRequest,
+)
 from pagellm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from pagellm.entrypoints.openai.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
 from pagellm.entrypoints.openai.protocol import (
@@ -40,6 +45,7 @@ from pagellm.entrypoints.openai.responses_protocol import (
 from pagellm.entrypoints.openai.serving import ServerContext
 from pagellm.entrypoints.openai.serving_chat import create_chat_completion
 from pagellm.entrypoints.openai.serving_completion import create_completion
+from pagellm.entrypoints.openai.serving_messages import count_tokens, create_message
 from pagellm.entrypoints.openai.serving_responses import (
     create_response,
     delete_response,
@@ -134,6 +140,14 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     @app.delete("/v1/responses/{response_id}")
     async def remove_response(response_id: str) -> DeletedResponse:
         return delete_response(stored, response_id)
+
+    @app.post("/v1/messages")
+    async def messages(body: MessagesRequest, request: Request) -> Response:
+        return await _guarded(create_message(context, body, request))
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(body: CountTokensRequest) -> CountTokensResponse:
+        return await count_tokens(context, body)
 
     @app.get("/v1/models")
     async def models() -> ModelList:

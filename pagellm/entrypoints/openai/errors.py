@@ -46,8 +46,29 @@ class APIError(Exception):
         info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
         return ErrorResponse(error=info).model_dump(mode="json")
 
-    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+    def anthropic_body(self) -> dict[str, Any]:
+        """The error as Anthropic's Messages API writes it (its SDK reads `error.type`)."""
+        kind = _ANTHROPIC_TYPES.get(self.status,
+                                    "api_error" if self.status >= 500 else self.type)
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response(self, headers: dict[str, str] | None = None, anthropic: bool = False
+                 ) -> JSONResponse:
+        return JSONResponse(self.anthropic_body() if anthropic else self.body(),
+                            status_code=self.status, headers=headers)
+
+
+# Anthropic's error types by status.
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error",
+                    413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error"}
+# Where errors are written Anthropic's way.
+ANTHROPIC_PATH = "/v1/messages"
+
+
+def _anthropic(request: Request) -> bool:
+    return request.url.path.startswith(ANTHROPIC_PATH)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -106,26 +127,28 @@ def failure(error: BaseException) -> APIError:
     return APIError(500, "The server had an error while processing your request.")
 
 
-async def _on_api_error(_: Request, error: Exception) -> JSONResponse:
+async def _on_api_error(request: Request, error: Exception) -> JSONResponse:
     assert isinstance(error, APIError)
-    return error.response()
+    return error.response(anthropic=_anthropic(request))
 
 
-async def _on_validation_error(_: Request, error: Exception) -> JSONResponse:
+async def _on_validation_error(request: Request, error: Exception) -> JSONResponse:
     assert isinstance(error, RequestValidationError)
-    return validation_error(error.errors()).response()
+    return validation_error(error.errors()).response(anthropic=_anthropic(request))
 
 
-async def _on_http_error(_: Request, error: Exception) -> JSONResponse:
+async def _on_http_error(request: Request, error: Exception) -> JSONResponse:
     assert isinstance(error, StarletteHTTPException)
     message = error.detail if isinstance(error.detail, str) else str(error.detail)
     return APIError(error.status_code, message).response(
-        headers=dict(error.headers) if error.headers else None)
+        headers=dict(error.headers) if error.headers else None,
+        anthropic=_anthropic(request))
 
 
-async def _on_unexpected(_: Request, error: Exception) -> JSONResponse:
+async def _on_unexpected(request: Request, error: Exception) -> JSONResponse:
     logger.error("unhandled error while serving a request", exc_info=error)
-    return APIError(500, "The server had an error while processing your request.").response()
+    return APIError(500, "The server had an error while processing your request.").response(
+        anthropic=_anthropic(request))
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -105,7 +105,7 @@ _GUARDED_PREFIXES = ("/v1", "/reset_prefix_cache")
 
 class APIKeyMiddleware:
     """401 for any /v1 request (and /reset_prefix_cache) without `Authorization: Bearer
-    <api key>`.
+    <api key>` or, as Anthropic's clients send it, `x-api-key: <api key>`.
 
     /health and /metrics stay open: load balancers and Prometheus probe them without
     credentials, and they reveal no request data.
@@ -114,12 +114,13 @@ class APIKeyMiddleware:
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(_GUARDED_PREFIXES):
-            given = next((value for name, value in scope.get("headers", ())
-                          if name == b"authorization"), b"")
-            if not hmac.compare_digest(given, self.expected):
+            headers = dict(scope.get("headers", ()))
+            if not (hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
+                    or hmac.compare_digest(headers.get(b"x-api-key", b""), self.key)):
                 error = APIError(401, "Incorrect API key provided.", code="invalid_api_key")
                 await error.response()(scope, receive, send)
                 return

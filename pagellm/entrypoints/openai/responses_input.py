@@ -19,6 +19,7 @@ from pagellm.entrypoints.openai.errors import APIError, bad_request
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagellm.entrypoints.openai.responses_protocol import ResponsesRequest
 from pagellm.entrypoints.openai.serving import is_set
+from pagellm.entrypoints.openai.serving_chat import renamed_error
 
 # The include entry that asks for the output text's logprobs.
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -244,25 +245,10 @@ def chat_request(body: ResponsesRequest, conversation: Conversation) -> ChatComp
 _RENAMES = ((re.compile(r"\btools\[(\d+)\]\.function\."), r"tools[\1]."),
             (re.compile(r"\bmax_(?:completion_)?tokens\b"), "max_output_tokens"),
             (re.compile(r"\bresponse_format\b"), "text.format"))
-_MESSAGE = re.compile(r"\bmessages\[(\d+)\]")
 
 
 def renamed(error: APIError, body: ResponsesRequest, conversation: Conversation) -> APIError:
     """A chat error in the Responses request's terms: its fields, and the input item a
     message came from (the chat list starts with the instructions, if any)."""
-    offset = 1 if body.instructions else 0
-
-    def origin(match: re.Match[str]) -> str:
-        index = int(match.group(1)) - offset
-        return "instructions" if index < 0 else conversation.origins[index]
-
-    def rename(text: str) -> str:
-        for pattern, replacement in _RENAMES:
-            text = pattern.sub(replacement, text)
-        return _MESSAGE.sub(origin, text)
-
-    param = error.param
-    if param is not None:
-        param = "input" if param == "messages" else rename(param)
-    return APIError(error.status, rename(error.message), param=param, code=error.code,
-                    type=error.type)
+    origins = (["instructions"] if body.instructions else []) + conversation.origins
+    return renamed_error(error, origins, "input", _RENAMES)
