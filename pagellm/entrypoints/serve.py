@@ -25,8 +25,9 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "serve", help="run the OpenAI-compatible HTTP server",
-        description="Serve /v1/completions, /v1/chat/completions and /v1/models over HTTP, "
-                    "OpenAI-compatible, with vLLM's /tokenize and /detokenize, and /health, "
+        description="Serve /v1/completions, /v1/chat/completions, /v1/responses and "
+                    "/v1/models over HTTP, OpenAI-compatible, Anthropic's /v1/messages, "
+                    "vLLM's /tokenize, /detokenize and /reset_prefix_cache, and /health, "
                     "/metrics (Prometheus) and /version.")
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="the model, as `vllm serve MODEL` takes it (same as --model)")
@@ -39,8 +40,8 @@ def add_parser(subparsers: Any) -> None:
                        help="model name(s) clients use; the first is reported in responses "
                             "(default: the model path's name)")
     group.add_argument("--api-key", default=os.environ.get("PAGELLM_API_KEY"), metavar="KEY",
-                       help="require 'Authorization: Bearer KEY' on /v1 requests "
-                            "(default: $PAGELLM_API_KEY, else no key)")
+                       help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on /v1 "
+                            "requests (default: $PAGELLM_API_KEY, else no key)")
     group.add_argument("--max-request-bytes", type=byte_size, default="8MiB", metavar="SIZE",
                        help="largest request body accepted, larger gets 413 "
                             "(default: %(default)s)")

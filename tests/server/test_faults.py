@@ -39,8 +39,8 @@ def engine(llm_engine: LLMEngine) -> Iterator[AsyncLLMEngine]:
 
 
 def post_all(engine: AsyncLLMEngine, bodies: list[dict[str, Any]],
-             api_key: str | None = None, headers: dict[str, str] | None = None
-             ) -> list[httpx.Response]:
+             api_key: str | None = None, headers: dict[str, str] | None = None,
+             path: str = "/v1/completions") -> list[httpx.Response]:
     app = create_app(engine, ServerSettings(model_names=[MODEL_NAME], api_key=api_key))
 
     async def run() -> list[httpx.Response]:
@@ -48,7 +48,7 @@ def post_all(engine: AsyncLLMEngine, bodies: list[dict[str, Any]],
         async with httpx.AsyncClient(transport=transport, base_url="http://test",
                                      headers=headers, timeout=60) as client:
             return list(await asyncio.gather(*[
-                client.post("/v1/completions", json=body) for body in bodies]))
+                client.post(path, json=body) for body in bodies]))
 
     return asyncio.run(run())
 
@@ -117,22 +117,28 @@ def test_a_failing_model_run_ends_a_responses_stream_with_an_error_event(
         engine: AsyncLLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     """OpenAI's form: an `error` event (type, code, message), and no `[DONE]`."""
     fail_the_third_model_run(engine, monkeypatch)
-    app = create_app(engine, ServerSettings(model_names=[MODEL_NAME]))
-
-    async def run() -> httpx.Response:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test",
-                                     timeout=60) as client:
-            return await client.post("/v1/responses", json={
-                "input": "Hello", "max_output_tokens": 6, "stream": True})
-
-    response = asyncio.run(run())
+    response = post_all(engine, [{"input": "Hello", "max_output_tokens": 6, "stream": True}],
+                        path="/v1/responses")[0]
     assert response.status_code == 200
     blocks = [block for block in response.text.split("\n\n") if block]
     assert blocks[-1].startswith("event: error\n")
     last = json.loads(blocks[-1].split("data: ", 1)[1])
     assert last["type"] == "error" and "injected model failure" in last["message"]
     assert last["code"] == "server_error" and "[DONE]" not in response.text
+
+
+def test_a_failing_model_run_ends_a_messages_stream_with_an_error_event(
+        engine: AsyncLLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    fail_the_third_model_run(engine, monkeypatch)
+    response = post_all(engine, [{"max_tokens": 6, "stream": True,
+                                  "messages": [{"role": "user", "content": "Hello"}]}],
+                        path="/v1/messages")[0]
+    blocks = [block for block in response.text.split("\n\n") if block]
+    assert blocks[0].startswith("event: message_start\n")
+    assert blocks[-1].startswith("event: error\n")
+    last = json.loads(blocks[-1].split("data: ", 1)[1])
+    assert last["error"]["type"] == "api_error"
+    assert "injected model failure" in last["error"]["message"]
 
 
 def test_api_key_guards_v1_only(engine: AsyncLLMEngine) -> None:
@@ -149,19 +155,14 @@ def test_api_key_guards_v1_only(engine: AsyncLLMEngine) -> None:
 
 
 def test_anthropic_clients_may_send_the_key_as_x_api_key(engine: AsyncLLMEngine) -> None:
-    app = create_app(engine, ServerSettings(model_names=[MODEL_NAME], api_key="s3cret"))
     body = {"max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]}
-
-    async def run() -> list[httpx.Response]:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test",
-                                     timeout=60) as client:
-            return [await client.post("/v1/messages", json=body, headers=headers)
-                    for headers in ({"x-api-key": "s3cret"}, {"x-api-key": "nope"}, {})]
-
-    right, wrong, missing = asyncio.run(run())
+    right, wrong, missing = (
+        post_all(engine, [body], api_key="s3cret", headers=headers, path="/v1/messages")[0]
+        for headers in ({"x-api-key": "s3cret"}, {"x-api-key": "nope"}, {}))
     assert right.status_code == 200, right.text
     assert wrong.status_code == missing.status_code == 401
+    assert wrong.json() == {"type": "error", "error": {
+        "type": "authentication_error", "message": "Incorrect API key provided."}}
 
 
 def test_reset_prefix_cache_empties_the_cache_when_idle(engine: AsyncLLMEngine) -> None:

@@ -178,7 +178,7 @@ def test_output_config_format_is_structured_output(claude: anthropic.Anthropic) 
     ({"messages": [{"role": "user", "content": []}]}, "messages[0].content must not be empty"),
     ({"messages": [{"role": "assistant", "content": [
         {"type": "tool_use", "id": "t", "name": "f", "input": "x"}]}]},
-     "messages[0].content[0] must be a tool_use block"),
+     "messages[0].content[0].input must be an object"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]},
      "messages[0].content[0].tool_use_id"),
     ({"messages": [{"role": "user", "content": "x"}],
@@ -196,6 +196,20 @@ def test_output_config_format_is_structured_output(claude: anthropic.Anthropic) 
      "mcp_servers is not supported"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": "x" * 5000}]}, "maximum context length"),
+    ({"messages": [{"role": "user", "content": [{"type": "thinking", "thinking": "x"}]}]},
+     "'thinking' block, which is not supported in a user message"),
+    ({"messages": [{"role": "user", "content": None}]},
+     "messages[0].content must be a string or a list of content blocks"),
+    ({"messages": [{"role": "user", "content": "x"}],
+      "system": [{"type": "image", "source": {}}]}, "system[0] is a 'image' block"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": TOOLS,
+      "tool_choice": {"type": "any"},
+      "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}},
+     "cannot be combined with tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
+     "max_tokens must be >= 1"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"input_schema": {}}],
+      "tool_choice": {"type": "none"}}, "tools[0].name must be a non-empty string"),
 ])
 def test_bad_requests_get_anthropic_errors(server: Server, body: dict[str, Any],
                                            message: str) -> None:
@@ -216,10 +230,42 @@ def test_missing_max_tokens_and_unknown_model(claude: anthropic.Anthropic) -> No
     assert missing.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
 
 
+def test_a_final_assistant_message_is_continued(server: Server,
+                                                claude: anthropic.Anthropic) -> None:
+    """Anthropic's prefill: the answer continues the assistant's text, and holds only
+    the new text (chat's continue_final_message)."""
+    conversation = [{"role": "user", "content": "What is the capital of France?"},
+                    {"role": "assistant", "content": "The capital of France is"}]
+    message = claude.messages.create(model=MODEL_NAME, max_tokens=6, messages=conversation,
+                                     **GREEDY)
+    expected = chat(server, conversation, 6, continue_final_message=True,
+                    add_generation_prompt=False)
+    assert message.content[0].text == expected["choices"][0]["message"]["content"]  # type: ignore[union-attr]
+    assert not message.content[0].text.startswith("The capital")  # type: ignore[union-attr]
+
+
+def test_system_blocks_join_without_the_billing_header(claude: anthropic.Anthropic) -> None:
+    """As vLLM: text blocks joined as they are, and Claude Code's per-request billing
+    block dropped (it would make every prompt differ from its first tokens)."""
+    plain = claude.messages.count_tokens(model=MODEL_NAME, system="Be brief. Be kind.",
+                                         messages=[{"role": "user", "content": "Hi"}])
+    blocks = claude.messages.count_tokens(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}],
+        system=[{"type": "text", "text": "x-anthropic-billing-header: cch=1234;"},
+                {"type": "text", "text": "Be brief. ", "cache_control": {"type": "ephemeral"}},
+                {"type": "text", "text": "Be kind."}])
+    assert blocks.input_tokens == plain.input_tokens
+
+
 def test_nothing_is_left_in_the_engine(server: Server, claude: anthropic.Anthropic) -> None:
-    with claude.messages.stream(model=MODEL_NAME, max_tokens=200,
-                                messages=[{"role": "user", "content": "A long story."}]) as stream:
+    """A stream closed early is aborted (not left to run to max_tokens), and every
+    message above has let go of its blocks."""
+    aborted = 'pagellm_request_finished_total{finished_reason="abort"}'
+    before = server.wait_idle().get(aborted, 0)
+    with claude.messages.stream(model=MODEL_NAME, max_tokens=400,
+                                messages=[{"role": "user", "content": "A long story."}],
+                                extra_body={"ignore_eos": True}) as stream:
         for event in stream:
             if event.type == "content_block_delta":
                 break
-    server.wait_idle()
+    assert server.wait_idle()[aborted] == before + 1

@@ -337,17 +337,24 @@ def test_truncation_auto_drops_the_oldest_turns(server: Server, client: openai.O
         client.responses.create(**too_long)
 
 
-def test_a_cut_call_is_incomplete_and_the_conversation_goes_on(client: openai.OpenAI) -> None:
+def test_a_cut_call_is_text_and_the_conversation_goes_on(client: openai.OpenAI) -> None:
+    """A call cut short has no arguments a client could run: it comes back (and is
+    stored) as the text it is, whether max_output_tokens or a stop string cut it."""
+    named = {"type": "function", "name": "get_weather"}
     cut = client.responses.create(model=MODEL_NAME, input="Weather in Paris?", tools=TOOLS,
-                                  tool_choice={"type": "function", "name": "get_weather"},
-                                  max_output_tokens=3, temperature=0)
+                                  tool_choice=named, max_output_tokens=3, temperature=0)
     assert cut.status == "incomplete"
-    assert [(item.type, item.status) for item in cut.output] == [("function_call",
-                                                                  "incomplete")]
-    after = client.responses.create(model=MODEL_NAME, input="Never mind.", tools=TOOLS,
-                                    tool_choice="none", previous_response_id=cut.id,
-                                    max_output_tokens=3)
-    assert after.status in ("completed", "incomplete") and after.usage is not None
+    assert [item.type for item in cut.output] == ["message"]
+    stopped = client.responses.create(model=MODEL_NAME, input="Weather in Paris?", tools=TOOLS,
+                                      tool_choice=named, max_output_tokens=60, temperature=0,
+                                      extra_body={"stop": ['"city"']})
+    assert stopped.status == "completed"
+    assert [item.type for item in stopped.output] == ["message"]
+    for previous in (cut, stopped):
+        after = client.responses.create(model=MODEL_NAME, input="Never mind.", tools=TOOLS,
+                                        tool_choice="none", previous_response_id=previous.id,
+                                        max_output_tokens=3)
+        assert after.usage is not None and after.output_text
 
 
 def test_a_streamed_response_is_stored_as_streamed(client: openai.OpenAI) -> None:
@@ -370,10 +377,14 @@ def test_auto_and_none_without_tools_mean_no_tools(client: openai.OpenAI) -> Non
 
 
 def test_nothing_is_left_in_the_engine(server: Server, client: openai.OpenAI) -> None:
-    """A stream closed early, and every response above: no request runs, no block held."""
+    """A stream closed early is aborted (not left to run to its last token), and every
+    response above has let go of its blocks."""
+    aborted = 'pagellm_request_finished_total{finished_reason="abort"}'
+    before = server.wait_idle().get(aborted, 0)
     with client.responses.stream(model=MODEL_NAME, input="Tell a long story.",
-                                 max_output_tokens=200) as stream:
+                                 max_output_tokens=400,
+                                 extra_body={"ignore_eos": True}) as stream:
         for event in stream:
             if event.type == "response.output_text.delta":
                 break
-    server.wait_idle()
+    assert server.wait_idle()[aborted] == before + 1

@@ -130,3 +130,48 @@ def test_the_responses_api_reads_calls_with_the_same_parser(engine: AsyncLLMEngi
     assert output[0].content[0].text == "Let me check.\n"
     assert (output[1].name, json.loads(output[1].arguments)) == ("get_weather",
                                                                {"city": "Paris"})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_messages_api_reads_calls_with_the_same_parser(engine: AsyncLLMEngine,
+                                                          stream: bool) -> None:
+    """Through /v1/messages: a text block (a stream never shows the call's markup), then a
+    tool_use block; with disable_parallel_tool_use, only the first of two calls."""
+    import anthropic
+    import httpx2  # the anthropic SDK's HTTP client, which takes only its own objects
+
+    app = create_app(engine, ServerSettings(model_names=[MODEL_NAME],
+                                            tool_call_parser="hermes"))
+    tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}  # type: ignore[index]
+    twice = CALLING + CALLING.removeprefix("Let me check.")
+
+    async def run(answer: str, choice: dict[str, Any]) -> tuple[list[Any], str, str | None]:
+        transport = httpx2.ASGITransport(app=app)
+        async with httpx2.AsyncClient(transport=transport, base_url="http://test") as http:
+            client = anthropic.AsyncAnthropic(base_url="http://test", api_key="x",
+                                              http_client=http, max_retries=0)
+            kwargs: dict[str, Any] = dict(
+                model=MODEL_NAME, max_tokens=90, tools=[tool], tool_choice=choice,
+                messages=[{"role": "user", "content": "Weather in Paris?"}],
+                extra_body={"temperature": 0,
+                            "structured_outputs": {"choice": [answer]}})
+            if not stream:
+                message = await client.messages.create(**kwargs)
+                return message.content, "", message.stop_reason
+            text = ""
+            async with client.messages.stream(**kwargs) as events:
+                async for event in events:
+                    if event.type == "text":
+                        text += event.text
+                final = await events.get_final_message()
+            return final.content, text, final.stop_reason
+
+    content, text, reason = asyncio.run(run(CALLING, {"type": "auto"}))
+    assert [block.type for block in content] == ["text", "tool_use"]
+    assert content[0].text == "Let me check.\n" and reason == "tool_use"
+    assert (content[1].name, content[1].input) == ("get_weather", {"city": "Paris"})
+    assert text == ("Let me check.\n" if stream else "")
+    single, _, _ = asyncio.run(run(twice, {"type": "auto", "disable_parallel_tool_use": True}))
+    both, _, _ = asyncio.run(run(twice, {"type": "auto"}))
+    assert [block.type for block in single] == ["text", "tool_use"]
+    assert [block.type for block in both] == ["text", "tool_use", "tool_use"]

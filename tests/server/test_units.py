@@ -16,12 +16,14 @@ from pagellm.entrypoints.openai.logprobs import (
     chat_logprobs,
     completion_logprobs,
 )
+from pagellm.entrypoints.openai.messages_protocol import AnthropicMessage
 from pagellm.entrypoints.openai.metrics import Histogram, ServerMetrics
 from pagellm.entrypoints.openai.response_store import ResponseStore
-from pagellm.entrypoints.openai.responses_input import Conversation
+from pagellm.entrypoints.openai.responses_input import conversation_of
 from pagellm.entrypoints.openai.responses_protocol import ResponseObject, ResponsesRequest
 from pagellm.entrypoints.openai.serving import resolve_max_tokens
 from pagellm.entrypoints.openai.serving_chat import ChatRun
+from pagellm.entrypoints.openai.serving_messages import _conversation
 from pagellm.entrypoints.openai.serving_responses import _Answer
 from pagellm.entrypoints.openai.stats_logger import describe
 from pagellm.entrypoints.openai.tool_calls import ToolCallFormat
@@ -353,7 +355,9 @@ def test_response_store_forgets_the_least_recently_used_past_its_size() -> None:
         ResponseStore(max_bytes=-1)
 
 
-def test_response_store_counts_bytes_and_each_added_message_once() -> None:
+def test_response_store_counts_bytes_and_everything_an_entry_holds() -> None:
+    """UTF-8 bytes, and each entry's whole conversation: the history it shares with the
+    response it continued stays alive as long as it does, whatever is evicted."""
     store = ResponseStore()
     response, _, cjk = _stored("resp_1", "\u4e2d" * 100)  # 3 bytes each in UTF-8
     store.put(response, [], cjk)
@@ -361,8 +365,8 @@ def test_response_store_counts_bytes_and_each_added_message_once() -> None:
     before = store.used_bytes
     long_history = [{"role": "user", "content": "x" * 100_000}]
     follow_up, _, added = _stored("resp_2", "y")
-    store.put(follow_up, long_history, added)  # the history is the earlier turns' objects
-    assert store.used_bytes - before < 1_000
+    store.put(follow_up, long_history, added)
+    assert store.used_bytes - before > 100_000
     assert store.get("resp_2").conversation == long_history + added  # type: ignore[union-attr]
 
 
@@ -373,7 +377,7 @@ def test_a_stored_turn_carries_the_call_ids_the_client_was_given() -> None:
     body = ResponsesRequest(input="Weather?", tool_choice="required",
                             tools=[{"type": "function", "name": "f", "parameters": {}}])
     run = ChatRun("resp_x", [], ToolCallFormat({"type": "array"}, None), 3)
-    answer = _Answer(body, "resp_x", "m", run, Conversation.of([], body.input), store, None)
+    answer = _Answer(body, "resp_x", "m", run, conversation_of([], body.input), store, None)
     text = '[{"name": "f", "parameters": {"a": 1}}, {"name": "f", "parameters": {}}]'
     response = answer.finish(RequestOutput("resp_x-0", None, [1, 2, 3], [
         CompletionOutput(0, text, [5, 6], finish_reason="stop")], True))
@@ -383,9 +387,39 @@ def test_a_stored_turn_carries_the_call_ids_the_client_was_given() -> None:
     assert [call["id"] for call in turn["tool_calls"]] == [
         item.call_id for item in response.output]  # type: ignore[union-attr]
     assert stored.response.model_dump() == response.model_dump()
-    cut = _Answer(body, "resp_y", "m", run, Conversation.of([], body.input), store, None)
+    cut = _Answer(body, "resp_y", "m", run, conversation_of([], body.input), store, None)
     cut_response = cut.finish(RequestOutput("resp_y-0", None, [1, 2, 3], [
         CompletionOutput(0, text[:30], [5, 6], finish_reason="length")], True))
     assert cut_response.status == "incomplete"
     cut_turn = store.get("resp_y").conversation[-1]  # type: ignore[union-attr]
     assert cut_turn == {"role": "assistant", "content": text[:30]}
+
+
+def test_anthropic_blocks_become_the_chat_turns_vllm_makes() -> None:
+    """Tool results before the user's text, an assistant's text and tool_use in one turn,
+    several results in order, thinking dropped, each message naming its block."""
+    messages = [
+        AnthropicMessage(role="user", content="Weather in Paris and Rome?"),
+        AnthropicMessage(role="assistant", content=[
+            {"type": "thinking", "thinking": "two calls", "signature": "s"},
+            {"type": "text", "text": "Checking."},
+            {"type": "tool_use", "id": "a", "name": "w", "input": {"city": "Paris"}},
+            {"type": "tool_use", "id": "b", "name": "w", "input": {"city": "Rome"}}]),
+        AnthropicMessage(role="user", content=[
+            {"type": "text", "text": "Here:"},
+            {"type": "tool_result", "tool_use_id": "a", "content": "Sunny"},
+            {"type": "tool_result", "tool_use_id": "b",
+             "content": [{"type": "text", "text": "Rain"}, {"type": "text", "text": ""}]}]),
+    ]
+    conversation = _conversation([{"type": "text", "text": "Be brief."}], messages)
+    assert [m["role"] for m in conversation.messages] == [
+        "system", "user", "assistant", "tool", "tool", "user"]
+    assistant = conversation.messages[2]
+    assert assistant["content"] == [{"type": "text", "text": "Checking."}]
+    assert [(c["id"], json.loads(c["function"]["arguments"])["city"])
+            for c in assistant["tool_calls"]] == [("a", "Paris"), ("b", "Rome")]
+    assert [(m["tool_call_id"], m["content"]) for m in conversation.messages[3:5]] == [
+        ("a", "Sunny"), ("b", "Rain")]
+    assert conversation.origins == ["system", "messages[0]", "messages[1]",
+                                    "messages[2].content[1]", "messages[2].content[2]",
+                                    "messages[2]"]

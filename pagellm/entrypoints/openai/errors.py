@@ -1,8 +1,10 @@
-"""Every failure as an OpenAI-style error body: {"error": {message, type, param, code}}.
+"""Every failure as an OpenAI-style error body: {"error": {message, type, param, code}},
+or under /v1/messages as Anthropic's: {"type": "error", "error": {type, message}}.
 
-OpenAI clients read `error.message` and map the status to an exception class, so every
-path out of the server, including FastAPI's own (422 validation errors, 404 routes) and
-unexpected exceptions, must produce this shape with the status OpenAI would use.
+Clients read the message and map the status to an exception class, so every path out of
+the server, including FastAPI's own (422 validation errors, 404 routes), the middleware's
+(401, 413) and unexpected exceptions, must produce their API's shape with the status it
+would use.
 """
 
 from __future__ import annotations
@@ -67,8 +69,12 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 ANTHROPIC_PATH = "/v1/messages"
 
 
+def is_anthropic_path(path: str) -> bool:
+    return path.startswith(ANTHROPIC_PATH)
+
+
 def _anthropic(request: Request) -> bool:
-    return request.url.path.startswith(ANTHROPIC_PATH)
+    return is_anthropic_path(request.url.path)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

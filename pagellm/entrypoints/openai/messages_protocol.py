@@ -16,7 +16,7 @@ from pagellm.entrypoints.openai.protocol import StrictModel, WithoutNulls
 
 class AnthropicMessage(StrictModel):
     role: Literal["user", "assistant"]
-    content: str | list[Any]
+    content: Any  # a string or content blocks, checked where they become chat messages
 
 
 class MessagesRequest(StrictModel):
@@ -25,21 +25,18 @@ class MessagesRequest(StrictModel):
     model: str | None = None
     max_tokens: int
     messages: list[AnthropicMessage]
-    system: str | list[Any] | None = None
+    system: Any = None  # a string or text blocks, checked with the messages
     stop_sequences: list[str] | None = None
-    stream: bool = False
+    stream: bool | None = False
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
-    metadata: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None  # its format: structured output
-    # Accepted: the models served here do not think, and the cache is automatic.
-    thinking: dict[str, Any] | None = None
-    cache_control: dict[str, Any] | None = None
-    service_tier: str | None = None
+    output_format: dict[str, Any] | None = None  # the older SDKs' place for the format
     # vLLM's extras.
+    ignore_eos: bool = False
     cache_salt: str | None = None
     priority: int = 0
     seed: int | None = None
@@ -54,9 +51,8 @@ class MessagesRequest(StrictModel):
 class CountTokensRequest(StrictModel):
     model: str | None = None
     messages: list[AnthropicMessage]
-    system: str | list[Any] | None = None
+    system: Any = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: dict[str, Any] | None = None
 
 
 class CountTokensResponse(BaseModel):

@@ -40,9 +40,10 @@ class ResponseStore:
     """Responses by id, least recently used first out once `max_bytes` is exceeded
     (a response bigger than the whole store is not kept).
 
-    A response's size is its JSON's and that of the messages it added to the
-    conversation: the earlier messages are the same objects as in the response it
-    continued, so a long chain of turns is counted once, not once per turn."""
+    A response's size is its JSON's and its whole conversation's: the earlier messages
+    are the same objects as in the response it continued, but evicting that one leaves
+    them alive here, so each entry counts all it holds (a bound, never an
+    underestimate)."""
 
     def __init__(self, max_bytes: int = DEFAULT_STORE_BYTES) -> None:
         if max_bytes < 0:
@@ -57,13 +58,14 @@ class ResponseStore:
     def put(self, response: ResponseObject, history: list[dict[str, Any]],
             added: list[dict[str, Any]]) -> None:
         """Keeps `response`, whose conversation is `history` (that of the response it
-        continued) followed by the messages it `added`."""
+        continued, shared with it) followed by the messages it `added`."""
         response_json = response.model_dump_json().encode()
-        size = len(response_json) + len(json.dumps(added, ensure_ascii=False).encode())
+        conversation = history + added
+        size = len(response_json) + len(json.dumps(conversation, ensure_ascii=False).encode())
         self.delete(response.id)
         if size > self.max_bytes:
             return
-        self._entries[response.id] = StoredResponse(response_json, history + added, size)
+        self._entries[response.id] = StoredResponse(response_json, conversation, size)
         self.used_bytes += size
         while self.used_bytes > self.max_bytes:
             _, oldest = self._entries.popitem(last=False)

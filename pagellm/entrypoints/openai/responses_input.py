@@ -10,16 +10,15 @@ Responses names again.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any
 
 from pagellm.core.sampling_params import MAX_LOGPROBS
 from pagellm.engine.chat_template import json_object
+from pagellm.entrypoints.openai.chat_bridge import Conversation, renamed_error, required_string
 from pagellm.entrypoints.openai.errors import APIError, bad_request
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagellm.entrypoints.openai.responses_protocol import ResponsesRequest
-from pagellm.entrypoints.openai.serving import is_set
-from pagellm.entrypoints.openai.serving_chat import renamed_error
+from pagellm.entrypoints.openai.serving import refuse_set
 
 # The include entry that asks for the output text's logprobs.
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -41,38 +40,27 @@ _INCLUDES = frozenset({LOGPROBS_INCLUDE, "reasoning.encrypted_content",
 HISTORY = "the conversation of previous_response_id"
 
 
-@dataclass(frozen=True)
-class Conversation:
-    """Chat messages (without the instructions) and, for each, what it came from: an
-    input item (`input[3]`) or the stored history."""
-
-    messages: list[dict[str, Any]]
-    origins: list[str]
-
-    @classmethod
-    def of(cls, history: list[dict[str, Any]], items: str | list[Any]) -> Conversation:
-        new = _input_messages(items)
-        return cls(history + [message for message, _ in new],
-                   [HISTORY] * len(history) + [origin for _, origin in new])
-
-    def without_first_turn(self) -> Conversation | None:
-        """The conversation less its oldest turn (its first message, and what follows up
-        to the next user message), as truncation "auto" drops whole items, oldest first;
-        None when no user message would be left."""
-        rest = 1
-        while rest < len(self.messages) and self.messages[rest]["role"] != "user":
-            rest += 1
-        if rest >= len(self.messages):
-            return None
-        return Conversation(self.messages[rest:], self.origins[rest:])
+def conversation_of(history: list[dict[str, Any]], items: str | list[Any]) -> Conversation:
+    """The stored history (of previous_response_id) and the new input as one chat
+    conversation; function_call items at the start of the input join the history's
+    last assistant turn, as they would join one in the input."""
+    new = _input_messages(items)
+    messages = list(history)
+    origins = [HISTORY] * len(history)
+    if new and messages and messages[-1]["role"] == "assistant" \
+            and new[0][0]["role"] == "assistant" and new[0][0]["content"] is None:
+        last = messages[-1]
+        messages[-1] = {**last, "tool_calls": [*last.get("tool_calls", []),
+                                               *new[0][0]["tool_calls"]]}
+        new = new[1:]
+    return Conversation(messages + [message for message, _ in new],
+                        origins + [origin for _, origin in new])
 
 
 def check_options(body: ResponsesRequest) -> None:
     """A 400 for what this server does not do, where going on would answer 200 with
-    something other than what the client asked for."""
-    for option, reason in _REFUSED.items():
-        if is_set(getattr(body, option)):
-            raise bad_request(f"{option} is not supported: {reason}", param=option)
+    something other than what the client asked for, and for values OpenAI refuses."""
+    refuse_set(body, _REFUSED)
     if isinstance(body.input, list) and not body.input and body.previous_response_id is None:
         raise bad_request("input must not be empty", param="input")
     if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
@@ -110,17 +98,9 @@ def _text_content(content: Any, where: str) -> str | list[dict[str, str]]:
     return parts
 
 
-def _string(item: dict[str, Any], key: str, where: str) -> str:
-    """A required string field of an input item."""
-    value = item.get(key)
-    if not isinstance(value, str):
-        raise bad_request(f"{where}.{key} must be a string", param=f"{where}.{key}")
-    return value
-
-
 def _arguments(item: dict[str, Any], where: str) -> str:
     """A function call's arguments: the JSON text of an object, as its call gave them."""
-    text = _string(item, "arguments", where)
+    text = required_string(item, "arguments", where)
     if json_object(text) is None:
         raise bad_request(f"{where}.arguments must be the JSON text of an object, got "
                           f"{text[:80]!r}", param=f"{where}.arguments")
@@ -150,8 +130,8 @@ def _input_messages(items: str | list[Any]) -> list[tuple[dict[str, Any], str]]:
                               "content": _text_content(item.get("content"),
                                                        f"{where}.content")}, where))
         elif kind == "function_call":
-            call = {"id": _string(item, "call_id", where), "type": "function",
-                    "function": {"name": _string(item, "name", where),
+            call = {"id": required_string(item, "call_id", where), "type": "function",
+                    "function": {"name": required_string(item, "name", where),
                                  "arguments": _arguments(item, where)}}
             if messages and messages[-1][0]["role"] == "assistant":
                 messages[-1][0].setdefault("tool_calls", []).append(call)
@@ -159,7 +139,7 @@ def _input_messages(items: str | list[Any]) -> list[tuple[dict[str, Any], str]]:
                 messages.append(({"role": "assistant", "content": None,
                                   "tool_calls": [call]}, where))
         elif kind == "function_call_output":
-            messages.append(({"role": "tool", "tool_call_id": _string(item, "call_id", where),
+            messages.append(({"role": "tool", "tool_call_id": required_string(item, "call_id", where),
                               "content": _text_content(item.get("output"), f"{where}.output")},
                              where))
         elif kind != "reasoning":

@@ -47,12 +47,17 @@ def is_set(value: Any) -> bool:
     return value is not None and value is not False and value not in ("", [], {})
 
 
+def refuse_set(body: Any, refused: dict[str, str]) -> None:
+    """A 400 naming the first option of `refused` (option: why) that the client set."""
+    for option, reason in refused.items():
+        if is_set(getattr(body, option, None)):
+            raise bad_request(f"{option} is not supported: {reason}", param=option)
+
+
 def check_supported(body: SamplingFields) -> None:
     """A 400 naming the first option set that this server would otherwise ignore while
     it changes what the client gets back."""
-    for option, reason in _REFUSED.items():
-        if is_set(getattr(body, option, None)):
-            raise bad_request(f"{option} is not supported: {reason}", param=option)
+    refuse_set(body, _REFUSED)
     if body.modalities is not None and set(body.modalities) - {"text"}:
         raise bad_request("modalities: only text output is produced", param="modalities")
     if body.best_of is not None and body.best_of != body.n:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -17,7 +16,7 @@ from pagellm.core.sampling_params import SamplingParams
 from pagellm.engine.async_engine import RequestStream
 from pagellm.engine.chat_template import ChatError, ChatOptions, render_chat
 from pagellm.engine.outputs import RequestOutput
-from pagellm.entrypoints.openai.errors import APIError, bad_request
+from pagellm.entrypoints.openai.errors import bad_request
 from pagellm.entrypoints.openai.logprobs import (
     TokenText,
     chat_logprobs,
@@ -127,8 +126,8 @@ class ChatRun:
 
 async def start_chat(context: ServerContext, body: ChatCompletionRequest, arrival: float,
                      request_id: str) -> ChatRun:
-    """Checks a chat request, renders its conversation and queues it: what the chat and
-    responses endpoints share. A request the server cannot take is a 400 naming the
+    """Checks a chat request, renders its conversation and queues it: what chat and the
+    APIs answered through it (Responses, Messages) share. A request the server cannot take is a 400 naming the
     chat field."""
     check_supported(body)
     _check_chat_options(body)
@@ -156,30 +155,6 @@ async def start_chat(context: ServerContext, body: ChatCompletionRequest, arriva
     streams = await start_requests(context, request_id, [prompt], [params], body.cache_salt,
                                    arrival, "messages", body.priority, request_format.field)
     return ChatRun(request_id, streams, reader, len(prompt.token_ids))
-
-
-def renamed_error(error: APIError, origins: list[str], messages_param: str,
-                  renames: tuple[tuple[re.Pattern[str], str], ...]) -> APIError:
-    """A chat error in the terms of the API whose request became the chat request:
-    `messages[i]` becomes `origins[i]` (what the client called the message), the
-    `messages` param `messages_param`, and each of `renames` rewrites a chat field to
-    the client's."""
-
-    def rename(text: str) -> str:
-        for pattern, replacement in renames:
-            text = pattern.sub(replacement, text)
-        return _MESSAGE_INDEX.sub(lambda match: origins[int(match.group(1))], text)
-
-    param = error.param
-    if param == "messages":
-        param = messages_param
-    elif param is not None:
-        param = rename(param)
-    return APIError(error.status, rename(error.message), param=param, code=error.code,
-                    type=error.type)
-
-
-_MESSAGE_INDEX = re.compile(r"\bmessages\[(\d+)\]")
 
 
 async def create_chat_completion(context: ServerContext, body: ChatCompletionRequest,

@@ -18,13 +18,18 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pagellm.engine.outputs import CompletionOutput, RequestOutput
+from pagellm.entrypoints.openai.chat_bridge import (
+    Conversation,
+    renamed_error,
+    required_string,
+    split_answer,
+)
 from pagellm.entrypoints.openai.errors import APIError, bad_request, failure
 from pagellm.entrypoints.openai.messages_protocol import (
     ContentBlock,
@@ -41,16 +46,11 @@ from pagellm.entrypoints.openai.serving import (
     ServerContext,
     aborting_on_exit,
     final_outputs,
-    is_set,
     merged,
+    refuse_set,
     usage,
 )
-from pagellm.entrypoints.openai.serving_chat import (
-    ChatRun,
-    renamed_error,
-    render_messages,
-    start_chat,
-)
+from pagellm.entrypoints.openai.serving_chat import ChatRun, render_messages, start_chat
 from pagellm.entrypoints.openai.tool_calls import ToolCallReader
 from pagellm.entrypoints.openai.transport import EventStreamResponse, sse, unless_disconnected
 
@@ -61,31 +61,29 @@ _RENAMES = ((re.compile(r"\btools\[(\d+)\]\.function\.parameters\b"), r"tools[\1
             (re.compile(r"\bresponse_format\b"), "output_config.format"))
 # Sampling fields with the same name and meaning in chat.
 _SHARED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed",
-                  "cache_salt", "priority", "structured_outputs")
-_REFUSED = {"mcp_servers": "MCP servers are not supported",
-            "container": "code execution containers are not supported"}
-
-
-@dataclass(frozen=True)
-class _Conversation:
-    """The chat messages, and what each came from (`system`, `messages[2]`)."""
-
-    messages: list[dict[str, Any]]
-    origins: list[str]
+                  "ignore_eos", "cache_salt", "priority", "structured_outputs")
+_REFUSED = {"mcp_servers": "this server connects to no MCP server",
+            "container": "there is no code execution container here"}
+# A system block Claude Code sends with a per-request hash in it: kept, it would make
+# every prompt differ from its first tokens on, so vLLM drops it, and so do we.
+_BILLING_HEADER = "x-anthropic-billing-header"
 
 
 async def create_message(context: ServerContext, body: MessagesRequest, raw: Request
                          ) -> Response:
+    """A message answered through the chat path; a stream of Anthropic's events when
+    asked. A final assistant message is continued (Anthropic's prefill)."""
     arrival = time.monotonic()
     context.check_model(body.model)
-    for option, reason in _REFUSED.items():
-        if is_set(getattr(body, option)):
-            raise bad_request(f"{option} is not supported: {reason}", param=option)
+    refuse_set(body, _REFUSED)
+    if body.max_tokens < 1:
+        raise bad_request(f"max_tokens must be >= 1, got {body.max_tokens}", param="max_tokens")
     conversation = _conversation(body.system, body.messages)
     message_id = f"msg_{uuid.uuid4().hex}"
     try:
-        run = await start_chat(context, _chat_request(body, conversation), arrival,
-                               message_id)
+        run = await start_chat(context, _chat_request(body, conversation,
+                                                      context.tool_call_parser),
+                               arrival, message_id)
     except APIError as error:
         raise renamed_error(error, conversation.origins, "messages", _RENAMES) from error
     if body.stream:
@@ -102,7 +100,8 @@ async def count_tokens(context: ServerContext, body: CountTokensRequest) -> Coun
     context.check_model(body.model)
     conversation = _conversation(body.system, body.messages)
     chat = ChatCompletionRequest.model_validate({
-        "messages": conversation.messages, "tools": _chat_tools(body.tools)})
+        "messages": conversation.messages, "tools": _chat_tools(body.tools),
+        **_prefill(conversation)})
     try:
         tokens = await context.off_loop(render_messages, context.engine.tokenizer, chat)
     except APIError as error:
@@ -110,18 +109,14 @@ async def count_tokens(context: ServerContext, body: CountTokensRequest) -> Coun
     return CountTokensResponse(input_tokens=len(tokens))
 
 
-def _text(block: dict[str, Any], where: str) -> str:
-    text = block.get("text")
-    if not isinstance(text, str):
-        raise bad_request(f"{where}.text must be a string", param=f"{where}.text")
-    return text
-
-
-def _blocks(content: str | list[Any], where: str) -> list[dict[str, Any]]:
+def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
     """Content as a list of blocks, each a dict with a type (a string is one text
-    block); an empty list is a 400, as in Anthropic's API."""
+    block); no content at all is a 400, as in Anthropic's API."""
     if isinstance(content, str):
-        return [{"type": "text", "text": content}]
+        content = [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise bad_request(f"{where} must be a string or a list of content blocks",
+                          param=where)
     if not content:
         raise bad_request(f"{where} must not be empty", param=where)
     for index, block in enumerate(content):
@@ -131,35 +126,38 @@ def _blocks(content: str | list[Any], where: str) -> list[dict[str, Any]]:
     return content
 
 
-def _tool_result_text(block: dict[str, Any], where: str) -> str | list[dict[str, str]]:
-    content = block.get("content", "")
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad_request(f"{where}.content must be a string or a list of text blocks",
-                          param=f"{where}.content")
-    parts = []
-    for index, part in enumerate(_blocks(content, f"{where}.content")):
-        if part["type"] != "text":
-            raise bad_request(f"{where}.content[{index}] is a {part['type']!r} block; only "
-                              "text blocks are supported", param=f"{where}.content[{index}]")
-        parts.append({"type": "text", "text": _text(part, f"{where}.content[{index}]")})
-    return parts
+def _texts(blocks: list[dict[str, Any]], where: str) -> list[str]:
+    """The text of text-only content (the system prompt, a tool result); empty text
+    blocks are skipped, as vLLM does; another kind of block is a 400 naming it."""
+    texts = []
+    for index, block in enumerate(blocks):
+        if block["type"] != "text":
+            raise bad_request(f"{where}[{index}] is a {block['type']!r} block; only text "
+                              "blocks are supported here", param=f"{where}[{index}]")
+        text = required_string(block, "text", f"{where}[{index}]")
+        if text:
+            texts.append(text)
+    return texts
 
 
-def _conversation(system: str | list[Any] | None, messages: list[Any]) -> _Conversation:
+def _system_message(system: Any) -> list[dict[str, Any]]:
+    """The system prompt as one message, its blocks joined as vLLM joins them, less the
+    billing-header block."""
+    if system is None:
+        return []
+    texts = [text for text in _texts(_blocks(system, "system"), "system")
+             if not text.startswith(_BILLING_HEADER)]
+    return [{"role": "system", "content": "".join(texts)}] if texts else []
+
+
+def _conversation(system: Any, messages: list[Any]) -> Conversation:
     """The chat messages of a Messages request: the system prompt first; a user
     message's tool_result blocks as tool messages before its text (as vLLM orders them);
     an assistant's text as its content and its tool_use blocks as its tool_calls.
-    Thinking blocks are dropped (the models served here do not think); images and
-    documents are a 400 naming the block."""
-    chat: list[dict[str, Any]] = []
-    origins: list[str] = []
-    if system:
-        parts = [{"type": "text", "text": _text(block, f"system[{index}]")}
-                 for index, block in enumerate(_blocks(system, "system"))]
-        chat.append({"role": "system", "content": parts})
-        origins.append("system")
+    Thinking blocks in an assistant's turn are dropped (the models served here do not
+    think); images, documents and anything else are a 400 naming the block."""
+    chat = _system_message(system)
+    origins = ["system"] * len(chat)
     for number, message in enumerate(messages):
         where = f"messages[{number}]"
         texts: list[dict[str, str]] = []
@@ -168,33 +166,47 @@ def _conversation(system: str | list[Any] | None, messages: list[Any]) -> _Conve
             at = f"{where}.content[{index}]"
             kind = block["type"]
             if kind == "text":
-                texts.append({"type": "text", "text": _text(block, at)})
+                text = required_string(block, "text", at)
+                if text:
+                    texts.append({"type": "text", "text": text})
             elif kind == "tool_use" and message.role == "assistant":
                 arguments = block.get("input")
-                if not isinstance(block.get("id"), str) or not isinstance(
-                        block.get("name"), str) or not isinstance(arguments, dict):
-                    raise bad_request(f"{at} must be a tool_use block with a string id and "
-                                      "name and an object input", param=at)
-                calls.append({"id": block["id"], "type": "function", "function": {
-                    "name": block["name"], "arguments": json.dumps(arguments,
+                if not isinstance(arguments, dict):
+                    raise bad_request(f"{at}.input must be an object", param=f"{at}.input")
+                calls.append({"id": required_string(block, "id", at), "type": "function",
+                              "function": {"name": required_string(block, "name", at),
+                                           "arguments": json.dumps(arguments,
                                                                    ensure_ascii=False)}})
             elif kind == "tool_result" and message.role == "user":
-                if not isinstance(block.get("tool_use_id"), str):
-                    raise bad_request(f"{at}.tool_use_id must be a string",
-                                      param=f"{at}.tool_use_id")
-                chat.append({"role": "tool", "tool_call_id": block["tool_use_id"],
-                             "content": _tool_result_text(block, at)})
+                content = block.get("content", "")
+                chat.append({"role": "tool",
+                             "tool_call_id": required_string(block, "tool_use_id", at),
+                             "content": content if isinstance(content, str) else "\n".join(
+                                 _texts(_blocks(content, f"{at}.content"), f"{at}.content"))})
                 origins.append(at)
-            elif kind not in ("thinking", "redacted_thinking"):
-                raise bad_request(f"{at} is a {kind!r} block, which is not supported in a "
-                                  f"{message.role} message", param=at)
+            elif not (kind in ("thinking", "redacted_thinking") and message.role == "assistant"):
+                article = "an" if message.role == "assistant" else "a"
+                raise bad_request(f"{at} is a {kind!r} block, which is not supported in "
+                                  f"{article} {message.role} message", param=at)
         if texts or calls:
             turn: dict[str, Any] = {"role": message.role, "content": texts or None}
             if calls:
                 turn["tool_calls"] = calls
             chat.append(turn)
             origins.append(where)
-    return _Conversation(chat, origins)
+        elif message.role == "user" and not any(o.startswith(where) for o in origins):
+            raise bad_request(f"{where}.content has no text or tool result",
+                              param=f"{where}.content")
+    return Conversation(chat, origins)
+
+
+def _prefill(conversation: Conversation) -> dict[str, Any]:
+    """A last assistant message of text is Anthropic's prefill: the answer continues it
+    (chat's continue_final_message), and holds only the new text."""
+    last = conversation.messages[-1] if conversation.messages else {}
+    if last.get("role") == "assistant" and "tool_calls" not in last:
+        return {"add_generation_prompt": False, "continue_final_message": True}
+    return {}
 
 
 def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
@@ -208,53 +220,70 @@ def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | No
             raise bad_request(f"tools[{index}] has type {tool.get('type')!r}; only client "
                               "tools (name, description, input_schema) are supported",
                               param=f"tools[{index}].type")
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise bad_request(f"tools[{index}].name must be a non-empty string",
+                              param=f"tools[{index}].name")
         if not isinstance(tool.get("input_schema"), dict):
             raise bad_request(f"tools[{index}].input_schema must be a JSON schema object",
                               param=f"tools[{index}].input_schema")
         converted.append({"type": "function", "function": {
-            "name": tool.get("name"), "description": tool.get("description", ""),
+            "name": tool["name"], "description": tool.get("description", ""),
             "parameters": tool["input_schema"]}})
     return converted
 
 
-def _chat_tool_choice(choice: dict[str, Any] | None, tools: list[Any] | None
-                      ) -> tuple[str | dict[str, Any] | None, bool | None]:
-    """(chat's tool_choice, parallel_tool_calls) of Anthropic's tool_choice: auto, any
-    (chat's "required"), tool (a named function), none."""
-    if choice is None:
-        return None, None
-    kind = choice.get("type")
-    parallel = False if choice.get("disable_parallel_tool_use") else None
-    if kind in ("auto", "none"):
-        return (kind if tools else None), parallel
+def _chat_tool_choice(choice: dict[str, Any] | None, tools: list[Any] | None,
+                      parser: str | None) -> tuple[str | dict[str, Any] | None, bool | None]:
+    """(chat's tool_choice, parallel_tool_calls) of Anthropic's tool_choice: auto (the
+    default with tools; it needs the server's tool-call parser), any (chat's
+    "required"), tool (a named function), none."""
+    kind = "auto" if choice is None else choice.get("type")
+    parallel = False if (choice or {}).get("disable_parallel_tool_use") else None
+    if kind == "none" or not tools:
+        return ("none" if tools else None), parallel
+    if kind == "auto":
+        if parser is None:
+            raise bad_request(
+                'tool_choice "auto" (the default with tools) needs a parser of the model\'s '
+                "own tool-call syntax: start the server with --enable-auto-tool-choice "
+                '--tool-call-parser hermes, or use {"type": "any"}, {"type": "tool", '
+                '"name": ...} (answered as JSON under the tools\' schemas) or {"type": '
+                '"none"}', param="tool_choice")
+        return "auto", parallel
     if kind == "any":
         return "required", parallel
-    if kind == "tool" and isinstance(choice.get("name"), str):
+    if kind == "tool" and isinstance(choice, dict) and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}, parallel
     raise bad_request('tool_choice must be {"type": "auto" | "any" | "none"} or {"type": '
                       '"tool", "name": ...}', param="tool_choice")
 
 
-def _response_format(output_config: dict[str, Any] | None) -> dict[str, Any] | None:
-    """`output_config.format` (a JSON schema the answer follows) as chat's
-    response_format."""
-    spec = (output_config or {}).get("format")
+def _response_format(body: MessagesRequest) -> dict[str, Any] | None:
+    """`output_config.format` (or the older top-level `output_format`), a JSON schema
+    the answer follows, as chat's response_format."""
+    spec = (body.output_config or {}).get("format") or body.output_format
     if spec is None:
         return None
     if not isinstance(spec, dict) or spec.get("type") != "json_schema" \
             or not isinstance(spec.get("schema"), dict):
         raise bad_request('output_config.format must be {"type": "json_schema", "schema": '
                           '{...}}', param="output_config.format")
+    if body.tool_choice is not None and body.tool_choice.get("type") in ("any", "tool"):
+        raise bad_request("output_config.format cannot be combined with tool_choice any or "
+                          "tool: the answer is then the call's arguments",
+                          param="output_config.format")
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": spec["schema"]}}
 
 
-def _chat_request(body: MessagesRequest, conversation: _Conversation) -> ChatCompletionRequest:
+def _chat_request(body: MessagesRequest, conversation: Conversation, parser: str | None
+                  ) -> ChatCompletionRequest:
     fields: dict[str, Any] = {name: getattr(body, name) for name in _SHARED_FIELDS}
-    choice, parallel = _chat_tool_choice(body.tool_choice, body.tools)
+    tools = _chat_tools(body.tools)
+    choice, parallel = _chat_tool_choice(body.tool_choice, body.tools, parser)
     fields.update(messages=conversation.messages, max_completion_tokens=body.max_tokens,
-                  stop=body.stop_sequences, tools=_chat_tools(body.tools), tool_choice=choice,
-                  parallel_tool_calls=parallel,
-                  response_format=_response_format(body.output_config))
+                  stop=body.stop_sequences, tools=tools, tool_choice=choice,
+                  parallel_tool_calls=parallel, response_format=_response_format(body),
+                  **_prefill(conversation))
     return ChatCompletionRequest.model_validate(fields)
 
 
@@ -272,10 +301,8 @@ def _stop(completion: CompletionOutput, called: bool) -> tuple[StopReason, str |
 def _content(reader: ToolCallReader | None, completion: CompletionOutput
              ) -> list[ContentBlock]:
     """The answer's blocks: its text (when there is some, or no call), then one tool_use
-    block per call. A call cut by max_tokens has no arguments to give: it stays text."""
-    text, calls = (completion.text, None) if reader is None else reader.split(completion.text)
-    if calls and completion.finish_reason == "length":
-        text, calls = completion.text, None
+    block per call (a call cut short is text: see split_answer)."""
+    text, calls = split_answer(reader, completion)
     blocks = [ContentBlock(type="text", text=text or "")] if text or not calls else []
     blocks += [ContentBlock(type="tool_use", id=call.id, name=call.function.name,
                             input=json.loads(call.function.arguments))

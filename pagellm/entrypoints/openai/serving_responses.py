@@ -21,15 +21,16 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pagellm.engine.outputs import CompletionOutput, RequestOutput
+from pagellm.entrypoints.openai.chat_bridge import Conversation, split_answer
 from pagellm.entrypoints.openai.errors import APIError, bad_request, failure
 from pagellm.entrypoints.openai.logprobs import TokenText, chat_logprobs
 from pagellm.entrypoints.openai.protocol import ChatTokenLogprob
 from pagellm.entrypoints.openai.response_store import ResponseStore
 from pagellm.entrypoints.openai.responses_input import (
     HISTORY,
-    Conversation,
     chat_request,
     check_options,
+    conversation_of,
     renamed,
     wants_logprobs,
 )
@@ -54,7 +55,7 @@ from pagellm.entrypoints.openai.serving import (
     merged,
     usage,
 )
-from pagellm.entrypoints.openai.serving_chat import ChatRun, start_chat
+from pagellm.entrypoints.openai.serving_chat import ChatRun, render_messages, start_chat
 from pagellm.entrypoints.openai.transport import EventStreamResponse, sse, unless_disconnected
 
 Emit = Callable[..., str]
@@ -71,24 +72,25 @@ async def create_response(context: ServerContext, store: ResponseStore,
         if previous is None:
             raise _not_found(body.previous_response_id, "previous_response_id")
         history = previous.conversation
-    conversation = Conversation.of(history, body.input)
+    conversation = conversation_of(history, body.input)
     if not conversation.messages:
         raise bad_request("input has no message to answer (reasoning items are dropped)",
                           param="input")
     response_id = f"resp_{uuid.uuid4().hex}"
-    while True:
+    try:
+        run = await start_chat(context, chat_request(body, conversation), arrival, response_id)
+    except APIError as error:
+        fitting = (await _fitting(context, body, conversation)
+                   if body.truncation == "auto" and error.code == "context_length_exceeded"
+                   else None)
+        if fitting is None:
+            raise renamed(error, body, conversation) from error
+        conversation = fitting
         try:
             run = await start_chat(context, chat_request(body, conversation), arrival,
                                    response_id)
-            break
-        except APIError as error:
-            # truncation "auto": the oldest turns go until the rest fits (OpenAI's rule;
-            # the instructions stay).
-            shorter = (conversation.without_first_turn() if body.truncation == "auto"
-                       and error.code == "context_length_exceeded" else None)
-            if shorter is None:
-                raise renamed(error, body, conversation) from error
-            conversation = shorter
+        except APIError as again:
+            raise renamed(again, body, conversation) from again
     answer = _Answer(body, response_id, context.model_name, run, conversation,
                      store if body.store else None,
                      TokenText(context.engine.tokenizer) if wants_logprobs(body) else None)
@@ -96,6 +98,32 @@ async def create_response(context: ServerContext, store: ResponseStore,
         return EventStreamResponse(aborting_on_exit(run.streams, answer.events(context)))
     outputs = await unless_disconnected(raw, final_outputs(run.streams, context.metrics))
     return JSONResponse(answer.finish(outputs[0]).model_dump(mode="json"))
+
+
+async def _fitting(context: ServerContext, body: ResponsesRequest, conversation: Conversation
+                   ) -> Conversation | None:
+    """truncation "auto": the conversation less as few of its oldest turns as make it fit
+    beside max_output_tokens (OpenAI's rule; the instructions stay), or None if even the
+    last turn does not. Turns drop whole, so the longer tails only ever fit less: a
+    binary search renders O(log turns) of them on the tokenizer thread."""
+    tails = [conversation]
+    while (shorter := tails[-1].without_first_turn()) is not None:
+        tails.append(shorter)
+    limit = context.engine.max_model_len
+
+    async def fits(tail: Conversation) -> bool:
+        tokens = len(await context.off_loop(render_messages, context.engine.tokenizer,
+                                            chat_request(body, tail)))
+        return tokens < limit and tokens + (body.max_output_tokens or 0) <= limit
+
+    low, high = 1, len(tails)  # the longest tail that fits is in tails[low:high], if any
+    while low < high:
+        middle = (low + high) // 2
+        if await fits(tails[middle]):
+            high = middle
+        else:
+            low = middle + 1
+    return tails[low] if low < len(tails) and await fits(tails[low]) else None
 
 
 def retrieve_response(store: ResponseStore, response_id: str) -> ResponseObject:
@@ -183,27 +211,24 @@ class _Answer:
     def finish(self, result: RequestOutput) -> ResponseObject:
         """The whole response: the message (when there is text, or no call) and one
         item per call, read once, so that the stored conversation carries the very call
-        ids the client answers with; kept in the store if asked."""
+        ids the client answers with; kept in the store if asked. A call cut short is
+        text (see split_answer)."""
         completion = result.outputs[0]
-        reader = self.run.reader
-        content, calls = (completion.text, None) if reader is None \
-            else reader.split(completion.text)
+        content, calls = split_answer(self.run.reader, completion)
         status = _status(completion)
         output: list[OutputItem] = []
         if content or not calls:
             output.append(self.message(content or "", status, self.logprobs(completion)))
         output.extend(FunctionCallItem(id=_item_id("fc"), call_id=call.id,
                                        name=call.function.name,
-                                       arguments=call.function.arguments, status=status)
+                                       arguments=call.function.arguments,
+                                       status="completed")
                       for call in calls or [])
         response = self.response(status, output, result)
         if self.store is not None:
-            # A call cut short has no arguments to answer: the turn keeps it as text.
             answer: dict[str, Any] = {"role": "assistant", "content": content}
-            if calls and status == "completed":
+            if calls:
                 answer["tool_calls"] = [call.model_dump() for call in calls]
-            elif calls:
-                answer["content"] = completion.text
             kept = self.conversation
             history = [m for m, o in zip(kept.messages, kept.origins, strict=True)
                        if o == HISTORY]

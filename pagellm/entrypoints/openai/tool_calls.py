@@ -21,7 +21,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from pagellm.core.sampling_params import StructuredOutputsParams
 from pagellm.engine.structured_output import format_error
@@ -184,7 +184,25 @@ def _named_call(call: Any) -> ToolCall | None:
 
 _PYTHON_TAG = "<|python_tag|>"
 
-ToolCallReader = ToolCallFormat | HermesToolParser | Llama3JsonToolParser
+
+@dataclass(frozen=True)
+class FirstCallOnly:
+    """`parallel_tool_calls: false` with a parsed syntax, which cannot be made to write
+    one call only: the answer's first call is read, later ones are dropped (as text
+    after a call is)."""
+
+    parser: HermesToolParser | Llama3JsonToolParser
+    finish_reason: ClassVar[str] = "tool_calls"
+
+    def split(self, text: str) -> tuple[str | None, list[ToolCall] | None]:
+        content, calls = self.parser.split(text)
+        return content, calls[:1] if calls else calls
+
+    def streamed_content(self, text: str) -> str:
+        return self.parser.streamed_content(text)
+
+
+ToolCallReader = ToolCallFormat | HermesToolParser | Llama3JsonToolParser | FirstCallOnly
 # The parsers of models' own tool-call syntax, by their vLLM names.
 TOOL_CALL_PARSERS: dict[str, type[HermesToolParser | Llama3JsonToolParser]] = {
     "hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
@@ -209,10 +227,12 @@ def tool_call_reader(body: ChatCompletionRequest, parser: str | None) -> ToolCal
         if choice is not None and choice != "none":
             raise bad_request("tool_choice needs tools", param="tool_choice")
         return None
+    tools = _functions(body.tools)
     if choice == "none":
         return None
     if (choice is None or choice == "auto") and parser is not None:
-        return TOOL_CALL_PARSERS[parser]()
+        syntax = TOOL_CALL_PARSERS[parser]()
+        return FirstCallOnly(syntax) if body.parallel_tool_calls is False else syntax
     if choice is None or choice == "auto":
         raise bad_request(
             'tool_choice "auto" (the default with tools) needs a parser of the model\'s own '
@@ -220,7 +240,6 @@ def tool_call_reader(body: ChatCompletionRequest, parser: str | None) -> ToolCal
             '--tool-call-parser hermes, or use "required" or a named function (answered '
             'as JSON under the tools\' schemas), or "none"',
             param="tool_choice" if choice is not None else "tools")
-    tools = _functions(body.tools)
     if choice == "required":
         return ToolCallFormat(_any_call_schema(tools, body.parallel_tool_calls), None)
     name = _named_function(choice)

@@ -27,7 +27,8 @@ DONE = "data: [DONE]\n\n"
 
 
 def sse(payload: dict[str, Any], event: str | None = None) -> str:
-    """One server-sent event; `event` names its type (the Responses API's streams do)."""
+    """One server-sent event; `event` names its type (the Responses and Messages APIs'
+    streams do)."""
     kind = "" if event is None else f"event: {event}\n"
     return f"{kind}data: {json.dumps(payload, ensure_ascii=False, allow_nan=False)}\n\n"
 

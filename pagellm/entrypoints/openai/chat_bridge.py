@@ -1,0 +1,88 @@
+"""What the APIs answered through the chat path share (OpenAI's Responses API and
+Anthropic's Messages API): a conversation whose messages remember what the client called
+them, chat errors put back in the client's terms, and an answer read into text and calls.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from pagellm.engine.chat_template import json_object
+from pagellm.engine.outputs import CompletionOutput
+from pagellm.entrypoints.openai.errors import APIError, bad_request
+from pagellm.entrypoints.openai.protocol import ToolCall
+from pagellm.entrypoints.openai.tool_calls import ToolCallReader
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """Chat messages and, for each, what the client called it (`input[3]`,
+    `messages[2].content[0]`, `system`), so that an error the chat path finds in a
+    message names the client's field, not the message's place in the chat list."""
+
+    messages: list[dict[str, Any]]
+    origins: list[str]
+
+    def without_first_turn(self, kept: int = 0) -> Conversation | None:
+        """The conversation less its oldest turn after the first `kept` messages (the
+        instructions): that turn's first message and what follows up to the next user
+        message. None when no user message would be left."""
+        rest = kept + 1
+        while rest < len(self.messages) and self.messages[rest]["role"] != "user":
+            rest += 1
+        if rest >= len(self.messages):
+            return None
+        return Conversation(self.messages[:kept] + self.messages[rest:],
+                            self.origins[:kept] + self.origins[rest:])
+
+
+def required_string(item: dict[str, Any], key: str, where: str) -> str:
+    """A field of a client's item that must be a string; a 400 naming it otherwise."""
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise bad_request(f"{where}.{key} must be a string", param=f"{where}.{key}")
+    return value
+
+
+def split_answer(reader: ToolCallReader | None, completion: CompletionOutput
+                 ) -> tuple[str | None, list[ToolCall] | None]:
+    """(text, calls) of a finished answer. A call cut short (by max_tokens or a stop
+    string, so that its arguments are not a whole JSON object) is not a call the client
+    could run or send back: the answer is then all text. Calls that were whole when
+    max_tokens ended the answer stay calls, as chat reads them."""
+    if reader is None:
+        return completion.text, None
+    text, calls = reader.split(completion.text)
+    if calls and any(json_object(call.function.arguments) is None for call in calls):
+        return completion.text, None
+    return text, calls
+
+
+_MESSAGE_INDEX = re.compile(r"\bmessages\[(\d+)\]")
+
+
+def renamed_error(error: APIError, origins: list[str], messages_param: str,
+                  renames: tuple[tuple[re.Pattern[str], str], ...]) -> APIError:
+    """A chat error in the terms of the API whose request became the chat request:
+    `messages[i]` becomes `origins[i]` (an index past them, in text the client wrote,
+    stays), the `messages` param `messages_param`, and each of `renames` rewrites a chat
+    field to the client's."""
+
+    def origin(match: re.Match[str]) -> str:
+        index = int(match.group(1))
+        return origins[index] if index < len(origins) else match.group(0)
+
+    def rename(text: str) -> str:
+        for pattern, replacement in renames:
+            text = pattern.sub(replacement, text)
+        return _MESSAGE_INDEX.sub(origin, text)
+
+    param = error.param
+    if param == "messages":
+        param = messages_param
+    elif param is not None:
+        param = rename(param)
+    return APIError(error.status, rename(error.message), param=param, code=error.code,
+                    type=error.type)
