@@ -60,6 +60,15 @@ def split_answer(reader: ToolCallReader | None, completion: CompletionOutput
     return text, calls
 
 
+def visible_text(reader: ToolCallReader | None, completion: CompletionOutput) -> str:
+    """The answer's text that a stream may have sent by now: while it runs, all of it
+    without a reader, else what comes before a possible call (held back, since a call's
+    markup must never be shown); once finished, its text as split_answer reads it."""
+    if completion.finish_reason is None:
+        return completion.text if reader is None else reader.streamed_content(completion.text)
+    return split_answer(reader, completion)[0] or ""
+
+
 _MESSAGE_INDEX = re.compile(r"\bmessages\[(\d+)\]")
 
 

@@ -29,6 +29,7 @@ from pagellm.entrypoints.openai.chat_bridge import (
     renamed_error,
     required_string,
     split_answer,
+    visible_text,
 )
 from pagellm.entrypoints.openai.errors import APIError, bad_request, failure
 from pagellm.entrypoints.openai.messages_protocol import (
@@ -354,11 +355,7 @@ async def _events(context: ServerContext, run: ChatRun, message_id: str
                     started = True
                 finished = completion.finish_reason is not None
                 content = _content(reader, completion) if finished else []
-                if finished:
-                    shown = content[0].text or "" if content[0].type == "text" else ""
-                else:
-                    shown = completion.text if reader is None \
-                        else reader.streamed_content(completion.text)
+                shown = visible_text(reader, completion)
                 if len(shown) > sent or (finished and content[0].type == "text"):
                     if not opened:
                         yield event("content_block_start", index=0,

@@ -21,7 +21,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pagellm.engine.outputs import CompletionOutput, RequestOutput
-from pagellm.entrypoints.openai.chat_bridge import Conversation, split_answer
+from pagellm.entrypoints.openai.chat_bridge import Conversation, split_answer, visible_text
 from pagellm.entrypoints.openai.errors import APIError, bad_request, failure
 from pagellm.entrypoints.openai.logprobs import TokenText, chat_logprobs
 from pagellm.entrypoints.openai.protocol import ChatTokenLogprob
@@ -259,15 +259,8 @@ class _Answer:
             async with aclosing(merged(self.run.streams, context.metrics)) as outputs:
                 async for _, result in outputs:
                     completion = result.outputs[0]
-                    response = None
-                    if completion.finish_reason is None:
-                        shown = completion.text if reader is None \
-                            else reader.streamed_content(completion.text)
-                    else:
-                        response = self.finish(result)
-                        first = response.output[0]
-                        shown = first.content[0].text if isinstance(first, OutputMessage) \
-                            else ""
+                    shown = visible_text(reader, completion)
+                    response = None if completion.finish_reason is None else self.finish(result)
                     logprobs = self.logprobs(completion, sent_logprobs)
                     # The last tokens' logprobs (EOS adds no text) close the deltas, so
                     # that they add up to the message's.
