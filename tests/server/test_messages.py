@@ -210,6 +210,17 @@ def test_output_config_format_is_structured_output(claude: anthropic.Anthropic) 
      "max_tokens must be >= 1"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"input_schema": {}}],
       "tool_choice": {"type": "none"}}, "tools[0].name must be a non-empty string"),
+    ({"messages": [{"role": "user", "content": "x"}], "stop_sequences": [""]},
+     "stop_sequences must not contain an empty string"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "any"}},
+     "tool_choice any needs tools"),
+    ({"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]},
+     "messages[1] ends with tool_use blocks"),
+    ({"messages": [{"role": "user", "content": "A person"},
+                   {"role": "assistant", "content": '{"name": "'}],
+      "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}},
+     "cannot be combined with a prefilled assistant message"),
 ])
 def test_bad_requests_get_anthropic_errors(server: Server, body: dict[str, Any],
                                            message: str) -> None:
@@ -218,6 +229,15 @@ def test_bad_requests_get_anthropic_errors(server: Server, body: dict[str, Any],
     error = reply.json()
     assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
     assert message in error["error"]["message"], error
+
+
+def test_count_tokens_checks_tools_as_a_message_would(server: Server) -> None:
+    tool = {"name": "f", "input_schema": {"type": "object"}}
+    for tools, message in (([tool, tool], "given twice"),
+                           ([{**tool, "input_schema": {"type": "array"}}], "input_schema")):
+        reply = httpx.post(f"{server.url}/v1/messages/count_tokens", timeout=60, json={
+            "messages": [{"role": "user", "content": "x"}], "tools": tools})
+        assert reply.status_code == 400 and message in reply.json()["error"]["message"]
 
 
 def test_missing_max_tokens_and_unknown_model(claude: anthropic.Anthropic) -> None:

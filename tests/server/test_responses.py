@@ -288,6 +288,8 @@ def test_logprobs_when_included(client: openai.OpenAI) -> None:
     ({"input": [{"role": "user"}]}, 400, "input[0].content"),
     ({"input": [{"role": "user", "content": []}]}, 400, "input[0].content"),
     ({"input": ["hello"]}, 400, "input[0]"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, 400,
+     "input[0].content[0].text"),
     ({"input": [{"type": "reasoning", "summary": []}]}, 400, "input"),
     ({"input": "x", "tools": [{"type": "function", "parameters": {}}]}, 400, "tools[0].name"),
     ({"input": "x", "tools": TOOLS, "tool_choice": "sometimes"}, 400, "tool_choice"),

@@ -90,11 +90,12 @@ def _text_content(content: Any, where: str) -> str | list[dict[str, str]]:
     parts = []
     for index, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+        if kind not in _TEXT_PARTS:
             raise bad_request(f"{where}[{index}] is a {kind!r} part; only text parts "
                               "(input_text, output_text) are supported",
                               param=f"{where}[{index}]")
-        parts.append({"type": "text", "text": part["text"]})
+        parts.append({"type": "text", "text": required_string(part, "text",
+                                                              f"{where}[{index}]")})
     return parts
 
 

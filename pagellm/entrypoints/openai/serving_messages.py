@@ -52,7 +52,7 @@ from pagellm.entrypoints.openai.serving import (
     usage,
 )
 from pagellm.entrypoints.openai.serving_chat import ChatRun, render_messages, start_chat
-from pagellm.entrypoints.openai.tool_calls import ToolCallReader
+from pagellm.entrypoints.openai.tool_calls import ToolCallReader, tool_call_reader
 from pagellm.entrypoints.openai.transport import EventStreamResponse, sse, unless_disconnected
 
 # Chat's field names in errors, and the Messages fields they stand for.
@@ -79,6 +79,9 @@ async def create_message(context: ServerContext, body: MessagesRequest, raw: Req
     refuse_set(body, _REFUSED)
     if body.max_tokens < 1:
         raise bad_request(f"max_tokens must be >= 1, got {body.max_tokens}", param="max_tokens")
+    if "" in (body.stop_sequences or []):
+        raise bad_request("stop_sequences must not contain an empty string",
+                          param="stop_sequences")
     conversation = _conversation(body.system, body.messages)
     message_id = f"msg_{uuid.uuid4().hex}"
     try:
@@ -102,8 +105,9 @@ async def count_tokens(context: ServerContext, body: CountTokensRequest) -> Coun
     conversation = _conversation(body.system, body.messages)
     chat = ChatCompletionRequest.model_validate({
         "messages": conversation.messages, "tools": _chat_tools(body.tools),
-        **_prefill(conversation)})
+        "tool_choice": "none" if body.tools else None, **_prefill(conversation)})
     try:
+        tool_call_reader(chat, None)  # the tools checked as a message would check them
         tokens = await context.off_loop(render_messages, context.engine.tokenizer, chat)
     except APIError as error:
         raise renamed_error(error, conversation.origins, "messages", _RENAMES) from error
@@ -203,11 +207,16 @@ def _conversation(system: Any, messages: list[Any]) -> Conversation:
 
 def _prefill(conversation: Conversation) -> dict[str, Any]:
     """A last assistant message of text is Anthropic's prefill: the answer continues it
-    (chat's continue_final_message), and holds only the new text."""
+    (chat's continue_final_message), and holds only the new text. A last assistant
+    message with tool_use blocks waits for their results: a 400, as in Anthropic's API."""
     last = conversation.messages[-1] if conversation.messages else {}
-    if last.get("role") == "assistant" and "tool_calls" not in last:
-        return {"add_generation_prompt": False, "continue_final_message": True}
-    return {}
+    if last.get("role") != "assistant":
+        return {}
+    if "tool_calls" in last:
+        where = conversation.origins[-1]
+        raise bad_request(f"{where} ends with tool_use blocks, which need a user message "
+                          "with their tool_result blocks after them", param=where)
+    return {"add_generation_prompt": False, "continue_final_message": True}
 
 
 def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
@@ -240,6 +249,8 @@ def _chat_tool_choice(choice: dict[str, Any] | None, tools: list[Any] | None,
     "required"), tool (a named function), none."""
     kind = "auto" if choice is None else choice.get("type")
     parallel = False if (choice or {}).get("disable_parallel_tool_use") else None
+    if not tools and kind in ("any", "tool"):
+        raise bad_request(f"tool_choice {kind} needs tools", param="tool_choice")
     if kind == "none" or not tools:
         return ("none" if tools else None), parallel
     if kind == "auto":
@@ -272,6 +283,10 @@ def _response_format(body: MessagesRequest) -> dict[str, Any] | None:
     if body.tool_choice is not None and body.tool_choice.get("type") in ("any", "tool"):
         raise bad_request("output_config.format cannot be combined with tool_choice any or "
                           "tool: the answer is then the call's arguments",
+                          param="output_config.format")
+    if body.messages and body.messages[-1].role == "assistant":
+        raise bad_request("output_config.format cannot be combined with a prefilled "
+                          "assistant message: the format would start over after it",
                           param="output_config.format")
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": spec["schema"]}}
 
