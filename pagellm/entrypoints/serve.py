@@ -41,7 +41,8 @@ def add_parser(subparsers: Any) -> None:
                             "(default: the model path's name)")
     group.add_argument("--api-key", default=os.environ.get("PAGELLM_API_KEY"), metavar="KEY",
                        help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on /v1 "
-                            "requests (default: $PAGELLM_API_KEY, else no key)")
+                            "requests and /reset_prefix_cache (default: $PAGELLM_API_KEY, "
+                            "else no key)")
     group.add_argument("--max-request-bytes", type=byte_size, default="8MiB", metavar="SIZE",
                        help="largest request body accepted, larger gets 413 "
                             "(default: %(default)s)")

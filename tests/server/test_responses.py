@@ -12,12 +12,13 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.server.conftest import MODEL_NAME, Server
+from tests.server.conftest import MAX_MODEL_LEN, MODEL_NAME, Server
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
            "required": ["city"], "additionalProperties": False}
 TOOLS: list[Any] = [{"type": "function", "name": "get_weather", "description": "The weather",
                      "parameters": WEATHER}]
+BLOCK_SIZE = 16  # the server's KV block size (the default)
 INSTRUCTIONS = ("You are PageLLM's test assistant. You answer in one short sentence and "
                 "you always stay polite and precise. ") * 2
 
@@ -72,7 +73,8 @@ def test_previous_response_id_continues_from_the_prefix_cache(client: openai.Ope
     # The first turn (instructions, question, answer) is served from the prefix cache:
     # every whole block of it but the last, which the answer's end may straddle.
     first_turn = first.usage.input_tokens + first.usage.output_tokens
-    assert second.usage.input_tokens_details.cached_tokens >= (first_turn // 16 - 1) * 16
+    whole_blocks = first_turn // BLOCK_SIZE - 1
+    assert second.usage.input_tokens_details.cached_tokens >= whole_blocks * BLOCK_SIZE
     assert second.usage.input_tokens > first_turn
 
 
@@ -329,7 +331,7 @@ def test_truncation_auto_drops_the_oldest_turns(server: Server, client: openai.O
         return int(reply.json()["count"])
 
     kept = next(turns[start:] for start in range(0, len(turns), 2)
-                if prompt_tokens(turns[start:]) + 8 <= 512)
+                if prompt_tokens(turns[start:]) + 8 <= MAX_MODEL_LEN)
     assert 1 < len(kept) < len(turns)
     assert cut.usage is not None and cut.usage.input_tokens == prompt_tokens(kept)
     assert cut.output_text == chat_text(

@@ -142,7 +142,8 @@ def test_the_messages_api_reads_calls_with_the_same_parser(engine: AsyncLLMEngin
 
     app = create_app(engine, ServerSettings(model_names=[MODEL_NAME],
                                             tool_call_parser="hermes"))
-    tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}  # type: ignore[index]
+    schema = WEATHER["function"]["parameters"]  # type: ignore[index]
+    tool = {"name": "get_weather", "input_schema": schema}
     twice = CALLING + CALLING.removeprefix("Let me check.")
 
     async def run(answer: str, choice: dict[str, Any]) -> tuple[list[Any], str, str | None]:

@@ -17,14 +17,14 @@ from pagellm.entrypoints.openai.logprobs import (
     completion_logprobs,
 )
 from pagellm.entrypoints.openai.messages_protocol import AnthropicMessage
+from pagellm.entrypoints.openai.messages_to_chat import conversation_of as messages_conversation
 from pagellm.entrypoints.openai.metrics import Histogram, ServerMetrics
 from pagellm.entrypoints.openai.response_store import ResponseStore
-from pagellm.entrypoints.openai.responses_input import conversation_of
 from pagellm.entrypoints.openai.responses_protocol import ResponseObject, ResponsesRequest
+from pagellm.entrypoints.openai.responses_to_chat import conversation_of
 from pagellm.entrypoints.openai.serving import resolve_max_tokens
 from pagellm.entrypoints.openai.serving_chat import ChatRun
-from pagellm.entrypoints.openai.serving_messages import _conversation
-from pagellm.entrypoints.openai.serving_responses import _Answer
+from pagellm.entrypoints.openai.serving_responses import ResponseAnswer
 from pagellm.entrypoints.openai.stats_logger import describe
 from pagellm.entrypoints.openai.tool_calls import ToolCallFormat
 
@@ -326,19 +326,18 @@ def test_llama3_json_tool_calls_are_the_whole_answer() -> None:
     assert parser.streamed_content("Hello") == "Hello"
 
 
-def _stored(response_id: str, text: str
-            ) -> tuple[ResponseObject, list[dict[str, str]], list[dict[str, str]]]:
+def _stored(response_id: str, text: str) -> tuple[ResponseObject, list[dict[str, str]]]:
     response = ResponseObject(
         id=response_id, created_at=0, status="completed", model="m", temperature=1.0,
         top_p=1.0,
         top_logprobs=0, tools=[], tool_choice="none", parallel_tool_calls=True,
         text={"format": {"type": "text"}}, truncation="disabled", metadata={}, store=True)
-    return response, [], [{"role": "user", "content": text}]
+    return response, [{"role": "user", "content": text}]
 
 
 def test_response_store_forgets_the_least_recently_used_past_its_size() -> None:
     one = _stored("resp_1", "a" * 100)
-    size = len(one[0].model_dump_json()) + len(json.dumps(one[2]))
+    size = len(one[0].model_dump_json()) + len(json.dumps(one[1]))
     store = ResponseStore(max_bytes=2 * size + 10)
     store.put(*one)
     store.put(*_stored("resp_2", "b" * 100))
@@ -350,24 +349,17 @@ def test_response_store_forgets_the_least_recently_used_past_its_size() -> None:
     assert store.get("resp_4") is None and len(store) == 2
     assert store.delete("resp_1") and not store.delete("resp_1")
     store.put(*_stored("resp_3", "e"))  # replaced, counted once
-    assert len(store) == 1 and store.used_bytes == store.get("resp_3").size  # type: ignore[union-attr]
+    kept = store.get("resp_3")
+    assert len(store) == 1 and kept is not None and store.used_bytes == kept.size
     with pytest.raises(ValueError, match="max_bytes"):
         ResponseStore(max_bytes=-1)
 
 
-def test_response_store_counts_bytes_and_everything_an_entry_holds() -> None:
-    """UTF-8 bytes, and each entry's whole conversation: the history it shares with the
-    response it continued stays alive as long as it does, whatever is evicted."""
+def test_response_store_counts_utf8_bytes() -> None:
     store = ResponseStore()
-    response, _, cjk = _stored("resp_1", "\u4e2d" * 100)  # 3 bytes each in UTF-8
-    store.put(response, [], cjk)
+    response, cjk = _stored("resp_1", "\u4e2d" * 100)  # 3 bytes each in UTF-8
+    store.put(response, cjk)
     assert store.used_bytes >= len(response.model_dump_json()) + 300
-    before = store.used_bytes
-    long_history = [{"role": "user", "content": "x" * 100_000}]
-    follow_up, _, added = _stored("resp_2", "y")
-    store.put(follow_up, long_history, added)
-    assert store.used_bytes - before > 100_000
-    assert store.get("resp_2").conversation == long_history + added  # type: ignore[union-attr]
 
 
 def test_a_stored_turn_carries_the_call_ids_the_client_was_given() -> None:
@@ -377,7 +369,7 @@ def test_a_stored_turn_carries_the_call_ids_the_client_was_given() -> None:
     body = ResponsesRequest(input="Weather?", tool_choice="required",
                             tools=[{"type": "function", "name": "f", "parameters": {}}])
     run = ChatRun("resp_x", [], ToolCallFormat({"type": "array"}, None), 3)
-    answer = _Answer(body, "resp_x", "m", run, conversation_of([], body.input), store, None)
+    answer = ResponseAnswer(body, "resp_x", "m", run, conversation_of([], body.input), store, None)
     text = '[{"name": "f", "parameters": {"a": 1}}, {"name": "f", "parameters": {}}]'
     response = answer.finish(RequestOutput("resp_x-0", None, [1, 2, 3], [
         CompletionOutput(0, text, [5, 6], finish_reason="stop")], True))
@@ -387,7 +379,7 @@ def test_a_stored_turn_carries_the_call_ids_the_client_was_given() -> None:
     assert [call["id"] for call in turn["tool_calls"]] == [
         item.call_id for item in response.output]  # type: ignore[union-attr]
     assert stored.response.model_dump() == response.model_dump()
-    cut = _Answer(body, "resp_y", "m", run, conversation_of([], body.input), store, None)
+    cut = ResponseAnswer(body, "resp_y", "m", run, conversation_of([], body.input), store, None)
     cut_response = cut.finish(RequestOutput("resp_y-0", None, [1, 2, 3], [
         CompletionOutput(0, text[:30], [5, 6], finish_reason="length")], True))
     assert cut_response.status == "incomplete"
@@ -411,7 +403,7 @@ def test_anthropic_blocks_become_the_chat_turns_vllm_makes() -> None:
             {"type": "tool_result", "tool_use_id": "b",
              "content": [{"type": "text", "text": "Rain"}, {"type": "text", "text": ""}]}]),
     ]
-    conversation = _conversation([{"type": "text", "text": "Be brief."}], messages)
+    conversation = messages_conversation([{"type": "text", "text": "Be brief."}], messages)
     assert [m["role"] for m in conversation.messages] == [
         "system", "user", "assistant", "tool", "tool", "user"]
     assistant = conversation.messages[2]

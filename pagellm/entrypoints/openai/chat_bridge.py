@@ -25,17 +25,15 @@ class Conversation:
     messages: list[dict[str, Any]]
     origins: list[str]
 
-    def without_first_turn(self, kept: int = 0) -> Conversation | None:
-        """The conversation less its oldest turn after the first `kept` messages (the
-        instructions): that turn's first message and what follows up to the next user
-        message. None when no user message would be left."""
-        rest = kept + 1
+    def without_first_turn(self) -> Conversation | None:
+        """The conversation less its oldest turn: its first message and what follows up
+        to the next user message. None when no user message would be left."""
+        rest = 1
         while rest < len(self.messages) and self.messages[rest]["role"] != "user":
             rest += 1
         if rest >= len(self.messages):
             return None
-        return Conversation(self.messages[:kept] + self.messages[rest:],
-                            self.origins[:kept] + self.origins[rest:])
+        return Conversation(self.messages[rest:], self.origins[rest:])
 
 
 def required_string(item: dict[str, Any], key: str, where: str) -> str:
@@ -60,13 +58,21 @@ def split_answer(reader: ToolCallReader | None, completion: CompletionOutput
     return text, calls
 
 
-def visible_text(reader: ToolCallReader | None, completion: CompletionOutput) -> str:
-    """The answer's text that a stream may have sent by now: while it runs, all of it
-    without a reader, else what comes before a possible call (held back, since a call's
-    markup must never be shown); once finished, its text as split_answer reads it."""
-    if completion.finish_reason is None:
-        return completion.text if reader is None else reader.streamed_content(completion.text)
-    return split_answer(reader, completion)[0] or ""
+def streamed_text(reader: ToolCallReader | None, completion: CompletionOutput) -> str:
+    """The text of a running answer that a stream may send: all of it without a reader,
+    else what comes before a possible call (a call's markup is never shown). Once the
+    answer is finished, its text is what split_answer reads."""
+    return completion.text if reader is None else reader.streamed_content(completion.text)
+
+
+def json_schema_format(schema: dict[str, Any], name: str, strict: Any = None
+                       ) -> dict[str, Any]:
+    """A JSON schema the answer follows, as chat's response_format (which nests under
+    `json_schema` what the Responses and Messages APIs give flat)."""
+    spec: dict[str, Any] = {"name": name, "schema": schema}
+    if strict is not None:
+        spec["strict"] = strict
+    return {"type": "json_schema", "json_schema": spec}
 
 
 _MESSAGE_INDEX = re.compile(r"\bmessages\[(\d+)\]")

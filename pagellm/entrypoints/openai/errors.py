@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Scope
 
 from pagellm.engine.async_engine import EngineDeadError, RequestFailedError
 from pagellm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
@@ -65,16 +66,12 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                     403: "permission_error", 404: "not_found_error",
                     413: "request_too_large", 429: "rate_limit_error",
                     503: "overloaded_error"}
-# Where errors are written Anthropic's way.
-ANTHROPIC_PATH = "/v1/messages"
 
 
-def is_anthropic_path(path: str) -> bool:
-    return path.startswith(ANTHROPIC_PATH)
-
-
-def _anthropic(request: Request) -> bool:
-    return is_anthropic_path(request.url.path)
+def is_anthropic(scope: Scope) -> bool:
+    """Whether a request's errors are written Anthropic's way: those of its Messages
+    API, whose SDK reads that shape."""
+    return str(scope.get("path", "")).startswith("/v1/messages")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -135,12 +132,12 @@ def failure(error: BaseException) -> APIError:
 
 async def _on_api_error(request: Request, error: Exception) -> JSONResponse:
     assert isinstance(error, APIError)
-    return error.response(anthropic=_anthropic(request))
+    return error.response(anthropic=is_anthropic(request.scope))
 
 
 async def _on_validation_error(request: Request, error: Exception) -> JSONResponse:
     assert isinstance(error, RequestValidationError)
-    return validation_error(error.errors()).response(anthropic=_anthropic(request))
+    return validation_error(error.errors()).response(anthropic=is_anthropic(request.scope))
 
 
 async def _on_http_error(request: Request, error: Exception) -> JSONResponse:
@@ -148,13 +145,13 @@ async def _on_http_error(request: Request, error: Exception) -> JSONResponse:
     message = error.detail if isinstance(error.detail, str) else str(error.detail)
     return APIError(error.status_code, message).response(
         headers=dict(error.headers) if error.headers else None,
-        anthropic=_anthropic(request))
+        anthropic=is_anthropic(request.scope))
 
 
 async def _on_unexpected(request: Request, error: Exception) -> JSONResponse:
     logger.error("unhandled error while serving a request", exc_info=error)
     return APIError(500, "The server had an error while processing your request.").response(
-        anthropic=_anthropic(request))
+        anthropic=is_anthropic(request.scope))
 
 
 def install_error_handlers(app: FastAPI) -> None:

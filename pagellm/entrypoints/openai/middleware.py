@@ -11,7 +11,7 @@ import hmac
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagellm.entrypoints.openai.errors import APIError, is_anthropic_path
+from pagellm.entrypoints.openai.errors import APIError, is_anthropic
 
 # How much of an oversized body is read and dropped before answering 413. Answering while
 # the client is still sending makes many clients report a broken pipe instead of the
@@ -33,7 +33,7 @@ class BodySizeLimitMiddleware:
         declared = _content_length(scope)
         if declared is not None and declared < 0:
             await APIError(400, "Invalid Content-Length header.").response(
-                anthropic=_anthropic(scope))(scope, receive, send)
+                anthropic=is_anthropic(scope))(scope, receive, send)
             return
         if declared is not None and declared > self.max_bytes:
             await self._refuse(scope, receive, send, already_read=0)
@@ -50,7 +50,7 @@ class BodySizeLimitMiddleware:
                 if message.get("more_body", False):
                     await self._refuse(scope, receive, send, already_read=size)
                 else:
-                    await self._too_large().response(anthropic=_anthropic(scope))(
+                    await self._too_large().response(anthropic=is_anthropic(scope))(
                         scope, receive, send)
                 return
             chunks.append(chunk)
@@ -72,13 +72,8 @@ class BodySizeLimitMiddleware:
             if not message.get("more_body", False):
                 break
         headers = {"Connection": "close"}
-        await self._too_large().response(headers=headers, anthropic=_anthropic(scope))(
+        await self._too_large().response(headers=headers, anthropic=is_anthropic(scope))(
             scope, receive, send)
-
-
-def _anthropic(scope: Scope) -> bool:
-    """Whether the request's errors are written Anthropic's way."""
-    return is_anthropic_path(scope.get("path", ""))
 
 
 def _content_length(scope: Scope) -> int | None:
@@ -130,6 +125,6 @@ class APIKeyMiddleware:
             if not (hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
                     or hmac.compare_digest(headers.get(b"x-api-key", b""), self.key)):
                 error = APIError(401, "Incorrect API key provided.", code="invalid_api_key")
-                await error.response(anthropic=_anthropic(scope))(scope, receive, send)
+                await error.response(anthropic=is_anthropic(scope))(scope, receive, send)
                 return
         await self.app(scope, receive, send)

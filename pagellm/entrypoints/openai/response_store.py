@@ -40,10 +40,10 @@ class ResponseStore:
     """Responses by id, least recently used first out once `max_bytes` is exceeded
     (a response bigger than the whole store is not kept).
 
-    A response's size is its JSON's and its whole conversation's: the earlier messages
+    A response's size is its JSON's and its whole conversation's. The earlier messages
     are the same objects as in the response it continued, but evicting that one leaves
-    them alive here, so each entry counts all it holds (a bound, never an
-    underestimate)."""
+    them alive here, so each entry counts all it holds: a bound, never an
+    underestimate."""
 
     def __init__(self, max_bytes: int = DEFAULT_STORE_BYTES) -> None:
         if max_bytes < 0:
@@ -55,12 +55,9 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, response: ResponseObject, history: list[dict[str, Any]],
-            added: list[dict[str, Any]]) -> None:
-        """Keeps `response`, whose conversation is `history` (that of the response it
-        continued, shared with it) followed by the messages it `added`."""
+    def put(self, response: ResponseObject, conversation: list[dict[str, Any]]) -> None:
+        """Keeps `response` and the conversation that continuing from it starts with."""
         response_json = response.model_dump_json().encode()
-        conversation = history + added
         size = len(response_json) + len(json.dumps(conversation, ensure_ascii=False).encode())
         self.delete(response.id)
         if size > self.max_bytes:

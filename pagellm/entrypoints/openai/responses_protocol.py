@@ -1,7 +1,7 @@
 """The bodies of OpenAI's Responses API (`POST /v1/responses`), as pydantic models.
 
 Parsed as strictly as the chat and completion bodies (see protocol.py): unknown fields
-are ignored, known ones this server cannot honour are declared so that serving_responses
+are ignored, known ones this server cannot honour are declared so that responses_to_chat
 can refuse them with a 400. The input items and tools stay plain dicts here: their many
 kinds are checked where they are turned into a chat conversation, with messages that name
 the item (`input[2].call_id`).
@@ -20,7 +20,7 @@ class ResponsesRequest(StrictModel):
     """OpenAI's fields, then the sampling extras vLLM's Responses API takes too."""
 
     model: str | None = None
-    input: str | list[Any]  # items, checked in responses_input (errors name the item)
+    input: str | list[Any]  # items, checked in responses_to_chat (errors name the item)
     instructions: str | None = None
     previous_response_id: str | None = None
     store: bool = True
@@ -59,7 +59,7 @@ class ResponsesRequest(StrictModel):
     include_stop_str_in_output: bool = False
     cache_salt: str | None = None
     priority: int = 0
-    # Known, and refused when set (see serving_responses).
+    # Known, and refused when set (see responses_to_chat.check_options).
     background: bool = False
     conversation: Any = None
     prompt: Any = None

@@ -122,6 +122,16 @@ def check_choices(num_prompts: int, n: int) -> None:
             f"n={n}); the limit is {MAX_CHOICES}.", param="n")
 
 
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code for that 400
+
+
+def fits_context(max_model_len: int, prompt_len: int, max_tokens: int | None) -> bool:
+    """Whether a prompt and its completion budget (None: the rest of the context, at
+    least one token) fit in the model's context."""
+    budget = max_model_len - prompt_len if max_tokens is None else max_tokens
+    return prompt_len < max_model_len and prompt_len + budget <= max_model_len
+
+
 def resolve_max_tokens(max_model_len: int, prompt_len: int, max_tokens: int | None,
                        prompt_param: str, max_tokens_param: str) -> int:
     """The completion budget of a prompt: as asked, or (if None) all the context left.
@@ -130,14 +140,14 @@ def resolve_max_tokens(max_model_len: int, prompt_len: int, max_tokens: int | No
     and the completion cannot both fit.
     """
     budget = max_model_len - prompt_len if max_tokens is None else max_tokens
-    if prompt_len >= max_model_len or prompt_len + budget > max_model_len:
+    if not fits_context(max_model_len, prompt_len, max_tokens):
         wanted = max(budget, 1)
         param = prompt_param if prompt_len >= max_model_len else max_tokens_param
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {prompt_len + wanted} tokens ({prompt_len} in the prompt, {wanted} "
             f"for the completion). Please reduce the length of the prompt or "
-            f"{max_tokens_param}.", param=param, code="context_length_exceeded")
+            f"{max_tokens_param}.", param=param, code=CONTEXT_LENGTH_EXCEEDED)
     return budget
 
 

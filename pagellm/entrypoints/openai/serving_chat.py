@@ -127,8 +127,8 @@ class ChatRun:
 async def start_chat(context: ServerContext, body: ChatCompletionRequest, arrival: float,
                      request_id: str) -> ChatRun:
     """Checks a chat request, renders its conversation and queues it: what chat and the
-    APIs answered through it (Responses, Messages) share. A request the server cannot take is a 400 naming the
-    chat field."""
+    APIs answered through it (Responses, Messages) share. A request the server cannot
+    take is a 400 naming the chat field (the other APIs rename it, see chat_bridge)."""
     check_supported(body)
     _check_chat_options(body)
     reader = tool_call_reader(body, context.tool_call_parser)

@@ -1,7 +1,7 @@
 """POST /v1/responses (OpenAI's Responses API), and the stored responses' GET and DELETE.
 
 A response is a chat completion underneath, as in vLLM: the input (after the stored
-conversation of `previous_response_id`) becomes a chat conversation (responses_input.py),
+conversation of `previous_response_id`) becomes a chat conversation (responses_to_chat.py),
 and the one chat path renders, queues and reads tool calls. Only the shapes differ: the
 answer comes back as output items (a message of `output_text`, then one `function_call`
 item per call), and a stream is OpenAI's typed events (`response.output_text.delta`, ...)
@@ -21,19 +21,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pagellm.engine.outputs import CompletionOutput, RequestOutput
-from pagellm.entrypoints.openai.chat_bridge import Conversation, split_answer, visible_text
+from pagellm.entrypoints.openai.chat_bridge import Conversation, split_answer, streamed_text
 from pagellm.entrypoints.openai.errors import APIError, bad_request, failure
 from pagellm.entrypoints.openai.logprobs import TokenText, chat_logprobs
 from pagellm.entrypoints.openai.protocol import ChatTokenLogprob
 from pagellm.entrypoints.openai.response_store import ResponseStore
-from pagellm.entrypoints.openai.responses_input import (
-    HISTORY,
-    chat_request,
-    check_options,
-    conversation_of,
-    renamed,
-    wants_logprobs,
-)
 from pagellm.entrypoints.openai.responses_protocol import (
     DeletedResponse,
     FunctionCallItem,
@@ -48,10 +40,19 @@ from pagellm.entrypoints.openai.responses_protocol import (
     Status,
     StreamEvent,
 )
+from pagellm.entrypoints.openai.responses_to_chat import (
+    chat_request,
+    check_options,
+    conversation_of,
+    renamed,
+    wants_logprobs,
+)
 from pagellm.entrypoints.openai.serving import (
+    CONTEXT_LENGTH_EXCEEDED,
     ServerContext,
     aborting_on_exit,
     final_outputs,
+    fits_context,
     merged,
     usage,
 )
@@ -81,7 +82,7 @@ async def create_response(context: ServerContext, store: ResponseStore,
         run = await start_chat(context, chat_request(body, conversation), arrival, response_id)
     except APIError as error:
         fitting = (await _fitting(context, body, conversation)
-                   if body.truncation == "auto" and error.code == "context_length_exceeded"
+                   if body.truncation == "auto" and error.code == CONTEXT_LENGTH_EXCEEDED
                    else None)
         if fitting is None:
             raise renamed(error, body, conversation) from error
@@ -91,7 +92,7 @@ async def create_response(context: ServerContext, store: ResponseStore,
                                    response_id)
         except APIError as again:
             raise renamed(again, body, conversation) from again
-    answer = _Answer(body, response_id, context.model_name, run, conversation,
+    answer = ResponseAnswer(body, response_id, context.model_name, run, conversation,
                      store if body.store else None,
                      TokenText(context.engine.tokenizer) if wants_logprobs(body) else None)
     if body.stream:
@@ -114,7 +115,7 @@ async def _fitting(context: ServerContext, body: ResponsesRequest, conversation:
     async def fits(tail: Conversation) -> bool:
         tokens = len(await context.off_loop(render_messages, context.engine.tokenizer,
                                             chat_request(body, tail)))
-        return tokens < limit and tokens + (body.max_output_tokens or 0) <= limit
+        return fits_context(limit, tokens, body.max_output_tokens)
 
     low, high = 1, len(tails)  # the longest tail that fits is in tails[low:high], if any
     while low < high:
@@ -154,7 +155,7 @@ def _status(completion: CompletionOutput) -> Status:
     return "incomplete" if completion.finish_reason == "length" else "completed"
 
 
-class _Answer:
+class ResponseAnswer:
     """One response being answered: builds its output items and the response object,
     streamed or whole, and stores it (with the conversation so far) when it ends."""
 
@@ -229,10 +230,7 @@ class _Answer:
             answer: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
                 answer["tool_calls"] = [call.model_dump() for call in calls]
-            kept = self.conversation
-            history = [m for m, o in zip(kept.messages, kept.origins, strict=True)
-                       if o == HISTORY]
-            self.store.put(response, history, kept.messages[len(history):] + [answer])
+            self.store.put(response, [*self.conversation.messages, answer])
         return response
 
     async def events(self, context: ServerContext) -> AsyncGenerator[str, None]:
@@ -259,8 +257,14 @@ class _Answer:
             async with aclosing(merged(self.run.streams, context.metrics)) as outputs:
                 async for _, result in outputs:
                     completion = result.outputs[0]
-                    shown = visible_text(reader, completion)
-                    response = None if completion.finish_reason is None else self.finish(result)
+                    response = None
+                    if completion.finish_reason is None:
+                        shown = streamed_text(reader, completion)
+                    else:
+                        response = self.finish(result)
+                        first = response.output[0]
+                        shown = first.content[0].text if isinstance(first, OutputMessage) \
+                            else ""
                     logprobs = self.logprobs(completion, sent_logprobs)
                     # The last tokens' logprobs (EOS adds no text) close the deltas, so
                     # that they add up to the message's.
@@ -315,8 +319,8 @@ def _closing(item: OutputItem, index: int, event: Emit) -> list[str]:
 
 def _usage(result: RequestOutput) -> ResponseUsage:
     counted = usage([result])
-    cached = counted.prompt_tokens_details.cached_tokens if counted.prompt_tokens_details else 0
     return ResponseUsage(input_tokens=counted.prompt_tokens,
-                         input_tokens_details=InputTokensDetails(cached_tokens=cached),
+                         input_tokens_details=InputTokensDetails(
+                             cached_tokens=result.num_cached_tokens),
                          output_tokens=counted.completion_tokens,
                          total_tokens=counted.total_tokens)

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 from pagellm.core.sampling_params import StructuredOutputsParams
 from pagellm.engine.structured_output import format_error
-from pagellm.entrypoints.openai.errors import bad_request
+from pagellm.entrypoints.openai.errors import APIError, bad_request
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, FunctionCall, ToolCall
 
 
@@ -227,19 +227,15 @@ def tool_call_reader(body: ChatCompletionRequest, parser: str | None) -> ToolCal
         if choice is not None and choice != "none":
             raise bad_request("tool_choice needs tools", param="tool_choice")
         return None
-    tools = _functions(body.tools)
+    tools = function_schemas(body.tools)
     if choice == "none":
         return None
     if (choice is None or choice == "auto") and parser is not None:
         syntax = TOOL_CALL_PARSERS[parser]()
         return FirstCallOnly(syntax) if body.parallel_tool_calls is False else syntax
     if choice is None or choice == "auto":
-        raise bad_request(
-            'tool_choice "auto" (the default with tools) needs a parser of the model\'s own '
-            "tool-call syntax: start the server with --enable-auto-tool-choice "
-            '--tool-call-parser hermes, or use "required" or a named function (answered '
-            'as JSON under the tools\' schemas), or "none"',
-            param="tool_choice" if choice is not None else "tools")
+        raise auto_needs_parser('"required" or a named function', '"none"',
+                                "tool_choice" if choice is not None else "tools")
     if choice == "required":
         return ToolCallFormat(_any_call_schema(tools, body.parallel_tool_calls), None)
     name = _named_function(choice)
@@ -249,7 +245,17 @@ def tool_call_reader(body: ChatCompletionRequest, parser: str | None) -> ToolCal
     return ToolCallFormat(tools[name], name)
 
 
-def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def auto_needs_parser(forced: str, none: str, param: str) -> APIError:
+    """The 400 for tool_choice "auto" on a server without a tool-call parser, saying how
+    to start one, and the API's own words for the forced choices and for "none"."""
+    return bad_request(
+        'tool_choice "auto" (the default with tools) needs a parser of the model\'s own '
+        "tool-call syntax: start the server with --enable-auto-tool-choice "
+        f"--tool-call-parser hermes, or use {forced} (answered as JSON under the tools' "
+        f"schemas), or {none}", param=param)
+
+
+def function_schemas(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Each function's name and its arguments' schema (an empty object when it takes
     none), checked here so that an error names the tool (compiled within the call's
     format it would name tool_choice)."""

@@ -14,7 +14,12 @@ from typing import Any
 
 from pagellm.core.sampling_params import MAX_LOGPROBS
 from pagellm.engine.chat_template import json_object
-from pagellm.entrypoints.openai.chat_bridge import Conversation, renamed_error, required_string
+from pagellm.entrypoints.openai.chat_bridge import (
+    Conversation,
+    json_schema_format,
+    renamed_error,
+    required_string,
+)
 from pagellm.entrypoints.openai.errors import APIError, bad_request
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagellm.entrypoints.openai.responses_protocol import ResponsesRequest
@@ -37,7 +42,7 @@ _INCLUDES = frozenset({LOGPROBS_INCLUDE, "reasoning.encrypted_content",
                        "computer_call_output.output.image_url",
                        "code_interpreter_call.outputs"})
 # Where the stored history's messages came from, for errors.
-HISTORY = "the conversation of previous_response_id"
+_HISTORY = "the conversation of previous_response_id"
 
 
 def conversation_of(history: list[dict[str, Any]], items: str | list[Any]) -> Conversation:
@@ -46,7 +51,7 @@ def conversation_of(history: list[dict[str, Any]], items: str | list[Any]) -> Co
     last assistant turn, as they would join one in the input."""
     new = _input_messages(items)
     messages = list(history)
-    origins = [HISTORY] * len(history)
+    origins = [_HISTORY] * len(history)
     if new and messages and messages[-1]["role"] == "assistant" \
             and new[0][0]["role"] == "assistant" and new[0][0]["content"] is None:
         last = messages[-1]
@@ -140,7 +145,8 @@ def _input_messages(items: str | list[Any]) -> list[tuple[dict[str, Any], str]]:
                 messages.append(({"role": "assistant", "content": None,
                                   "tool_calls": [call]}, where))
         elif kind == "function_call_output":
-            messages.append(({"role": "tool", "tool_call_id": required_string(item, "call_id", where),
+            call_id = required_string(item, "call_id", where)
+            messages.append(({"role": "tool", "tool_call_id": call_id,
                               "content": _text_content(item.get("output"), f"{where}.output")},
                              where))
         elif kind != "reasoning":
@@ -150,8 +156,9 @@ def _input_messages(items: str | list[Any]) -> list[tuple[dict[str, Any], str]]:
 
 
 def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """Responses' flat function tools in chat's form; a built-in tool (web_search,
-    file_search, ...) is a 400: there is nothing here to run it."""
+    """Responses' flat function tools in chat's form (chat checks their names and
+    schemas); a built-in tool (web_search, file_search, ...) is a 400: there is nothing
+    here to run it."""
     if tools is None:
         return None
     converted = []
@@ -160,9 +167,6 @@ def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | No
         if kind != "function":
             raise bad_request(f"tools[{index}] has type {kind!r}; only function tools are "
                               "supported", param=f"tools[{index}].type")
-        if not isinstance(tool.get("name"), str) or not tool["name"]:
-            raise bad_request(f"tools[{index}].name must be a non-empty string",
-                              param=f"tools[{index}].name")
         converted.append({"type": "function", "function": {
             key: tool[key] for key in ("name", "description", "parameters", "strict")
             if key in tool}})
@@ -193,8 +197,7 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     if not isinstance(spec.get("schema"), dict):
         raise bad_request("text.format of type 'json_schema' needs schema, the JSON "
                           "schema of the answer (an object)", param="text.format")
-    return {"type": "json_schema", "json_schema": {
-        key: spec[key] for key in ("name", "schema", "strict") if key in spec}}
+    return json_schema_format(spec["schema"], spec.get("name", "output"), spec.get("strict"))
 
 
 # Fields with the same name and meaning in both requests.
