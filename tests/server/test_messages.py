@@ -61,6 +61,24 @@ def test_a_message_is_the_chat_completion_of_its_conversation(
     assert (again.usage.cache_read_input_tokens or 0) >= 32  # the system prompt's blocks
 
 
+def test_each_turn_reads_the_earlier_turns_from_the_cache(claude: anthropic.Anthropic) -> None:
+    """A conversation sent back whole, turn after turn (as Anthropic clients do): each
+    turn's prompt begins with the previous turn's prompt and answer, so all their whole
+    blocks but the last are read from the prefix cache."""
+    history: list[dict[str, Any]] = []
+    previous = 0
+    for question in ("Name a color.", "Name a fruit.", "Name a city."):
+        history.append({"role": "user", "content": question})
+        message = claude.messages.create(model=MODEL_NAME, max_tokens=8, system=SYSTEM,
+                                         messages=history, **GREEDY)
+        usage = message.usage
+        assert (usage.cache_read_input_tokens or 0) >= (previous // 16 - 1) * 16
+        previous = usage.input_tokens + (usage.cache_read_input_tokens or 0) \
+            + usage.output_tokens
+        history.append({"role": "assistant", "content": message.content})
+    assert previous > 100
+
+
 def test_stop_sequences_and_end_turn(claude: anthropic.Anthropic) -> None:
     counted = claude.messages.create(model=MODEL_NAME, max_tokens=40, stop_sequences=["3"],
                                      messages=[{"role": "user",
