@@ -177,6 +177,36 @@ def test_store_retrieve_delete_and_store_false(client: openai.OpenAI) -> None:
         client.responses.delete(kept.id)
 
 
+def test_input_items_list_the_input_with_ids(client: openai.OpenAI) -> None:
+    plain = client.responses.create(model=MODEL_NAME, input="Hello", max_output_tokens=2)
+    (item,) = client.responses.input_items.list(plain.id).data
+    assert item.type == "message" and item.role == "user"  # type: ignore[union-attr]
+    assert item.id.startswith("msg_")
+    assert item.content[0].text == "Hello"  # type: ignore[union-attr]
+    items: list[Any] = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather",
+         "arguments": '{"city": "Paris"}', "id": "fc_given"},
+        {"type": "function_call_output", "call_id": "c1", "output": "Sunny."},
+        {"role": "user", "content": [{"type": "input_text", "text": "So?"}]}]
+    response = client.responses.create(model=MODEL_NAME, input=items, tools=TOOLS,
+                                       tool_choice="none", max_output_tokens=2)
+    newest_first = client.responses.input_items.list(response.id).data
+    assert [i.type for i in newest_first] == ["message", "function_call_output",
+                                              "function_call", "message"]
+    assert newest_first[2].id == "fc_given"
+    oldest = client.responses.input_items.list(response.id, order="asc", limit=2)
+    assert [i.id for i in oldest.data] == [i.id for i in newest_first[::-1][:2]]
+    assert oldest.has_more and oldest.last_id == newest_first[2].id
+    rest = client.responses.input_items.list(response.id, order="asc", after=oldest.last_id)
+    assert [i.id for i in rest.data] == [i.id for i in newest_first[::-1][2:]]
+    assert not rest.has_more
+    with pytest.raises(openai.BadRequestError):
+        client.responses.input_items.list(response.id, limit=0)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_unknown")
+
+
 def test_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
     class Person(BaseModel):
         name: str = Field(max_length=20)

@@ -326,18 +326,19 @@ def test_llama3_json_tool_calls_are_the_whole_answer() -> None:
     assert parser.streamed_content("Hello") == "Hello"
 
 
-def _stored(response_id: str, text: str) -> tuple[ResponseObject, list[dict[str, str]]]:
+def _stored(response_id: str, text: str
+            ) -> tuple[ResponseObject, list[dict[str, str]], list[dict[str, str]]]:
     response = ResponseObject(
         id=response_id, created_at=0, status="completed", model="m", temperature=1.0,
         top_p=1.0,
         top_logprobs=0, tools=[], tool_choice="none", parallel_tool_calls=True,
         text={"format": {"type": "text"}}, truncation="disabled", metadata={}, store=True)
-    return response, [{"role": "user", "content": text}]
+    return response, [{"role": "user", "content": text}], []
 
 
 def test_response_store_forgets_the_least_recently_used_past_its_size() -> None:
     one = _stored("resp_1", "a" * 100)
-    size = len(one[0].model_dump_json()) + len(json.dumps(one[1]))
+    size = len(one[0].model_dump_json()) + len(json.dumps(one[1])) + len(json.dumps(one[2]))
     store = ResponseStore(max_bytes=2 * size + 10)
     store.put(*one)
     store.put(*_stored("resp_2", "b" * 100))
@@ -357,8 +358,8 @@ def test_response_store_forgets_the_least_recently_used_past_its_size() -> None:
 
 def test_response_store_counts_utf8_bytes() -> None:
     store = ResponseStore()
-    response, cjk = _stored("resp_1", "\u4e2d" * 100)  # 3 bytes each in UTF-8
-    store.put(response, cjk)
+    response, cjk, items = _stored("resp_1", "\u4e2d" * 100)  # 3 bytes each in UTF-8
+    store.put(response, cjk, items)
     assert store.used_bytes >= len(response.model_dump_json()) + 300
 
 

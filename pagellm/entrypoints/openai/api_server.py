@@ -39,6 +39,7 @@ from pagellm.entrypoints.openai.protocol import (
 from pagellm.entrypoints.openai.response_store import ResponseStore
 from pagellm.entrypoints.openai.responses_protocol import (
     DeletedResponse,
+    InputItemList,
     ResponseObject,
     ResponsesRequest,
 )
@@ -49,6 +50,7 @@ from pagellm.entrypoints.openai.serving_messages import count_tokens, create_mes
 from pagellm.entrypoints.openai.serving_responses import (
     create_response,
     delete_response,
+    list_input_items,
     retrieve_response,
 )
 from pagellm.entrypoints.openai.serving_tokenization import detokenize, tokenize
@@ -136,6 +138,11 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> ResponseObject:
         return retrieve_response(stored, response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def get_input_items(response_id: str, after: str | None = None, limit: int = 20,
+                              order: str = "desc") -> InputItemList:
+        return list_input_items(stored, response_id, after, limit, order)
 
     @app.delete("/v1/responses/{response_id}")
     async def remove_response(response_id: str) -> DeletedResponse:

@@ -29,11 +29,17 @@ class StoredResponse:
 
     response_json: bytes
     conversation: list[dict[str, Any]]
+    input_items_json: bytes  # its input, as items with ids (GET .../input_items)
     size: int
 
     @property
     def response(self) -> ResponseObject:
         return ResponseObject.model_validate_json(self.response_json)
+
+    @property
+    def input_items(self) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = json.loads(self.input_items_json)
+        return items
 
 
 class ResponseStore:
@@ -55,14 +61,19 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, response: ResponseObject, conversation: list[dict[str, Any]]) -> None:
-        """Keeps `response` and the conversation that continuing from it starts with."""
+    def put(self, response: ResponseObject, conversation: list[dict[str, Any]],
+            input_items: list[dict[str, Any]]) -> None:
+        """Keeps `response`, the conversation that continuing from it starts with, and
+        its input items."""
         response_json = response.model_dump_json().encode()
-        size = len(response_json) + len(json.dumps(conversation, ensure_ascii=False).encode())
+        items_json = json.dumps(input_items, ensure_ascii=False).encode()
+        size = (len(response_json) + len(items_json)
+                + len(json.dumps(conversation, ensure_ascii=False).encode()))
         self.delete(response.id)
         if size > self.max_bytes:
             return
-        self._entries[response.id] = StoredResponse(response_json, conversation, size)
+        self._entries[response.id] = StoredResponse(response_json, conversation, items_json,
+                                                    size)
         self.used_bytes += size
         while self.used_bytes > self.max_bytes:
             _, oldest = self._entries.popitem(last=False)

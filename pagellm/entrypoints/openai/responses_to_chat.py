@@ -10,6 +10,7 @@ Responses names again.
 from __future__ import annotations
 
 import re
+import uuid
 from typing import Any
 
 from pagellm.core.sampling_params import MAX_LOGPROBS
@@ -60,6 +61,28 @@ def conversation_of(history: list[dict[str, Any]], items: str | list[Any]) -> Co
         new = new[1:]
     return Conversation(messages + [message for message, _ in new],
                         origins + [origin for _, origin in new])
+
+
+# The id prefix of each input item type, as OpenAI writes them.
+_ITEM_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                  "reasoning": "rs"}
+
+
+def input_items(items: str | list[Any]) -> list[dict[str, Any]]:
+    """The input as OpenAI lists it back: items with an id each (the client's, or a new
+    one) and a message's string content as one text part."""
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    listed = []
+    for item in items:
+        kind = item.get("type", "message")
+        entry = {**item, "type": kind}
+        entry.setdefault("id", f"{_ITEM_PREFIXES.get(kind, 'item')}_{uuid.uuid4().hex}")
+        if kind == "message" and isinstance(item.get("content"), str):
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            entry["content"] = [{"type": part, "text": item["content"]}]
+        listed.append(entry)
+    return listed
 
 
 def check_options(body: ResponsesRequest) -> None:

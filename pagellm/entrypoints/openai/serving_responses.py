@@ -30,6 +30,7 @@ from pagellm.entrypoints.openai.responses_protocol import (
     DeletedResponse,
     FunctionCallItem,
     IncompleteDetails,
+    InputItemList,
     InputTokensDetails,
     OutputItem,
     OutputMessage,
@@ -44,6 +45,7 @@ from pagellm.entrypoints.openai.responses_to_chat import (
     chat_request,
     check_options,
     conversation_of,
+    input_items,
     renamed,
     wants_logprobs,
 )
@@ -133,6 +135,30 @@ def retrieve_response(store: ResponseStore, response_id: str) -> ResponseObject:
     if stored is None:
         raise _not_found(response_id, "response_id")
     return stored.response
+
+
+def list_input_items(store: ResponseStore, response_id: str, after: str | None, limit: int,
+                     order: str) -> InputItemList:
+    """A stored response's input items, a page at a time (OpenAI's cursor: the items
+    after the id `after`, in `order`, newest first by default)."""
+    stored = store.get(response_id)
+    if stored is None:
+        raise _not_found(response_id, "response_id")
+    if not 1 <= limit <= 100:
+        raise bad_request(f"limit must be in [1, 100], got {limit}", param="limit")
+    if order not in ("asc", "desc"):
+        raise bad_request(f"order must be 'asc' or 'desc', got {order!r}", param="order")
+    items = stored.input_items if order == "asc" else stored.input_items[::-1]
+    if after is not None:
+        ids = [item["id"] for item in items]
+        if after not in ids:
+            raise bad_request(f"after: no input item {after!r} in response {response_id!r}",
+                              param="after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return InputItemList(data=page, first_id=page[0]["id"] if page else None,
+                         last_id=page[-1]["id"] if page else None,
+                         has_more=len(items) > limit)
 
 
 def delete_response(store: ResponseStore, response_id: str) -> DeletedResponse:
@@ -230,7 +256,8 @@ class ResponseAnswer:
             answer: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
                 answer["tool_calls"] = [call.model_dump() for call in calls]
-            self.store.put(response, [*self.conversation.messages, answer])
+            self.store.put(response, [*self.conversation.messages, answer],
+                           input_items(self.body.input))
         return response
 
     async def events(self, context: ServerContext) -> AsyncGenerator[str, None]:
