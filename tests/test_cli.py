@@ -124,6 +124,7 @@ def test_byte_size_rejects(text: str) -> None:
     ["generate", "x", "--max-tokns", "5"],
     ["serve", "--enable-auto-tool-choice"],
     ["serve", "--enable-auto-tool-choice", "--tool-call-parser", "mistral"],
+    ["serve", "--reasoning-parser", "qwen3"],
 ])
 def test_bad_options_fail_before_loading_the_model(argv: list[str],
                                                    capsys: pytest.CaptureFixture[str]) -> None:
@@ -293,6 +294,8 @@ def test_server_options_reach_the_server_settings() -> None:
     ).tool_call_parser == "hermes"
     assert server_settings(parser.parse_args(["serve", "--tool-call-parser", "hermes"]),
                            0.0, "x").tool_call_parser is None  # vLLM's rule: not enabled
+    assert server_settings(parser.parse_args(["serve", "--reasoning-parser", "deepseek_r1"]),
+                           0.0, "x").reasoning_parser == "deepseek_r1"
     from pagellm.entrypoints.openai.api_server import ServerSettings
 
     with pytest.raises(ValueError, match="log_stats_interval"):

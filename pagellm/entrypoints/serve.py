@@ -61,6 +61,9 @@ def add_parser(subparsers: Any) -> None:
     group.add_argument("--tool-call-parser", default=None, metavar="NAME",
                        help="the model's tool-call syntax: hermes (<tool_call> blocks: "
                             "Qwen2.5, Qwen3, Hermes, ...) or llama3_json (Llama 3.1-3.3)")
+    group.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                       help="the model's reasoning syntax, read into chat's `reasoning`: "
+                            "deepseek_r1 (<think> ... </think>: DeepSeek R1 and its distills)")
     group.add_argument("--log-level", default="info",
                        choices=("critical", "error", "warning", "info", "debug"),
                        help="server log level (default: %(default)s)")
@@ -79,13 +82,18 @@ def take_model_tag(args: argparse.Namespace) -> None:
 
 
 def check_tool_args(args: argparse.Namespace) -> None:
-    """vLLM's rule: --enable-auto-tool-choice needs --tool-call-parser (a parser alone
-    leaves "auto" refused)."""
+    """The parser names, and vLLM's rule: --enable-auto-tool-choice needs
+    --tool-call-parser (a parser alone leaves "auto" refused)."""
     from pagellm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 
     if args.tool_call_parser is not None and args.tool_call_parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                          f"got {args.tool_call_parser!r}")
+    from pagellm.entrypoints.openai.reasoning import REASONING_PARSERS
+
+    if args.reasoning_parser is not None and args.reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, "
+                         f"got {args.reasoning_parser!r}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the model's "
                          "tool-call syntax, e.g. hermes)")
@@ -159,6 +167,7 @@ def server_settings(args: argparse.Namespace, launch_time: float, address: str
         log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        reasoning_parser=args.reasoning_parser,
         launch_time=launch_time, address=address)
 
 

@@ -176,3 +176,48 @@ def test_the_messages_api_reads_calls_with_the_same_parser(engine: AsyncLLMEngin
     both, _, _ = asyncio.run(run(twice, {"type": "auto"}))
     assert [block.type for block in single] == ["text", "tool_use"]
     assert [block.type for block in both] == ["text", "tool_use", "tool_use"]
+
+
+def test_chat_reads_reasoning_with_the_reasoning_parser(engine: AsyncLLMEngine,
+                                                        monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    """--reasoning-parser: what comes before the end tag is `reasoning` (and
+    `reasoning_content`), the rest `content`, the same streamed or not, and the two add
+    up to the answer. The default model does not think, so the end tag is taken from its
+    own greedy answer, as if it had written `</think>` there."""
+    from pagellm.entrypoints.openai import reasoning
+
+    def ask_chat(parser: str | None, stream: bool) -> tuple[str, str]:
+        app = create_app(engine, ServerSettings(model_names=[MODEL_NAME],
+                                                reasoning_parser=parser))
+
+        async def run() -> tuple[str, str]:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://test",
+                                         timeout=60) as client:
+                body = {"messages": [{"role": "user", "content": "What is 2+2?"}],
+                        "max_tokens": 16, "temperature": 0, "stream": stream}
+                reply = await client.post("/v1/chat/completions", json=body)
+            if not stream:
+                message = reply.json()["choices"][0]["message"]
+                assert message["reasoning"] == message["reasoning_content"]
+                return message["reasoning"] or "", message["content"] or ""
+            thought, said = "", ""
+            for line in reply.text.splitlines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:])["choices"]:
+                        delta = choice["delta"]
+                        assert delta.get("reasoning") == delta.get("reasoning_content")
+                        thought += delta.get("reasoning") or ""
+                        said += delta.get("content") or ""
+            return thought, said
+
+        return asyncio.run(run())
+
+    plain = ask_chat(None, False)
+    assert plain[0] == "" and len(plain[1].split()) > 4
+    end_tag = " " + plain[1].split()[3]
+    before, _, after = plain[1].partition(end_tag)
+    monkeypatch.setattr(reasoning, "_END", end_tag)
+    for stream in (False, True):
+        assert ask_chat("deepseek_r1", stream) == (before, after), stream

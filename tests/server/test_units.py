@@ -19,6 +19,7 @@ from pagellm.entrypoints.openai.logprobs import (
 from pagellm.entrypoints.openai.messages_protocol import AnthropicMessage
 from pagellm.entrypoints.openai.messages_to_chat import conversation_of as messages_conversation
 from pagellm.entrypoints.openai.metrics import Histogram, ServerMetrics
+from pagellm.entrypoints.openai.reasoning import ThinkReasoningParser
 from pagellm.entrypoints.openai.response_store import ResponseStore
 from pagellm.entrypoints.openai.responses_protocol import ResponseObject, ResponsesRequest
 from pagellm.entrypoints.openai.responses_to_chat import conversation_of
@@ -416,3 +417,20 @@ def test_anthropic_blocks_become_the_chat_turns_vllm_makes() -> None:
     assert conversation.origins == ["system", "messages[0]", "messages[1]",
                                     "messages[2].content[1]", "messages[2].content[2]",
                                     "messages[2]"]
+
+
+def test_the_reasoning_parser_splits_as_vllm_and_streams_only_growing_parts() -> None:
+    parser = ThinkReasoningParser()
+    assert parser.split("I see.</think>\n\nFour.") == ("I see.", "\n\nFour.")
+    assert parser.split("<think>Still thinking") == ("Still thinking", None)
+    assert parser.split("Done.</think>") == ("Done.", None)
+    for answer in ("<think>Let me see.</think>\n\nFour.", "Hm.</think>Yes", "<thi", "</think>x"):
+        sent = ("", "")
+        for end in range(len(answer) + 1):
+            now = parser.streamed(answer[:end])
+            assert now[0].startswith(sent[0]) and now[1].startswith(sent[1]), (answer, end)
+            sent = now
+        final = parser.read(answer, finished=True)
+        assert final[0].startswith(sent[0]) and final[1].startswith(sent[1])
+        reasoning, content = parser.split(answer)
+        assert final == (reasoning or "", content or "")

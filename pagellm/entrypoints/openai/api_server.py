@@ -36,6 +36,7 @@ from pagellm.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from pagellm.entrypoints.openai.reasoning import REASONING_PARSERS
 from pagellm.entrypoints.openai.response_store import ResponseStore
 from pagellm.entrypoints.openai.responses_protocol import (
     DeletedResponse,
@@ -78,6 +79,7 @@ class ServerSettings:
     shutdown_timeout: float = 10
     log_level: str = "info"
     tool_call_parser: str | None = None  # --enable-auto-tool-choice --tool-call-parser
+    reasoning_parser: str | None = None  # --reasoning-parser
     launch_time: float = field(default_factory=time.perf_counter)
     # host:port as bound (the real port when --port 0 let the OS choose), for the log.
     address: str = ""
@@ -92,6 +94,9 @@ class ServerSettings:
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)} "
                              f"or None, got {self.tool_call_parser!r}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} "
+                             f"or None, got {self.reasoning_parser!r}")
 
 
 def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
@@ -116,7 +121,7 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="PageLLM OpenAI-compatible API", lifespan=lifespan)
     context = ServerContext(engine, list(settings.model_names),
                             ServerMetrics(engine, settings.model_names[0]),
-                            settings.tool_call_parser)
+                            settings.tool_call_parser, settings.reasoning_parser)
     stored = ResponseStore()
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)

@@ -226,6 +226,9 @@ class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] | None = None  # null unless a tool is called
+    # With --reasoning-parser: vLLM's field, and its older name many clients read.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class WithoutNulls(BaseModel):
@@ -275,6 +278,8 @@ class ChatDelta(WithoutNulls):
 
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None  # as in ChatResponseMessage
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -73,6 +73,7 @@ class ServerContext:
     model_names: list[str]
     metrics: ServerMetrics
     tool_call_parser: str | None = None  # for tool_choice "auto" (see tool_calls.py)
+    reasoning_parser: str | None = None  # chat's reasoning (see reasoning.py)
     tokenizer_thread: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenizer"))
 

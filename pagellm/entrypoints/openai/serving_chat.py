@@ -36,6 +36,7 @@ from pagellm.entrypoints.openai.protocol import (
     ToolCall,
     UsageInfo,
 )
+from pagellm.entrypoints.openai.reasoning import REASONING_PARSERS, ThinkReasoningParser
 from pagellm.entrypoints.openai.sampling import build_sampling_params, structured_outputs_of
 from pagellm.entrypoints.openai.serving import (
     Prompt,
@@ -116,12 +117,13 @@ def _logprobs_setting(body: ChatCompletionRequest) -> int | None:
 @dataclass
 class ChatRun:
     """A chat request started in the engine: its streams, how its answer is read for
-    tool calls, and its prompt's length (for usage)."""
+    reasoning (chat's only) and tool calls, and its prompt's length (for usage)."""
 
     request_id: str
     streams: list[RequestStream]
     reader: ToolCallReader | None
     prompt_tokens: int
+    thinking: ThinkReasoningParser | None = None
 
 
 async def start_chat(context: ServerContext, body: ChatCompletionRequest, arrival: float,
@@ -154,7 +156,10 @@ async def start_chat(context: ServerContext, body: ChatCompletionRequest, arriva
         engine.max_model_len, len(prompt.token_ids), requested, "messages", max_tokens_param))
     streams = await start_requests(context, request_id, [prompt], [params], body.cache_salt,
                                    arrival, "messages", body.priority, request_format.field)
-    return ChatRun(request_id, streams, reader, len(prompt.token_ids))
+    # Under a format the answer is the format from its first token: nothing to think.
+    thinking = (REASONING_PARSERS[context.reasoning_parser]()
+                if context.reasoning_parser and request_format.params is None else None)
+    return ChatRun(request_id, streams, reader, len(prompt.token_ids), thinking)
 
 
 async def create_chat_completion(context: ServerContext, body: ChatCompletionRequest,
@@ -166,28 +171,30 @@ async def create_chat_completion(context: ServerContext, body: ChatCompletionReq
                           param="stream_options")
     run = await start_chat(context, body, arrival, f"chatcmpl-{uuid.uuid4().hex}")
     if body.stream:
-        events = _stream(context, run.request_id, body, run.streams,
-                         UsageReport.of(body.stream_options), run.prompt_tokens, run.reader)
+        events = _stream(context, body, run, UsageReport.of(body.stream_options))
         return EventStreamResponse(streamed(aborting_on_exit(run.streams, events)))
     outputs = await unless_disconnected(raw, final_outputs(run.streams, context.metrics))
-    return JSONResponse(_response(context, run.request_id, body, outputs[0], run.reader)
-                        .model_dump(mode="json"))
+    return JSONResponse(_response(context, body, run, outputs[0]).model_dump(mode="json"))
 
 
-def _response(context: ServerContext, request_id: str, body: ChatCompletionRequest,
-              output: RequestOutput, reader: ToolCallReader | None
-              ) -> ChatCompletionResponse:
+def _response(context: ServerContext, body: ChatCompletionRequest, run: ChatRun,
+              output: RequestOutput) -> ChatCompletionResponse:
     token_text = TokenText(context.engine.tokenizer, body.return_tokens_as_token_ids)
+    reader = run.reader
     choices = []
     for c in output.outputs:
-        content, calls = reader.split(c.text) if reader is not None else (c.text, None)
+        reasoning, text = run.thinking.split(c.text) if run.thinking else (None, c.text)
+        content, calls = reader.split(text) if reader is not None and text is not None \
+            else (text, None)
         choices.append(ChatChoice(
-            index=c.index, message=ChatResponseMessage(content=content, tool_calls=calls),
+            index=c.index, message=ChatResponseMessage(
+                content=content, tool_calls=calls, reasoning=reasoning,
+                reasoning_content=reasoning),
             logprobs=chat_logprobs(c.logprobs, token_text) if c.logprobs is not None else None,
             finish_reason=_finish_reason(c.finish_reason, calls, reader),
             stop_reason=c.stop_reason))
     return ChatCompletionResponse(
-        id=request_id, model=context.model_name, choices=choices, usage=usage([output]),
+        id=run.request_id, model=context.model_name, choices=choices, usage=usage([output]),
         prompt_logprobs=(prompt_logprobs_json(output.prompt_logprobs, token_text,
                                               body.prompt_logprobs or 0)
                          if output.prompt_logprobs is not None else None))
@@ -221,11 +228,11 @@ def _calls_delta(content: str | None, calls: list[ToolCall]) -> ChatDelta:
         for i, call in enumerate(calls)])
 
 
-async def _stream(context: ServerContext, request_id: str, body: ChatCompletionRequest,
-                  streams: list[RequestStream], report: UsageReport, prompt_tokens: int,
-                  reader: ToolCallReader | None) -> AsyncGenerator[str, None]:
-    """A role chunk per choice, then content deltas, each choice's last with its reason;
-    with continuous usage, every chunk counts the tokens so far (as vLLM's does).
+async def _stream(context: ServerContext, body: ChatCompletionRequest, run: ChatRun,
+                  report: UsageReport) -> AsyncGenerator[str, None]:
+    """A role chunk per choice, then content deltas (after reasoning deltas, with a
+    reasoning parser), each choice's last with its reason; with continuous usage, every
+    chunk counts the tokens so far (as vLLM's does).
 
     Tool calls stream as OpenAI's do where that can be known: a named function's
     arguments as they come (the first piece naming the call). Other calls are read from
@@ -233,6 +240,8 @@ async def _stream(context: ServerContext, request_id: str, body: ChatCompletionR
     call yet; a parsed answer: its content is sent up to where a call begins)."""
     token_text = TokenText(context.engine.tokenizer, body.return_tokens_as_token_ids)
     created = int(time.time())
+    request_id, reader, thinking = run.request_id, run.reader, run.thinking
+    prompt_tokens = run.prompt_tokens
 
     def chunk(choices: list[ChatChunkChoice], so_far: UsageInfo | None) -> str:
         """A chunk, with the usage so far where continuous usage is asked for."""
@@ -245,11 +254,12 @@ async def _stream(context: ServerContext, request_id: str, body: ChatCompletionR
                 UsageInfo(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens)
                 if report.on_every_chunk else None)
     sent_text: dict[int, int] = {}
+    sent_reasoning: dict[int, int] = {}
     sent_logprobs: dict[int, int] = {}
     named = reader.function if isinstance(reader, ToolCallFormat) else None
     done: set[int] = set()
     final: RequestOutput | None = None
-    async with aclosing(merged(streams, context.metrics)) as outputs:
+    async with aclosing(merged(run.streams, context.metrics)) as outputs:
         async for _, output in outputs:
             choices = []
             for completion in output.outputs:
@@ -259,20 +269,29 @@ async def _stream(context: ServerContext, request_id: str, body: ChatCompletionR
                     continue
                 sent = sent_text.get(index, 0)
                 calls = None
+                text, thought = completion.text, ""
+                if thinking is not None:
+                    reasoning, text = thinking.read(completion.text, finished)
+                    thought = reasoning[sent_reasoning.get(index, 0):]
+                    sent_reasoning[index] = len(reasoning)
                 if reader is None or named is not None:
-                    shown = completion.text
+                    shown = text
                     delta = ChatDelta(content=shown[sent:]) if named is None else \
                         _named_piece(shown[sent:], named, index not in sent_text)
                 elif not finished:
-                    shown = reader.streamed_content(completion.text)
+                    shown = reader.streamed_content(text)
                     delta = ChatDelta(content=shown[sent:])
                 else:
-                    content, calls = reader.split(completion.text)
-                    shown = completion.text
-                    delta = (ChatDelta(content=completion.text[sent:]) if calls is None
+                    content, calls = reader.split(text)
+                    shown = text
+                    delta = (ChatDelta(content=text[sent:]) if calls is None
                              else _calls_delta((content or "")[sent:], calls))
-                if len(shown) == sent and not finished:
+                if len(shown) == sent and not finished and not thought:
                     continue
+                if thought:
+                    delta = delta.model_copy(update={"content": delta.content or None,
+                                                     "reasoning": thought,
+                                                     "reasoning_content": thought})
                 sent_text[index] = len(shown)
                 if finished:
                     done.add(index)

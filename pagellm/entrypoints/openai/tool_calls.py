@@ -98,7 +98,7 @@ class HermesToolParser:
         (an answer that is only calls has no content)."""
         start = text.find(_HERMES_OPEN)
         if start < 0:
-            start = len(text) - _partial_tag(text, _HERMES_OPEN)
+            start = len(text) - partial_tag(text, _HERMES_OPEN)
         shown = text[:start]
         return shown if shown.strip() else ""
 
@@ -143,7 +143,7 @@ class Llama3JsonToolParser:
         return text
 
 
-def _partial_tag(text: str, tag: str) -> int:
+def partial_tag(text: str, tag: str) -> int:
     """The length of the longest end of `text` that begins `tag` (without being all
     of it)."""
     return next((keep for keep in range(min(len(tag) - 1, len(text)), 0, -1)
@@ -152,7 +152,7 @@ def _partial_tag(text: str, tag: str) -> int:
 
 def _without_cut_close(text: str) -> str:
     """The answer less a closing tag cut short at its very end."""
-    return text[:len(text) - _partial_tag(text, _HERMES_CLOSE)]
+    return text[:len(text) - partial_tag(text, _HERMES_CLOSE)]
 
 
 def _hermes_call(block: str) -> ToolCall | None:

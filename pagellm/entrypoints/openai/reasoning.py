@@ -1,0 +1,54 @@
+"""Reasoning read out of a chat answer: vLLM's `--reasoning-parser`.
+
+DeepSeek R1 and its distills (Llama-architecture ones among them) think before they
+answer, in a `<think> ... </think>` block. Without a parser that thinking is the
+message's content; with one it is the message's `reasoning` (vLLM's field, and
+`reasoning_content`, its older name that many clients read), and only what follows is
+content, which a tool-call parser then reads.
+"""
+
+from __future__ import annotations
+
+from pagellm.entrypoints.openai.tool_calls import partial_tag
+
+_START = "<think>"
+_END = "</think>"
+
+
+class ThinkReasoningParser:
+    """vLLM's `deepseek_r1` rules. R1's chat template opens the think block in the
+    prompt, so the answer starts inside it (a `<think>` the model writes itself is
+    dropped): everything before `</think>` is reasoning, and an answer without it is all
+    reasoning (still thinking when it was cut)."""
+
+    def split(self, text: str) -> tuple[str | None, str | None]:
+        """(reasoning, content) of a finished answer."""
+        body = text.removeprefix(_START)
+        reasoning, end, content = body.partition(_END)
+        if not end:
+            return body, None
+        return reasoning, content or None
+
+    def read(self, text: str, finished: bool) -> tuple[str, str]:
+        """(reasoning, content) as a stream sends them: all of each once the answer is
+        finished, the streamable parts while it runs."""
+        if not finished:
+            return self.streamed(text)
+        reasoning, content = self.split(text)
+        return reasoning or "", content or ""
+
+    def streamed(self, text: str) -> tuple[str, str]:
+        """(reasoning, content) of a running answer that a stream may send: each only
+        grows as the answer does, so a tail that may be the start of `</think>` (or an
+        answer that may still become `<think>`) is held back."""
+        if _START.startswith(text):
+            return "", ""
+        body = text.removeprefix(_START)
+        reasoning, end, content = body.partition(_END)
+        if end:
+            return reasoning, content
+        return body[:len(body) - partial_tag(body, _END)], ""
+
+
+# The parsers of models' reasoning syntax, by their vLLM names.
+REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {"deepseek_r1": ThinkReasoningParser}
