@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _runner(args: argparse.Namespace, launch_time: float) -> Callable[[Any], int]:
     """The subcommand to run once the engine is up; checks its own options first."""
     if args.command == "serve":
-        serve.check_tool_args(args)
+        serve.check_parser_args(args)
         sock = serve.bind(args)
         return lambda engine: serve.run(args, engine, launch_time, sock)
     sampling_params_from_args(args)

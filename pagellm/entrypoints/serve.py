@@ -81,7 +81,7 @@ def take_model_tag(args: argparse.Namespace) -> None:
     args.model = args.model_tag
 
 
-def check_tool_args(args: argparse.Namespace) -> None:
+def check_parser_args(args: argparse.Namespace) -> None:
     """The parser names, and vLLM's rule: --enable-auto-tool-choice needs
     --tool-call-parser (a parser alone leaves "auto" refused)."""
     from pagellm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS

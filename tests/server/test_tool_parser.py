@@ -187,7 +187,7 @@ def test_chat_reads_reasoning_with_the_reasoning_parser(engine: AsyncLLMEngine,
     own greedy answer, as if it had written `</think>` there."""
     from pagellm.entrypoints.openai import reasoning
 
-    def ask_chat(parser: str | None, stream: bool) -> tuple[str, str]:
+    def ask_chat(parser: str | None, stream: bool, include: bool = True) -> tuple[str, str]:
         app = create_app(engine, ServerSettings(model_names=[MODEL_NAME],
                                                 reasoning_parser=parser))
 
@@ -196,12 +196,13 @@ def test_chat_reads_reasoning_with_the_reasoning_parser(engine: AsyncLLMEngine,
             async with httpx.AsyncClient(transport=transport, base_url="http://test",
                                          timeout=60) as client:
                 body = {"messages": [{"role": "user", "content": "What is 2+2?"}],
-                        "max_tokens": 16, "temperature": 0, "stream": stream}
+                        "max_tokens": 16, "temperature": 0, "stream": stream,
+                        "include_reasoning": include}
                 reply = await client.post("/v1/chat/completions", json=body)
             if not stream:
                 message = reply.json()["choices"][0]["message"]
-                assert message["reasoning"] == message["reasoning_content"]
-                return message["reasoning"] or "", message["content"] or ""
+                assert message.get("reasoning") == message.get("reasoning_content")
+                return message.get("reasoning") or "", message["content"] or ""
             thought, said = "", ""
             for line in reply.text.splitlines():
                 if line.startswith("data: {"):
@@ -221,3 +222,4 @@ def test_chat_reads_reasoning_with_the_reasoning_parser(engine: AsyncLLMEngine,
     monkeypatch.setattr(reasoning, "_END", end_tag)
     for stream in (False, True):
         assert ask_chat("deepseek_r1", stream) == (before, after), stream
+        assert ask_chat("deepseek_r1", stream, include=False) == ("", after), stream

@@ -130,6 +130,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    include_reasoning: bool = True  # vLLM's: false leaves a parser's reasoning out
     # Known, and refused when set (see check_supported).
     chat_template: Any = None
     functions: Any = None
@@ -226,9 +227,16 @@ class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] | None = None  # null unless a tool is called
-    # With --reasoning-parser: vLLM's field, and its older name many clients read.
+    # With --reasoning-parser: vLLM's field, and its older name many clients read (both
+    # left out when there is none).
     reasoning: str | None = None
     reasoning_content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_null_reasoning(self, handler: SerializerFunctionWrapHandler
+                                ) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items()
+                if value is not None or key not in ("reasoning", "reasoning_content")}
 
 
 class WithoutNulls(BaseModel):

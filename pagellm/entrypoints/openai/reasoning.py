@@ -16,10 +16,11 @@ _END = "</think>"
 
 
 class ThinkReasoningParser:
-    """vLLM's `deepseek_r1` rules. R1's chat template opens the think block in the
-    prompt, so the answer starts inside it (a `<think>` the model writes itself is
-    dropped): everything before `</think>` is reasoning, and an answer without it is all
-    reasoning (still thinking when it was cut)."""
+    """vLLM's `deepseek_r1` rules, nearly. R1's chat template opens the think block in
+    the prompt, so the answer starts inside it: everything before `</think>` is
+    reasoning, and an answer without it is all reasoning (still thinking when it was
+    cut). A `<think>` the model writes itself is dropped only at the very start (vLLM
+    drops text up to a `<think>` anywhere), so that a stream's parts only ever grow."""
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a finished answer."""
@@ -28,14 +29,6 @@ class ThinkReasoningParser:
         if not end:
             return body, None
         return reasoning, content or None
-
-    def read(self, text: str, finished: bool) -> tuple[str, str]:
-        """(reasoning, content) as a stream sends them: all of each once the answer is
-        finished, the streamable parts while it runs."""
-        if not finished:
-            return self.streamed(text)
-        reasoning, content = self.split(text)
-        return reasoning or "", content or ""
 
     def streamed(self, text: str) -> tuple[str, str]:
         """(reasoning, content) of a running answer that a stream may send: each only

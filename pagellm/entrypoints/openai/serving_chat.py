@@ -117,7 +117,7 @@ def _logprobs_setting(body: ChatCompletionRequest) -> int | None:
 @dataclass
 class ChatRun:
     """A chat request started in the engine: its streams, how its answer is read for
-    reasoning (chat's only) and tool calls, and its prompt's length (for usage)."""
+    reasoning and tool calls, and its prompt's length (for usage)."""
 
     request_id: str
     streams: list[RequestStream]
@@ -127,15 +127,20 @@ class ChatRun:
 
 
 async def start_chat(context: ServerContext, body: ChatCompletionRequest, arrival: float,
-                     request_id: str) -> ChatRun:
+                     request_id: str, read_reasoning: bool = False) -> ChatRun:
     """Checks a chat request, renders its conversation and queues it: what chat and the
     APIs answered through it (Responses, Messages) share. A request the server cannot
-    take is a 400 naming the chat field (the other APIs rename it, see chat_bridge)."""
+    take is a 400 naming the chat field (the other APIs rename it, see chat_bridge).
+    With `read_reasoning` (chat's), the server's reasoning parser reads the answer,
+    except under a format, whose answer is the format from its first token."""
     check_supported(body)
     _check_chat_options(body)
     reader = tool_call_reader(body, context.tool_call_parser)
     request_format = structured_outputs_of(
         body, reader.schema if isinstance(reader, ToolCallFormat) else None)
+    thinking = (REASONING_PARSERS[context.reasoning_parser]()
+                if read_reasoning and context.reasoning_parser
+                and request_format.params is None else None)
     engine = context.engine
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None \
         else "max_tokens"
@@ -146,9 +151,10 @@ async def start_chat(context: ServerContext, body: ChatCompletionRequest, arriva
         prompt_logprobs=body.prompt_logprobs, vocab_size=engine.vocab_size,
         field_names={"logprobs": "top_logprobs", "max_tokens": max_tokens_param},
         structured_outputs=request_format.params)
-    if reader is not None and not isinstance(reader, ToolCallFormat):
+    if thinking is not None or reader is not None and not isinstance(reader, ToolCallFormat):
         # A parsed syntax's markers are special tokens in some models (<tool_call>,
-        # Llama's <|python_tag|>), which the text would otherwise drop (as vLLM does).
+        # Llama's <|python_tag|>, some models' <think>), which the text would otherwise
+        # drop (as vLLM does).
         base = base.clone(skip_special_tokens=False)
     prompt = Prompt(None, await context.off_loop(_chat_prompt, engine.tokenizer, body, base,
                                             engine.max_model_len))
@@ -156,9 +162,6 @@ async def start_chat(context: ServerContext, body: ChatCompletionRequest, arriva
         engine.max_model_len, len(prompt.token_ids), requested, "messages", max_tokens_param))
     streams = await start_requests(context, request_id, [prompt], [params], body.cache_salt,
                                    arrival, "messages", body.priority, request_format.field)
-    # Under a format the answer is the format from its first token: nothing to think.
-    thinking = (REASONING_PARSERS[context.reasoning_parser]()
-                if context.reasoning_parser and request_format.params is None else None)
     return ChatRun(request_id, streams, reader, len(prompt.token_ids), thinking)
 
 
@@ -169,7 +172,8 @@ async def create_chat_completion(context: ServerContext, body: ChatCompletionReq
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options is only allowed when stream is true",
                           param="stream_options")
-    run = await start_chat(context, body, arrival, f"chatcmpl-{uuid.uuid4().hex}")
+    run = await start_chat(context, body, arrival, f"chatcmpl-{uuid.uuid4().hex}",
+                           read_reasoning=True)
     if body.stream:
         events = _stream(context, body, run, UsageReport.of(body.stream_options))
         return EventStreamResponse(streamed(aborting_on_exit(run.streams, events)))
@@ -184,6 +188,8 @@ def _response(context: ServerContext, body: ChatCompletionRequest, run: ChatRun,
     choices = []
     for c in output.outputs:
         reasoning, text = run.thinking.split(c.text) if run.thinking else (None, c.text)
+        if not body.include_reasoning:
+            reasoning = None
         content, calls = reader.split(text) if reader is not None and text is not None \
             else (text, None)
         choices.append(ChatChoice(
@@ -271,9 +277,14 @@ async def _stream(context: ServerContext, body: ChatCompletionRequest, run: Chat
                 calls = None
                 text, thought = completion.text, ""
                 if thinking is not None:
-                    reasoning, text = thinking.read(completion.text, finished)
-                    thought = reasoning[sent_reasoning.get(index, 0):]
-                    sent_reasoning[index] = len(reasoning)
+                    if not finished:
+                        reasoning, text = thinking.streamed(completion.text)
+                    else:
+                        whole, rest = thinking.split(completion.text)
+                        reasoning, text = whole or "", rest or ""
+                    if body.include_reasoning:
+                        thought = reasoning[sent_reasoning.get(index, 0):]
+                        sent_reasoning[index] = len(reasoning)
                 if reader is None or named is not None:
                     shown = text
                     delta = ChatDelta(content=shown[sent:]) if named is None else \
