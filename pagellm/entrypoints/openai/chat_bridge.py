@@ -25,15 +25,14 @@ class Conversation:
     messages: list[dict[str, Any]]
     origins: list[str]
 
-    def without_first_turn(self) -> Conversation | None:
-        """The conversation less its oldest turn: its first message and what follows up
-        to the next user message. None when no user message would be left."""
-        rest = 1
-        while rest < len(self.messages) and self.messages[rest]["role"] != "user":
-            rest += 1
-        if rest >= len(self.messages):
-            return None
-        return Conversation(self.messages[rest:], self.origins[rest:])
+    def turn_starts(self) -> list[int]:
+        """Where each turn after the first begins (its user message): the places a
+        conversation can be cut, dropping whole turns, oldest first."""
+        return [index for index, message in enumerate(self.messages)
+                if index > 0 and message["role"] == "user"]
+
+    def tail(self, start: int) -> Conversation:
+        return Conversation(self.messages[start:], self.origins[start:])
 
 
 def required_string(item: dict[str, Any], key: str, where: str) -> str:

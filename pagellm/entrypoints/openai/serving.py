@@ -56,8 +56,11 @@ def refuse_set(body: Any, refused: dict[str, str]) -> None:
 
 def check_supported(body: SamplingFields) -> None:
     """A 400 naming the first option set that this server would otherwise ignore while
-    it changes what the client gets back."""
+    it changes what the client gets back, or that makes no sense without a stream."""
     refuse_set(body, _REFUSED)
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options is only allowed when stream is true",
+                          param="stream_options")
     if body.modalities is not None and set(body.modalities) - {"text"}:
         raise bad_request("modalities: only text output is produced", param="modalities")
     if body.best_of is not None and body.best_of != body.n:

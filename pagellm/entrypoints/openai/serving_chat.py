@@ -169,9 +169,6 @@ async def create_chat_completion(context: ServerContext, body: ChatCompletionReq
                                  raw: Request) -> Response:
     arrival = time.monotonic()
     context.check_model(body.model)
-    if body.stream_options is not None and not body.stream:
-        raise bad_request("stream_options is only allowed when stream is true",
-                          param="stream_options")
     run = await start_chat(context, body, arrival, f"chatcmpl-{uuid.uuid4().hex}",
                            read_reasoning=True)
     if body.stream:

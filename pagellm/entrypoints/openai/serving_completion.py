@@ -119,9 +119,6 @@ async def create_completion(context: ServerContext, body: CompletionRequest,
                             raw: Request) -> Response:
     arrival = time.monotonic()
     context.check_model(body.model)
-    if body.stream_options is not None and not body.stream:
-        raise bad_request("stream_options is only allowed when stream is true",
-                          param="stream_options")
     check_supported(body)
     engine = context.engine
     request_format = structured_outputs_of(body)

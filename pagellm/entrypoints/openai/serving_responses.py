@@ -109,24 +109,23 @@ async def _fitting(context: ServerContext, body: ResponsesRequest, conversation:
     beside max_output_tokens (OpenAI's rule; the instructions stay), or None if even the
     last turn does not. Turns drop whole, so the longer tails only ever fit less: a
     binary search renders O(log turns) of them on the tokenizer thread."""
-    tails = [conversation]
-    while (shorter := tails[-1].without_first_turn()) is not None:
-        tails.append(shorter)
+    starts = conversation.turn_starts()
     limit = context.engine.max_model_len
 
-    async def fits(tail: Conversation) -> bool:
+    async def fits(start: int) -> bool:
         tokens = len(await context.off_loop(render_messages, context.engine.tokenizer,
-                                            chat_request(body, tail)))
+                                            chat_request(body, conversation.tail(start))))
         return fits_context(limit, tokens, body.max_output_tokens)
 
-    low, high = 1, len(tails)  # the longest tail that fits is in tails[low:high], if any
+    best = None  # the earliest start known to fit
+    low, high = 0, len(starts)
     while low < high:
         middle = (low + high) // 2
-        if await fits(tails[middle]):
-            high = middle
+        if await fits(starts[middle]):
+            best = high = middle
         else:
             low = middle + 1
-    return tails[low] if low < len(tails) and await fits(tails[low]) else None
+    return None if best is None else conversation.tail(starts[best])
 
 
 def retrieve_response(store: ResponseStore, response_id: str) -> ResponseObject:
