@@ -5,35 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from pagellm.core.block_hash import HashAlgorithm
-
 SchedulingPolicy = Literal["fcfs", "cache_aware", "priority"]
-
-
-@dataclass
-class CacheConfig:
-    """The KV block pool: its block size, whether prefix caching is on, and its hash.
-
-    `num_blocks` is decided by the worker from a memory budget, so it is filled in after
-    the KV tensors are sized.
-    """
-
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    prefix_hash_algorithm: HashAlgorithm = "sha256"
-    enable_kv_cache_events: bool = False
-    num_blocks: int | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
-            raise ValueError(f"block_size must be an integer in [1, 1024], got {self.block_size!r}")
-        if self.prefix_hash_algorithm not in ("sha256", "fast"):
-            raise ValueError(
-                "prefix_hash_algorithm must be 'sha256' or 'fast', "
-                f"got {self.prefix_hash_algorithm!r}"
-            )
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
 
 
 @dataclass

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pagellm.core.sampling_params import SamplingParams
+from pagellm.engine.kv_events import KVEventHub
 from pagellm.engine.llm_engine import EngineStats, LLMEngine, PromptInput
 from pagellm.engine.outputs import RequestOutput
 
@@ -156,7 +157,8 @@ class AsyncLLMEngine:
     `add_request` returns a `RequestStream`, an async iterator of cumulative
     `RequestOutput`s; leaving it early (a client that disconnects, a cancelled task)
     aborts the request so its blocks are freed. `stats()` is the snapshot taken after the
-    latest step, so metrics never wait on one.
+    latest step, so metrics never wait on one. With `enable_kv_cache_events`, `kv_events`
+    publishes each step's prefix-cache events (else it is None).
     """
 
     def __init__(self, build: Callable[[], LLMEngine]) -> None:
@@ -170,6 +172,7 @@ class AsyncLLMEngine:
         self._formats = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="pagellm-formats")
         self.engine: LLMEngine
+        self.kv_events: KVEventHub | None
         self._stats: EngineStats
         self.tokenizer: Any
         built: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
@@ -303,6 +306,7 @@ class AsyncLLMEngine:
         try:
             self.engine = build()
             self._stats = self.engine.get_stats()
+            self.kv_events = KVEventHub() if self.engine.config.enable_kv_cache_events else None
             # Hugging Face fast tokenizers are not safe to share between threads
             # (concurrent use fails with "Already borrowed"), and this thread detokenizes
             # on every step: callers on the event loop get their own copy.
@@ -320,11 +324,16 @@ class AsyncLLMEngine:
                 if self.engine.has_unfinished_requests():
                     self._step()
                 self._stats = self.engine.get_stats()
+                if self.kv_events is not None:
+                    self.kv_events.publish(self.engine.take_kv_cache_events())
         except BaseException as error:
             self._dead = error
             logger.exception("the engine thread died; failing every request")
             self._fail_all(EngineDeadError(f"the engine stopped: {error}"))
             return
+        finally:
+            if self.kv_events is not None:
+                self.kv_events.close()
         self._dead = EngineDeadError("the engine has shut down")
         self._drain_inbox()
 

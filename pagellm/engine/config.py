@@ -79,6 +79,10 @@ class EngineConfig:
     `enforce_eager` (vLLM's name): on CUDA, run decode steps op by op instead of replaying
     captured CUDA graphs (for debugging, or to save the graphs' memory); no effect on the
     CPU.
+    `enable_kv_cache_events` (vLLM's name): record how the prefix cache's content changes
+    (blocks stored, evicted, all cleared) for `LLMEngine.take_kv_cache_events`, so that
+    a router can send each request to the engine already holding its prefix. Off by
+    default: recorded events are kept until taken.
     """
 
     model: str | None = None
@@ -100,6 +104,7 @@ class EngineConfig:
     num_threads: int | None = None
     cpu_kernels: bool = True
     enforce_eager: bool = False
+    enable_kv_cache_events: bool = False
 
     def __post_init__(self) -> None:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)

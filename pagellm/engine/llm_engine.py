@@ -19,6 +19,7 @@ import torch
 
 from pagellm.core.block_hash import BlockHasher
 from pagellm.core.config import SchedulerConfig
+from pagellm.core.events import KVCacheEvent
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.sampling_params import SamplingParams
@@ -163,7 +164,8 @@ class LLMEngine:
         graphs = uses_cuda_graphs(self.device, config, self.model)
         self.kv_cache = KVCache(self.model, num_blocks, config.block_size, padding_block=graphs)
         self.kv_manager = KVCacheManager(num_blocks, config.block_size,
-                                         config.enable_prefix_caching)
+                                         config.enable_prefix_caching,
+                                         config.enable_kv_cache_events)
         self.hasher = BlockHasher(config.block_size, config.prefix_caching_hash_algo)
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -679,6 +681,16 @@ class LLMEngine:
         logger.warning("prefix cache not reset: %d requests are unfinished; reset when "
                        "the engine is idle", self.get_num_unfinished_requests())
         return False
+
+    def take_kv_cache_events(self) -> list[KVCacheEvent]:
+        """The prefix cache's changes since the last call, oldest first: `BlockStored`
+        (a full block became findable, with its parent's hash and its tokens),
+        `BlockRemoved` (evicted) and `AllBlocksCleared` (reset). Replaying them keeps an
+        observer's copy of the cached hashes exact."""
+        if not self.config.enable_kv_cache_events:
+            raise ValueError("KV cache events are off: build the engine with "
+                             "enable_kv_cache_events=True")
+        return self.kv_manager.take_events()
 
     def get_stats(self) -> EngineStats:
         cache = self.kv_manager.stats()

@@ -17,8 +17,9 @@ from pagellm.core.block_hash import HashAlgorithm
 from pagellm.core.config import SchedulingPolicy
 from pagellm.engine.config import DTYPE_ALIASES, EngineConfig
 
-# Every subcommand reads and writes text, so running without a tokenizer is not offered.
-NOT_ON_CLI = frozenset({"skip_tokenizer_init"})
+# Every subcommand reads and writes text, so running without a tokenizer is not offered;
+# only the server has someone to send KV cache events to, so it adds that option itself.
+NOT_ON_CLI = frozenset({"skip_tokenizer_init", "enable_kv_cache_events"})
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)
              if f.name not in NOT_ON_CLI}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -110,5 +111,7 @@ def add_chat_template_arg(parser: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     """The `EngineConfig` of parsed options; raises ValueError naming a bad option."""
-    values: dict[str, Any] = {name: getattr(args, name) for name in _DEFAULTS}
+    values: dict[str, Any] = {field.name: getattr(args, field.name)
+                              for field in dataclasses.fields(EngineConfig)
+                              if hasattr(args, field.name)}
     return EngineConfig(**values)

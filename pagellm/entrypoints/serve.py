@@ -64,6 +64,9 @@ def add_parser(subparsers: Any) -> None:
     group.add_argument("--reasoning-parser", default=None, metavar="NAME",
                        help="the model's reasoning syntax, read into chat's `reasoning`: "
                             "deepseek_r1 (<think> ... </think>: DeepSeek R1 and its distills)")
+    group.add_argument("--enable-kv-cache-events", action="store_true",
+                       help="stream the prefix cache's changes (blocks stored, evicted, "
+                            "cleared) at GET /kv_cache_events, for prefix-aware routers")
     group.add_argument("--log-level", default="info",
                        choices=("critical", "error", "warning", "info", "debug"),
                        help="server log level (default: %(default)s)")

@@ -31,7 +31,7 @@ MAX_MODEL_LEN = 512
 MAX_REQUEST_BYTES = 1 << 20
 SERVER_ARGS = ["--kv-cache-memory-bytes", "128MiB", "--max-model-len", str(MAX_MODEL_LEN),
                "--max-request-bytes", str(MAX_REQUEST_BYTES), "--shutdown-timeout", "2",
-               "--log-stats-interval", "2"]
+               "--log-stats-interval", "2", "--enable-kv-cache-events"]
 
 
 def free_port() -> int:

@@ -197,6 +197,20 @@ def test_reset_prefix_cache_empties_the_cache_when_idle(engine: AsyncLLMEngine) 
     asyncio.run(run())
 
 
+def test_kv_cache_events_off_is_a_404_that_says_how_to_turn_them_on(
+        engine: AsyncLLMEngine) -> None:
+    app = create_app(engine, ServerSettings(model_names=[MODEL_NAME]))
+
+    async def run() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.get("/kv_cache_events")
+
+    reply = asyncio.run(run())
+    assert reply.status_code == 404
+    assert "--enable-kv-cache-events" in reply.json()["error"]["message"]
+
+
 def test_shutdown_ends_streams_and_refuses_new_requests(engine: AsyncLLMEngine) -> None:
     async def run() -> tuple[BaseException | None, BaseException | None]:
         stream = await engine.add_request("long", "Tell me a story.",

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from tests.server.conftest import MODEL_NAME, Server, start_server
+from tests.server.test_kv_events import Follower
 
 API_KEY = "test-key-123"
 
@@ -38,6 +39,8 @@ def test_api_key_from_environment(keyed_server: Server) -> None:
     assert client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=1).choices
     assert httpx.get(f"{keyed_server.url}/health").status_code == 200
     assert httpx.get(f"{keyed_server.url}/metrics").status_code == 200
+    # Cached prompts' tokens are not for anonymous eyes.
+    assert httpx.get(f"{keyed_server.url}/kv_cache_events").status_code == 401
 
 
 def _streaming(server: Server, api_key: str | None) -> tuple[threading.Thread, list[str]]:
@@ -104,4 +107,22 @@ def test_second_ctrl_c_aborts_at_once_and_still_ends_streams(
         assert time.monotonic() - started < 10  # not the 60 s grace period
         _assert_ended_cleanly(server, code, reader, received)
     finally:
+        server.stop()
+
+
+def test_kv_cache_event_followers_do_not_hold_up_a_shutdown(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A follower's stream has no end of its own: it ends when shutting down starts,
+    instead of keeping the server up for the whole grace period."""
+    server = start_server(tmp_path_factory.mktemp("followed"), "--shutdown-timeout", "60")
+    follower = Follower(server)
+    try:
+        follower.until(lambda f: f.seq >= 0)
+        started = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        code = server.process.wait(timeout=30)
+        assert time.monotonic() - started < 10  # not the 60 s grace period
+        assert code == 0 and "Traceback" not in server.log_text, server.log_text
+    finally:
+        follower.close()
         server.stop()

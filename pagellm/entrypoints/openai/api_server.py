@@ -47,6 +47,7 @@ from pagellm.entrypoints.openai.responses_protocol import (
 from pagellm.entrypoints.openai.serving import ServerContext
 from pagellm.entrypoints.openai.serving_chat import create_chat_completion
 from pagellm.entrypoints.openai.serving_completion import create_completion
+from pagellm.entrypoints.openai.serving_kv_events import kv_events_stream
 from pagellm.entrypoints.openai.serving_messages import count_tokens, create_message
 from pagellm.entrypoints.openai.serving_responses import (
     create_response,
@@ -185,6 +186,10 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
         (`success` false) while requests hold blocks; the caller may retry."""
         return JSONResponse({"success": await engine.reset_prefix_cache()})
 
+    @app.get("/kv_cache_events")
+    async def kv_cache_events() -> Response:
+        return kv_events_stream(engine)
+
     @app.get("/version")
     async def version() -> Response:
         return JSONResponse({"version": importlib.metadata.version("pagellm")})
@@ -243,6 +248,8 @@ class _GracefulServer(uvicorn.Server):
         self.grace = grace
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.engine.kv_events is not None:
+            self.engine.kv_events.close()  # a follower's stream never ends by itself
         aborter = asyncio.create_task(self._abort_after_grace())
         try:
             await super().shutdown(sockets)

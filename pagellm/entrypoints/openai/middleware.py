@@ -101,13 +101,13 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-# Paths that need the API key: the API, and the one endpoint outside it that changes
-# the server's state.
-_GUARDED_PREFIXES = ("/v1", "/reset_prefix_cache")
+# Paths that need the API key: the API, the one endpoint outside it that changes the
+# server's state, and the one that shows the tokens of cached prompts.
+_GUARDED_PREFIXES = ("/v1", "/reset_prefix_cache", "/kv_cache_events")
 
 
 class APIKeyMiddleware:
-    """401 for any /v1 request (and /reset_prefix_cache) without `Authorization: Bearer
+    """401 for any /v1 request (and /reset_prefix_cache, /kv_cache_events) without `Authorization: Bearer
     <api key>` or, as Anthropic's clients send it, `x-api-key: <api key>`.
 
     /health and /metrics stay open: load balancers and Prometheus probe them without

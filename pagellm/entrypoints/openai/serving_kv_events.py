@@ -1,0 +1,67 @@
+"""`GET /kv_cache_events`: the prefix cache's changes as server-sent events.
+
+A prefix-aware router keeps, per engine, the blocks it holds, and sends a request where
+the most of its prefix is cached. vLLM publishes the same events over ZeroMQ in msgpack
+(`--kv-events-config`); here they are a plain HTTP stream of JSON, with vLLM's event and
+field names, so any HTTP client can follow them. The first event is a snapshot of the
+cache (see `KVEventHub`), so a router may connect, or reconnect, at any time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from pagellm.core.events import AllBlocksCleared, BlockStored
+from pagellm.engine.async_engine import AsyncLLMEngine
+from pagellm.engine.kv_events import KVEventBatch
+from pagellm.entrypoints.openai.errors import APIError
+from pagellm.entrypoints.openai.transport import EventStreamResponse, sse
+
+
+def batch_json(batch: KVEventBatch, block_size: int) -> dict[str, Any]:
+    """vLLM's `KVEventBatch` as JSON, hashes in hex. As in vLLM, one `BlockStored` holds
+    a run of blocks, each the parent of the next (`token_ids` are theirs, concatenated),
+    and one `BlockRemoved` a run of removals."""
+    events: list[dict[str, Any]] = []
+    for event in batch.events:
+        last = events[-1] if events else None
+        if isinstance(event, BlockStored):
+            parent = None if event.parent_hash is None else event.parent_hash.hex()
+            if (last is not None and last["type"] == "BlockStored"
+                    and last["block_hashes"][-1] == parent):
+                last["block_hashes"].append(event.block_hash.hex())
+                last["token_ids"].extend(event.token_ids)
+            else:
+                events.append({"type": "BlockStored", "block_hashes": [event.block_hash.hex()],
+                               "parent_block_hash": parent, "token_ids": list(event.token_ids),
+                               "block_size": block_size})
+        elif isinstance(event, AllBlocksCleared):
+            events.append({"type": "AllBlocksCleared"})
+        elif last is not None and last["type"] == "BlockRemoved":
+            last["block_hashes"].append(event.block_hash.hex())
+        else:
+            events.append({"type": "BlockRemoved", "block_hashes": [event.block_hash.hex()]})
+    return {"seq": batch.seq, "ts": batch.timestamp, "events": events}
+
+
+def kv_events_stream(engine: AsyncLLMEngine) -> EventStreamResponse:
+    """The stream of one subscriber: the snapshot, then each step's events, until the
+    client leaves or the engine stops (or the client fell too far behind: it reconnects
+    and starts from a new snapshot)."""
+    hub = engine.kv_events
+    if hub is None:
+        raise APIError(404, "KV cache events are off: start the server with "
+                            "--enable-kv-cache-events", code="not_found")
+    block_size = engine.engine.config.block_size
+
+    async def events() -> AsyncGenerator[str, None]:
+        subscription = hub.subscribe(asyncio.get_running_loop())
+        try:
+            while (batch := await subscription.get()) is not None:
+                yield sse(batch_json(batch, block_size))
+        finally:
+            hub.unsubscribe(subscription)
+
+    return EventStreamResponse(events())
