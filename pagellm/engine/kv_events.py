@@ -94,13 +94,29 @@ class KVEventHub:
         """A subscription whose first batch is the snapshot of the cache now."""
         subscription = KVEventSubscription(loop)
         with self._lock:
-            snapshot: tuple[KVCacheEvent, ...] = (AllBlocksCleared(), *self._blocks.values())
+            snapshot: tuple[KVCacheEvent, ...] = (AllBlocksCleared(), *self._parents_first())
             subscription.put(KVEventBatch(self._seq, time.time(), snapshot))
             if self._closed:
                 subscription.put(None)
             else:
                 self._subscribers.append(subscription)
         return subscription
+
+    def _parents_first(self) -> list[BlockStored]:
+        """The cached blocks, each after its parent where that is cached too (a parent
+        evicted and stored again comes after its children in storing order)."""
+        ordered: list[BlockStored] = []
+        seen: set[BlockHash] = set()
+        for block in self._blocks.values():
+            chain: list[BlockStored] = []
+            current: BlockStored | None = block
+            while current is not None and current.block_hash not in seen:
+                seen.add(current.block_hash)
+                chain.append(current)
+                current = (None if current.parent_hash is None
+                           else self._blocks.get(current.parent_hash))
+            ordered.extend(reversed(chain))
+        return ordered
 
     def close(self) -> None:
         """The engine stopped: every subscription ends, and later ones end at once."""

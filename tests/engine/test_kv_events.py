@@ -107,6 +107,20 @@ def test_a_late_subscriber_starts_from_a_snapshot() -> None:
     asyncio.run(scenario())
 
 
+def test_the_snapshot_puts_parents_first() -> None:
+    """A parent evicted and stored again while its child stayed cached."""
+    async def scenario() -> list[KVCacheEvent]:
+        hub = KVEventHub()
+        hub.publish([_stored(1, None), _stored(2, 1), _stored(3, 2),
+                     BlockRemoved(bytes([1]), 1), _stored(1, None)])
+        batch = await hub.subscribe(asyncio.get_running_loop()).get()
+        assert batch is not None
+        return list(batch.events)
+
+    assert asyncio.run(scenario()) == [AllBlocksCleared(), _stored(1, None), _stored(2, 1),
+                                       _stored(3, 2)]
+
+
 def test_a_subscriber_that_falls_behind_is_dropped_and_close_ends_the_rest() -> None:
     async def scenario() -> None:
         hub = KVEventHub(max_pending=3)
