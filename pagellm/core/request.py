@@ -107,10 +107,6 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
-    @property
-    def is_prefill_done(self) -> bool:
-        return self.num_computed_tokens >= self.num_prompt_tokens
-
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

@@ -356,9 +356,3 @@ class Scheduler:
                     break
         for sibling in self._siblings.pop(request.request_id, []):
             self.finish(sibling, status)
-
-    def finish_by_id(self, request_id: str, status: RequestStatus) -> Request | None:
-        request = self.requests.get(request_id)
-        if request is not None:
-            self.finish(request, status)
-        return request

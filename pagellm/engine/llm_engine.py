@@ -204,10 +204,6 @@ class LLMEngine:
             "on" if config.enable_prefix_caching else "off",
             ", decode steps from CUDA graphs" if graphs else "")
 
-    @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> LLMEngine:
-        return cls(EngineConfig(**kwargs))
-
     # ---- requests -------------------------------------------------------------------
 
     def tokenize_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:

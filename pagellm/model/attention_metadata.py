@@ -46,7 +46,3 @@ class AttentionMetadata:
     @property
     def num_requests(self) -> int:
         return len(self.seq_lens_list)
-
-    @property
-    def is_decode_only(self) -> bool:
-        return self.max_query_len == 1

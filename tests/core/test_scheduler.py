@@ -641,7 +641,7 @@ def test_abort_running_request_mid_prefill_frees_everything() -> None:
     (r,) = d.add("r", prompt_of(23, 14), max_tokens=5)
     d.step()
     assert d.kv.get_block_ids(r)
-    assert d.sched.finish_by_id("r", RequestStatus.FINISHED_ABORTED) is r
+    d.sched.finish(r, RequestStatus.FINISHED_ABORTED)
     assert r.status.finish_reason == "abort"
     assert not d.sched.has_unfinished_requests()
     d.check_idle()
@@ -657,7 +657,6 @@ def test_abort_waiting_and_unknown_requests() -> None:
     d.step()
     d.sched.finish(b, RequestStatus.FINISHED_ABORTED)
     assert b not in d.sched.waiting and b.is_finished
-    assert d.sched.finish_by_id("nope", RequestStatus.FINISHED_ABORTED) is None
     d.sched.finish(b, RequestStatus.FINISHED_ERROR)  # finishing twice is a no-op
     assert b.status is RequestStatus.FINISHED_ABORTED
     d.run()
@@ -670,7 +669,7 @@ def test_abort_preempted_request() -> None:
     (b,) = d.add("b", prompt_of(25, 8), max_tokens=10)
     while not b.num_preemptions:
         d.step()
-    d.sched.finish_by_id("b", RequestStatus.FINISHED_ABORTED)
+    d.sched.finish(d.sched.requests["b"], RequestStatus.FINISHED_ABORTED)
     assert b not in d.sched.waiting
     d.run()
 
@@ -679,7 +678,7 @@ def test_abort_leader_with_pending_siblings_frees_everything() -> None:
     d = Driver(max_num_batched_tokens=4)
     group = d.add("p", prompt_of(26, 10), n=3, max_tokens=3)
     d.step()
-    d.sched.finish_by_id("p", RequestStatus.FINISHED_ABORTED)
+    d.sched.finish(d.sched.requests["p"], RequestStatus.FINISHED_ABORTED)
     assert all(r.status is RequestStatus.FINISHED_ABORTED for r in group)
     assert not d.sched.has_unfinished_requests()
     d.check_idle()
@@ -688,7 +687,7 @@ def test_abort_leader_with_pending_siblings_frees_everything() -> None:
 def test_abort_one_pending_sibling_does_not_resurrect_it() -> None:
     d = Driver()
     leader, s1, s2 = d.add("p", prompt_of(27, 10), n=3, max_tokens=2)
-    d.sched.finish_by_id("p#1", RequestStatus.FINISHED_ABORTED)
+    d.sched.finish(d.sched.requests["p#1"], RequestStatus.FINISHED_ABORTED)
     assert d.sched.num_waiting == 2
     out = d.step()
     assert out.scheduled[0].forks == [s2]
@@ -702,7 +701,7 @@ def test_abort_forked_sibling_leaves_the_others_running() -> None:
     d = Driver()
     leader, s1 = d.add("p", prompt_of(28, 10), n=2, max_tokens=4)
     d.step()
-    d.sched.finish_by_id("p#1", RequestStatus.FINISHED_ABORTED)
+    d.sched.finish(d.sched.requests["p#1"], RequestStatus.FINISHED_ABORTED)
     d.run()
     assert leader.num_output_tokens == 4 and s1.num_output_tokens == 1
 

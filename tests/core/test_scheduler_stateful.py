@@ -162,7 +162,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         req = self.all[rid]
         event(f"abort {req.status.name.lower()}")
         group = [r for r in live if r == rid or r.startswith(rid + "#")]
-        assert self.sched.finish_by_id(rid, RequestStatus.FINISHED_ABORTED) is req
+        self.sched.finish(req, RequestStatus.FINISHED_ABORTED)
         assert req.status is RequestStatus.FINISHED_ABORTED
         self.aborted.add(rid)
         if "#" not in rid:
