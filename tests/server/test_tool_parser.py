@@ -223,3 +223,88 @@ def test_chat_reads_reasoning_with_the_reasoning_parser(engine: AsyncLLMEngine,
     for stream in (False, True):
         assert ask_chat("deepseek_r1", stream) == (before, after), stream
         assert ask_chat("deepseek_r1", stream, include=False) == ("", after), stream
+
+
+def test_responses_and_messages_read_reasoning_too(engine: AsyncLLMEngine,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """With --reasoning-parser, the Responses API answers with a reasoning item before
+    the message, and the Messages API with a thinking block before the text, each the
+    same streamed (through the SDKs' own stream readers) or not. A conversation that
+    continues its last message reads no reasoning: that text is the client's. The end
+    tag comes from the default model's own answer, as in the chat test above."""
+    import anthropic
+    import httpx2
+
+    from pagellm.entrypoints.openai import reasoning
+
+    question = [{"role": "user", "content": "What is 2+2?"}]
+    app = create_app(engine, ServerSettings(model_names=[MODEL_NAME],
+                                            reasoning_parser="deepseek_r1"))
+
+    async def answer_plainly() -> str:
+        plain = create_app(engine, ServerSettings(model_names=[MODEL_NAME]))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=plain),
+                                     base_url="http://test", timeout=60) as client:
+            reply = await client.post("/v1/chat/completions", json={
+                "messages": question, "max_tokens": 16, "temperature": 0})
+        return str(reply.json()["choices"][0]["message"]["content"])
+
+    async def ask() -> dict[str, Any]:
+        found: dict[str, Any] = {}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://test", timeout=60) as http:
+            client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="x",
+                                        http_client=http, max_retries=0)
+            kwargs: dict[str, Any] = dict(model=MODEL_NAME, input=question,
+                                          max_output_tokens=16, temperature=0)
+            found["response"] = await client.responses.create(**kwargs)
+            async with client.responses.stream(**kwargs) as stream:
+                found["events"] = [event async for event in stream]
+                found["streamed"] = await stream.get_final_response()
+            continued = await client.chat.completions.create(
+                model=MODEL_NAME, max_tokens=4, temperature=0,
+                messages=[*question, {"role": "assistant", "content": "It is"}],
+                extra_body={"continue_final_message": True, "add_generation_prompt": False})
+            found["continued"] = continued.choices[0].message
+        async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app),
+                                      base_url="http://test", timeout=60) as http2:
+            claude = anthropic.AsyncAnthropic(base_url="http://test", api_key="x",
+                                              http_client=http2, max_retries=0)
+            message_kwargs: dict[str, Any] = dict(model=MODEL_NAME, messages=question,
+                                                  max_tokens=16,
+                                                  extra_body={"temperature": 0})
+            found["message"] = await claude.messages.create(**message_kwargs)
+            async with claude.messages.stream(**message_kwargs) as message_stream:
+                found["message_events"] = [event async for event in message_stream]
+                found["streamed_message"] = await message_stream.get_final_message()
+        return found
+
+    plain = asyncio.run(answer_plainly())
+    assert len(plain.split()) > 4
+    end_tag = " " + plain.split()[3]
+    before, _, after = plain.partition(end_tag)
+    monkeypatch.setattr(reasoning, "_END", end_tag)
+    found = asyncio.run(ask())
+
+    for response in (found["response"], found["streamed"]):
+        assert [item.type for item in response.output] == ["reasoning", "message"]
+        assert response.output[0].content[0].text == before
+        assert response.output_text == after
+    kinds = [event.type for event in found["events"]]
+    assert kinds.index("response.reasoning_text.done") < kinds.index(
+        "response.output_text.delta")
+    assert "".join(event.delta for event in found["events"]
+                   if event.type == "response.reasoning_text.delta") == before
+    assert {event.output_index for event in found["events"]
+            if event.type == "response.output_text.delta"} == {1}
+
+    for message in (found["message"], found["streamed_message"]):
+        assert [block.type for block in message.content] == ["thinking", "text"]
+        assert message.content[0].thinking == before and message.content[0].signature
+        assert message.content[1].text == after
+    deltas = [event.delta.type for event in found["message_events"]
+              if event.type == "content_block_delta"]
+    assert deltas.index("signature_delta") < deltas.index("text_delta")
+
+    continued = found["continued"]
+    assert getattr(continued, "reasoning", None) is None and continued.content

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagellm.engine.chat_template import json_object
-from pagellm.engine.outputs import CompletionOutput
 from pagellm.entrypoints.openai.errors import APIError, bad_request
 from pagellm.entrypoints.openai.protocol import ToolCall
 from pagellm.entrypoints.openai.tool_calls import ToolCallReader
@@ -43,25 +42,26 @@ def required_string(item: dict[str, Any], key: str, where: str) -> str:
     return value
 
 
-def split_answer(reader: ToolCallReader | None, completion: CompletionOutput
+def split_answer(reader: ToolCallReader | None, answer: str
                  ) -> tuple[str | None, list[ToolCall] | None]:
-    """(text, calls) of a finished answer. A call cut short (by max_tokens or a stop
-    string, so that its arguments are not a whole JSON object) is not a call the client
-    could run or send back: the answer is then all text. Calls that were whole when
-    max_tokens ended the answer stay calls, as chat reads them."""
+    """(text, calls) of a finished answer (after its reasoning, see answer_parts). A
+    call cut short (by max_tokens or a stop string, so that its arguments are not a
+    whole JSON object) is not a call the client could run or send back: the answer is
+    then all text. Calls that were whole when max_tokens ended the answer stay calls,
+    as chat reads them."""
     if reader is None:
-        return completion.text, None
-    text, calls = reader.split(completion.text)
+        return answer, None
+    text, calls = reader.split(answer)
     if calls and any(json_object(call.function.arguments) is None for call in calls):
-        return completion.text, None
+        return answer, None
     return text, calls
 
 
-def streamed_text(reader: ToolCallReader | None, completion: CompletionOutput) -> str:
+def streamed_text(reader: ToolCallReader | None, answer: str) -> str:
     """The text of a running answer that a stream may send: all of it without a reader,
     else what comes before a possible call (a call's markup is never shown). Once the
     answer is finished, its text is what split_answer reads."""
-    return completion.text if reader is None else reader.streamed_content(completion.text)
+    return answer if reader is None else reader.streamed_content(answer)
 
 
 def json_schema_format(schema: dict[str, Any], name: str, strict: Any = None

@@ -71,10 +71,13 @@ class MessagesUsage(BaseModel):
 
 
 class ContentBlock(WithoutNulls):
-    """A text block (`text`) or a tool_use block (`id`, `name`, `input`)."""
+    """A text block (`text`), a tool_use block (`id`, `name`, `input`) or, with a
+    reasoning parser, a thinking block (`thinking`, `signature`)."""
 
-    type: Literal["text", "tool_use"]
+    type: Literal["text", "tool_use", "thinking"]
     text: str | None = None
+    thinking: str | None = None
+    signature: str | None = None
     id: str | None = None
     name: str | None = None
     input: dict[str, Any] | None = None

@@ -9,6 +9,7 @@ content, which a tool-call parser then reads.
 
 from __future__ import annotations
 
+from pagellm.engine.outputs import CompletionOutput
 from pagellm.entrypoints.openai.tool_calls import partial_tag
 
 _START = "<think>"
@@ -41,6 +42,19 @@ class ThinkReasoningParser:
         if end:
             return reasoning, content
         return body[:len(body) - partial_tag(body, _END)], ""
+
+
+def answer_parts(thinking: ThinkReasoningParser | None, completion: CompletionOutput
+                 ) -> tuple[str, str]:
+    """(reasoning, the rest) of an answer as a stream may send it: while it runs, parts
+    that only grow (`streamed`); once finished, the whole split, "" where a part is
+    missing. Without a parser there is no reasoning."""
+    if thinking is None:
+        return "", completion.text
+    if completion.finish_reason is None:
+        return thinking.streamed(completion.text)
+    reasoning, content = thinking.split(completion.text)
+    return reasoning or "", content or ""
 
 
 # The parsers of models' reasoning syntax, by their vLLM names.

@@ -93,7 +93,23 @@ class FunctionCallItem(BaseModel):
     status: Status
 
 
-OutputItem = OutputMessage | FunctionCallItem
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(BaseModel):
+    """The answer's reasoning, with a reasoning parser (as vLLM gives it: the text in
+    `content`, no summary)."""
+
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText]
+    status: Status
+
+
+OutputItem = ReasoningItem | OutputMessage | FunctionCallItem
 
 
 class InputTokensDetails(BaseModel):
@@ -179,7 +195,7 @@ class StreamEvent(WithoutNulls):
     content_index: int | None = None
     item_id: str | None = None
     item: OutputItem | None = None
-    part: OutputText | None = None
+    part: OutputText | ReasoningText | None = None
     delta: str | None = None
     text: str | None = None
     arguments: str | None = None

@@ -36,7 +36,11 @@ from pagellm.entrypoints.openai.protocol import (
     ToolCall,
     UsageInfo,
 )
-from pagellm.entrypoints.openai.reasoning import REASONING_PARSERS, ThinkReasoningParser
+from pagellm.entrypoints.openai.reasoning import (
+    REASONING_PARSERS,
+    ThinkReasoningParser,
+    answer_parts,
+)
 from pagellm.entrypoints.openai.sampling import build_sampling_params, structured_outputs_of
 from pagellm.entrypoints.openai.serving import (
     Prompt,
@@ -127,20 +131,23 @@ class ChatRun:
 
 
 async def start_chat(context: ServerContext, body: ChatCompletionRequest, arrival: float,
-                     request_id: str, read_reasoning: bool = False) -> ChatRun:
+                     request_id: str) -> ChatRun:
     """Checks a chat request, renders its conversation and queues it: what chat and the
     APIs answered through it (Responses, Messages) share. A request the server cannot
     take is a 400 naming the chat field (the other APIs rename it, see chat_bridge).
-    With `read_reasoning` (chat's), the server's reasoning parser reads the answer,
-    except under a format, whose answer is the format from its first token."""
+    The server's reasoning parser (if any) reads the answer, except under
+    a format, whose answer is the format from its first token, and when the answer
+    continues the conversation's last message, which is the client's text, not a
+    reasoning block the template opened."""
     check_supported(body)
     _check_chat_options(body)
     reader = tool_call_reader(body, context.tool_call_parser)
     request_format = structured_outputs_of(
         body, reader.schema if isinstance(reader, ToolCallFormat) else None)
     thinking = (REASONING_PARSERS[context.reasoning_parser]()
-                if read_reasoning and context.reasoning_parser
-                and request_format.params is None else None)
+                if context.reasoning_parser
+                and request_format.params is None and not body.continue_final_message
+                else None)
     engine = context.engine
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None \
         else "max_tokens"
@@ -169,8 +176,7 @@ async def create_chat_completion(context: ServerContext, body: ChatCompletionReq
                                  raw: Request) -> Response:
     arrival = time.monotonic()
     context.check_model(body.model)
-    run = await start_chat(context, body, arrival, f"chatcmpl-{uuid.uuid4().hex}",
-                           read_reasoning=True)
+    run = await start_chat(context, body, arrival, f"chatcmpl-{uuid.uuid4().hex}")
     if body.stream:
         events = _stream(context, body, run, UsageReport.of(body.stream_options))
         return EventStreamResponse(streamed(aborting_on_exit(run.streams, events)))
@@ -272,16 +278,11 @@ async def _stream(context: ServerContext, body: ChatCompletionRequest, run: Chat
                     continue
                 sent = sent_text.get(index, 0)
                 calls = None
-                text, thought = completion.text, ""
-                if thinking is not None:
-                    if not finished:
-                        reasoning, text = thinking.streamed(completion.text)
-                    else:
-                        whole, rest = thinking.split(completion.text)
-                        reasoning, text = whole or "", rest or ""
-                    if body.include_reasoning:
-                        thought = reasoning[sent_reasoning.get(index, 0):]
-                        sent_reasoning[index] = len(reasoning)
+                reasoning, text = answer_parts(thinking, completion)
+                thought = ""
+                if thinking is not None and body.include_reasoning:
+                    thought = reasoning[sent_reasoning.get(index, 0):]
+                    sent_reasoning[index] = len(reasoning)
                 if reader is None or named is not None:
                     shown = text
                     delta = ChatDelta(content=shown[sent:]) if named is None else \

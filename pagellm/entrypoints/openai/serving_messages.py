@@ -40,6 +40,7 @@ from pagellm.entrypoints.openai.messages_to_chat import (
     count_request,
     renamed,
 )
+from pagellm.entrypoints.openai.reasoning import answer_parts
 from pagellm.entrypoints.openai.serving import (
     ServerContext,
     aborting_on_exit,
@@ -48,7 +49,7 @@ from pagellm.entrypoints.openai.serving import (
     usage,
 )
 from pagellm.entrypoints.openai.serving_chat import ChatRun, render_messages, start_chat
-from pagellm.entrypoints.openai.tool_calls import ToolCallReader, function_schemas
+from pagellm.entrypoints.openai.tool_calls import function_schemas
 from pagellm.entrypoints.openai.transport import EventStreamResponse, sse, unless_disconnected
 
 
@@ -71,7 +72,7 @@ async def create_message(context: ServerContext, body: MessagesRequest, raw: Req
         return EventStreamResponse(aborting_on_exit(
             run.streams, _events(context, run, message_id)))
     outputs = await unless_disconnected(raw, final_outputs(run.streams, context.metrics))
-    return JSONResponse(_answer(context.model_name, message_id, run.reader, outputs[0])
+    return JSONResponse(_answer(context.model_name, message_id, run, outputs[0])
                         .model_dump(mode="json"))
 
 
@@ -101,12 +102,18 @@ def _stop(completion: CompletionOutput, called: bool) -> tuple[StopReason, str |
     return "end_turn", None
 
 
-def _content(reader: ToolCallReader | None, completion: CompletionOutput
+def _content(run: ChatRun, completion: CompletionOutput, signature: str
              ) -> list[ContentBlock]:
-    """The answer's blocks: its text (when there is some, or no call), then one tool_use
-    block per call (a call cut short is text: see split_answer)."""
-    text, calls = split_answer(reader, completion)
-    blocks = [ContentBlock(type="text", text=text or "")] if text or not calls else []
+    """The answer's blocks: its reasoning as a thinking block (with a reasoning parser,
+    when there is some; `signature` is opaque, as vLLM's), its text (when there is some,
+    or no call), then one tool_use block per call (a call cut short is text: see
+    split_answer)."""
+    reasoning, answer = answer_parts(run.thinking, completion)
+    text, calls = split_answer(run.reader, answer)
+    blocks = ([ContentBlock(type="thinking", thinking=reasoning, signature=signature)]
+              if reasoning else [])
+    if text or not calls:
+        blocks.append(ContentBlock(type="text", text=text or ""))
     blocks += [ContentBlock(type="tool_use", id=call.id, name=call.function.name,
                             input=json.loads(call.function.arguments))
                for call in calls or []]
@@ -121,10 +128,10 @@ def _usage(result: RequestOutput) -> MessagesUsage:
                          cache_read_input_tokens=cached)
 
 
-def _answer(model: str, message_id: str, reader: ToolCallReader | None,
-            result: RequestOutput) -> MessagesResponse:
+def _answer(model: str, message_id: str, run: ChatRun, result: RequestOutput
+            ) -> MessagesResponse:
     completion = result.outputs[0]
-    content = _content(reader, completion)
+    content = _content(run, completion, _signature())
     stop_reason, stop_sequence = _stop(completion,
                                        any(block.type == "tool_use" for block in content))
     return MessagesResponse(id=message_id, model=model, content=content,
@@ -135,17 +142,19 @@ def _answer(model: str, message_id: str, reader: ToolCallReader | None,
 async def _events(context: ServerContext, run: ChatRun, message_id: str
                   ) -> AsyncGenerator[str, None]:
     """Anthropic's event stream: message_start (once the prompt is read, so that its
-    usage says how much came from the cache) and a ping; the text block's start, its
-    text_delta pieces (held back where a tool call may begin) and stop; each tool_use
-    block whole (start, one input_json_delta, stop); message_delta with the stop reason
-    and usage; message_stop. A failure is an `error` event."""
+    usage says how much came from the cache) and a ping; with a reasoning parser, the
+    thinking block (its thinking_delta pieces, then its signature_delta and stop once
+    the text begins); the text block's start, its text_delta pieces (held back where a
+    tool call may begin) and stop; each tool_use block whole (start, one
+    input_json_delta, stop); message_delta with the stop reason and usage;
+    message_stop. A failure is an `error` event."""
 
     def event(kind: str, **fields: Any) -> str:
         return sse(StreamEvent(type=kind, **fields).model_dump(mode="json"), kind)
 
-    reader = run.reader
-    sent = 0
-    started = opened = False
+    signature = _signature()
+    sent_thought = sent = 0
+    started = thinking = thought = opened = False
     try:
         async with aclosing(merged(run.streams, context.metrics)) as outputs:
             async for _, result in outputs:
@@ -156,24 +165,38 @@ async def _events(context: ServerContext, run: ChatRun, message_id: str
                     yield event("message_start", message=empty) + event("ping")
                     started = True
                 finished = completion.finish_reason is not None
-                content = _content(reader, completion) if finished else []
-                if finished:
-                    shown = (content[0].text or "") if content[0].type == "text" else ""
-                else:
-                    shown = streamed_text(reader, completion)
-                if len(shown) > sent or (finished and content[0].type == "text"):
+                reasoning, answer = answer_parts(run.thinking, completion)
+                if len(reasoning) > sent_thought:
+                    if not thinking:
+                        yield event("content_block_start", index=0, content_block=ContentBlock(
+                            type="thinking", thinking="", signature=""))
+                        thinking = True
+                    yield event("content_block_delta", index=0, delta={
+                        "type": "thinking_delta", "thinking": reasoning[sent_thought:]})
+                    sent_thought = len(reasoning)
+                content = _content(run, completion, signature) if finished else []
+                text = next((block for block in content if block.type == "text"), None)
+                shown = (text.text or "") if text is not None else (
+                    "" if finished else streamed_text(run.reader, answer))
+                if thinking and not thought and (shown or finished):
+                    yield (event("content_block_delta", index=0, delta={
+                               "type": "signature_delta", "signature": signature})
+                           + event("content_block_stop", index=0))
+                    thought = True
+                first = 1 if thinking else 0
+                if len(shown) > sent or text is not None:
                     if not opened:
-                        yield event("content_block_start", index=0,
+                        yield event("content_block_start", index=first,
                                     content_block=ContentBlock(type="text", text=""))
                         opened = True
                     if len(shown) > sent:
-                        yield event("content_block_delta", index=0,
+                        yield event("content_block_delta", index=first,
                                     delta={"type": "text_delta", "text": shown[sent:]})
                         sent = len(shown)
                 if not finished:
                     continue
                 if opened:
-                    yield event("content_block_stop", index=0)
+                    yield event("content_block_stop", index=first)
                 for index, block in enumerate(content):
                     if block.type != "tool_use":
                         continue
@@ -194,3 +217,9 @@ async def _events(context: ServerContext, run: ChatRun, message_id: str
                        + event("message_stop"))
     except Exception as error:  # noqa: BLE001 - reported to the client as Anthropic does
         yield event("error", error=failure(error).anthropic_body()["error"])
+
+
+def _signature() -> str:
+    """A thinking block's signature: Anthropic's verifies the thinking when a client
+    sends it back; here thinking sent back is dropped, so it is only an opaque id."""
+    return uuid.uuid4().hex

@@ -25,6 +25,7 @@ from pagellm.entrypoints.openai.chat_bridge import Conversation, split_answer, s
 from pagellm.entrypoints.openai.errors import APIError, bad_request, failure
 from pagellm.entrypoints.openai.logprobs import TokenText, chat_logprobs
 from pagellm.entrypoints.openai.protocol import ChatTokenLogprob
+from pagellm.entrypoints.openai.reasoning import answer_parts
 from pagellm.entrypoints.openai.response_store import ResponseStore
 from pagellm.entrypoints.openai.responses_protocol import (
     DeletedResponse,
@@ -35,6 +36,8 @@ from pagellm.entrypoints.openai.responses_protocol import (
     OutputItem,
     OutputMessage,
     OutputText,
+    ReasoningItem,
+    ReasoningText,
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
@@ -196,6 +199,7 @@ class ResponseAnswer:
         self.store = store
         self.token_text = token_text
         self.message_id = _item_id("msg")
+        self.reasoning_id = _item_id("rs")
 
     def response(self, status: Status, output: list[OutputItem],
                  result: RequestOutput | None = None) -> ResponseObject:
@@ -234,15 +238,22 @@ class ResponseAnswer:
         return OutputMessage(id=self.message_id, status=status,
                              content=[OutputText(text=text, logprobs=logprobs)])
 
+    def reasoning(self, text: str, status: Status) -> ReasoningItem:
+        return ReasoningItem(id=self.reasoning_id, status=status,
+                             content=[ReasoningText(text=text)])
+
     def finish(self, result: RequestOutput) -> ResponseObject:
-        """The whole response: the message (when there is text, or no call) and one
-        item per call, read once, so that the stored conversation carries the very call
-        ids the client answers with; kept in the store if asked. A call cut short is
-        text (see split_answer)."""
+        """The whole response: the reasoning (with a reasoning parser, when there is
+        some), the message (when there is text, or no call) and one item per call, read
+        once, so that the stored conversation carries the very call ids the client
+        answers with; kept in the store if asked (without the reasoning, which chat
+        templates leave out of earlier turns). A call cut short is text (see
+        split_answer)."""
         completion = result.outputs[0]
-        content, calls = split_answer(self.run.reader, completion)
+        reasoning, answer = answer_parts(self.run.thinking, completion)
+        content, calls = split_answer(self.run.reader, answer)
         status = _status(completion)
-        output: list[OutputItem] = []
+        output: list[OutputItem] = [self.reasoning(reasoning, "completed")] if reasoning else []
         if content or not calls:
             output.append(self.message(content or "", status, self.logprobs(completion)))
         output.extend(FunctionCallItem(id=_item_id("fc"), call_id=call.id,
@@ -252,30 +263,30 @@ class ResponseAnswer:
                       for call in calls or [])
         response = self.response(status, output, result)
         if self.store is not None:
-            answer: dict[str, Any] = {"role": "assistant", "content": content}
+            turn: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
-                answer["tool_calls"] = [call.model_dump() for call in calls]
-            self.store.put(response, [*self.conversation.messages, answer],
+                turn["tool_calls"] = [call.model_dump() for call in calls]
+            self.store.put(response, [*self.conversation.messages, turn],
                            input_items(self.body.input))
         return response
 
     async def events(self, context: ServerContext) -> AsyncGenerator[str, None]:
-        """OpenAI's event stream: created, in_progress, the message's text as deltas as
-        it comes (held back where a tool call may begin, as chat's stream does; each
-        delta with the logprobs of the tokens since the last), each item's done events,
-        and the whole response last. That last event is "response.completed" whatever
-        the status inside (as vLLM sends it; OpenAI's SDK reads the final response only
-        from that event). A failure is an "error" event; the stream has no `[DONE]`, as
-        OpenAI's has none."""
+        """OpenAI's event stream: created, in_progress; with a reasoning parser, the
+        reasoning item's text as deltas, closed once the message's text begins; the
+        message's text as deltas as it comes (held back where a tool call may begin, as
+        chat's stream does; each delta with the logprobs of the tokens since the last),
+        each item's done events, and the whole response last. That last event is
+        "response.completed" whatever the status inside (as vLLM sends it; OpenAI's SDK
+        reads the final response only from that event). A failure is an "error" event;
+        the stream has no `[DONE]`, as OpenAI's has none."""
         numbers = itertools.count()
 
         def event(kind: str, **fields: Any) -> str:
             payload = StreamEvent(type=kind, sequence_number=next(numbers), **fields)
             return sse(payload.model_dump(mode="json"), kind)
 
-        reader = self.run.reader
-        sent = sent_logprobs = 0
-        opened = False
+        sent = sent_logprobs = sent_thought = 0
+        opened = thinking = thought = False
         try:
             started = self.response("in_progress", [])
             yield event("response.created", response=started)
@@ -283,31 +294,46 @@ class ResponseAnswer:
             async with aclosing(merged(self.run.streams, context.metrics)) as outputs:
                 async for _, result in outputs:
                     completion = result.outputs[0]
+                    reasoning, answer = answer_parts(self.run.thinking, completion)
+                    if len(reasoning) > sent_thought:
+                        if not thinking:
+                            yield self._opening_reasoning(event)
+                            thinking = True
+                        yield event("response.reasoning_text.delta", item_id=self.reasoning_id,
+                                    output_index=0, content_index=0,
+                                    delta=reasoning[sent_thought:])
+                        sent_thought = len(reasoning)
                     response = None
                     if completion.finish_reason is None:
-                        shown = streamed_text(reader, completion)
+                        shown = streamed_text(self.run.reader, answer)
                     else:
                         response = self.finish(result)
-                        first = response.output[0]
-                        shown = first.content[0].text if isinstance(first, OutputMessage) \
-                            else ""
+                        message = next((item for item in response.output
+                                        if isinstance(item, OutputMessage)), None)
+                        shown = message.content[0].text if message is not None else ""
+                    if thinking and not thought and (shown or response is not None):
+                        for text in _closing(self.reasoning(reasoning, "completed"), 0, event):
+                            yield text
+                        thought = True
+                    index = 1 if thinking else 0
                     logprobs = self.logprobs(completion, sent_logprobs)
                     # The last tokens' logprobs (EOS adds no text) close the deltas, so
                     # that they add up to the message's.
-                    last = response is not None and isinstance(response.output[0],
-                                                               OutputMessage) and bool(logprobs)
+                    last = response is not None and message is not None and bool(logprobs)
                     if len(shown) > sent or last:
                         if not opened:
-                            yield self._opening(event)
+                            yield self._opening(event, index)
                             opened = True
                         yield event("response.output_text.delta", item_id=self.message_id,
-                                    output_index=0, content_index=0, delta=shown[sent:],
+                                    output_index=index, content_index=0, delta=shown[sent:],
                                     logprobs=logprobs or [])
                         sent, sent_logprobs = len(shown), len(completion.logprobs or [])
                     if response is not None:
                         for index, item in enumerate(response.output):
+                            if isinstance(item, ReasoningItem):
+                                continue
                             if isinstance(item, OutputMessage) and not opened:
-                                yield self._opening(event)
+                                yield self._opening(event, index)
                             for text in _closing(item, index, event):
                                 yield text
                         yield event("response.completed", response=response)
@@ -316,17 +342,32 @@ class ResponseAnswer:
             yield event("error", code=info.code or info.type, message=info.message,
                         param=info.param)
 
-    def _opening(self, event: Emit) -> str:
+    def _opening(self, event: Emit, index: int) -> str:
         """The events that open the message item, before its first text."""
         empty = OutputMessage(id=self.message_id, status="in_progress", content=[])
-        return (event("response.output_item.added", output_index=0, item=empty)
+        return (event("response.output_item.added", output_index=index, item=empty)
                 + event("response.content_part.added", item_id=self.message_id,
-                        output_index=0, content_index=0, part=OutputText(text="")))
+                        output_index=index, content_index=0, part=OutputText(text="")))
+
+    def _opening_reasoning(self, event: Emit) -> str:
+        """The events that open the reasoning item (always the first), as vLLM's."""
+        empty = ReasoningItem(id=self.reasoning_id, status="in_progress", content=[])
+        return (event("response.output_item.added", output_index=0, item=empty)
+                + event("response.content_part.added", item_id=self.reasoning_id,
+                        output_index=0, content_index=0, part=ReasoningText(text="")))
 
 
 def _closing(item: OutputItem, index: int, event: Emit) -> list[str]:
-    """The events that close an item: a message's text and part done, or a function
-    call added whole with its arguments in one delta; then the item done."""
+    """The events that close an item: a reasoning item's or a message's text and part
+    done, or a function call added whole with its arguments in one delta; then the item
+    done."""
+    if isinstance(item, ReasoningItem):
+        reasoning = item.content[0]
+        return [event("response.reasoning_text.done", item_id=item.id, output_index=index,
+                      content_index=0, text=reasoning.text),
+                event("response.content_part.done", item_id=item.id, output_index=index,
+                      content_index=0, part=reasoning),
+                event("response.output_item.done", output_index=index, item=item)]
     if isinstance(item, OutputMessage):
         part = item.content[0]
         return [event("response.output_text.done", item_id=item.id, output_index=index,
