@@ -18,7 +18,10 @@ from pagellm.engine.text import encode_text
 
 Message = dict[str, Any]
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
+# Content parts that carry text, and the key that holds it (vLLM reads these as text;
+# the Responses API's input_text/output_text parts come through clients that mix APIs).
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text",
+              "refusal": "refusal", "thinking": "thinking"}
 # Message fields passed on to the template besides role and content: templates that know
 # tools render an assistant's tool calls and a tool result's call id.
 _PASSED_FIELDS: dict[str, type] = {"name": str, "tool_calls": list, "tool_call_id": str}
@@ -109,19 +112,29 @@ class ChatOptions:
 
 
 def _content(index: int, content: Any) -> str:
-    """A message's text; text parts are joined by newlines, as vLLM does."""
+    """A message's text; text parts (strings, or parts of TEXT_PARTS' types) are joined
+    by newlines, and a text part without its text is skipped, as vLLM does."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         texts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text"
-                    and isinstance(part.get("text"), str)):
-                raise ChatError(f"messages[{index}].content parts must be "
-                                f"{{'type': 'text', 'text': str}}, got {part!r}", "messages")
-            texts.append(part["text"])
+        for number, part in enumerate(content):
+            if isinstance(part, str):
+                texts.append(part)
+                continue
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in TEXT_PARTS:
+                raise ChatError(f"messages[{index}].content[{number}]: only text content "
+                                f"parts are supported, got {part!r}", "messages")
+            text = part.get(TEXT_PARTS[kind])
+            if text is None:
+                continue
+            if not isinstance(text, str):
+                raise ChatError(f"messages[{index}].content[{number}].{TEXT_PARTS[kind]} "
+                                f"must be a string, got {text!r}", "messages")
+            texts.append(text)
         return "\n".join(texts)
     raise ChatError(f"messages[{index}].content must be a string, a list of text parts or "
                     f"None, got {type(content).__name__}", "messages")
@@ -141,8 +154,8 @@ def check_messages(messages: Any) -> list[Message]:
             raise ChatError(f"messages[{index}] must be a dict with 'role' and 'content'",
                             "messages")
         role = message.get("role")
-        if role not in ROLES:
-            raise ChatError(f"messages[{index}].role must be one of {', '.join(ROLES)}, got "
+        if not isinstance(role, str) or not role:
+            raise ChatError(f"messages[{index}].role must be a non-empty string, got "
                             f"{role!r}", "messages")
         rendered: Message = {"role": "system" if role == "developer" else role,
                              "content": _content(index, message.get("content"))}

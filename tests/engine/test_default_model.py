@@ -160,7 +160,7 @@ def test_output_ending_mid_character_ends_with_replacement(default_llm: Any) -> 
 def test_chat_refuses_bad_conversations_and_options(default_llm: Any) -> None:
     params = SamplingParams(temperature=0, max_tokens=2)
     bad = [([], "non-empty"),
-           ([{"role": "wizard", "content": "hi"}], r"messages\[0\]\.role"),
+           ([{"role": 5, "content": "hi"}], r"messages\[0\]\.role"),
            ([{"role": "user", "content": 5}], r"messages\[0\]\.content"),
            ([{"role": "user", "content": [{"type": "image_url"}]}], "content parts"),
            ([{"role": "user", "content": "x", "name": 5}], r"messages\[0\]\.name"),

@@ -27,7 +27,7 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
     ("float max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": 2.5}, 400,
      "max_tokens", "max_tokens"),
     ("wrong prompt type", "/v1/completions", {"prompt": {"a": 1}}, 400, "prompt", "prompt"),
-    ("bad role", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]},
+    ("role not a string", "/v1/chat/completions", {"messages": [{"role": 5, "content": "x"}]},
      400, "messages[0].role", "role"),
     ("content not text", "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]},
      400, "messages[0].content", "content"),
@@ -47,11 +47,10 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
     ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages", "empty"),
     ("prompt too long", "/v1/completions", {"prompt": LONG_TEXT, "max_tokens": 1}, 400,
      "prompt", "maximum context length"),
-    ("max_tokens cannot fit", "/v1/completions", {"prompt": "x", "max_tokens": MAX_MODEL_LEN},
-     400, "max_tokens", f"{MAX_MODEL_LEN + 1} tokens"),
-    ("max_completion_tokens cannot fit", "/v1/chat/completions",
-     {"messages": USER, "max_completion_tokens": 10**6}, 400, "max_completion_tokens",
-     "maximum context length"),
+    ("prompt fills the context", "/v1/completions", {"prompt": [7] * MAX_MODEL_LEN}, 400,
+     "prompt", f"{MAX_MODEL_LEN} in the prompt"),
+    ("unknown model with a lone surrogate", "/v1/completions",
+     b'{"prompt": "x", "model": "\\ud800"}', 404, "model", "\\ud800"),
     ("zero max_tokens", "/v1/completions", {"prompt": "x", "max_tokens": 0}, 400,
      "max_tokens", "max_tokens"),
     ("negative temperature", "/v1/completions", {"prompt": "x", "temperature": -0.5}, 400,
@@ -223,7 +222,7 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
      {"messages": [{"role": "user", "content": [
          {"type": "text", "text": "What is this?"},
          {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]},
-     400, "messages[0]", "only text content parts are supported, got a 'image_url' part"),
+     400, "messages", "messages[0].content[1]: only text content parts are supported"),
     ("beam search", "/v1/chat/completions", {"messages": USER, "use_beam_search": True}, 400,
      "use_beam_search", "not supported"),
     ("audio output", "/v1/chat/completions",
@@ -244,8 +243,8 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
      "exactly one"),
     ("tokenize with both prompt and messages", "/tokenize",
      {"prompt": "x", "messages": USER}, 400, "messages", "exactly one"),
-    ("tokenize a bad role", "/tokenize", {"messages": [{"role": "robot", "content": "x"}]},
-     400, "messages[0].role", "role"),
+    ("tokenize a bad role", "/tokenize", {"messages": [{"role": "", "content": "x"}]},
+     400, "messages", "role must be a non-empty string"),
     ("tokenize an unknown model", "/tokenize", {"prompt": "x", "model": "nope"}, 404, "model",
      "nope"),
     ("tokenize a lone surrogate", "/tokenize", b'{"prompt": "a\\ud800"}', 400, "prompt",
@@ -288,11 +287,51 @@ def test_bad_request(server: Server, name: str, path: str, body: Any, status: in
     assert_error_body(post(server, path, body), status, param, text)
 
 
-def test_max_tokens_message_names_both_numbers(server: Server) -> None:
-    response = post(server, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 600})
-    message = response.json()["error"]["message"]
-    assert f"maximum context length is {MAX_MODEL_LEN} tokens" in message
-    assert "3 in the prompt" in message and "600 for the completion" in message
+def test_a_budget_beyond_the_context_is_cut_to_fit(server: Server) -> None:
+    """As vLLM does: max_tokens past the context leaves the completion what is left,
+    and it ends with "length"; only a prompt that leaves no room is refused."""
+    prompt = [7] * (MAX_MODEL_LEN - 3)
+    cut = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 600,
+                                           "ignore_eos": True})
+    assert cut.status_code == 200, cut.text
+    assert cut.json()["usage"]["completion_tokens"] == 3
+    assert cut.json()["choices"][0]["finish_reason"] == "length"
+    default = post(server, "/v1/completions", {"prompt": prompt, "ignore_eos": True})
+    assert default.json()["usage"]["completion_tokens"] == 3  # of the default 16
+    chat = post(server, "/v1/chat/completions", {"messages": USER, "ignore_eos": True,
+                                                 "max_completion_tokens": 10**6})
+    assert chat.status_code == 200, chat.text
+    assert sum(chat.json()["usage"][k] for k in ("prompt_tokens", "completion_tokens")) \
+        == MAX_MODEL_LEN
+
+
+def test_what_vllm_accepts_is_accepted(server: Server) -> None:
+    """Clients that send every field (nulls for the unset), any role the template takes,
+    the other APIs' text parts, plain string parts, a text part without text (skipped),
+    an assistant's refusal, top_logprobs 0 without logprobs, an empty model name."""
+    nulls = post(server, "/v1/chat/completions", {
+        "messages": USER, "max_tokens": 2, "stream": None, "n": None, "logprobs": None,
+        "temperature": None, "stop": None, "stream_options": None, "tools": None})
+    assert nulls.status_code == 200, nulls.text
+    assert len(nulls.json()["choices"]) == 1
+    echo = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "echo": None,
+                                            "n": None, "stream": None, "model": ""})
+    assert echo.status_code == 200, echo.text
+    messages = [
+        {"role": "system", "content": [{"type": "input_text", "text": "Be brief."}]},
+        {"role": "user", "content": ["Hi", {"type": "text"}, {"type": "text", "text": "!"}]},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+        {"role": "ipython", "content": [{"type": "output_text", "text": "42"}]},
+        {"role": "user", "content": "ok"}]
+    parts = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 2,
+                                                  "top_logprobs": 0})
+    assert parts.status_code == 200, parts.text
+    rendered = httpx.post(f"{server.url}/tokenize", timeout=60, json={
+        "messages": messages, "return_token_strs": False}).json()["tokens"]
+    text = httpx.post(f"{server.url}/detokenize", timeout=60,
+                      json={"tokens": rendered}).json()["prompt"]
+    for piece in ("Be brief.", "Hi\n!", "No.", "ipython\n42"):
+        assert piece in text, text
 
 
 def test_top_k_beyond_the_vocabulary_means_no_limit(server: Server) -> None:

@@ -13,7 +13,7 @@ wrong kind of output.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -27,8 +27,26 @@ from pydantic import (
 TokenIds = list[int]
 
 
+def _takes_null(annotation: Any) -> bool:
+    return annotation is None or annotation is Any or type(None) in get_args(annotation)
+
+
 class StrictModel(BaseModel):
+    """A request body. A null where the field takes none means "not given", as OpenAI's
+    and vLLM's servers read it (clients that send every field write `"stream": null`):
+    the default applies. Where a field takes null, null keeps its own meaning."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_given(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {key: value for key, value in data.items()
+                if value is not None or key not in cls.model_fields
+                or _takes_null(cls.model_fields[key].annotation)
+                or cls.model_fields[key].is_required()}
 
 
 class StreamOptions(StrictModel):
@@ -92,29 +110,15 @@ class CompletionRequest(SamplingFields):
     add_special_tokens: bool = True
 
 
-class TextContentPart(StrictModel):
-    type: Literal["text"]
-    text: str
-
-
 class ChatMessage(StrictModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    """Any role, as in vLLM: the chat template decides what it accepts. The content's
+    parts are read (and refused, naming the part) where the conversation is checked."""
+
+    role: str
+    content: str | list[str | dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _text_parts_only(cls, data: Any) -> Any:
-        """An image or audio part would otherwise fail as "not a valid string" (the first
-        type of the content union), which hides that lists of text parts are fine."""
-        content = data.get("content") if isinstance(data, dict) else None
-        for part in content if isinstance(content, list) else []:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in (None, "text"):
-                raise ValueError(f"only text content parts are supported, got a {kind!r} part")
-        return data
 
 
 class ChatCompletionRequest(SamplingFields):

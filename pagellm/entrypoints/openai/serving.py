@@ -97,8 +97,9 @@ class ServerContext:
         return self.model_names[0]
 
     def check_model(self, requested: str | None) -> None:
-        """404 for a model this server does not serve; an omitted model means ours."""
-        if requested is not None and requested not in self.model_names:
+        """404 for a model this server does not serve; an omitted or empty model means
+        ours (as in vLLM)."""
+        if requested and requested not in self.model_names:
             raise APIError(404, f"The model `{requested}` does not exist.", param="model",
                            code="model_not_found")
 
@@ -137,22 +138,22 @@ def fits_context(max_model_len: int, prompt_len: int, max_tokens: int | None) ->
 
 
 def resolve_max_tokens(max_model_len: int, prompt_len: int, max_tokens: int | None,
-                       prompt_param: str, max_tokens_param: str) -> int:
-    """The completion budget of a prompt: as asked, or (if None) all the context left.
+                       prompt_param: str) -> int:
+    """The completion budget of a prompt: as asked but no more than the context leaves
+    (as vLLM does: the completion then ends with finish_reason "length"), or, if None,
+    all the context left.
 
     Raises OpenAI's "maximum context length" 400, naming both numbers, when the prompt
-    and the completion cannot both fit.
+    leaves no room for a single token.
     """
-    budget = max_model_len - prompt_len if max_tokens is None else max_tokens
-    if not fits_context(max_model_len, prompt_len, max_tokens):
-        wanted = max(budget, 1)
-        param = prompt_param if prompt_len >= max_model_len else max_tokens_param
+    room = max_model_len - prompt_len
+    if room < 1:
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {prompt_len + wanted} tokens ({prompt_len} in the prompt, {wanted} "
-            f"for the completion). Please reduce the length of the prompt or "
-            f"{max_tokens_param}.", param=param, code=CONTEXT_LENGTH_EXCEEDED)
-    return budget
+            f"requested {prompt_len + 1} tokens ({prompt_len} in the prompt, 1 for the "
+            f"completion). Please reduce the length of the prompt.", param=prompt_param,
+            code=CONTEXT_LENGTH_EXCEEDED)
+    return room if max_tokens is None else min(max_tokens, room)
 
 
 async def start_requests(

@@ -111,7 +111,7 @@ def _check_chat_options(body: ChatCompletionRequest) -> None:
 
 
 def _logprobs_setting(body: ChatCompletionRequest) -> int | None:
-    if body.top_logprobs is not None and not body.logprobs:
+    if body.top_logprobs and not body.logprobs:  # 0 asks for nothing, as vLLM reads it
         raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
     if not body.logprobs:
         return None
@@ -166,7 +166,7 @@ async def start_chat(context: ServerContext, body: ChatCompletionRequest, arriva
     prompt = Prompt(None, await context.off_loop(_chat_prompt, engine.tokenizer, body, base,
                                             engine.max_model_len))
     params = base.clone(max_tokens=resolve_max_tokens(
-        engine.max_model_len, len(prompt.token_ids), requested, "messages", max_tokens_param))
+        engine.max_model_len, len(prompt.token_ids), requested, "messages"))
     streams = await start_requests(context, request_id, [prompt], [params], body.cache_salt,
                                    arrival, "messages", body.priority, request_format.field)
     return ChatRun(request_id, streams, reader, len(prompt.token_ids), thinking)

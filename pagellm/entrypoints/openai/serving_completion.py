@@ -130,7 +130,7 @@ async def create_completion(context: ServerContext, body: CompletionRequest,
     check_choices(len(prompts), body.n)
     params = [
         base.clone(max_tokens=resolve_max_tokens(
-            engine.max_model_len, len(p.token_ids), body.max_tokens, "prompt", "max_tokens"))
+            engine.max_model_len, len(p.token_ids), body.max_tokens, "prompt"))
         for p in prompts]
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = await start_requests(context, request_id, prompts, params, body.cache_salt,
