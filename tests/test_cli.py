@@ -62,7 +62,8 @@ def test_subcommand_help_is_complete(command: str, capsys: pytest.CaptureFixture
     for flag in [*engine_flags(), "--no-enable-prefix-caching"]:
         assert flag in out, flag
     own = {"serve": ["--host", "--port", "--api-key", "--served-model-name",
-                     "--max-request-bytes", "--shutdown-timeout"],
+                     "--max-request-bytes", "--shutdown-timeout", "--allowed-origins",
+                     "--enable-kv-cache-events"],
            "generate": ["--input", "--output", "--system", "--max-tokens", "--temperature"],
            "chat": ["--system", "--max-tokens", "--temperature"]}[command]
     for flag in own:
@@ -125,6 +126,8 @@ def test_byte_size_rejects(text: str) -> None:
     ["serve", "--enable-auto-tool-choice"],
     ["serve", "--enable-auto-tool-choice", "--tool-call-parser", "mistral"],
     ["serve", "--reasoning-parser", "qwen3"],
+    ["serve", "--allowed-origins", "http://app.example"],
+    ["serve", "--allowed-headers", '["x", 1]'],
 ])
 def test_bad_options_fail_before_loading_the_model(argv: list[str],
                                                    capsys: pytest.CaptureFixture[str]) -> None:
@@ -343,6 +346,12 @@ def test_vllm_spellings_and_wrong_arguments_of_the_python_api() -> None:
         ["generate", "x", "--dtype", "half"])).dtype == "float16"
     with pytest.raises(ValueError, match="seed must be an integer, got 'x'"):
         EngineConfig(seed="x")  # type: ignore[arg-type]
+    for wrong, message in ((dict(kv_cache_memory_bytes="1G"), "kv_cache_memory_bytes must"),
+                           (dict(kv_cache_memory_fraction="half"), "kv_cache_memory_fraction"),
+                           (dict(enable_prefix_caching="no"), "enable_prefix_caching must"),
+                           (dict(model=123), "model must be a path")):
+        with pytest.raises(ValueError, match=message):
+            EngineConfig(**wrong)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="LLM.. got unexpected keyword arguments "
                                         "gpu_memory_utilization, tensor_parallel_size; "
                                         ".*block_size"):

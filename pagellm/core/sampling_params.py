@@ -253,7 +253,7 @@ class SamplingParams:
     - top_k: keep the k most likely tokens; 0 or -1 disables it (stored as 0).
     - min_p: drop tokens whose probability is below min_p times the top one's, in [0, 1].
     - seed: makes this request's random draws reproducible, alone or in any batch. Any
-      int; the sampler reduces it modulo 2**64.
+      int; the sampler reduces it modulo 2**64. -1 means no seed, as in vLLM.
     - max_tokens: generated-token limit, >= 1; None means up to the context limit.
     - min_tokens: EOS and stop_token_ids are blocked until this many tokens exist.
     - stop / stop_token_ids: strings / token ids that end generation.
@@ -348,6 +348,8 @@ class SamplingParams:
         self.top_k = max(self.top_k, 0)
         self.min_p = _number("min_p", min_p, 0.0, 1.0)
         self.seed = None if seed is None else _integer("seed", seed)
+        if self.seed == -1:  # vLLM's "no seed"
+            self.seed = None
         if max_tokens is None:
             self.max_tokens = None
         else:

@@ -321,11 +321,12 @@ class Scheduler:
         params = request.sampling_params
         token = request.output_token_ids[-1]
         if request.num_output_tokens >= params.min_tokens:
-            if token in params.stop_token_ids:
-                request.stop_reason = token
+            # EOS first, as in vLLM: an EOS also listed in stop_token_ids is no stop reason.
+            if not params.ignore_eos and token in request.eos_token_ids:
                 self.finish(request, RequestStatus.FINISHED_STOPPED)
                 return
-            if not params.ignore_eos and token in request.eos_token_ids:
+            if token in params.stop_token_ids:
+                request.stop_reason = token
                 self.finish(request, RequestStatus.FINISHED_STOPPED)
                 return
         max_tokens = params.max_tokens

@@ -107,6 +107,12 @@ class EngineConfig:
     enable_kv_cache_events: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("enable_prefix_caching", "skip_tokenizer_init", "cpu_kernels",
+                     "enforce_eager", "enable_kv_cache_events"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
+            raise ValueError(f"model must be a path or a hub id, got {self.model!r}")
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES + tuple(DTYPE_ALIASES)}, got "
@@ -132,12 +138,16 @@ class EngineConfig:
             not isinstance(self.max_model_len, int) or self.max_model_len < 2
         ):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
-            raise ValueError(
-                f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
-        if self.kv_cache_memory_fraction is not None and not (
-            0 < self.kv_cache_memory_fraction <= 0.95
-        ):
+        if self.kv_cache_memory_bytes is not None and (
+                isinstance(self.kv_cache_memory_bytes, bool)
+                or not isinstance(self.kv_cache_memory_bytes, int)
+                or self.kv_cache_memory_bytes < 1):
+            raise ValueError("kv_cache_memory_bytes must be a positive integer (bytes), got "
+                             f"{self.kv_cache_memory_bytes!r}")
+        if self.kv_cache_memory_fraction is not None and (
+                isinstance(self.kv_cache_memory_fraction, bool)
+                or not isinstance(self.kv_cache_memory_fraction, (int, float))
+                or not 0 < self.kv_cache_memory_fraction <= 0.95):
             raise ValueError("kv_cache_memory_fraction must be in (0, 0.95], "
                              f"got {self.kv_cache_memory_fraction}")
         if self.cache_dir is None:

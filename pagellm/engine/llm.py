@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import itertools
 import logging
 from collections.abc import Sequence
 from typing import Any, cast
@@ -36,7 +35,6 @@ class LLM:
                             "it takes those of EngineConfig: " + ", ".join(
                                 f.name for f in dataclasses.fields(EngineConfig)))
         self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
-        self._request_counter = itertools.count()
 
     @property
     def tokenizer(self) -> Any:
@@ -151,23 +149,26 @@ class LLM:
         order: list[str] = []
         for index, (prompt, sp, priority) in enumerate(zip(prompts, params, priorities,
                                                             strict=True)):
-            request_id = str(next(self._request_counter))
-            order.append(request_id)
             try:
-                engine.add_request(request_id, prompt, sp, cache_salt=cache_salt,
-                                   priority=priority)
+                # The engine numbers the requests, so that ids never collide with those
+                # of requests added to `llm_engine` directly.
+                order.append(engine.add_request(None, prompt, sp, cache_salt=cache_salt,
+                                                priority=priority))
             except ValueError as error:
                 if raise_errors:
                     raise
                 logger.warning("prompt %d rejected: %s", index, error)
-                results[request_id] = RequestOutput(request_id, None, [], [], True,
-                                                    error=str(error))
+                rejected = f"rejected-{index}"
+                order.append(rejected)
+                results[rejected] = RequestOutput(rejected, None, [], [], True,
+                                                  error=str(error))
+        mine = set(order)
         bar = tqdm(total=len(prompts) - len(results), desc="Generating", unit="req",
                    disable=not use_tqdm, leave=False)
         try:
             while engine.has_unfinished_requests():
                 for output in engine.step():
-                    if output.finished:
+                    if output.finished and output.request_id in mine:
                         results[output.request_id] = output
                         bar.update(1)
         finally:

@@ -303,7 +303,9 @@ class LLMEngine:
             cache_salt = prompt["cache_salt"]
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string")
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id is None:
+            request_id = self._new_request_id()
+        request_id = str(request_id)
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.stop and self.tokenizer is None:
@@ -356,6 +358,13 @@ class LLMEngine:
         self._groups[request_id] = group
         self.scheduler.add_request(leader, [s.request for s in samples[1:]])
         self._prompt_tokens += len(token_ids)
+        return request_id
+
+    def _new_request_id(self) -> str:
+        """The next number no running request has taken (a caller may have named one
+        "3" itself)."""
+        while (request_id := str(next(self._ids))) in self._groups:
+            pass
         return request_id
 
     def _check_allowed_token_ids(self, params: SamplingParams,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import socket
@@ -64,6 +65,15 @@ def add_parser(subparsers: Any) -> None:
     group.add_argument("--reasoning-parser", default=None, metavar="NAME",
                        help="the model's reasoning syntax, read into chat's `reasoning`: "
                             "deepseek_r1 (<think> ... </think>: DeepSeek R1 and its distills)")
+    group.add_argument("--allowed-origins", type=_json_strings, default=[], metavar="JSON",
+                       help='origins browsers may call from, as a JSON list (vLLM\'s), e.g. '
+                            '\'["https://app.example"]\' or \'["*"]\' (default: none)')
+    group.add_argument("--allow-credentials", action="store_true",
+                       help="let cross-origin browser requests carry credentials")
+    group.add_argument("--allowed-methods", type=_json_strings, default=["*"], metavar="JSON",
+                       help="HTTP methods allowed cross-origin, a JSON list (default: all)")
+    group.add_argument("--allowed-headers", type=_json_strings, default=["*"], metavar="JSON",
+                       help="request headers allowed cross-origin, a JSON list (default: all)")
     group.add_argument("--enable-kv-cache-events", action="store_true",
                        help="stream the prefix cache's changes (blocks stored, evicted, "
                             "cleared) at GET /kv_cache_events, for prefix-aware routers")
@@ -100,6 +110,18 @@ def check_parser_args(args: argparse.Namespace) -> None:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the model's "
                          "tool-call syntax, e.g. hermes)")
+
+
+def _json_strings(text: str) -> list[str]:
+    """A JSON list of strings, as vLLM takes its CORS options."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise argparse.ArgumentTypeError(f'not a JSON list of strings: {text!r} (example: '
+                                         '\'["https://app.example"]\')')
+    return value
 
 
 def _port(text: str) -> int:
@@ -171,6 +193,8 @@ def server_settings(args: argparse.Namespace, launch_time: float, address: str
         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
         reasoning_parser=args.reasoning_parser,
+        allowed_origins=args.allowed_origins, allow_credentials=args.allow_credentials,
+        allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
         launch_time=launch_time, address=address)
 
 

@@ -52,6 +52,7 @@ def test_sampling_type() -> None:
     assert SamplingParams(temperature=1e-6).is_greedy
     assert SamplingParams(seed=0).sampling_type is SamplingType.RANDOM_SEED
     assert SamplingParams(temperature=0.7).sampling_type is SamplingType.RANDOM
+    assert SamplingParams(seed=-1).seed is None  # vLLM's "no seed"
 
 
 def test_has_penalties() -> None:
@@ -174,7 +175,7 @@ def test_valid_values_are_kept(
         logprobs=logprobs, stop=stop, stop_token_ids=stop_token_ids,
     )
     assert (p.n, p.temperature, p.top_p, p.min_p, p.seed) == (
-        n, temperature, top_p, min_p, seed)
+        n, temperature, top_p, min_p, None if seed == -1 else seed)
     assert p.top_k == max(top_k, 0)
     assert (p.max_tokens, p.min_tokens, p.logprobs) == (max_tokens, min_tokens, logprobs)
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (

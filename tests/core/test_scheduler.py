@@ -500,6 +500,16 @@ def test_stop_token_ids_finish_with_stop_and_record_the_token() -> None:
     assert r.stop_reason == 7
 
 
+def test_eos_listed_in_stop_token_ids_is_no_stop_reason() -> None:
+    """As vLLM checks them: EOS first."""
+    d = Driver()
+    (r,) = d.add("r", [1, 2, 3], max_tokens=10, stop_token_ids=[EOS, 7])
+    scripted(d, {"r": [5, EOS, 8]})
+    d.run()
+    assert r.output_token_ids == [5, EOS] and r.status.finish_reason == "stop"
+    assert r.stop_reason is None
+
+
 def test_min_tokens_blocks_eos_and_stop_tokens() -> None:
     d = Driver()
     (r,) = d.add("r", [1, 2, 3], max_tokens=10, min_tokens=3, stop_token_ids=[7])

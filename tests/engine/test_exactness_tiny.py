@@ -249,6 +249,24 @@ def test_reset_prefix_cache_answers_false_while_requests_run(tiny_models: dict[s
     assert_idle(engine)
 
 
+def test_generate_beside_requests_added_to_the_engine(tiny_models: dict[str, Path]) -> None:
+    """generate's requests are numbered by the engine: one added directly as "0" (or
+    with an engine-chosen id) neither takes a prompt's slot nor makes it fail."""
+    llm = _llm(tiny_models["llama-gqa-untied"])
+    engine = llm.llm_engine
+    direct = _prompts(5, 12, [0])[0]
+    engine.add_request("0", {"prompt_token_ids": direct}, _greedy(9))
+    chosen = engine.add_request(None, {"prompt_token_ids": direct}, _greedy(9))
+    assert chosen != "0"
+    prompts = _prompts(6, 10, [1, 2])
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(4),
+                           use_tqdm=False)
+    assert [o.prompt_token_ids for o in outputs] == prompts
+    assert all(o.error is None and len(o.outputs[0].token_ids) == 4 for o in outputs)
+    assert {o.request_id for o in outputs}.isdisjoint({"0", chosen})
+    assert_idle(engine)
+
+
 def test_cache_salt_in_the_prompt_dict_keys_the_blocks(tiny_models: dict[str, Path]) -> None:
     """vLLM puts the salt in the prompt dict; ported code must keep its isolation."""
     from pagellm import TokensPrompt

@@ -197,6 +197,33 @@ def test_reset_prefix_cache_empties_the_cache_when_idle(engine: AsyncLLMEngine) 
     asyncio.run(run())
 
 
+def test_cors_as_vllm_offers_it(engine: AsyncLLMEngine) -> None:
+    """--allowed-origins: a browser's preflight is answered without the key, and
+    answers (a 401 too) carry the CORS headers; with no origin allowed, none do."""
+    origin = {"Origin": "http://app.example"}
+    preflight = {**origin, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+
+    async def run(settings: ServerSettings) -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=create_app(engine, settings))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return [await client.options("/v1/chat/completions", headers=preflight),
+                    await client.post("/v1/completions", headers=origin,
+                                      json={"prompt": "Hi", "max_tokens": 1}),
+                    await client.get("/health", headers=origin)]
+
+    allowing = ServerSettings(model_names=[MODEL_NAME], api_key="s3cret",
+                              allowed_origins=["http://app.example"])
+    asked, refused, health = asyncio.run(run(allowing))
+    assert asked.status_code == 200, asked.text
+    assert asked.headers["access-control-allow-origin"] == "http://app.example"
+    assert refused.status_code == 401
+    assert refused.headers["access-control-allow-origin"] == "http://app.example"
+    assert health.headers["access-control-allow-origin"] == "http://app.example"
+    closed = asyncio.run(run(ServerSettings(model_names=[MODEL_NAME])))
+    assert all("access-control-allow-origin" not in r.headers for r in closed)
+
+
 def test_kv_cache_events_off_is_a_404_that_says_how_to_turn_them_on(
         engine: AsyncLLMEngine) -> None:
     app = create_app(engine, ServerSettings(model_names=[MODEL_NAME]))

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.middleware.cors import CORSMiddleware
 
 from pagellm.engine.async_engine import AsyncLLMEngine
 from pagellm.entrypoints.openai.errors import APIError, failure, install_error_handlers
@@ -81,6 +82,11 @@ class ServerSettings:
     log_level: str = "info"
     tool_call_parser: str | None = None  # --enable-auto-tool-choice --tool-call-parser
     reasoning_parser: str | None = None  # --reasoning-parser
+    # vLLM's CORS options: no origin allowed by default (no cross-origin browser access).
+    allowed_origins: list[str] = field(default_factory=list)
+    allow_credentials: bool = False
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     launch_time: float = field(default_factory=time.perf_counter)
     # host:port as bound (the real port when --port 0 let the OS choose), for the log.
     address: str = ""
@@ -128,6 +134,13 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    if settings.allowed_origins:
+        # Outermost: a browser's preflight is answered before the key is asked for (it
+        # carries none), and the other answers, a 401 too, carry the CORS headers.
+        app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
+                           allow_credentials=settings.allow_credentials,
+                           allow_methods=settings.allowed_methods,
+                           allow_headers=settings.allowed_headers)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -120,7 +120,10 @@ class APIKeyMiddleware:
         self.key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(_GUARDED_PREFIXES):
+        # A CORS preflight (OPTIONS) carries no credentials and reads nothing, as vLLM
+        # lets it through.
+        if (scope["type"] == "http" and scope["path"].startswith(_GUARDED_PREFIXES)
+                and scope.get("method") != "OPTIONS"):
             headers = dict(scope.get("headers", ()))
             if not (hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
                     or hmac.compare_digest(headers.get(b"x-api-key", b""), self.key)):
