@@ -187,6 +187,7 @@ class BlockPool:
         block_hash: BlockHash,
         parent_hash: BlockHash | None,
         token_ids: tuple[int, ...],
+        extra_keys: tuple[str, ...] = (),
     ) -> bool:
         """Makes a full, computed block findable by its hash.
 
@@ -201,7 +202,8 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached[block_hash] = block
         if self._enable_events:
-            self._events.append(BlockStored(block_hash, parent_hash, token_ids, block.block_id))
+            self._events.append(BlockStored(block_hash, parent_hash, token_ids, block.block_id,
+                                            extra_keys))
         return True
 
     def reset_prefix_cache(self) -> bool:

@@ -14,12 +14,18 @@ from pagellm.core.block_hash import BlockHash
 
 @dataclass(frozen=True)
 class BlockStored:
-    """A full block became findable by `block_hash`; `parent_hash` is None for block 0."""
+    """A full block became findable by `block_hash`; `parent_hash` is None for block 0.
+
+    `extra_keys` are what seeded the chain besides the tokens, given on block 0 only
+    (the adapter name, then the cache salt, as vLLM orders its extra keys): the same
+    tokens under another salt are other blocks, which an observer matching requests by
+    their tokens must tell apart."""
 
     block_hash: BlockHash
     parent_hash: BlockHash | None
     token_ids: tuple[int, ...]
     block_id: int
+    extra_keys: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

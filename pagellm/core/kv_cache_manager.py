@@ -178,6 +178,7 @@ class KVCacheManager:
                 request.block_hashes[index],
                 request.parent_hash(index),
                 request.block_token_ids(index),
+                request.extra_keys if index == 0 else (),
             )
         self._num_cached_blocks[rid] = max(self._num_cached_blocks[rid], num_full)
 

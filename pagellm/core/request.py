@@ -113,6 +113,11 @@ class Request:
         if len(self.all_token_ids) % self._hasher.block_size == 0:
             self._hasher.extend(self.block_hashes, self._hash_root, self.all_token_ids)
 
+    @property
+    def extra_keys(self) -> tuple[str, ...]:
+        """What seeds the block chain besides the tokens (see BlockStored)."""
+        return tuple(key for key in (self.adapter, self.cache_salt) if key is not None)
+
     def parent_hash(self, block_index: int) -> BlockHash | None:
         return self.block_hashes[block_index - 1] if block_index > 0 else None
 

@@ -28,8 +28,9 @@ def add_parser(subparsers: Any) -> None:
         "serve", help="run the OpenAI-compatible HTTP server",
         description="Serve /v1/completions, /v1/chat/completions, /v1/responses and "
                     "/v1/models over HTTP, OpenAI-compatible, Anthropic's /v1/messages, "
-                    "vLLM's /tokenize, /detokenize and /reset_prefix_cache, and /health, "
-                    "/metrics (Prometheus) and /version.")
+                    "vLLM's /tokenize, /detokenize and /reset_prefix_cache, /health, "
+                    "/metrics (Prometheus) and /version, and with --enable-kv-cache-events "
+                    "/kv_cache_events.")
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="the model, as `vllm serve MODEL` takes it (same as --model)")
     group = parser.add_argument_group("server options")
@@ -42,8 +43,8 @@ def add_parser(subparsers: Any) -> None:
                             "(default: the model path's name)")
     group.add_argument("--api-key", default=os.environ.get("PAGELLM_API_KEY"), metavar="KEY",
                        help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on /v1 "
-                            "requests and /reset_prefix_cache (default: $PAGELLM_API_KEY, "
-                            "else no key)")
+                            "requests, /reset_prefix_cache and /kv_cache_events (default: "
+                            "$PAGELLM_API_KEY, else no key)")
     group.add_argument("--max-request-bytes", type=byte_size, default="8MiB", metavar="SIZE",
                        help="largest request body accepted, larger gets 413 "
                             "(default: %(default)s)")

@@ -12,7 +12,7 @@ import pytest
 
 from pagellm import LLM, SamplingParams
 from pagellm.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from pagellm.engine.kv_events import KVEventBatch, KVEventHub
+from pagellm.engine.kv_events import SNAPSHOT_BATCH_BLOCKS, KVEventBatch, KVEventHub
 from pagellm.entrypoints.openai.serving_kv_events import batch_json
 from tests.engine.conftest import assert_idle
 
@@ -60,6 +60,11 @@ def test_replayed_events_are_the_engine_cache(tiny: Path) -> None:
             assert len(tokens) % BLOCK == 0
             assert any(p[:len(tokens)] == tokens for p in prompts)
     assert engine.get_stats().num_evictions > 0
+    llm.generate({"prompt_token_ids": prompts[0], "cache_salt": "tenant-a"}, params,
+                 use_tqdm=False)
+    salted = [e for e in engine.take_kv_cache_events() if isinstance(e, BlockStored)]
+    assert [e.extra_keys for e in salted] == [("tenant-a",)] + [()] * (len(salted) - 1)
+    assert salted[0].parent_hash is None and salted[0].token_ids == tuple(prompts[0][:BLOCK])
     assert llm.reset_prefix_cache()
     assert engine.take_kv_cache_events() == [AllBlocksCleared()]
     assert engine.take_kv_cache_events() == []
@@ -122,25 +127,47 @@ def test_the_snapshot_puts_parents_first() -> None:
 
 
 def test_a_subscriber_that_falls_behind_is_dropped_and_close_ends_the_rest() -> None:
+    """An end is at once, not after the backlog: a follower that fell behind has no use
+    for it, and a stopping server should not wait on it."""
     async def scenario() -> None:
         hub = KVEventHub(max_pending=3)
         loop = asyncio.get_running_loop()
-        slow = hub.subscribe(loop)  # the snapshot is its first pending batch
+        slow = hub.subscribe(loop)  # the snapshot is its first pending item
         hub.publish([_stored(1, None)])
         hub.publish([_stored(2, 1)])
         hub.publish([_stored(3, 2)])  # 3 pending: dropped here
         assert hub.num_subscribers == 0
-        received = [await slow.get() for _ in range(4)]
-        assert [batch.seq if batch else None for batch in received] == [0, 1, 2, None]
+        assert await slow.get() is None
         kept = hub.subscribe(loop)
+        first = await kept.get()
+        assert first is not None and len(first.events) == 4  # the clear, 3 blocks
+        hub.publish([_stored(4, 3)])
         hub.close()
-        snapshot = await kept.get()
-        assert snapshot is not None and len(snapshot.events) == 4  # the clear, 3 blocks
-        assert await kept.get() is None
-        after_close = hub.subscribe(loop)
-        assert (await after_close.get()) is not None and await after_close.get() is None
+        assert hub.closed and await kept.get() is None
+        assert await hub.subscribe(loop).get() is None
 
     asyncio.run(scenario())
+
+
+def test_a_large_snapshot_comes_in_parts() -> None:
+    async def scenario() -> list[KVEventBatch]:
+        hub = KVEventHub()
+        chain = [_stored(1, None)] + [
+            BlockStored(i.to_bytes(4, "big"), (i - 1).to_bytes(4, "big") if i > 2 else bytes([1]),
+                        (i,), i) for i in range(2, SNAPSHOT_BATCH_BLOCKS + 601)]
+        hub.publish(chain)
+        subscription = hub.subscribe(asyncio.get_running_loop())
+        hub.publish([BlockRemoved(bytes([1]), 1)])
+        parts = [await subscription.get() for _ in range(3)]
+        assert all(part is not None for part in parts)
+        return [part for part in parts if part is not None]
+
+    snapshot_a, snapshot_b, after = asyncio.run(scenario())
+    assert (snapshot_a.seq, snapshot_b.seq, after.seq) == (1, 1, 2)
+    assert len(snapshot_a.events) == SNAPSHOT_BATCH_BLOCKS
+    assert snapshot_a.events[0] == AllBlocksCleared()
+    assert len(snapshot_a.events) + len(snapshot_b.events) == 1 + 1 + (SNAPSHOT_BATCH_BLOCKS + 599)
+    assert after.events == (BlockRemoved(bytes([1]), 1),)
 
 
 def test_publishing_to_a_closed_loop_does_not_raise() -> None:
@@ -153,16 +180,21 @@ def test_publishing_to_a_closed_loop_does_not_raise() -> None:
 
 
 def test_json_groups_chains_and_removals_as_vllm_does() -> None:
+    salted = BlockStored(bytes([7]), None, (7, 7), 7, ("tenant-a",))
     events = (AllBlocksCleared(), _stored(1, None), _stored(2, 1), _stored(5, None),
-              BlockRemoved(bytes([2]), 2), BlockRemoved(bytes([5]), 5), _stored(6, 1))
-    body = batch_json(KVEventBatch(9, 1.5, events), block_size=2)
+              BlockRemoved(bytes([2]), 2), BlockRemoved(bytes([5]), 5), _stored(6, 1),
+              salted, BlockStored(bytes([8]), bytes([7]), (8, 8), 8))
+    body = batch_json(KVEventBatch(9, 1.5, events), block_size=2, medium="CPU")
+    vllm_fields = {"block_size": 2, "lora_id": None, "medium": "CPU", "lora_name": None}
     assert body == {"seq": 9, "ts": 1.5, "events": [
         {"type": "AllBlocksCleared"},
         {"type": "BlockStored", "block_hashes": ["01", "02"], "parent_block_hash": None,
-         "token_ids": [1, 1, 2, 2], "block_size": 2},
+         "token_ids": [1, 1, 2, 2], "extra_keys": None, **vllm_fields},
         {"type": "BlockStored", "block_hashes": ["05"], "parent_block_hash": None,
-         "token_ids": [5, 5], "block_size": 2},
-        {"type": "BlockRemoved", "block_hashes": ["02", "05"]},
+         "token_ids": [5, 5], "extra_keys": None, **vllm_fields},
+        {"type": "BlockRemoved", "block_hashes": ["02", "05"], "medium": "CPU"},
         {"type": "BlockStored", "block_hashes": ["06"], "parent_block_hash": "01",
-         "token_ids": [6, 6], "block_size": 2},
+         "token_ids": [6, 6], "extra_keys": None, **vllm_fields},
+        {"type": "BlockStored", "block_hashes": ["07", "08"], "parent_block_hash": None,
+         "token_ids": [7, 7, 8, 8], "extra_keys": [["tenant-a"], None], **vllm_fields},
     ]}

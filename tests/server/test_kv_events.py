@@ -26,6 +26,7 @@ class Follower:
         self.batches: queue.Queue[dict[str, Any]] = queue.Queue()
         self.blocks: dict[str, list[int]] = {}
         self.parents: dict[str, str | None] = {}
+        self.extra_keys: dict[str, list[str] | None] = {}
         self.seq = -1
         self._client = httpx.Client(timeout=httpx.Timeout(10, read=None))
         self._stream = self._client.stream("GET", f"{server.url}/kv_cache_events")
@@ -63,22 +64,27 @@ class Follower:
             parent = event["parent_block_hash"]
             tokens = event["token_ids"]
             assert len(tokens) == BLOCK_SIZE * len(event["block_hashes"])
+            extra_keys = event["extra_keys"] or [None] * len(event["block_hashes"])
             for i, block_hash in enumerate(event["block_hashes"]):
                 self.blocks[block_hash] = tokens[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE]
                 self.parents[block_hash] = parent
+                self.extra_keys[block_hash] = extra_keys[i]
                 parent = block_hash
 
-    def prefix(self, block_hash: str) -> list[int]:
-        """The tokens a cached block keys: its parents' and its own."""
-        chain: list[list[int]] = []
+    def prefix(self, block_hash: str) -> tuple[list[int], list[str] | None]:
+        """The tokens a cached block keys (its parents' and its own), and the extra keys
+        (the cache salt) of its chain."""
+        chain: list[str] = []
         current: str | None = block_hash
         while current is not None:
-            chain.append(self.blocks[current])
+            chain.append(current)
             current = self.parents[current]
-        return [token for block in reversed(chain) for token in block]
+        tokens = [token for block in reversed(chain) for token in self.blocks[block]]
+        return tokens, self.extra_keys[chain[-1]]
 
-    def holds(self, tokens: list[int]) -> bool:
-        return any(self.prefix(block_hash) == tokens for block_hash in self.blocks)
+    def holds(self, tokens: list[int], salt: str | None = None) -> bool:
+        keys = None if salt is None else [salt]
+        return any(self.prefix(block_hash) == (tokens, keys) for block_hash in self.blocks)
 
     def close(self) -> None:
         self._stream.__exit__(None, None, None)
@@ -103,6 +109,11 @@ def test_followers_see_the_cached_blocks(server: Server, follower: Follower) -> 
     assert reply.status_code == 200, reply.text
     follower.until(lambda f: f.holds(prompt[:2 * BLOCK_SIZE]))
     assert follower.holds(prompt[:BLOCK_SIZE])
+    assert not follower.holds(prompt[:BLOCK_SIZE], salt="tenant-b")
+    salted = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+        "model": MODEL_NAME, "prompt": prompt, "max_tokens": 1, "cache_salt": "tenant-b"})
+    assert salted.status_code == 200, salted.text
+    follower.until(lambda f: f.holds(prompt[:2 * BLOCK_SIZE], salt="tenant-b"))
 
     late = Follower(server)
     try:
