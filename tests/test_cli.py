@@ -112,6 +112,7 @@ def test_byte_size_rejects(text: str) -> None:
     ["serve", "--max-num-seqs", "0"],
     ["generate", "x", "--num-threads", "0"],
     ["generate", "--input", "/nonexistent/prompts.jsonl"],
+    ["generate", "--input", "/tmp"],
     ["generate"],
     ["generate", "x", "--input", "/dev/null"],
     ["generate", "x", "--output", "/nonexistent/dir/out.jsonl"],

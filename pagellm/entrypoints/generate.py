@@ -81,8 +81,10 @@ def check_args(args: argparse.Namespace) -> None:
     if args.input is not None and args.prompt:
         raise ValueError("give prompt arguments or --input FILE, not both")
     # Not is_file(): a pipe (--input /dev/stdin, or <(...)) is a fine input.
-    if args.input is not None and (not args.input.exists() or args.input.is_dir()):
+    if args.input is not None and not args.input.exists():
         raise ValueError(f"--input {args.input}: no such file")
+    if args.input is not None and args.input.is_dir():
+        raise ValueError(f"--input {args.input}: is a directory, not a file of prompts")
     if args.output is not None and not _writable(args.output):
         raise ValueError(f"--output {args.output}: cannot write there (is "
                          f"{args.output.parent} a writable folder?)")

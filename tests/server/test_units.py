@@ -115,16 +115,16 @@ def test_error_body_shape() -> None:
                               "code": None}}
 
 
-def test_max_tokens_default_fills_the_context() -> None:
-    assert resolve_max_tokens(100, 30, None, "prompt", "max_tokens") == 70
-    assert resolve_max_tokens(100, 30, 70, "prompt", "max_tokens") == 70
-    with pytest.raises(APIError) as too_long:
-        resolve_max_tokens(100, 30, 71, "prompt", "max_tokens")
-    assert too_long.value.param == "max_tokens"
-    assert "101 tokens (30 in the prompt, 71 for the completion)" in too_long.value.message
+def test_max_tokens_default_fills_the_context_and_a_larger_one_is_cut() -> None:
+    assert resolve_max_tokens(100, 30, None, "prompt") == 70
+    assert resolve_max_tokens(100, 30, 70, "prompt") == 70
+    assert resolve_max_tokens(100, 30, 5, "prompt") == 5
+    assert resolve_max_tokens(100, 30, 71, "prompt") == 70  # as vLLM cuts it
     with pytest.raises(APIError) as prompt_too_long:
-        resolve_max_tokens(100, 100, None, "messages", "max_tokens")
+        resolve_max_tokens(100, 100, None, "messages")
     assert prompt_too_long.value.param == "messages"
+    assert "101 tokens (100 in the prompt, 1 for the completion)" in \
+        prompt_too_long.value.message
 
 
 def test_stats_line_only_while_busy() -> None:
