@@ -145,35 +145,35 @@ class LLM:
              priorities: list[int], use_tqdm: bool, cache_salt: str | None,
              raise_errors: bool) -> list[RequestOutput]:
         engine = self.llm_engine
-        results: dict[str, RequestOutput] = {}
-        order: list[str] = []
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        positions: dict[str, int] = {}
         for index, (prompt, sp, priority) in enumerate(zip(prompts, params, priorities,
                                                             strict=True)):
             try:
                 # The engine numbers the requests, so that ids never collide with those
                 # of requests added to `llm_engine` directly.
-                order.append(engine.add_request(None, prompt, sp, cache_salt=cache_salt,
-                                                priority=priority))
+                positions[engine.add_request(None, prompt, sp, cache_salt=cache_salt,
+                                             priority=priority)] = index
             except ValueError as error:
                 if raise_errors:
                     raise
                 logger.warning("prompt %d rejected: %s", index, error)
-                rejected = f"rejected-{index}"
-                order.append(rejected)
-                results[rejected] = RequestOutput(rejected, None, [], [], True,
-                                                  error=str(error))
-        mine = set(order)
-        bar = tqdm(total=len(prompts) - len(results), desc="Generating", unit="req",
+                results[index] = RequestOutput(f"rejected-{index}", None, [], [], True,
+                                               error=str(error))
+        bar = tqdm(total=len(positions), desc="Generating", unit="req",
                    disable=not use_tqdm, leave=False)
         try:
             while engine.has_unfinished_requests():
                 for output in engine.step():
-                    if output.finished and output.request_id in mine:
-                        results[output.request_id] = output
+                    if output.finished and output.request_id in positions:
+                        results[positions[output.request_id]] = output
                         bar.update(1)
         finally:
             bar.close()
-            for request_id in order:
-                if request_id not in results:
+            for request_id, index in positions.items():
+                if results[index] is None:
                     engine.abort_request(request_id)
-        return [results[request_id] for request_id in order]
+        unfinished = [index for index, result in enumerate(results) if result is None]
+        if unfinished:  # aborted behind generate's back, through llm_engine
+            raise RuntimeError(f"prompts {unfinished} ended without an output")
+        return cast(list[RequestOutput], results)
