@@ -401,12 +401,20 @@ class SamplingParams:
     def truncate(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
         """The prompt as `truncate_prompt_tokens` keeps it: its last tokens. -1 keeps as
         many as leave room for `max_tokens` (one token when None): keeping the whole
-        context would leave no room to generate, and the request would be refused."""
+        context would leave no room to generate, and the request would be refused. A
+        `max_tokens` that leaves no room for any prompt is a ValueError (vLLM refuses it
+        too), not a prompt silently cut to nothing."""
         keep = self.truncate_prompt_tokens
         if keep is None:
             return prompt_token_ids
         if keep == -1:
-            keep = max(max_model_len - (self.max_tokens or 1), 1)
+            room = self.max_tokens or 1
+            if room >= max_model_len:
+                raise ValueError(
+                    f"truncate_prompt_tokens=-1 keeps the prompt's last tokens that leave "
+                    f"room for max_tokens, but max_tokens ({room}) leaves none in the "
+                    f"context of {max_model_len} tokens")
+            keep = max_model_len - room
         return prompt_token_ids[-keep:]
 
     @property

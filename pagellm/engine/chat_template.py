@@ -125,9 +125,10 @@ def _content(index: int, content: Any) -> str:
                 texts.append(part)
                 continue
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in TEXT_PARTS:
+            if not isinstance(kind, str) or kind not in TEXT_PARTS:
+                what = f"a {kind!r} part" if isinstance(kind, str) else "a part without a type"
                 raise ChatError(f"messages[{index}].content[{number}]: only text content "
-                                f"parts are supported, got {part!r}", "messages")
+                                f"parts are supported, got {what}", "messages")
             text = part.get(TEXT_PARTS[kind])
             if text is None:
                 continue

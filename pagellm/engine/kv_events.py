@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pagellm.core.block_hash import BlockHash
 from pagellm.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
-# Blocks per batch of a snapshot: a large cache is sent as many modest events, not one
-# line of many megabytes.
+# Events per batch of a snapshot (its opening clear among them): a large cache is sent
+# as many modest events, not one line of many megabytes.
 SNAPSHOT_BATCH_BLOCKS = 1024
 
 
@@ -37,6 +37,9 @@ class KVEventBatch:
     seq: int
     timestamp: float
     events: tuple[KVCacheEvent, ...]
+    # A snapshot's parts say which they are, (part, parts) counting from 1, so that a
+    # follower knows when it has the whole cache.
+    snapshot_part: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,8 @@ def _snapshot_batches(snapshot: _Snapshot) -> Iterator[KVEventBatch]:
             current = (None if current.parent_hash is None
                        else snapshot.blocks.get(current.parent_hash))
         ordered.extend(reversed(chain))
-    for start in range(0, len(ordered), SNAPSHOT_BATCH_BLOCKS):
+    starts = range(0, len(ordered), SNAPSHOT_BATCH_BLOCKS)
+    for part, start in enumerate(starts, 1):
         yield KVEventBatch(snapshot.seq, snapshot.timestamp,
-                           tuple(ordered[start:start + SNAPSHOT_BATCH_BLOCKS]))
+                           tuple(ordered[start:start + SNAPSHOT_BATCH_BLOCKS]),
+                           (part, len(starts)))

@@ -147,22 +147,23 @@ class LLM:
         engine = self.llm_engine
         results: list[RequestOutput | None] = [None] * len(prompts)
         positions: dict[str, int] = {}
-        for index, (prompt, sp, priority) in enumerate(zip(prompts, params, priorities,
-                                                            strict=True)):
-            try:
-                # The engine numbers the requests, so that ids never collide with those
-                # of requests added to `llm_engine` directly.
-                positions[engine.add_request(None, prompt, sp, cache_salt=cache_salt,
-                                             priority=priority)] = index
-            except ValueError as error:
-                if raise_errors:
-                    raise
-                logger.warning("prompt %d rejected: %s", index, error)
-                results[index] = RequestOutput(f"rejected-{index}", None, [], [], True,
-                                               error=str(error))
-        bar = tqdm(total=len(positions), desc="Generating", unit="req",
-                   disable=not use_tqdm, leave=False)
+        bar = tqdm(total=len(prompts), desc="Generating", unit="req", disable=not use_tqdm,
+                   leave=False)
         try:
+            for index, (prompt, sp, priority) in enumerate(zip(prompts, params, priorities,
+                                                                strict=True)):
+                try:
+                    # The engine numbers the requests, so that ids never collide with
+                    # those of requests added to `llm_engine` directly.
+                    positions[engine.add_request(None, prompt, sp, cache_salt=cache_salt,
+                                                 priority=priority)] = index
+                except ValueError as error:
+                    if raise_errors:
+                        raise
+                    logger.warning("prompt %d rejected: %s", index, error)
+                    results[index] = RequestOutput(f"rejected-{index}", None, [], [], True,
+                                                   error=str(error))
+                    bar.update(1)
             while engine.has_unfinished_requests():
                 for output in engine.step():
                     if output.finished and output.request_id in positions:

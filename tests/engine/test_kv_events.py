@@ -164,6 +164,10 @@ def test_a_large_snapshot_comes_in_parts() -> None:
 
     snapshot_a, snapshot_b, after = asyncio.run(scenario())
     assert (snapshot_a.seq, snapshot_b.seq, after.seq) == (1, 1, 2)
+    assert (snapshot_a.snapshot_part, snapshot_b.snapshot_part, after.snapshot_part) == (
+        (1, 2), (2, 2), None)
+    assert batch_json(snapshot_b, 16)["snapshot"] == {"part": 2, "parts": 2}
+    assert "snapshot" not in batch_json(after, 16)
     assert len(snapshot_a.events) == SNAPSHOT_BATCH_BLOCKS
     assert snapshot_a.events[0] == AllBlocksCleared()
     assert len(snapshot_a.events) + len(snapshot_b.events) == 1 + 1 + (SNAPSHOT_BATCH_BLOCKS + 599)
@@ -184,15 +188,15 @@ def test_json_groups_chains_and_removals_as_vllm_does() -> None:
     events = (AllBlocksCleared(), _stored(1, None), _stored(2, 1), _stored(5, None),
               BlockRemoved(bytes([2]), 2), BlockRemoved(bytes([5]), 5), _stored(6, 1),
               salted, BlockStored(bytes([8]), bytes([7]), (8, 8), 8))
-    body = batch_json(KVEventBatch(9, 1.5, events), block_size=2, medium="CPU")
-    vllm_fields = {"block_size": 2, "lora_id": None, "medium": "CPU", "lora_name": None}
+    body = batch_json(KVEventBatch(9, 1.5, events), block_size=2)
+    vllm_fields = {"block_size": 2, "lora_id": None, "medium": "GPU", "lora_name": None}
     assert body == {"seq": 9, "ts": 1.5, "events": [
         {"type": "AllBlocksCleared"},
         {"type": "BlockStored", "block_hashes": ["01", "02"], "parent_block_hash": None,
          "token_ids": [1, 1, 2, 2], "extra_keys": None, **vllm_fields},
         {"type": "BlockStored", "block_hashes": ["05"], "parent_block_hash": None,
          "token_ids": [5, 5], "extra_keys": None, **vllm_fields},
-        {"type": "BlockRemoved", "block_hashes": ["02", "05"], "medium": "CPU"},
+        {"type": "BlockRemoved", "block_hashes": ["02", "05"], "medium": "GPU"},
         {"type": "BlockStored", "block_hashes": ["06"], "parent_block_hash": "01",
          "token_ids": [6, 6], "extra_keys": None, **vllm_fields},
         {"type": "BlockStored", "block_hashes": ["07", "08"], "parent_block_hash": None,

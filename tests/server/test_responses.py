@@ -366,6 +366,12 @@ def test_truncation_auto_drops_the_oldest_turns(server: Server, client: openai.O
     assert cut.usage is not None and cut.usage.input_tokens == prompt_tokens(kept)
     assert cut.output_text == chat_text(
         client, [{"role": "system", "content": INSTRUCTIONS}, *kept], 8)
+    # A budget no tail leaves room for: the turns are dropped until the rest fits at
+    # all, and the budget is cut, as always.
+    unlimited = client.responses.create(truncation="auto",
+                                        **{**kwargs, "max_output_tokens": 10**6})
+    assert unlimited.usage is not None
+    assert cut.usage.input_tokens <= unlimited.usage.input_tokens < MAX_MODEL_LEN
     too_long = {**kwargs, "input": "the sea is blue. " * 400, "truncation": "auto"}
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         client.responses.create(**too_long)
@@ -422,3 +428,16 @@ def test_nothing_is_left_in_the_engine(server: Server, client: openai.OpenAI) ->
             if event.type == "response.output_text.delta":
                 break
     assert server.wait_idle()[aborted] == before + 1
+
+
+def test_echoed_fields_may_hold_what_utf_8_cannot(server: Server) -> None:
+    """A lone surrogate is valid JSON; echoed back (`user`, `metadata`) it is escaped,
+    not a 500 after the answer, and the stored response reads back the same."""
+    body = b'{"model": "%s", "input": "Hi", "max_output_tokens": 2, "user": "a\\ud800", ' \
+           b'"metadata": {"k": "\\udfff"}}' % MODEL_NAME.encode()
+    reply = httpx.post(f"{server.url}/v1/responses", content=body, timeout=60,
+                       headers={"Content-Type": "application/json"})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["user"] == "a\ud800" and reply.json()["metadata"] == {"k": "\udfff"}
+    stored = httpx.get(f"{server.url}/v1/responses/{reply.json()['id']}", timeout=60)
+    assert stored.status_code == 200 and stored.json()["user"] == "a\ud800"

@@ -116,15 +116,18 @@ def test_error_body_shape() -> None:
 
 
 def test_max_tokens_default_fills_the_context_and_a_larger_one_is_cut() -> None:
-    assert resolve_max_tokens(100, 30, None, "prompt") == 70
-    assert resolve_max_tokens(100, 30, 70, "prompt") == 70
-    assert resolve_max_tokens(100, 30, 5, "prompt") == 5
-    assert resolve_max_tokens(100, 30, 71, "prompt") == 70  # as vLLM cuts it
+    assert resolve_max_tokens(100, 30, None, 0, "prompt") == 70
+    assert resolve_max_tokens(100, 30, 70, 0, "prompt") == 70
+    assert resolve_max_tokens(100, 30, 5, 0, "prompt") == 5
+    assert resolve_max_tokens(100, 30, 71, 70, "prompt") == 70  # as vLLM cuts it
     with pytest.raises(APIError) as prompt_too_long:
-        resolve_max_tokens(100, 100, None, "messages")
+        resolve_max_tokens(100, 100, None, 0, "messages")
     assert prompt_too_long.value.param == "messages"
     assert "101 tokens (100 in the prompt, 1 for the completion)" in \
         prompt_too_long.value.message
+    with pytest.raises(APIError) as too_many_at_least:
+        resolve_max_tokens(100, 30, 100, 71, "prompt")
+    assert too_many_at_least.value.param == "min_tokens"
 
 
 def test_stats_line_only_while_busy() -> None:

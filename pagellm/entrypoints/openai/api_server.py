@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import PlainTextResponse, Response
 from starlette.middleware.cors import CORSMiddleware
 
 from pagellm.engine.async_engine import AsyncLLMEngine
 from pagellm.entrypoints.openai.errors import APIError, failure, install_error_handlers
+from pagellm.entrypoints.openai.json_text import JSONResponse
 from pagellm.entrypoints.openai.messages_protocol import (
     CountTokensRequest,
     CountTokensResponse,
@@ -125,7 +126,8 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
             await asyncio.to_thread(engine.shutdown)
             logger.info("shutting down: engine stopped")
 
-    app = FastAPI(title="PageLLM OpenAI-compatible API", lifespan=lifespan)
+    app = FastAPI(title="PageLLM OpenAI-compatible API", lifespan=lifespan,
+                  default_response_class=JSONResponse)
     context = ServerContext(engine, list(settings.model_names),
                             ServerMetrics(engine, settings.model_names[0]),
                             settings.tool_call_parser, settings.reasoning_parser)

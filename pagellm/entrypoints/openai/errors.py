@@ -15,11 +15,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Scope
 
 from pagellm.engine.async_engine import EngineDeadError, RequestFailedError
+from pagellm.entrypoints.openai.json_text import JSONResponse
 from pagellm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
@@ -33,22 +33,15 @@ def _is_union_branch(part: str) -> bool:
     return part in _UNION_BRANCH_TAGS or "[" in part or part.startswith("function-")
 
 
-def _sendable(text: str) -> str:
-    """Client text quoted in an error, with lone surrogates (valid in a JSON string,
-    not in UTF-8) written as escapes, so that the error can be sent at all."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
 class APIError(Exception):
     """An error with its HTTP status, raised anywhere while serving a request."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
                  code: str | None = None, type: str | None = None) -> None:
-        message = _sendable(message)
         super().__init__(message)
         self.status = status
         self.message = message
-        self.param = None if param is None else _sendable(param)
+        self.param = param
         self.code = code
         self.type = type or ("server_error" if status >= 500 else "invalid_request_error")
 

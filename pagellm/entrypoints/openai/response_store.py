@@ -15,6 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from pagellm.entrypoints.openai.json_text import dumps
 from pagellm.entrypoints.openai.responses_protocol import ResponseObject
 
 DEFAULT_STORE_BYTES = 256 * 1024 * 1024
@@ -34,7 +35,7 @@ class StoredResponse:
 
     @property
     def response(self) -> ResponseObject:
-        return ResponseObject.model_validate_json(self.response_json)
+        return ResponseObject.model_validate(json.loads(self.response_json))
 
     @property
     def input_items(self) -> list[dict[str, Any]]:
@@ -65,10 +66,9 @@ class ResponseStore:
             input_items: list[dict[str, Any]]) -> None:
         """Keeps `response`, the conversation that continuing from it starts with, and
         its input items."""
-        response_json = response.model_dump_json().encode()
-        items_json = json.dumps(input_items, ensure_ascii=False).encode()
-        size = (len(response_json) + len(items_json)
-                + len(json.dumps(conversation, ensure_ascii=False).encode()))
+        response_json = dumps(response.model_dump(mode="json")).encode()
+        items_json = dumps(input_items).encode()
+        size = len(response_json) + len(items_json) + len(dumps(conversation).encode())
         self.delete(response.id)
         if size > self.max_bytes:
             return

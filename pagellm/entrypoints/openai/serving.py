@@ -137,14 +137,24 @@ def fits_context(max_model_len: int, prompt_len: int, max_tokens: int | None) ->
     return prompt_len < max_model_len and prompt_len + budget <= max_model_len
 
 
+def truncated(params: SamplingParams, token_ids: list[int], max_model_len: int) -> list[int]:
+    """The prompt as `truncate_prompt_tokens` keeps it; a setting that cannot keep any is
+    a 400 naming it."""
+    try:
+        return params.truncate(token_ids, max_model_len)
+    except ValueError as error:
+        raise bad_request(str(error), param="truncate_prompt_tokens") from error
+
+
 def resolve_max_tokens(max_model_len: int, prompt_len: int, max_tokens: int | None,
-                       prompt_param: str) -> int:
+                       min_tokens: int, prompt_param: str) -> int:
     """The completion budget of a prompt: as asked but no more than the context leaves
     (as vLLM does: the completion then ends with finish_reason "length"), or, if None,
     all the context left.
 
     Raises OpenAI's "maximum context length" 400, naming both numbers, when the prompt
-    leaves no room for a single token.
+    leaves no room for a single token, and a 400 naming min_tokens when it leaves fewer
+    than those.
     """
     room = max_model_len - prompt_len
     if room < 1:
@@ -152,6 +162,11 @@ def resolve_max_tokens(max_model_len: int, prompt_len: int, max_tokens: int | No
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {prompt_len + 1} tokens ({prompt_len} in the prompt, 1 for the "
             f"completion). Please reduce the length of the prompt.", param=prompt_param,
+            code=CONTEXT_LENGTH_EXCEEDED)
+    if min_tokens > room:
+        raise bad_request(
+            f"min_tokens is {min_tokens}, but the context of {max_model_len} tokens leaves "
+            f"{room} after the prompt's {prompt_len}", param="min_tokens",
             code=CONTEXT_LENGTH_EXCEEDED)
     return room if max_tokens is None else min(max_tokens, room)
 

@@ -10,13 +10,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from pagellm.core.sampling_params import SamplingParams
 from pagellm.engine.async_engine import RequestStream
 from pagellm.engine.chat_template import ChatError, ChatOptions, render_chat
 from pagellm.engine.outputs import RequestOutput
 from pagellm.entrypoints.openai.errors import bad_request
+from pagellm.entrypoints.openai.json_text import JSONResponse
 from pagellm.entrypoints.openai.logprobs import (
     TokenText,
     chat_logprobs,
@@ -53,6 +54,7 @@ from pagellm.entrypoints.openai.serving import (
     merged,
     resolve_max_tokens,
     start_requests,
+    truncated,
     usage,
 )
 from pagellm.entrypoints.openai.tool_calls import (
@@ -97,7 +99,7 @@ def check_rendering(body: ChatCompletionRequest | TokenizeRequest) -> None:
 
 def _chat_prompt(tokenizer: Any, body: ChatCompletionRequest, params: SamplingParams,
                  max_model_len: int) -> list[int]:
-    return params.truncate(render_messages(tokenizer, body), max_model_len)
+    return truncated(params, render_messages(tokenizer, body), max_model_len)
 
 
 def _check_chat_options(body: ChatCompletionRequest) -> None:
@@ -166,7 +168,7 @@ async def start_chat(context: ServerContext, body: ChatCompletionRequest, arriva
     prompt = Prompt(None, await context.off_loop(_chat_prompt, engine.tokenizer, body, base,
                                             engine.max_model_len))
     params = base.clone(max_tokens=resolve_max_tokens(
-        engine.max_model_len, len(prompt.token_ids), requested, "messages"))
+        engine.max_model_len, len(prompt.token_ids), requested, base.min_tokens, "messages"))
     streams = await start_requests(context, request_id, [prompt], [params], body.cache_salt,
                                    arrival, "messages", body.priority, request_format.field)
     return ChatRun(request_id, streams, reader, len(prompt.token_ids), thinking)

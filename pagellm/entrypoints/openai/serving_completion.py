@@ -9,12 +9,13 @@ from contextlib import aclosing
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from pagellm.core.sampling_params import SamplingParams
 from pagellm.engine.async_engine import RequestStream
 from pagellm.engine.outputs import RequestOutput
 from pagellm.entrypoints.openai.errors import bad_request
+from pagellm.entrypoints.openai.json_text import JSONResponse
 from pagellm.entrypoints.openai.logprobs import (
     TokenText,
     completion_logprobs,
@@ -40,6 +41,7 @@ from pagellm.entrypoints.openai.serving import (
     merged,
     resolve_max_tokens,
     start_requests,
+    truncated,
     usage,
 )
 from pagellm.entrypoints.openai.transport import (
@@ -78,7 +80,7 @@ def _prompts(context: ServerContext, body: CompletionRequest, params: SamplingPa
     max_model_len = context.engine.max_model_len
     return [p if len(kept) == len(p.token_ids)
             else Prompt(_decoded(tokenizer, kept) if echo else None, kept)
-            for p in prompts for kept in [params.truncate(p.token_ids, max_model_len)]]
+            for p in prompts for kept in [truncated(params, p.token_ids, max_model_len)]]
 
 
 def _decoded(tokenizer: Any, token_ids: list[int]) -> str:
@@ -130,7 +132,8 @@ async def create_completion(context: ServerContext, body: CompletionRequest,
     check_choices(len(prompts), body.n)
     params = [
         base.clone(max_tokens=resolve_max_tokens(
-            engine.max_model_len, len(p.token_ids), body.max_tokens, "prompt"))
+            engine.max_model_len, len(p.token_ids), body.max_tokens, base.min_tokens,
+            "prompt"))
         for p in prompts]
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = await start_requests(context, request_id, prompts, params, body.cache_salt,

@@ -24,12 +24,17 @@ from pagellm.entrypoints.openai.transport import EventStreamResponse, sse
 KEEP_ALIVE_S = 15.0
 
 
-def batch_json(batch: KVEventBatch, block_size: int, medium: str) -> dict[str, Any]:
+# vLLM's name for the tier of the engine's own KV cache, whatever its device.
+MEDIUM = "GPU"
+
+
+def batch_json(batch: KVEventBatch, block_size: int) -> dict[str, Any]:
     """vLLM's `KVEventBatch` as JSON, hashes in hex, with its fields (`lora_id` and
     `lora_name` null: no adapters here). As in vLLM, one `BlockStored` holds a run of
     blocks, each the parent of the next (`token_ids` are theirs, concatenated; a run's
     first block, if it is a chain's first, has its cache salt in `extra_keys`), and one
-    `BlockRemoved` a run of removals."""
+    `BlockRemoved` a run of removals. A snapshot's parts also carry `snapshot`: which
+    part of how many."""
     events: list[dict[str, Any]] = []
     for event in batch.events:
         last = events[-1] if events else None
@@ -44,7 +49,7 @@ def batch_json(batch: KVEventBatch, block_size: int, medium: str) -> dict[str, A
             else:
                 events.append({"type": "BlockStored", "block_hashes": [event.block_hash.hex()],
                                "parent_block_hash": parent, "token_ids": list(event.token_ids),
-                               "block_size": block_size, "lora_id": None, "medium": medium,
+                               "block_size": block_size, "lora_id": None, "medium": MEDIUM,
                                "lora_name": None,
                                "extra_keys": ([list(event.extra_keys)] if event.extra_keys
                                               else None)})
@@ -54,8 +59,12 @@ def batch_json(batch: KVEventBatch, block_size: int, medium: str) -> dict[str, A
             last["block_hashes"].append(event.block_hash.hex())
         else:
             events.append({"type": "BlockRemoved", "block_hashes": [event.block_hash.hex()],
-                           "medium": medium})
-    return {"seq": batch.seq, "ts": batch.timestamp, "events": events}
+                           "medium": MEDIUM})
+    body: dict[str, Any] = {"seq": batch.seq, "ts": batch.timestamp, "events": events}
+    if batch.snapshot_part is not None:
+        part, parts = batch.snapshot_part
+        body["snapshot"] = {"part": part, "parts": parts}
+    return body
 
 
 def kv_events_stream(engine: AsyncLLMEngine) -> EventStreamResponse:
@@ -69,7 +78,6 @@ def kv_events_stream(engine: AsyncLLMEngine) -> EventStreamResponse:
     if hub.closed or not engine.is_running:
         raise APIError(503, "The engine is not running.")
     block_size = engine.engine.config.block_size
-    medium = "GPU" if engine.engine.device.type == "cuda" else "CPU"
 
     async def events() -> AsyncGenerator[str, None]:
         subscription = hub.subscribe(asyncio.get_running_loop())
@@ -82,7 +90,7 @@ def kv_events_stream(engine: AsyncLLMEngine) -> EventStreamResponse:
                     continue
                 if batch is None:
                     return
-                yield sse(batch_json(batch, block_size, medium))
+                yield sse(batch_json(batch, block_size))
         finally:
             hub.unsubscribe(subscription)
 

@@ -18,11 +18,12 @@ from contextlib import aclosing
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from pagellm.engine.outputs import CompletionOutput, RequestOutput
 from pagellm.entrypoints.openai.chat_bridge import split_answer, streamed_text
 from pagellm.entrypoints.openai.errors import APIError, failure
+from pagellm.entrypoints.openai.json_text import JSONResponse
 from pagellm.entrypoints.openai.messages_protocol import (
     ContentBlock,
     CountTokensRequest,

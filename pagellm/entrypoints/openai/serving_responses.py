@@ -18,11 +18,12 @@ from contextlib import aclosing
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from pagellm.engine.outputs import CompletionOutput, RequestOutput
 from pagellm.entrypoints.openai.chat_bridge import Conversation, split_answer, streamed_text
 from pagellm.entrypoints.openai.errors import APIError, bad_request, failure
+from pagellm.entrypoints.openai.json_text import JSONResponse
 from pagellm.entrypoints.openai.logprobs import TokenText, chat_logprobs
 from pagellm.entrypoints.openai.protocol import ChatTokenLogprob
 from pagellm.entrypoints.openai.reasoning import answer_parts
@@ -109,25 +110,36 @@ async def create_response(context: ServerContext, store: ResponseStore,
 async def _fitting(context: ServerContext, body: ResponsesRequest, conversation: Conversation
                    ) -> Conversation | None:
     """truncation "auto": the conversation less as few of its oldest turns as make it fit
-    beside max_output_tokens (OpenAI's rule; the instructions stay), or None if even the
-    last turn does not. Turns drop whole, so the longer tails only ever fit less: a
-    binary search renders O(log turns) of them on the tokenizer thread."""
+    beside max_output_tokens (OpenAI's rule; the instructions stay); where no tail leaves
+    that much room, as few as make it fit at all (the budget is then cut, as always); None
+    if even the last turn does not. Turns drop whole, so the longer tails only ever fit
+    less: a binary search renders O(log turns) of them on the tokenizer thread."""
     starts = conversation.turn_starts()
     limit = context.engine.max_model_len
+    lengths: dict[int, int] = {}
 
-    async def fits(start: int) -> bool:
-        tokens = len(await context.off_loop(render_messages, context.engine.tokenizer,
-                                            chat_request(body, conversation.tail(start))))
-        return fits_context(limit, tokens, body.max_output_tokens)
+    async def length(start: int) -> int:
+        if start not in lengths:
+            lengths[start] = len(await context.off_loop(
+                render_messages, context.engine.tokenizer,
+                chat_request(body, conversation.tail(start))))
+        return lengths[start]
 
-    best = None  # the earliest start known to fit
-    low, high = 0, len(starts)
-    while low < high:
-        middle = (low + high) // 2
-        if await fits(starts[middle]):
-            best = high = middle
-        else:
-            low = middle + 1
+    async def earliest(budget: int | None) -> int | None:
+        """The earliest turn start whose tail fits beside `budget`."""
+        best = None
+        low, high = 0, len(starts)
+        while low < high:
+            middle = (low + high) // 2
+            if fits_context(limit, await length(starts[middle]), budget):
+                best = high = middle
+            else:
+                low = middle + 1
+        return best
+
+    best = await earliest(body.max_output_tokens)
+    if best is None and body.max_output_tokens is not None:
+        best = await earliest(None)
     return None if best is None else conversation.tail(starts[best])
 
 

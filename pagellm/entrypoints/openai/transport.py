@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncGenerator, Awaitable
 from contextlib import aclosing
 from typing import Any, TypeVar
@@ -20,6 +19,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pagellm.entrypoints.openai.errors import APIError, failure
+from pagellm.entrypoints.openai.json_text import dumps
 
 T = TypeVar("T")
 
@@ -30,7 +30,7 @@ def sse(payload: dict[str, Any], event: str | None = None) -> str:
     """One server-sent event; `event` names its type (the Responses and Messages APIs'
     streams do)."""
     kind = "" if event is None else f"event: {event}\n"
-    return f"{kind}data: {json.dumps(payload, ensure_ascii=False, allow_nan=False)}\n\n"
+    return f"{kind}data: {dumps(payload)}\n\n"
 
 
 async def streamed(events: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
