@@ -54,6 +54,18 @@ def test_completion_stream_equals_non_stream(client: openai.OpenAI) -> None:
     assert chunks[-1].choices[0].finish_reason is not None
 
 
+def test_streamed_choices_come_one_a_chunk(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = dict(model=MODEL_NAME, prompt=["Once upon a time", "Hello"],
+                                  max_tokens=6, temperature=1.0, seed=3, n=2)
+    whole = {c.index: c.text for c in client.completions.create(**kwargs).choices}
+    pieces: dict[int, str] = {}
+    for chunk in client.completions.create(stream=True, **kwargs):
+        assert len(chunk.choices) == 1
+        pieces[chunk.choices[0].index] = pieces.get(chunk.choices[0].index, "") + \
+            chunk.choices[0].text
+    assert pieces == whole and len(whole) == 4
+
+
 def test_omitted_model_means_ours(server: Server) -> None:
     response = httpx.post(f"{server.url}/v1/completions",
                           json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
@@ -541,6 +553,7 @@ def test_forced_tool_calls_with_n_cuts_and_none(client: openai.OpenAI) -> None:
     whole = {c.index: (c.message.tool_calls or [])[0].function.arguments for c in result.choices}
     pieces: dict[int, str] = {}
     for chunk in client.chat.completions.create(stream=True, **kwargs):
+        assert len(chunk.choices) == 1  # one choice a chunk, as OpenAI and vLLM send them
         for choice in chunk.choices:
             for piece in choice.delta.tool_calls or []:
                 pieces[choice.index] = pieces.get(choice.index, "") + (

@@ -260,10 +260,11 @@ async def _stream(context: ServerContext, body: ChatCompletionRequest, run: Chat
             id=request_id, created=created, model=context.model_name, choices=choices,
             usage=so_far).model_dump(mode="json", exclude=None if so_far else {"usage"}))
 
-    yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
-                 for i in range(body.n)],
-                UsageInfo(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens)
-                if report.on_every_chunk else None)
+    # One choice a chunk, as OpenAI and vLLM send them (clients that read choices[0]).
+    for index in range(body.n):
+        yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))],
+                    UsageInfo(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens)
+                    if report.on_every_chunk else None)
     sent_text: dict[int, int] = {}
     sent_reasoning: dict[int, int] = {}
     sent_logprobs: dict[int, int] = {}
@@ -317,8 +318,8 @@ async def _stream(context: ServerContext, body: ChatCompletionRequest, run: Chat
                     stop_reason=completion.stop_reason))
             if output.finished:
                 final = output
-            if choices:
-                yield chunk(choices, usage([output]) if report.on_every_chunk else None)
+            for choice in choices:
+                yield chunk([choice], usage([output]) if report.on_every_chunk else None)
     if report.at_end and final is not None:
         last = ChatCompletionChunk(id=request_id, created=created, model=context.model_name,
                                    choices=[], usage=usage([final]))

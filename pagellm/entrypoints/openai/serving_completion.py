@@ -215,9 +215,9 @@ async def _stream(context: ServerContext, request_id: str, body: CompletionReque
                     prompt_logprobs=_prompt_scores(body, output, token_text) if first else None))
             if output.finished:
                 finals[prompt_index] = output
-            if choices:
+            for choice in choices:  # one choice a chunk, as OpenAI and vLLM send them
                 chunk = CompletionResponse(
-                    id=request_id, created=created, model=context.model_name, choices=choices,
+                    id=request_id, created=created, model=context.model_name, choices=[choice],
                     usage=usage([output]) if report.on_every_chunk else None)
                 yield sse(chunk.model_dump(
                     mode="json", exclude=None if report.on_every_chunk else {"usage"}))
