@@ -286,10 +286,12 @@ def test_responses_and_messages_read_reasoning_too(engine: AsyncLLMEngine,
     monkeypatch.setattr(reasoning, "_END", end_tag)
     found = asyncio.run(ask())
 
+    counted = len(engine.tokenizer.encode(before, add_special_tokens=False))
     for response in (found["response"], found["streamed"]):
         assert [item.type for item in response.output] == ["reasoning", "message"]
         assert response.output[0].content[0].text == before
         assert response.output_text == after
+        assert response.usage.output_tokens_details.reasoning_tokens == counted > 0
     kinds = [event.type for event in found["events"]]
     assert kinds.index("response.reasoning_text.done") < kinds.index(
         "response.output_text.delta")

@@ -9,6 +9,8 @@ content, which a tool-call parser then reads.
 
 from __future__ import annotations
 
+from typing import Any
+
 from pagellm.engine.outputs import CompletionOutput
 from pagellm.entrypoints.openai.tool_calls import partial_tag
 
@@ -55,6 +57,13 @@ def answer_parts(thinking: ThinkReasoningParser | None, completion: CompletionOu
         return thinking.streamed(completion.text)
     reasoning, content = thinking.split(completion.text)
     return reasoning or "", content or ""
+
+
+def count_reasoning_tokens(tokenizer: Any, reasoning: str) -> int:
+    """Usage's `reasoning_tokens`: the reasoning re-encoded (a model's own tokens encode
+    back to themselves nearly always; the tags are not counted, as vLLM counts up to the
+    end tag)."""
+    return len(tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
 
 
 # The parsers of models' reasoning syntax, by their vLLM names.

@@ -26,7 +26,7 @@ from pagellm.entrypoints.openai.errors import APIError, bad_request, failure
 from pagellm.entrypoints.openai.json_text import JSONResponse
 from pagellm.entrypoints.openai.logprobs import TokenText, chat_logprobs
 from pagellm.entrypoints.openai.protocol import ChatTokenLogprob
-from pagellm.entrypoints.openai.reasoning import answer_parts
+from pagellm.entrypoints.openai.reasoning import answer_parts, count_reasoning_tokens
 from pagellm.entrypoints.openai.response_store import ResponseStore
 from pagellm.entrypoints.openai.responses_protocol import (
     DeletedResponse,
@@ -37,6 +37,7 @@ from pagellm.entrypoints.openai.responses_protocol import (
     OutputItem,
     OutputMessage,
     OutputText,
+    OutputTokensDetails,
     ReasoningItem,
     ReasoningText,
     ResponseObject,
@@ -99,8 +100,9 @@ async def create_response(context: ServerContext, store: ResponseStore,
         except APIError as again:
             raise renamed(again, body, conversation) from again
     answer = ResponseAnswer(body, response_id, context.model_name, run, conversation,
-                     store if body.store else None,
-                     TokenText(context.engine.tokenizer) if wants_logprobs(body) else None)
+                            store if body.store else None, context.engine.tokenizer,
+                            TokenText(context.engine.tokenizer) if wants_logprobs(body)
+                            else None)
     if body.stream:
         return EventStreamResponse(aborting_on_exit(run.streams, answer.events(context)))
     outputs = await unless_disconnected(raw, final_outputs(run.streams, context.metrics))
@@ -200,7 +202,7 @@ class ResponseAnswer:
     streamed or whole, and stores it (with the conversation so far) when it ends."""
 
     def __init__(self, body: ResponsesRequest, response_id: str, model: str, run: ChatRun,
-                 conversation: Conversation, store: ResponseStore | None,
+                 conversation: Conversation, store: ResponseStore | None, tokenizer: Any,
                  token_text: TokenText | None) -> None:
         self.body = body
         self.response_id = response_id
@@ -210,11 +212,13 @@ class ResponseAnswer:
         self.conversation = conversation
         self.store = store
         self.token_text = token_text
+        self.tokenizer = tokenizer
         self.message_id = _item_id("msg")
         self.reasoning_id = _item_id("rs")
 
     def response(self, status: Status, output: list[OutputItem],
-                 result: RequestOutput | None = None) -> ResponseObject:
+                 result: RequestOutput | None = None, reasoning_tokens: int = 0
+                 ) -> ResponseObject:
         """The response object: the output so far, and the request's settings echoed."""
         body = self.body
         text = body.text or {}
@@ -224,7 +228,7 @@ class ResponseAnswer:
             incomplete_details=(IncompleteDetails(reason="max_output_tokens")
                                 if status == "incomplete" else None),
             model=self.model, output=output,
-            usage=_usage(result) if result is not None else None,
+            usage=_usage(result, reasoning_tokens) if result is not None else None,
             instructions=body.instructions, previous_response_id=body.previous_response_id,
             max_output_tokens=body.max_output_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
@@ -273,7 +277,8 @@ class ResponseAnswer:
                                        arguments=call.function.arguments,
                                        status="completed")
                       for call in calls or [])
-        response = self.response(status, output, result)
+        response = self.response(status, output, result,
+                                 count_reasoning_tokens(self.tokenizer, reasoning))
         if self.store is not None:
             turn: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
@@ -396,10 +401,12 @@ def _closing(item: OutputItem, index: int, event: Emit) -> list[str]:
             event("response.output_item.done", output_index=index, item=item)]
 
 
-def _usage(result: RequestOutput) -> ResponseUsage:
+def _usage(result: RequestOutput, reasoning_tokens: int) -> ResponseUsage:
     counted = usage([result])
     return ResponseUsage(input_tokens=counted.prompt_tokens,
                          input_tokens_details=InputTokensDetails(
                              cached_tokens=result.num_cached_tokens),
                          output_tokens=counted.completion_tokens,
+                         output_tokens_details=OutputTokensDetails(
+                             reasoning_tokens=reasoning_tokens),
                          total_tokens=counted.total_tokens)
