@@ -95,11 +95,25 @@ class FreeBlockQueue:
         return self.num_free
 
 
+# What a cached block follows: its parent's hash, or for a chain's first block the keys
+# that seeded the chain (the same tokens under another salt are another chain).
+ParentKey = BlockHash | tuple[str, ...]
+
+
+def parent_key(parent_hash: BlockHash | None, extra_keys: tuple[str, ...]) -> ParentKey:
+    return parent_hash if parent_hash is not None else extra_keys
+
+
 class BlockPool:
     """Owns every block; hands them out, takes them back, and keeps the prefix cache map."""
 
     def __init__(self, num_blocks: int, enable_caching: bool = True,
-                 enable_events: bool = False) -> None:
+                 enable_events: bool = False, index_children: bool = False) -> None:
+        """`index_children` keeps, for each cached block (and each chain root), the
+        tokens of the cached blocks that follow it, so that a miss can be explained: where
+        a prompt departs from the cached prefix it came closest to (see
+        KVCacheManager.departure). It costs a dict entry per cached block, so it is kept
+        only when that is logged."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -110,6 +124,9 @@ class BlockPool:
         self.num_evictions = 0
         self._enable_events = enable_events
         self._events: list[KVCacheEvent] = []
+        self._index_children = index_children
+        self._children: dict[ParentKey, dict[BlockHash, tuple[int, ...]]] = {}
+        self._parent_key: dict[BlockHash, ParentKey] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -148,6 +165,12 @@ class BlockPool:
         assert block.block_hash is not None
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
+            if self._index_children:
+                parent = self._parent_key.pop(block.block_hash)
+                siblings = self._children[parent]
+                del siblings[block.block_hash]
+                if not siblings:
+                    del self._children[parent]
         if self._enable_events:
             self._events.append(BlockRemoved(block.block_hash, block.block_id))
         block.block_hash = None
@@ -201,6 +224,10 @@ class BlockPool:
             return False
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        if self._index_children:
+            parent = parent_key(parent_hash, extra_keys)
+            self._children.setdefault(parent, {})[block_hash] = token_ids
+            self._parent_key[block_hash] = parent
         if self._enable_events:
             self._events.append(BlockStored(block_hash, parent_hash, token_ids, block.block_id,
                                             extra_keys))
@@ -216,9 +243,16 @@ class BlockPool:
         for block in self.cached.values():
             block.block_hash = None
         self.cached.clear()
+        self._children.clear()
+        self._parent_key.clear()
         if self._enable_events:
             self._events.append(AllBlocksCleared())
         return True
+
+    def cached_children(self, parent: ParentKey) -> dict[BlockHash, tuple[int, ...]]:
+        """The cached blocks that follow `parent` (see parent_key), with their tokens;
+        empty unless the pool indexes children."""
+        return self._children.get(parent, {})
 
     def take_events(self) -> list[KVCacheEvent]:
         events, self._events = self._events, []

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagellm.core.block_pool import BlockPool, KVBlock
+from pagellm.core.block_pool import BlockPool, KVBlock, parent_key
 from pagellm.core.events import KVCacheEvent
 from pagellm.core.request import Request
 
@@ -55,12 +55,13 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         enable_events: bool = False,
+        index_children: bool = False,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching, enable_events)
+        self.pool = BlockPool(num_blocks, enable_caching, enable_events, index_children)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         # How many of a request's leading blocks are already published in the cache.
         self._num_cached_blocks: dict[str, int] = {}
@@ -112,6 +113,24 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
+
+    def departure(self, request: Request, num_hit_blocks: int) -> int | None:
+        """Where the request's tokens part from the cached prefix that comes closest: the
+        index of its first token that no cached continuation of its `num_hit_blocks` hit
+        blocks shares, or None when nothing cached continues from there (or the pool does
+        not index children). A chat template that renders an earlier turn differently
+        shows up here as a departure long before the new turn."""
+        if num_hit_blocks >= len(request.block_hashes):
+            return None
+        parent = parent_key(request.parent_hash(num_hit_blocks), request.extra_keys)
+        continuations = self.pool.cached_children(parent).values()
+        if not continuations:
+            return None
+        tokens = request.block_token_ids(num_hit_blocks)
+        shared = max(_common_prefix_len(tokens, other) for other in continuations)
+        if shared == len(tokens):  # the block is cached: the hit stopped short of it
+            return None
+        return num_hit_blocks * self.block_size + shared
 
     def allocate(
         self,
@@ -241,3 +260,7 @@ class KVCacheManager:
             evictions=self.pool.num_evictions,
             num_blocks=self.pool.num_blocks,
         )
+
+
+def _common_prefix_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))

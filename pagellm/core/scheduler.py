@@ -184,10 +184,13 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
                 if logger.isEnabledFor(logging.DEBUG):
+                    departure = self.kv_cache.departure(request, len(hits))
                     logger.debug(
                         "%s: %d of %d prompt tokens from the prefix cache; the cached prefix "
-                        "ends at block %d of %d", request.request_id, num_cached,
-                        request.num_tokens, len(hits), len(request.block_hashes))
+                        "ends at block %d of %d%s", request.request_id, num_cached,
+                        request.num_tokens, len(hits), len(request.block_hashes),
+                        "" if departure is None else
+                        f"; the prompt departs from a cached one at token {departure}")
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from pagellm.core import scheduler as scheduler_module
 from pagellm.core.block_hash import BlockHasher
 from pagellm.core.config import SchedulerConfig
 from pagellm.core.events import KVCacheEvent
@@ -163,9 +164,12 @@ class LLMEngine:
                                                    num_blocks * config.block_size)
         graphs = uses_cuda_graphs(self.device, config, self.model)
         self.kv_cache = KVCache(self.model, num_blocks, config.block_size, padding_block=graphs)
-        self.kv_manager = KVCacheManager(num_blocks, config.block_size,
-                                         config.enable_prefix_caching,
-                                         config.enable_kv_cache_events)
+        self.kv_manager = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching,
+            config.enable_kv_cache_events,
+            # Where prompts depart from cached ones is only ever logged (at debug level).
+            index_children=logging.getLogger(scheduler_module.__name__).isEnabledFor(
+                logging.DEBUG))
         self.hasher = BlockHasher(config.block_size, config.prefix_caching_hash_algo)
         self.scheduler = Scheduler(
             SchedulerConfig(

@@ -583,3 +583,30 @@ def test_prompt_logprobs_request_reads_the_cache_only_once_scored(manager, make_
     scoring.append_output_token(7)
     assert manager.max_hit_blocks(scoring) == 3
     assert manager.find_cached_prefix(scoring)[1] == 3 * BS
+
+
+def test_departure_says_where_a_prompt_leaves_the_closest_cached_one(
+        make_request, run_prompt, check_pool) -> None:
+    """PITFALLS: a hit rate that is silently low (a template that renders an earlier turn
+    differently) is found by where the prompt departs from what is cached."""
+    manager = KVCacheManager(num_blocks=6, block_size=BS, index_children=True)
+    first = make_request([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    run_prompt(manager, first)
+    manager.free(first)
+    near = make_request([1, 2, 3, 4, 5, 6, 0, 8, 9])  # parts in block 1, at token 6
+    hits, _ = manager.find_cached_prefix(near)
+    assert len(hits) == 1 and manager.departure(near, len(hits)) == 6
+    assert manager.departure(make_request([0, 2, 3, 4, 5]), 0) == 0
+    assert manager.departure(make_request([1, 2, 3, 4, 5], cache_salt="t"), 0) is None
+    assert manager.departure(make_request([7, 7, 7, 7, 7, 7, 7, 7, 7]), 0) == 0
+    same = make_request([1, 2, 3, 4, 5, 6, 7, 8])  # fully cached: capped, no departure
+    assert manager.departure(same, len(manager.find_cached_prefix(same)[0])) is None
+    hog = make_request([9] * 24)
+    assert manager.allocate(hog, 24) is not None  # evicts every cached block
+    assert manager.departure(near, 1) is None and manager.pool._children == {}
+    check_pool(manager.pool)
+    manager.free(hog)
+    run_prompt(manager, first)
+    manager.free(first)
+    assert manager.reset_prefix_cache() and manager.pool._children == {}
+    check_pool(manager.pool)

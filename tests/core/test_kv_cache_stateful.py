@@ -65,7 +65,8 @@ class KVCacheMachine(RuleBasedStateMachine):
     def setup(self, block_size: int, num_blocks: int, algorithm: str,
               bases: list[list[int]]) -> None:
         self.bs = block_size
-        self.manager = KVCacheManager(num_blocks, block_size, enable_events=True)
+        self.manager = KVCacheManager(num_blocks, block_size, enable_events=True,
+                                      index_children=True)
         self.pool = self.manager.pool
         self.hasher = BlockHasher(block_size, algorithm)  # type: ignore[arg-type]
         self.bases = bases

@@ -195,13 +195,21 @@ def test_detokenize_false_refuses_stop_strings() -> None:
 
 @pytest.mark.parametrize(("keep", "max_tokens", "expected"), [
     (None, 1, [1, 2, 3, 4, 5]), (2, 1, [4, 5]), (9, 1, [1, 2, 3, 4, 5]),
-    (-1, None, [3, 4, 5]), (-1, 2, [4, 5]), (-1, 10, [5])])
+    (-1, None, [3, 4, 5]), (-1, 2, [4, 5]), (-1, 3, [5])])
 def test_truncate_prompt_tokens_keeps_the_last_tokens(keep: int | None, max_tokens: int | None,
                                                       expected: list[int]) -> None:
     """-1 keeps as many as leave room for max_tokens in max_model_len (4 here)."""
     params = SamplingParams(truncate_prompt_tokens=keep, max_tokens=max_tokens)
     assert params.truncate([1, 2, 3, 4, 5], max_model_len=4) == expected
     assert params.clone(n=2).truncate_prompt_tokens == keep
+
+
+def test_truncate_to_nothing_is_refused() -> None:
+    """A budget as large as the context leaves no prompt: refused (vLLM refuses it too),
+    not a prompt cut to one token."""
+    params = SamplingParams(truncate_prompt_tokens=-1, max_tokens=4)
+    with pytest.raises(ValueError, match="max_tokens \\(4\\) leaves none"):
+        params.truncate([1, 2, 3, 4, 5], max_model_len=4)
 
 
 @pytest.mark.parametrize("keep", [0, -2, 1.5, True])

@@ -915,12 +915,15 @@ def test_debug_log_names_where_the_cached_prefix_ends(caplog: pytest.LogCaptureF
     """A hit rate lower than expected is debugged from this line: it names the block at
     which a request's prompt left the longest cached prefix."""
     d = Driver()
+    d.kv = KVCacheManager(64, BS, index_children=True)  # as the engine builds it to log this
+    d.sched = Scheduler(d.config, d.kv)
     prompt = prompt_of(8, 4 * BS + 1)
     d.add("a", prompt, max_tokens=1)
     d.run()
-    diverged = prompt[: 2 * BS] + [t + 1 for t in prompt[2 * BS:]]
+    diverged = prompt[: 2 * BS + 1] + [t + 1 for t in prompt[2 * BS + 1:]]
     with caplog.at_level("DEBUG", logger="pagellm.core.scheduler"):
         d.add("b", diverged, max_tokens=1)
         d.run()
     assert (f"b: {2 * BS} of {4 * BS + 1} prompt tokens from the prefix cache; the cached "
-            "prefix ends at block 2 of 4") in caplog.text
+            f"prefix ends at block 2 of 4; the prompt departs from a cached one at token "
+            f"{2 * BS + 1}") in caplog.text

@@ -267,6 +267,21 @@ def test_generate_beside_requests_added_to_the_engine(tiny_models: dict[str, Pat
     assert_idle(engine)
 
 
+def test_debug_logging_says_where_a_prompt_departs(tiny_models: dict[str, Path],
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """With debug logging on when the engine is built, it keeps what it needs to say
+    where a prompt left the closest cached one."""
+    prompt = _prompts(8, 40, [0])[0]
+    departing = prompt[:21] + [(t % 380) + 3 for t in prompt[21:]]
+    with caplog.at_level("DEBUG", logger="pagellm"):
+        llm = _llm(tiny_models["llama-gqa-untied"])
+        llm.generate([{"prompt_token_ids": prompt}], _greedy(1), use_tqdm=False)
+        llm.generate([{"prompt_token_ids": departing}], _greedy(1), use_tqdm=False)
+    assert "16 of 40 prompt tokens from the prefix cache" in caplog.text
+    assert "the prompt departs from a cached one at token 21" in caplog.text
+    assert_idle(llm.llm_engine)
+
+
 def test_cache_salt_in_the_prompt_dict_keys_the_blocks(tiny_models: dict[str, Path]) -> None:
     """vLLM puts the salt in the prompt dict; ported code must keep its isolation."""
     from pagellm import TokensPrompt
