@@ -1,7 +1,9 @@
 """Makes PageLLM's own log lines (start-up time, KV pool size) visible by default.
 
 A user who configured logging keeps their configuration; otherwise the `pagellm` logger
-gets one stderr handler at INFO, as vLLM does for its own logger.
+gets one stderr handler, at INFO as vLLM does for its own logger, or at the level the
+user set on it (`logging.getLogger("pagellm").setLevel(logging.DEBUG)` is enough to see
+its debug lines).
 """
 
 from __future__ import annotations
@@ -18,4 +20,5 @@ def ensure_visible_logging() -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter(LOG_FORMAT, datefmt="%H:%M:%S"))
     package_logger.addHandler(handler)
-    package_logger.setLevel(logging.INFO)
+    if package_logger.level == logging.NOTSET:
+        package_logger.setLevel(logging.INFO)

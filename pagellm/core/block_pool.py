@@ -95,25 +95,16 @@ class FreeBlockQueue:
         return self.num_free
 
 
-# What a cached block follows: its parent's hash, or for a chain's first block the keys
-# that seeded the chain (the same tokens under another salt are another chain).
-ParentKey = BlockHash | tuple[str, ...]
-
-
-def parent_key(parent_hash: BlockHash | None, extra_keys: tuple[str, ...]) -> ParentKey:
-    return parent_hash if parent_hash is not None else extra_keys
-
-
 class BlockPool:
     """Owns every block; hands them out, takes them back, and keeps the prefix cache map."""
 
     def __init__(self, num_blocks: int, enable_caching: bool = True,
                  enable_events: bool = False, index_children: bool = False) -> None:
-        """`index_children` keeps, for each cached block (and each chain root), the
-        tokens of the cached blocks that follow it, so that a miss can be explained: where
-        a prompt departs from the cached prefix it came closest to (see
-        KVCacheManager.departure). It costs a dict entry per cached block, so it is kept
-        only when that is logged."""
+        """`index_children` keeps, for each cached block (and each chain's root hash),
+        the tokens of the cached blocks that follow it, by their first token, so that a
+        miss can be explained: where a prompt departs from the cached prefix it came
+        closest to (see KVCacheManager.departure). It costs a dict entry per cached
+        block, so it is kept only when that is logged."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -125,8 +116,9 @@ class BlockPool:
         self._enable_events = enable_events
         self._events: list[KVCacheEvent] = []
         self._index_children = index_children
-        self._children: dict[ParentKey, dict[BlockHash, tuple[int, ...]]] = {}
-        self._parent_key: dict[BlockHash, ParentKey] = {}
+        # parent (or chain root) -> first token -> {child hash: child tokens}
+        self._children: dict[BlockHash, dict[int, dict[BlockHash, tuple[int, ...]]]] = {}
+        self._parent_of: dict[BlockHash, tuple[BlockHash, int]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -166,10 +158,12 @@ class BlockPool:
         if self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
             if self._index_children:
-                parent = self._parent_key.pop(block.block_hash)
-                siblings = self._children[parent]
-                del siblings[block.block_hash]
-                if not siblings:
+                parent, first = self._parent_of.pop(block.block_hash)
+                by_first = self._children[parent]
+                del by_first[first][block.block_hash]
+                if not by_first[first]:
+                    del by_first[first]
+                if not by_first:
                     del self._children[parent]
         if self._enable_events:
             self._events.append(BlockRemoved(block.block_hash, block.block_id))
@@ -211,6 +205,7 @@ class BlockPool:
         parent_hash: BlockHash | None,
         token_ids: tuple[int, ...],
         extra_keys: tuple[str, ...] = (),
+        chain_root: BlockHash = b"",
     ) -> bool:
         """Makes a full, computed block findable by its hash.
 
@@ -225,9 +220,10 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached[block_hash] = block
         if self._index_children:
-            parent = parent_key(parent_hash, extra_keys)
-            self._children.setdefault(parent, {})[block_hash] = token_ids
-            self._parent_key[block_hash] = parent
+            parent = parent_hash if parent_hash is not None else chain_root
+            self._children.setdefault(parent, {}).setdefault(
+                token_ids[0], {})[block_hash] = token_ids
+            self._parent_of[block_hash] = (parent, token_ids[0])
         if self._enable_events:
             self._events.append(BlockStored(block_hash, parent_hash, token_ids, block.block_id,
                                             extra_keys))
@@ -244,14 +240,15 @@ class BlockPool:
             block.block_hash = None
         self.cached.clear()
         self._children.clear()
-        self._parent_key.clear()
+        self._parent_of.clear()
         if self._enable_events:
             self._events.append(AllBlocksCleared())
         return True
 
-    def cached_children(self, parent: ParentKey) -> dict[BlockHash, tuple[int, ...]]:
-        """The cached blocks that follow `parent` (see parent_key), with their tokens;
-        empty unless the pool indexes children."""
+    def cached_children(self, parent: BlockHash) -> dict[int, dict[BlockHash, tuple[int, ...]]]:
+        """The cached blocks that follow `parent` (a block's hash, or a chain's root hash
+        for its first blocks), by first token, with their tokens; empty unless the pool
+        indexes children."""
         return self._children.get(parent, {})
 
     def take_events(self) -> list[KVCacheEvent]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagellm.core.block_pool import BlockPool, KVBlock, parent_key
+from pagellm.core.block_pool import BlockPool, KVBlock
 from pagellm.core.events import KVCacheEvent
 from pagellm.core.request import Request
 
@@ -122,12 +122,14 @@ class KVCacheManager:
         shows up here as a departure long before the new turn."""
         if num_hit_blocks >= len(request.block_hashes):
             return None
-        parent = parent_key(request.parent_hash(num_hit_blocks), request.extra_keys)
-        continuations = self.pool.cached_children(parent).values()
-        if not continuations:
+        parent = request.parent_hash(num_hit_blocks) or request.root_hash
+        by_first = self.pool.cached_children(parent)
+        if not by_first:
             return None
         tokens = request.block_token_ids(num_hit_blocks)
-        shared = max(_common_prefix_len(tokens, other) for other in continuations)
+        # Only continuations with the same first token can share more than none of it.
+        shared = max((_common_prefix_len(tokens, other)
+                      for other in by_first.get(tokens[0], {}).values()), default=0)
         if shared == len(tokens):  # the block is cached: the hit stopped short of it
             return None
         return num_hit_blocks * self.block_size + shared
@@ -198,6 +200,7 @@ class KVCacheManager:
                 request.parent_hash(index),
                 request.block_token_ids(index),
                 request.extra_keys if index == 0 else (),
+                request.root_hash,
             )
         self._num_cached_blocks[rid] = max(self._num_cached_blocks[rid], num_full)
 

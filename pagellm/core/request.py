@@ -114,6 +114,11 @@ class Request:
             self._hasher.extend(self.block_hashes, self._hash_root, self.all_token_ids)
 
     @property
+    def root_hash(self) -> BlockHash:
+        """What the first block's hash chains from (the salt and adapter, hashed)."""
+        return self._hash_root
+
+    @property
     def extra_keys(self) -> tuple[str, ...]:
         """What seeds the block chain besides the tokens (see BlockStored)."""
         return tuple(key for key in (self.adapter, self.cache_salt) if key is not None)

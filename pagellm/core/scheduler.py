@@ -175,6 +175,10 @@ class Scheduler:
                     deferred_priority = request.priority
                 continue
             num_new = min(request.num_tokens - num_cached, budget)
+            # Before allocating, which may evict the very blocks it compares against.
+            departure = (self.kv_cache.departure(request, len(hits))
+                         if request.num_cached_tokens < 0 and logger.isEnabledFor(logging.DEBUG)
+                         else None)
             # One free block kept per running request for its next block: admitting into
             # the last free blocks only to preempt (and recompute) someone a few steps
             # later is slower than waiting for a request to finish.
@@ -184,7 +188,6 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
                 if logger.isEnabledFor(logging.DEBUG):
-                    departure = self.kv_cache.departure(request, len(hits))
                     logger.debug(
                         "%s: %d of %d prompt tokens from the prefix cache; the cached prefix "
                         "ends at block %d of %d%s", request.request_id, num_cached,

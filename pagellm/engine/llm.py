@@ -138,7 +138,7 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block; True, or False while requests added to
-        `llm_engine` directly still run (between `generate` calls nothing runs)."""
+        `llm_engine` directly hold blocks (between `generate` calls nothing runs)."""
         return self.llm_engine.reset_prefix_cache()
 
     def _run(self, prompts: list[PromptInput], params: list[SamplingParams],

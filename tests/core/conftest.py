@@ -77,9 +77,10 @@ def check_pool(pool: BlockPool) -> None:
         if block.block_hash is not None:
             assert pool.cached.get(block.block_hash) is block
     if pool._index_children:  # each cached block under its parent, and nothing else
-        indexed = [h for children in pool._children.values() for h in children]
-        assert sorted(indexed) == sorted(pool.cached) == sorted(pool._parent_key)
-        assert all(children for children in pool._children.values())
+        indexed = [h for by_first in pool._children.values() for children in by_first.values()
+                   for h in children]
+        assert sorted(indexed) == sorted(pool.cached) == sorted(pool._parent_of)
+        assert all(by_first and all(by_first.values()) for by_first in pool._children.values())
 
 
 # tests/ has no __init__.py files, so helpers are handed out as (session-scoped) fixtures

@@ -927,3 +927,20 @@ def test_debug_log_names_where_the_cached_prefix_ends(caplog: pytest.LogCaptureF
     assert (f"b: {2 * BS} of {4 * BS + 1} prompt tokens from the prefix cache; the cached "
             f"prefix ends at block 2 of 4; the prompt departs from a cached one at token "
             f"{2 * BS + 1}") in caplog.text
+
+
+def test_debug_log_departure_survives_the_admission_evicting_its_reference(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """In a pool this small, admitting b evicts a's cached blocks, the very ones b is
+    compared against: the departure is found before the allocation."""
+    d = Driver(num_blocks=4)
+    d.kv = KVCacheManager(4, BS, index_children=True)
+    d.sched = Scheduler(d.config, d.kv)
+    prompt = prompt_of(9, 3 * BS + 1)
+    d.add("a", prompt, max_tokens=1)
+    d.run()
+    departing = prompt[:BS + 2] + [t + 1 for t in prompt[BS + 2:]]
+    with caplog.at_level("DEBUG", logger="pagellm.core.scheduler"):
+        d.add("b", departing, max_tokens=1)
+        d.run()
+    assert f"the prompt departs from a cached one at token {BS + 2}" in caplog.text

@@ -135,6 +135,17 @@ def test_continuous_usage_stats_count_the_tokens_so_far(client: openai.OpenAI) -
         model=MODEL_NAME, prompt="Count: one, two,", max_tokens=6, temperature=0,
         stream=True, stream_options={"include_usage": True}))
     assert [c.usage is None for c in plain] == [True] * (len(plain) - 1) + [False]
+    # n > 1: a chunk counts its own choice's tokens (as vLLM's do), the last all of them.
+    several = list(client.completions.create(
+        model=MODEL_NAME, prompt="Count: one, two,", max_tokens=6, temperature=1.0, seed=2,
+        n=3, extra_body={"ignore_eos": True}, stream=True, stream_options=options))
+    own: dict[int, list[int]] = {}
+    for chunk in several[:-1]:
+        assert chunk.usage is not None
+        own.setdefault(chunk.choices[0].index, []).append(chunk.usage.completion_tokens)
+    assert {index: counts[-1] for index, counts in own.items()} == {0: 6, 1: 6, 2: 6}
+    assert all(counts == sorted(counts) for counts in own.values())
+    assert several[-1].usage is not None and several[-1].usage.completion_tokens == 18
 
 
 def test_chat_stream_deltas_carry_no_nulls(server: Server) -> None:

@@ -374,8 +374,7 @@ def test_a_stored_turn_carries_the_call_ids_the_client_was_given() -> None:
     body = ResponsesRequest(input="Weather?", tool_choice="required",
                             tools=[{"type": "function", "name": "f", "parameters": {}}])
     run = ChatRun("resp_x", [], ToolCallFormat({"type": "array"}, None), 3)
-    answer = ResponseAnswer(body, "resp_x", "m", run, conversation_of([], body.input), store,
-                            None, None)
+    answer = ResponseAnswer(body, "resp_x", "m", run, conversation_of([], body.input), store, None)
     text = '[{"name": "f", "parameters": {"a": 1}}, {"name": "f", "parameters": {}}]'
     response = answer.finish(RequestOutput("resp_x-0", None, [1, 2, 3], [
         CompletionOutput(0, text, [5, 6], finish_reason="stop")], True))
@@ -385,8 +384,7 @@ def test_a_stored_turn_carries_the_call_ids_the_client_was_given() -> None:
     assert [call["id"] for call in turn["tool_calls"]] == [
         item.call_id for item in response.output]  # type: ignore[union-attr]
     assert stored.response.model_dump() == response.model_dump()
-    cut = ResponseAnswer(body, "resp_y", "m", run, conversation_of([], body.input), store,
-                         None, None)
+    cut = ResponseAnswer(body, "resp_y", "m", run, conversation_of([], body.input), store, None)
     cut_response = cut.finish(RequestOutput("resp_y-0", None, [1, 2, 3], [
         CompletionOutput(0, text[:30], [5, 6], finish_reason="length")], True))
     assert cut_response.status == "incomplete"

@@ -5,6 +5,7 @@ engine requests of one HTTP request, merging their outputs, and usage.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +15,7 @@ from typing import Any, TypeVar
 
 from pagellm.core.sampling_params import SamplingParams
 from pagellm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
-from pagellm.engine.outputs import RequestOutput
+from pagellm.engine.outputs import CompletionOutput, RequestOutput
 from pagellm.engine.text import encode_text
 from pagellm.entrypoints.openai.errors import APIError, bad_request
 from pagellm.entrypoints.openai.metrics import ServerMetrics
@@ -289,6 +290,12 @@ class UsageReport:
         if options is None or not options.include_usage:
             return cls(False, False)
         return cls(True, options.continuous_usage_stats)
+
+
+def choice_usage(output: RequestOutput, completion: CompletionOutput) -> UsageInfo:
+    """A streamed choice's usage so far (continuous usage): its prompt and its own
+    tokens, as vLLM counts each chunk."""
+    return usage([dataclasses.replace(output, outputs=[completion])])
 
 
 def usage(outputs: list[RequestOutput]) -> UsageInfo:

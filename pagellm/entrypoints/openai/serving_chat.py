@@ -15,7 +15,7 @@ from fastapi.responses import Response
 from pagellm.core.sampling_params import SamplingParams
 from pagellm.engine.async_engine import RequestStream
 from pagellm.engine.chat_template import ChatError, ChatOptions, render_chat
-from pagellm.engine.outputs import RequestOutput
+from pagellm.engine.outputs import CompletionOutput, RequestOutput
 from pagellm.entrypoints.openai.errors import bad_request
 from pagellm.entrypoints.openai.json_text import JSONResponse
 from pagellm.entrypoints.openai.logprobs import (
@@ -49,6 +49,7 @@ from pagellm.entrypoints.openai.serving import (
     UsageReport,
     aborting_on_exit,
     check_supported,
+    choice_usage,
     final_outputs,
     is_set,
     merged,
@@ -242,8 +243,9 @@ def _calls_delta(content: str | None, calls: list[ToolCall]) -> ChatDelta:
 async def _stream(context: ServerContext, body: ChatCompletionRequest, run: ChatRun,
                   report: UsageReport) -> AsyncGenerator[str, None]:
     """A role chunk per choice, then content deltas (after reasoning deltas, with a
-    reasoning parser), each choice's last with its reason; with continuous usage, every
-    chunk counts the tokens so far (as vLLM's does).
+    reasoning parser), one choice a chunk, each choice's last with its reason; with
+    continuous usage, every chunk counts its prompt and its choice's tokens so far (as
+    vLLM's does).
 
     Tool calls stream as OpenAI's do where that can be known: a named function's
     arguments as they come (the first piece naming the call). Other calls are read from
@@ -273,7 +275,7 @@ async def _stream(context: ServerContext, body: ChatCompletionRequest, run: Chat
     final: RequestOutput | None = None
     async with aclosing(merged(run.streams, context.metrics)) as outputs:
         async for _, output in outputs:
-            choices = []
+            choices: list[tuple[ChatChunkChoice, CompletionOutput]] = []
             for completion in output.outputs:
                 index = completion.index
                 finished = completion.finish_reason is not None
@@ -312,14 +314,15 @@ async def _stream(context: ServerContext, body: ChatCompletionRequest, run: Chat
                     logprobs = chat_logprobs(
                         completion.logprobs[sent_logprobs.get(index, 0):], token_text)
                     sent_logprobs[index] = len(completion.logprobs)
-                choices.append(ChatChunkChoice(
+                choices.append((ChatChunkChoice(
                     index=index, delta=delta, logprobs=logprobs,
                     finish_reason=_finish_reason(completion.finish_reason, calls, reader),
-                    stop_reason=completion.stop_reason))
+                    stop_reason=completion.stop_reason), completion))
             if output.finished:
                 final = output
-            for choice in choices:
-                yield chunk([choice], usage([output]) if report.on_every_chunk else None)
+            for choice, completion in choices:
+                yield chunk([choice], choice_usage(output, completion)
+                            if report.on_every_chunk else None)
     if report.at_end and final is not None:
         last = ChatCompletionChunk(id=request_id, created=created, model=context.model_name,
                                    choices=[], usage=usage([final]))

@@ -13,7 +13,7 @@ from fastapi.responses import Response
 
 from pagellm.core.sampling_params import SamplingParams
 from pagellm.engine.async_engine import RequestStream
-from pagellm.engine.outputs import RequestOutput
+from pagellm.engine.outputs import CompletionOutput, RequestOutput
 from pagellm.entrypoints.openai.errors import bad_request
 from pagellm.entrypoints.openai.json_text import JSONResponse
 from pagellm.entrypoints.openai.logprobs import (
@@ -36,6 +36,7 @@ from pagellm.entrypoints.openai.serving import (
     UsageReport,
     check_choices,
     check_supported,
+    choice_usage,
     encode,
     final_outputs,
     merged,
@@ -176,8 +177,9 @@ def _response(context: ServerContext, request_id: str, body: CompletionRequest,
 async def _stream(context: ServerContext, request_id: str, body: CompletionRequest,
                   streams: list[RequestStream], report: UsageReport
                   ) -> AsyncGenerator[str, None]:
-    """One chunk per engine output with each choice's new text (and new logprobs); with
-    continuous usage, the chunk counts its prompt's tokens so far (as vLLM's does)."""
+    """A chunk per choice that moved, with its new text (and new logprobs), one choice a
+    chunk as OpenAI and vLLM send them; with continuous usage, the chunk counts its
+    prompt and its choice's tokens so far (as vLLM's does)."""
     token_text = TokenText(context.engine.tokenizer, body.return_tokens_as_token_ids)
     sent_text: dict[int, int] = {}
     sent_logprobs: dict[int, int] = {}
@@ -186,7 +188,7 @@ async def _stream(context: ServerContext, request_id: str, body: CompletionReque
     created = int(time.time())
     async with aclosing(merged(streams, context.metrics)) as outputs:
         async for prompt_index, output in outputs:
-            choices = []
+            choices: list[tuple[CompletionChoice, CompletionOutput]] = []
             for completion in output.outputs:
                 index = prompt_index * body.n + completion.index
                 delta = completion.text[sent_text.get(index, 0):]
@@ -208,17 +210,18 @@ async def _stream(context: ServerContext, request_id: str, body: CompletionReque
                         completion_logprobs(new, token_text, len(completion.text)
                                             if completion.finish_reason is not None else None),
                         len(_echoed(body, output)))
-                choices.append(CompletionChoice(
+                choices.append((CompletionChoice(
                     index=index, text=delta, logprobs=logprobs,
                     finish_reason=completion.finish_reason,
                     stop_reason=completion.stop_reason,
-                    prompt_logprobs=_prompt_scores(body, output, token_text) if first else None))
+                    prompt_logprobs=_prompt_scores(body, output, token_text) if first else None),
+                    completion))
             if output.finished:
                 finals[prompt_index] = output
-            for choice in choices:  # one choice a chunk, as OpenAI and vLLM send them
+            for choice, completion in choices:
                 chunk = CompletionResponse(
                     id=request_id, created=created, model=context.model_name, choices=[choice],
-                    usage=usage([output]) if report.on_every_chunk else None)
+                    usage=choice_usage(output, completion) if report.on_every_chunk else None)
                 yield sse(chunk.model_dump(
                     mode="json", exclude=None if report.on_every_chunk else {"usage"}))
     if report.at_end:

@@ -100,21 +100,21 @@ async def create_response(context: ServerContext, store: ResponseStore,
         except APIError as again:
             raise renamed(again, body, conversation) from again
     answer = ResponseAnswer(body, response_id, context.model_name, run, conversation,
-                            store if body.store else None, context.engine.tokenizer,
+                            store if body.store else None,
                             TokenText(context.engine.tokenizer) if wants_logprobs(body)
                             else None)
     if body.stream:
         return EventStreamResponse(aborting_on_exit(run.streams, answer.events(context)))
     outputs = await unless_disconnected(raw, final_outputs(run.streams, context.metrics))
-    return JSONResponse(answer.finish(outputs[0]).model_dump(mode="json"))
+    return JSONResponse((await answer.finished(context, outputs[0])).model_dump(mode="json"))
 
 
 async def _fitting(context: ServerContext, body: ResponsesRequest, conversation: Conversation
                    ) -> Conversation | None:
     """truncation "auto": the conversation less as few of its oldest turns as make it fit
     beside max_output_tokens (OpenAI's rule; the instructions stay); where no tail leaves
-    that much room, as few as make it fit at all (the budget is then cut, as always); None
-    if even the last turn does not. Turns drop whole, so the longer tails only ever fit
+    that much room, as few as leave room for min_tokens (or one token; the budget is then
+    cut, as always); None if even the last turn does not. Turns drop whole, so the longer tails only ever fit
     less: a binary search renders O(log turns) of them on the tokenizer thread."""
     starts = conversation.turn_starts()
     limit = context.engine.max_model_len
@@ -139,9 +139,11 @@ async def _fitting(context: ServerContext, body: ResponsesRequest, conversation:
                 low = middle + 1
         return best
 
-    best = await earliest(body.max_output_tokens)
+    least = body.min_tokens or None  # what the answer needs at the least
+    best = await earliest(body.max_output_tokens if body.max_output_tokens is not None
+                          else least)
     if best is None and body.max_output_tokens is not None:
-        best = await earliest(None)
+        best = await earliest(least)
     return None if best is None else conversation.tail(starts[best])
 
 
@@ -202,7 +204,7 @@ class ResponseAnswer:
     streamed or whole, and stores it (with the conversation so far) when it ends."""
 
     def __init__(self, body: ResponsesRequest, response_id: str, model: str, run: ChatRun,
-                 conversation: Conversation, store: ResponseStore | None, tokenizer: Any,
+                 conversation: Conversation, store: ResponseStore | None,
                  token_text: TokenText | None) -> None:
         self.body = body
         self.response_id = response_id
@@ -212,7 +214,6 @@ class ResponseAnswer:
         self.conversation = conversation
         self.store = store
         self.token_text = token_text
-        self.tokenizer = tokenizer
         self.message_id = _item_id("msg")
         self.reasoning_id = _item_id("rs")
 
@@ -258,7 +259,16 @@ class ResponseAnswer:
         return ReasoningItem(id=self.reasoning_id, status=status,
                              content=[ReasoningText(text=text)])
 
-    def finish(self, result: RequestOutput) -> ResponseObject:
+    async def finished(self, context: ServerContext, result: RequestOutput) -> ResponseObject:
+        """`finish`, with the reasoning's tokens counted on the tokenizer thread (the
+        tokenizer is not safe to share with it, and a long reasoning is slow to encode
+        on the event loop)."""
+        reasoning, _ = answer_parts(self.run.thinking, result.outputs[0])
+        counted = (await context.off_loop(count_reasoning_tokens, context.engine.tokenizer,
+                                          reasoning)) if reasoning else 0
+        return self.finish(result, counted)
+
+    def finish(self, result: RequestOutput, reasoning_tokens: int = 0) -> ResponseObject:
         """The whole response: the reasoning (with a reasoning parser, when there is
         some), the message (when there is text, or no call) and one item per call, read
         once, so that the stored conversation carries the very call ids the client
@@ -277,8 +287,7 @@ class ResponseAnswer:
                                        arguments=call.function.arguments,
                                        status="completed")
                       for call in calls or [])
-        response = self.response(status, output, result,
-                                 count_reasoning_tokens(self.tokenizer, reasoning))
+        response = self.response(status, output, result, reasoning_tokens)
         if self.store is not None:
             turn: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
@@ -324,7 +333,7 @@ class ResponseAnswer:
                     if completion.finish_reason is None:
                         shown = streamed_text(self.run.reader, answer)
                     else:
-                        response = self.finish(result)
+                        response = await self.finished(context, result)
                         message = next((item for item in response.output
                                         if isinstance(item, OutputMessage)), None)
                         shown = message.content[0].text if message is not None else ""
