@@ -305,8 +305,14 @@ class LLMEngine:
                 raise ValueError("cache_salt is given twice, differently: in the prompt "
                                  "dict and as an argument")
             cache_salt = prompt["cache_salt"]
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError("cache_salt must be a non-empty string")
+        if cache_salt is not None:
+            if not isinstance(cache_salt, str) or not cache_salt:
+                raise ValueError("cache_salt must be a non-empty string")
+            try:
+                cache_salt.encode("utf-8")  # hashed as UTF-8 into the block keys
+            except UnicodeEncodeError:
+                raise ValueError("cache_salt is not valid Unicode text (it holds a lone "
+                                 "surrogate)") from None
         if request_id is None:
             request_id = self._new_request_id()
         request_id = str(request_id)

@@ -55,6 +55,8 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
     ("truncate -1 beside a budget as large as the context", "/v1/completions",
      {"prompt": "x", "truncate_prompt_tokens": -1, "max_tokens": MAX_MODEL_LEN}, 400,
      "truncate_prompt_tokens", "leaves none"),
+    ("cache_salt with a lone surrogate", "/v1/completions",
+     b'{"prompt": "x", "cache_salt": "a\\ud800"}', 400, "cache_salt", "lone surrogate"),
     ("content part type not a string", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": [{"type": ["text"], "text": "x"}]}]}, 400,
      "messages", "part without a type"),
