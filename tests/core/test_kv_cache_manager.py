@@ -610,3 +610,34 @@ def test_departure_says_where_a_prompt_leaves_the_closest_cached_one(
     manager.free(first)
     assert manager.reset_prefix_cache() and manager.pool._children == {}
     check_pool(manager.pool)
+
+
+def test_a_block_computed_twice_is_published_again_when_its_twin_is_evicted(
+        make_request, admit, check_pool) -> None:
+    """Two requests compute the same first block in one step; only a's copy is cached.
+    a finishes and its copy is evicted while b still holds its own. When b's next block
+    is published, b's own first block is published again first: the new block is never
+    stored under a parent nobody can find (found by the stateful test)."""
+    manager = KVCacheManager(num_blocks=6, block_size=BS, enable_events=True)
+    prompt = [1, 2, 3, 4, 5, 6]
+    a, b = make_request(prompt), make_request(prompt)
+    admit(manager, a)
+    admit(manager, b)  # nothing cached yet: b computes block 0 too
+    for request in (a, b):
+        request.num_computed_tokens = request.num_tokens
+        manager.cache_full_blocks(request)
+    assert manager.pool.cached[a.block_hashes[0]].block_id == manager.get_block_ids(a)[0]
+    manager.free(a)
+    hog = make_request([9] * 16)
+    assert manager.allocate(hog, 16) is not None  # every free block: a's copy of block 0 too
+    assert a.block_hashes[0] not in manager.pool.cached
+    manager.take_events()
+    for token in (7, 8):  # b's second block fills and is published
+        b.append_output_token(token)
+    b.num_computed_tokens = b.num_tokens
+    manager.cache_full_blocks(b)
+    stored = manager.take_events()
+    assert [e.block_hash for e in stored] == b.block_hashes[:2]  # type: ignore[union-attr]
+    again = make_request([1, 2, 3, 4, 5, 6, 7, 8, 0])
+    assert manager.find_cached_prefix(again)[1] == 2 * BS
+    check_pool(manager.pool)

@@ -112,6 +112,9 @@ class KVCacheMachine(RuleBasedStateMachine):
                     assert len(prefix) == self.bs
                 else:
                     assert self.hash_key[change.parent_hash] == (salt, adapter, prefix[:-self.bs])
+                    # A block is never stored under a parent nobody can find: that child
+                    # would be unreachable, and an observer would hold an orphan.
+                    assert change.parent_hash in self.replayed, "stored under an evicted parent"
                 self.replayed[change.block_hash] = change.block_id
                 self.stored[change.block_hash] = list(self.content[change.block_id])
             elif isinstance(change, BlockRemoved):
