@@ -196,11 +196,12 @@ class KVCacheManager:
         first = self._num_cached_blocks[rid]
         # A block computed by two requests at once is published once; when that copy is
         # evicted while this request keeps its own, its own is published again before a
-        # new block goes under it: a child under a parent nobody can find is unreachable.
-        while first < num_full and first > 0 and (
-                request.block_hashes[first - 1] not in self.pool.cached):
-            first -= 1
-        for index in range(first, num_full):
+        # new block goes under it (a block under an ancestor nobody can find is
+        # unreachable). One lookup per earlier block, only when something is published.
+        lost = ([index for index in range(first)
+                 if request.block_hashes[index] not in self.pool.cached]
+                if first < num_full else [])
+        for index in [*lost, *range(first, num_full)]:
             self.pool.cache_block(
                 blocks[index],
                 request.block_hashes[index],

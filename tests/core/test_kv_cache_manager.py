@@ -641,3 +641,31 @@ def test_a_block_computed_twice_is_published_again_when_its_twin_is_evicted(
     again = make_request([1, 2, 3, 4, 5, 6, 7, 8, 0])
     assert manager.find_cached_prefix(again)[1] == 2 * BS
     check_pool(manager.pool)
+
+
+def test_a_lost_grandparent_is_published_again_too(make_request, admit, check_pool) -> None:
+    """As above, but b's second block was published (under a's first) before a's copy
+    of the first block was evicted: it is b's first block that must come back when b's
+    third block is published, not only a missing parent."""
+    manager = KVCacheManager(num_blocks=8, block_size=BS, enable_events=True)
+    a, b = make_request([1, 2, 3, 4, 50]), make_request([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    admit(manager, a)
+    admit(manager, b)
+    for request in (a, b):
+        request.num_computed_tokens = request.num_tokens
+        manager.cache_full_blocks(request)
+    manager.free(a)
+    hog = make_request([9] * 20)
+    assert manager.allocate(hog, 20) is not None  # every free block: a's copy of block 0
+    assert b.block_hashes[0] not in manager.pool.cached
+    assert b.block_hashes[1] in manager.pool.cached
+    for token in (10, 11, 12):  # b's third block fills
+        b.append_output_token(token)
+    b.num_computed_tokens = b.num_tokens
+    manager.cache_full_blocks(b)
+    again = make_request(list(range(1, 13)) + [0])
+    assert manager.find_cached_prefix(again)[1] == 3 * BS
+    manager.free(hog)
+    manager.free(b)
+    assert manager.find_cached_prefix(again)[1] == 3 * BS
+    check_pool(manager.pool)

@@ -49,6 +49,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.hash_key: dict[BlockHash, SlotKey] = {}  # every hash ever seen -> its prefix
         self.replayed: dict[BlockHash, int] = {}  # the cache map rebuilt from events
         self.stored: dict[BlockHash, list[SlotKey | None]] = {}  # content when cached
+        self.parent_of: dict[BlockHash, BlockHash | None] = {}  # from BlockStored events
         self.held: dict[str, list[int]] = {}  # block ids each running request holds
         self.content: dict[int, list[SlotKey | None]] = {}
 
@@ -112,9 +113,13 @@ class KVCacheMachine(RuleBasedStateMachine):
                     assert len(prefix) == self.bs
                 else:
                     assert self.hash_key[change.parent_hash] == (salt, adapter, prefix[:-self.bs])
-                    # A block is never stored under a parent nobody can find: that child
+                    # A block is never stored under an ancestor nobody can find: it
                     # would be unreachable, and an observer would hold an orphan.
-                    assert change.parent_hash in self.replayed, "stored under an evicted parent"
+                    ancestor: bytes | None = change.parent_hash
+                    while ancestor is not None:
+                        assert ancestor in self.replayed, "stored under an evicted ancestor"
+                        ancestor = self.parent_of[ancestor]
+                self.parent_of[change.block_hash] = change.parent_hash
                 self.replayed[change.block_hash] = change.block_id
                 self.stored[change.block_hash] = list(self.content[change.block_id])
             elif isinstance(change, BlockRemoved):
