@@ -65,6 +65,8 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         # How many of a request's leading blocks are already published in the cache.
         self._num_cached_blocks: dict[str, int] = {}
+        # Requests holding a block whose twin was published instead (see cache_full_blocks).
+        self._with_twins: set[str] = set()
         self._queries = 0
         self._hits = 0
 
@@ -194,15 +196,18 @@ class KVCacheManager:
             len(blocks),
         )
         first = self._num_cached_blocks[rid]
-        # A block computed by two requests at once is published once; when that copy is
-        # evicted while this request keeps its own, its own is published again before a
-        # new block goes under it (a block under an ancestor nobody can find is
-        # unreachable). One lookup per earlier block, only when something is published.
+        if first >= num_full:  # nothing new (most decode steps)
+            return
+        # A block computed by two requests at once is published once, and the other copy
+        # stays a twin without a hash. When the published copy is evicted while the twin's
+        # request goes on, the twin is published in its place before a new block goes
+        # under it (a block under an ancestor nobody can find is unreachable). Only
+        # requests holding a twin look, one lookup per earlier block.
         lost = ([index for index in range(first)
                  if request.block_hashes[index] not in self.pool.cached]
-                if first < num_full else [])
+                if rid in self._with_twins else [])
         for index in [*lost, *range(first, num_full)]:
-            self.pool.cache_block(
+            published = self.pool.cache_block(
                 blocks[index],
                 request.block_hashes[index],
                 request.parent_hash(index),
@@ -210,7 +215,9 @@ class KVCacheManager:
                 request.extra_keys if index == 0 else (),
                 request.root_hash,
             )
-        self._num_cached_blocks[rid] = max(self._num_cached_blocks[rid], num_full)
+            if not published and blocks[index].block_hash is None:
+                self._with_twins.add(rid)
+        self._num_cached_blocks[rid] = num_full
 
     def free(self, request: Request) -> None:
         """Drops the request's references; its cached blocks stay findable until evicted.
@@ -219,6 +226,7 @@ class KVCacheManager:
         """
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
+        self._with_twins.discard(request.request_id)
         if blocks:
             self.pool.free(reversed(blocks))
 
@@ -250,6 +258,8 @@ class KVCacheManager:
         self.req_to_blocks[child.request_id] = blocks
         self._num_cached_blocks[child.request_id] = min(
             self._num_cached_blocks[parent.request_id], num_full)
+        if parent.request_id in self._with_twins:
+            self._with_twins.add(child.request_id)
         return copies
 
     def get_block_ids(self, request: Request) -> list[int]:
