@@ -15,16 +15,20 @@ from typing import Any
 from fastapi.responses import JSONResponse as _StarletteJSONResponse
 
 
-def dumps(payload: Any) -> str:
-    """`payload` as compact JSON text that encodes to UTF-8."""
-    text = json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+def dumps_utf8(payload: Any) -> bytes:
+    """`payload` as compact JSON in UTF-8, encoded once."""
     try:
-        text.encode("utf-8")
+        return json.dumps(payload, ensure_ascii=False, allow_nan=False,
+                          separators=(",", ":")).encode("utf-8")
     except UnicodeEncodeError:
-        return json.dumps(payload, allow_nan=False, separators=(",", ":"))
-    return text
+        return json.dumps(payload, allow_nan=False, separators=(",", ":")).encode("utf-8")
+
+
+def dumps(payload: Any) -> str:
+    """`payload` as compact JSON text that encodes to UTF-8 (for text streams)."""
+    return dumps_utf8(payload).decode("utf-8")
 
 
 class JSONResponse(_StarletteJSONResponse):
     def render(self, content: Any) -> bytes:
-        return dumps(content).encode("utf-8")
+        return dumps_utf8(content)

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from pagellm.entrypoints.openai.json_text import dumps
+from pagellm.entrypoints.openai.json_text import dumps_utf8
 from pagellm.entrypoints.openai.responses_protocol import ResponseObject
 
 DEFAULT_STORE_BYTES = 256 * 1024 * 1024
@@ -66,9 +66,9 @@ class ResponseStore:
             input_items: list[dict[str, Any]]) -> None:
         """Keeps `response`, the conversation that continuing from it starts with, and
         its input items."""
-        response_json = dumps(response.model_dump(mode="json")).encode()
-        items_json = dumps(input_items).encode()
-        size = len(response_json) + len(items_json) + len(dumps(conversation).encode())
+        response_json = dumps_utf8(response.model_dump(mode="json"))
+        items_json = dumps_utf8(input_items)
+        size = len(response_json) + len(items_json) + len(dumps_utf8(conversation))
         self.delete(response.id)
         if size > self.max_bytes:
             return
