@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -448,3 +449,54 @@ class SamplingParams:
         seed = None if self.seed is None else self.seed + index
         return self.clone(n=1, seed=seed)
 
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """Beam search options (vLLM's `BeamSearchParams`), validated on construction.
+
+    - beam_width: beams kept at each step, and sequences returned, in [1, 10]. Each step
+      looks at the best `2 * beam_width` continuations (one more `beam_width` per EOS
+      token beyond the first), which the engine reads as logprobs, at most 20 of them.
+    - max_tokens: generated-token limit, >= 1 (cut to what the context leaves).
+    - ignore_eos: EOS does not end a beam.
+    - temperature: 0 only; the search is deterministic (beam sampling is not
+      implemented), and the field exists so that vLLM code constructs unchanged.
+    - length_penalty: a finished beam scores its cumulative logprob divided by its length
+      (EOS included) to this power, as transformers scores it: > 0 favours longer
+      sequences, < 0 shorter ones.
+    - include_stop_str_in_output: keep the EOS token's text in `text`.
+    - skip_special_tokens: drop special tokens when detokenizing.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        width = _integer("beam_width", self.beam_width)
+        if not 1 <= width <= MAX_LOGPROBS // 2:
+            raise ValueError(f"beam_width must be in [1, {MAX_LOGPROBS // 2}], got {width!r}")
+        if _integer("max_tokens", self.max_tokens) < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens!r}")
+        _flag("ignore_eos", self.ignore_eos)
+        temperature = _number("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        object.__setattr__(self, "temperature", temperature)
+        if temperature >= SAMPLING_EPS:
+            raise ValueError(f"temperature must be 0 for beam search (it is deterministic; "
+                             f"beam sampling is not implemented), got {self.temperature!r}")
+        object.__setattr__(self, "length_penalty", _number(
+            "length_penalty", self.length_penalty, -math.inf, math.inf, low_open=True,
+            high_open=True))
+        _flag("include_stop_str_in_output", self.include_stop_str_in_output)
+        _flag("skip_special_tokens", self.skip_special_tokens)
+
+    def candidates(self, num_eos_tokens: int) -> int:
+        """Continuations a step ranks: transformers' `max(2, 1 + #EOS) * num_beams`, so
+        that after the finished ones leave, `beam_width` still remain to run on."""
+        stops = 0 if self.ignore_eos else num_eos_tokens
+        return max(2, 1 + stops) * self.beam_width

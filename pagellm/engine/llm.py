@@ -10,7 +10,8 @@ from typing import Any, cast
 
 from tqdm import tqdm
 
-from pagellm.core.sampling_params import SamplingParams
+from pagellm.core.sampling_params import BeamSearchParams, SamplingParams
+from pagellm.engine.beam_search import BeamSearchOutput, BeamSearchSequence
 from pagellm.engine.chat_template import ChatOptions, Message, render_chat, render_chat_prompt
 from pagellm.engine.config import EngineConfig
 from pagellm.engine.llm_engine import LLMEngine, PromptInput, is_token_id
@@ -18,6 +19,23 @@ from pagellm.engine.outputs import RequestOutput
 from pagellm.logger import ensure_visible_logging
 
 logger = logging.getLogger(__name__)
+
+
+def _prompt_list(prompts: Any) -> tuple[list[PromptInput], bool]:
+    """The prompts as a list, and whether one prompt was given (not in a list)."""
+    # A numeric NumPy array or a tensor: 1-D is one prompt whatever its values (a float
+    # array is one bad prompt, an empty one an empty prompt), 2-D a batch. A 1-D array
+    # of strings or of arrays (a dataset column) is a batch.
+    kind = getattr(getattr(prompts, "dtype", None), "kind", "i")  # torch: numeric
+    one_array = getattr(prompts, "ndim", None) == 1 and kind in "biuf"
+    if hasattr(prompts, "tolist") and not isinstance(prompts, (list, tuple)):
+        prompts = prompts.tolist()
+    if not isinstance(prompts, (str, dict, list, tuple)):
+        raise ValueError("prompts must be a string, a list of token ids, a prompt dict, "
+                         f"or a list of these, got {type(prompts).__name__}")
+    single = one_array or isinstance(prompts, (str, dict)) or (
+        bool(prompts) and is_token_id(prompts[0]))
+    return cast(list[PromptInput], [prompts] if single else list(prompts)), single
 
 
 class LLM:
@@ -66,19 +84,7 @@ class LLM:
         does not stop the others: its output has `error` set and no completion.
         `priority`: one per prompt, lower first, with scheduling_policy="priority" (vLLM's).
         """
-        # A numeric NumPy array or a tensor: 1-D is one prompt whatever its values (a
-        # float array is one bad prompt, an empty one an empty prompt), 2-D a batch. A
-        # 1-D array of strings or of arrays (a dataset column) is a batch.
-        kind = getattr(getattr(prompts, "dtype", None), "kind", "i")  # torch: numeric
-        one_array = getattr(prompts, "ndim", None) == 1 and kind in "biuf"
-        if hasattr(prompts, "tolist") and not isinstance(prompts, (list, tuple)):
-            prompts = prompts.tolist()
-        if not isinstance(prompts, (str, dict, list, tuple)):
-            raise ValueError("prompts must be a string, a list of token ids, a prompt dict, "
-                             f"or a list of these, got {type(prompts).__name__}")
-        single = one_array or isinstance(prompts, (str, dict)) or (
-            bool(prompts) and is_token_id(prompts[0]))
-        prompt_list = cast(list[PromptInput], [prompts] if single else list(prompts))
+        prompt_list, single = _prompt_list(prompts)
         if isinstance(sampling_params, Sequence):
             if len(sampling_params) != len(prompt_list):
                 raise ValueError(f"got {len(sampling_params)} sampling_params for "
@@ -136,12 +142,57 @@ class LLM:
         return render_chat(self.tokenizer, messages,
                            ChatOptions(add_generation_prompt=add_generation_prompt))
 
+    def beam_search(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+        cache_salt: str | None = None,
+    ) -> list[BeamSearchOutput]:
+        """The `beam_width` best sequences of each prompt, best first (vLLM's
+        `LLM.beam_search`), ranked as transformers' `generate(num_beams=beam_width)` ranks
+        them. Each step's beams run as requests that find their shared beginning in the
+        prefix cache (see beam_search.py). `concurrency_limit` searches at a time (all by
+        default). As in vLLM, a sequence's `tokens` and `text` begin with the prompt's.
+        An invalid prompt raises ValueError, and a search the engine failed RuntimeError.
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError("params must be a BeamSearchParams")
+        prompt_list, _ = _prompt_list(prompts)
+        if concurrency_limit is not None and (
+                not is_token_id(concurrency_limit) or concurrency_limit < 1):
+            raise ValueError(f"concurrency_limit must be an integer >= 1 or None, got "
+                             f"{concurrency_limit!r}")
+        limit = concurrency_limit or max(len(prompt_list), 1)
+        results: list[BeamSearchOutput] = []
+        for start in range(0, len(prompt_list), limit):
+            batch = prompt_list[start:start + limit]
+            for output in self._run(batch, [params] * len(batch), [0] * len(batch),
+                                    use_tqdm, cache_salt, raise_errors=True):
+                if output.error is not None:
+                    raise RuntimeError(f"beam search failed: {output.error}")
+                results.append(BeamSearchOutput([
+                    BeamSearchSequence(
+                        tokens, c.logprobs or [], c.cumulative_logprob or 0.0,
+                        self._decode(tokens, params.skip_special_tokens), c.finish_reason,
+                        c.stop_reason)
+                    for c in output.outputs
+                    for tokens in [output.prompt_token_ids + c.token_ids]]))
+        return results
+
+    def _decode(self, token_ids: list[int], skip_special_tokens: bool) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))
+
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block; True, or False while requests added to
         `llm_engine` directly hold blocks (between `generate` calls nothing runs)."""
         return self.llm_engine.reset_prefix_cache()
 
-    def _run(self, prompts: list[PromptInput], params: list[SamplingParams],
+    def _run(self, prompts: list[PromptInput],
+             params: Sequence[SamplingParams | BeamSearchParams],
              priorities: list[int], use_tqdm: bool, cache_salt: str | None,
              raise_errors: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -13,7 +13,7 @@ import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -23,8 +23,9 @@ from pagellm.core.config import SchedulerConfig
 from pagellm.core.events import KVCacheEvent
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
-from pagellm.core.sampling_params import SamplingParams
+from pagellm.core.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
 from pagellm.core.scheduler import Scheduler, SchedulerOutput
+from pagellm.engine.beam_search import BeamSearch
 from pagellm.engine.config import EngineConfig, resolve_device
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -106,6 +107,25 @@ class _Group:
     @property
     def finished(self) -> bool:
         return all(s.request.is_finished for s in self.samples)
+
+
+@dataclass
+class _BeamRun:
+    """A beam search (see beam_search.py): its selection state, and the one-token
+    requests of its current step, whose results `tops` collects by beam."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: BeamSearchParams
+    search: BeamSearch
+    step_params: SamplingParams
+    cache_salt: str | None
+    priority: int
+    metrics: RequestMetrics
+    pending: list[str] = field(default_factory=list)
+    tops: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    num_cached_tokens: int | None = None
 
 
 @dataclass
@@ -195,6 +215,8 @@ class LLMEngine:
                                           sorted(self.eos_token_ids)))
         self._groups: dict[str, _Group] = {}
         self._core_to_group: dict[str, _Group] = {}
+        self._searches: dict[str, _BeamRun] = {}
+        self._beam_steps: dict[str, tuple[_BeamRun, int]] = {}  # step request -> beam
         self._ids = itertools.count()
         self._prompt_tokens = 0
         self._generation_tokens = 0
@@ -287,17 +309,19 @@ class LLMEngine:
         self,
         request_id: str | None,
         prompt: PromptInput,
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | BeamSearchParams | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> str:
         """Validates and queues a request; raises ValueError naming the problem, in which
         case nothing was queued. `priority` (lower runs first) needs the "priority"
-        scheduling policy, as in vLLM."""
+        scheduling policy, as in vLLM. With `BeamSearchParams` the request is a beam
+        search, whose one output comes when it ends, with its `beam_width` best
+        sequences as completions, best first."""
         params = sampling_params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError("sampling_params must be a SamplingParams")
+        if not isinstance(params, (SamplingParams, BeamSearchParams)):
+            raise ValueError("sampling_params must be a SamplingParams (or BeamSearchParams)")
         priority = self.check_priority(priority)
         if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
             # vLLM's place for it: a salt in the prompt dict keys that prompt's blocks.
@@ -316,8 +340,11 @@ class LLMEngine:
         if request_id is None:
             request_id = self._new_request_id()
         request_id = str(request_id)
-        if request_id in self._groups:
+        if request_id in self._groups or request_id in self._searches:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(params, BeamSearchParams):
+            return self._add_beam_search(request_id, prompt, params, cache_salt,
+                                         arrival_time, priority)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer (skip_tokenizer_init is set): "
                              "use stop_token_ids")
@@ -373,9 +400,114 @@ class LLMEngine:
     def _new_request_id(self) -> str:
         """The next number no running request has taken (a caller may have named one
         "3" itself)."""
-        while (request_id := str(next(self._ids))) in self._groups:
+        while ((request_id := str(next(self._ids))) in self._groups
+               or request_id in self._searches):
             pass
         return request_id
+
+    def _add_beam_search(self, request_id: str, prompt: PromptInput,
+                         params: BeamSearchParams, cache_salt: str | None,
+                         arrival_time: float | None, priority: int) -> str:
+        text, token_ids = self.tokenize_prompt(prompt)
+        self.check_prompt_length(len(token_ids))
+        num_candidates = params.candidates(len(self.eos_token_ids))
+        if num_candidates > MAX_LOGPROBS:
+            raise ValueError(
+                f"beam_width {params.beam_width} ranks {num_candidates} continuations a "
+                f"step with this model's {len(self.eos_token_ids)} EOS tokens; at most "
+                f"{MAX_LOGPROBS} can be read (set ignore_eos, or a smaller beam_width)")
+        search = BeamSearch(params, self.eos_token_ids,
+                            min(params.max_tokens, self.max_model_len - len(token_ids)))
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        run = _BeamRun(request_id, text, token_ids, params, search,
+                       SamplingParams(temperature=0.0, max_tokens=1, logprobs=num_candidates,
+                                      detokenize=False),
+                       cache_salt, priority, RequestMetrics(arrival))
+        self._start_beam_step(run)  # the prompt alone: may raise (the salt), queues nothing
+        self._searches[request_id] = run
+        return request_id
+
+    def _start_beam_step(self, run: _BeamRun) -> None:
+        """Queues one one-token request per running beam, in the search's place in the
+        queue (its arrival time and priority)."""
+        run.pending = []
+        run.tops = [None] * len(run.search.running)
+        for index, beam in enumerate(run.search.running):
+            step_id = self.add_request(None, run.prompt_token_ids + beam.token_ids,
+                                       run.step_params, run.cache_salt,
+                                       run.metrics.arrival_time, run.priority)
+            run.pending.append(step_id)
+            self._beam_steps[step_id] = (run, index)
+
+    def _advance_beam_searches(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Takes the outputs of beam search steps out of a step's `outputs`: a search
+        whose beams all have their next candidates advances, then queues its next step
+        or, when done, puts its own output in their place."""
+        if not self._beam_steps:
+            return outputs
+        kept: list[RequestOutput] = []
+        ended: set[str] = set()
+        for output in outputs:
+            owner = self._beam_steps.pop(output.request_id, None)
+            if owner is None:
+                if output.request_id not in ended:
+                    kept.append(output)
+                continue
+            run, beam = owner
+            if output.error is not None:
+                ended.update(self._abort_beam_steps(run))
+                del self._searches[run.request_id]
+                kept.append(self._beam_output(run, output.error))
+                continue
+            if run.num_cached_tokens is None:  # the prompt's own step
+                run.num_cached_tokens = output.num_cached_tokens
+                assert output.metrics is not None
+                run.metrics.first_scheduled_time = output.metrics.first_scheduled_time
+            logprobs = output.outputs[0].logprobs
+            assert output.finished and logprobs
+            run.tops[beam] = logprobs[0].top_logprobs
+            if any(top is None for top in run.tops):
+                continue
+            run.search.advance(cast(list[list[tuple[int, float]]], run.tops),
+                               None if self.tokenizer is None else self._decode_token)
+            now = time.monotonic()
+            metrics = run.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            metrics.token_times.append(now)
+            if run.search.done:
+                metrics.finished_time = now
+                del self._searches[run.request_id]
+                kept.append(self._beam_output(run))
+            else:
+                self._start_beam_step(run)
+        return kept
+
+    def _abort_beam_steps(self, run: _BeamRun) -> list[str]:
+        for step_id in run.pending:
+            self._beam_steps.pop(step_id, None)
+        self.abort_request(run.pending)
+        return run.pending
+
+    def _beam_output(self, run: _BeamRun, error: str | None = None) -> RequestOutput:
+        """The search's sequences as completions, best first. As in any request's output,
+        `token_ids` keep the EOS that ended a beam and its text only shows with
+        include_stop_str_in_output."""
+        params = run.params
+        completions = []
+        for index, beam in enumerate([] if error is not None else run.search.finished):
+            shown = beam.token_ids
+            if beam.finish_reason == "stop" and not params.include_stop_str_in_output:
+                shown = shown[:-1]
+            text = ("" if self.tokenizer is None else str(self.tokenizer.decode(
+                shown, skip_special_tokens=params.skip_special_tokens)))
+            completions.append(CompletionOutput(index, text, list(beam.token_ids),
+                                                beam.finish_reason, None, beam.logprobs,
+                                                beam.cum_logprob))
+        return RequestOutput(run.request_id, run.prompt, run.prompt_token_ids, completions,
+                             True, max(run.num_cached_tokens or 0, 0), run.metrics,
+                             error=error)
 
     def _check_allowed_token_ids(self, params: SamplingParams,
                                  bad_words: BadWords | None) -> None:
@@ -436,6 +568,10 @@ class LLMEngine:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for request_id in request_ids:
+            run = self._searches.pop(request_id, None)
+            if run is not None:
+                self._abort_beam_steps(run)
+                continue
             group = self._groups.pop(request_id, None)
             if group is None:
                 continue
@@ -447,7 +583,8 @@ class LLMEngine:
         return bool(self._groups)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._groups)
+        """Requests as added: a beam search counts once, not once per beam."""
+        return len(self._groups) - len(self._beam_steps) + len(self._searches)
 
     # ---- the step -------------------------------------------------------------------
 
@@ -487,7 +624,7 @@ class LLMEngine:
             result = self.runner.execute(chunks, copies, sampling)
         except Exception as error:  # noqa: BLE001 - one bad step must not kill the engine
             logger.exception("step failed; failing its %d requests", len(chunks))
-            return self._fail_step(scheduled, error)
+            return self._advance_beam_searches(self._fail_step(scheduled, error))
         updated_at = time.perf_counter()
         self._add_prompt_logprobs(scheduled, chunks, result.prompt_logprobs)
         sampled: dict[str, int] = {}
@@ -512,7 +649,7 @@ class LLMEngine:
         for request in updated:
             if request.request_id in format_failures:
                 self._fail_format(request, format_failures[request.request_id])
-        outputs = self._process(updated)
+        outputs = self._advance_beam_searches(self._process(updated))
         self._update_time += time.perf_counter() - updated_at
         return outputs
 
