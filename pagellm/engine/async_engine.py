@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from pagellm.core.sampling_params import SamplingParams
+from pagellm.core.sampling_params import BeamSearchParams, SamplingParams
 from pagellm.engine.kv_events import KVEventHub
 from pagellm.engine.llm_engine import EngineStats, LLMEngine, PromptInput
 from pagellm.engine.outputs import RequestOutput
@@ -212,7 +212,7 @@ class AsyncLLMEngine:
         self,
         request_id: str,
         prompt: PromptInput,
-        sampling_params: SamplingParams,
+        sampling_params: SamplingParams | BeamSearchParams,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
@@ -224,7 +224,8 @@ class AsyncLLMEngine:
         """
         stream = _OutputStream(asyncio.get_running_loop())
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        if sampling_params.structured_outputs is not None:
+        if (isinstance(sampling_params, SamplingParams)
+                and sampling_params.structured_outputs is not None):
             # Compiled here, not between two steps (see LLMEngine.prepare_format); the
             # compiling thread stops with the engine.
             if not self.is_running:
@@ -244,7 +245,10 @@ class AsyncLLMEngine:
             # makes sure nobody's request keeps running with no reader.
             self.abort(request_id)
             raise
-        return RequestStream(self, request_id, stream, sampling_params.n)
+        return RequestStream(self, request_id, stream,
+                             sampling_params.beam_width
+                             if isinstance(sampling_params, BeamSearchParams)
+                             else sampling_params.n)
 
     def abort(self, request_id: str) -> None:
         """Aborts a request without waiting: safe from `finally` blocks during cancellation.

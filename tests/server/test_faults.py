@@ -103,6 +103,41 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(
     assert post_all(engine, [{"prompt": "Hello", "max_tokens": 2}])[0].status_code == 200
 
 
+def test_a_failing_model_run_fails_a_beam_search_and_only_it(
+        engine: AsyncLLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The third model run is one of the search's later steps: the search fails with its
+    error and its other beams are dropped; a request after it is served."""
+    fail_the_third_model_run(engine, monkeypatch)
+    failed = post_all(engine, [{"prompt": "Hello", "max_tokens": 8, "n": 3,
+                                "use_beam_search": True, "ignore_eos": True}])[0]
+    assert failed.status_code == 500
+    assert "injected model failure" in failed.json()["error"]["message"]
+    served = post_all(engine, [{"prompt": "Hello", "max_tokens": 4, "n": 2,
+                                "use_beam_search": True}])[0]
+    assert served.status_code == 200, served.text
+    assert len(served.json()["choices"]) == 2
+
+
+def test_an_aborted_beam_search_frees_its_beams(engine: AsyncLLMEngine) -> None:
+    from pagellm.core.sampling_params import BeamSearchParams
+
+    async def run() -> None:
+        stream = await engine.add_request(
+            "search", "Hello there", BeamSearchParams(beam_width=4, max_tokens=200,
+                                                      ignore_eos=True))
+        assert stream.num_samples == 4
+        await asyncio.sleep(0.3)  # a few steps in
+        stream.abort()
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if not engine.stats().num_running and not engine.stats().kv_cache_usage:
+                break
+        assert not engine.engine.has_unfinished_requests()
+        assert engine.stats().kv_cache_usage == 0
+
+    asyncio.run(run())
+
+
 def test_a_failing_model_run_fails_the_stream_with_an_error_event(
         engine: AsyncLLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     fail_the_third_model_run(engine, monkeypatch)

@@ -854,3 +854,50 @@ def test_tokenize_follows_the_chat_options(server: Server) -> None:
 def test_version(server: Server) -> None:
     response = httpx.get(f"{server.url}/version")
     assert response.status_code == 200 and response.json()["version"]
+
+
+def test_beam_search_chat_and_completions(server: Server, client: openai.OpenAI) -> None:
+    """vLLM's use_beam_search: n beams, the n best sequences as choices, best first, with
+    every step after the first served from the prefix cache."""
+    salt = uuid.uuid4().hex
+    question = [{"role": "user", "content": "Reply with one word: what color is the sky?"}]
+    before = server.metrics()
+    answer = client.chat.completions.create(
+        model=MODEL_NAME, messages=question, n=3, max_tokens=24,
+        extra_body={"use_beam_search": True, "cache_salt": salt})
+    after = server.metrics()
+    assert [c.index for c in answer.choices] == [0, 1, 2]
+    assert [c.finish_reason for c in answer.choices] == ["stop"] * 3
+    assert answer.choices[0].message.content == "The sky is blue."
+    assert len({c.message.content for c in answer.choices}) == 3
+    assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
+    assert answer.usage.prompt_tokens_details.cached_tokens == 0  # a fresh salt
+    # EOS counts as a completion token, as in any answer.
+    assert answer.usage.completion_tokens == sum(
+        httpx.post(f"{server.url}/tokenize", json={
+            "prompt": c.message.content, "add_special_tokens": False}).json()["count"] + 1
+        for c in answer.choices)
+    # Every beam step after the prompt's found its sequence in the cache up to the last
+    # full block: it computed at most a block's worth of tokens per beam.
+    queries = after["pagellm_prefix_cache_queries_total"] - before[
+        "pagellm_prefix_cache_queries_total"]
+    hits = after["pagellm_prefix_cache_hits_total"] - before["pagellm_prefix_cache_hits_total"]
+    assert 0 < queries - hits <= answer.usage.prompt_tokens + 24 * 3 * 16  # max_tokens 24
+    assert hits > queries / 2
+    again = client.chat.completions.create(
+        model=MODEL_NAME, messages=question, n=3, max_tokens=24,
+        extra_body={"use_beam_search": True, "cache_salt": salt, "length_penalty": 1.0})
+    assert [c.message.content for c in again.choices] == [
+        c.message.content for c in answer.choices]
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+    completion = client.completions.create(
+        model=MODEL_NAME, prompt=["The capital of France is", "Water boils at"], n=2,
+        max_tokens=8, echo=True, extra_body={"use_beam_search": True, "length_penalty": 0.0})
+    assert [c.index for c in completion.choices] == [0, 1, 2, 3]
+    assert all(c.finish_reason == "length" for c in completion.choices)
+    assert completion.choices[0].text.startswith("The capital of France is")
+    assert completion.choices[2].text.startswith("Water boils at")
+    assert completion.usage is not None and completion.usage.completion_tokens == 4 * 8
+    server.wait_idle()

@@ -97,10 +97,11 @@ class SamplingFields(StrictModel):
     return_tokens_as_token_ids: bool = False
     modalities: list[str] | None = None
     prompt_logprobs: int | None = None
+    use_beam_search: bool = False  # vLLM's: n beams, the best n returned
+    length_penalty: float | None = None  # beam search's (1.0 when not given)
     # Known, and refused when set (see check_supported).
     suffix: Any = None
     audio: Any = None
-    use_beam_search: Any = None
 
 
 class CompletionRequest(SamplingFields):

@@ -7,13 +7,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from pagellm.core.sampling_params import SamplingParams
+from pagellm.core.sampling_params import BeamSearchParams, SamplingParams
 from pagellm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from pagellm.engine.outputs import CompletionOutput, RequestOutput
 from pagellm.engine.text import encode_text
@@ -35,7 +35,6 @@ MAX_CHOICES = 256
 
 # Options OpenAI or vLLM define that this server does not implement, and why.
 _REFUSED = {
-    "use_beam_search": "beam search is not implemented",
     "suffix": "insertion (fill in the middle) is not implemented",
     "audio": "only text output is produced",
     "functions": "function calling is not implemented",
@@ -67,6 +66,44 @@ def check_supported(body: SamplingFields) -> None:
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request(f"best_of is not supported (only best_of == n, here {body.n}); "
                           "ask for n completions and rank them yourself", param="best_of")
+
+
+# SamplingParams fields that beam search does not follow (it ranks the model's own
+# logprobs and ends a beam only at EOS or the length limit). Each would change a sampled
+# answer, so with use_beam_search it is refused, not ignored.
+_SAMPLING_ONLY = ("top_p", "top_k", "min_p", "min_tokens", "stop", "stop_token_ids",
+                  "presence_penalty", "frequency_penalty", "repetition_penalty",
+                  "logprobs", "prompt_logprobs", "logit_bias", "allowed_token_ids",
+                  "bad_words", "structured_outputs")
+
+
+def beam_search_params(body: SamplingFields, params: SamplingParams, format_param: str
+                       ) -> BeamSearchParams:
+    """vLLM's `use_beam_search`: `n` is the beam width and the n best sequences are the
+    choices, best first. The answer exists only when the search ends, so it cannot be
+    streamed. `temperature` may be omitted or 0 (the search is deterministic); a seed
+    changes nothing."""
+    if body.stream:
+        raise bad_request("stream is not supported with use_beam_search: the best beams "
+                          "are only known when the search ends", param="stream")
+    plain = SamplingParams()
+    for name in _SAMPLING_ONLY:
+        if getattr(params, name) != getattr(plain, name):
+            param = format_param if name == "structured_outputs" else name
+            raise bad_request(f"{param} is not supported with use_beam_search",
+                              param=param)
+    assert params.max_tokens is not None  # resolved against the context by now
+    try:
+        return BeamSearchParams(
+            beam_width=params.n, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
+            temperature=body.temperature or 0.0,
+            length_penalty=1.0 if body.length_penalty is None else body.length_penalty,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            skip_special_tokens=params.skip_special_tokens)
+    except ValueError as error:
+        field_name, rest = str(error).split(" ", 1)
+        param = "n" if field_name == "beam_width" else field_name
+        raise bad_request(f"{param} {rest} (with use_beam_search)", param=param) from error
 
 
 @dataclass
@@ -176,7 +213,7 @@ async def start_requests(
     context: ServerContext,
     base_id: str,
     prompts: list[Prompt],
-    params: list[SamplingParams],
+    params: Sequence[SamplingParams | BeamSearchParams],
     cache_salt: str | None,
     arrival_time: float,
     prompt_param: str,
@@ -201,6 +238,8 @@ async def start_requests(
             param = next((name for name in ("cache_salt", "priority", "allowed_token_ids",
                                            "bad_words")
                           if message.startswith(name)), prompt_param)
+            if message.startswith("beam_width"):  # too wide for the model's EOS tokens
+                param = "n"
             if message.startswith("structured_outputs"):
                 param = format_param
                 if format_param != "structured_outputs" and "." in message.split(" ")[0]:

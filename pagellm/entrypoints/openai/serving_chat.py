@@ -48,6 +48,7 @@ from pagellm.entrypoints.openai.serving import (
     ServerContext,
     UsageReport,
     aborting_on_exit,
+    beam_search_params,
     check_supported,
     choice_usage,
     final_outputs,
@@ -170,7 +171,9 @@ async def start_chat(context: ServerContext, body: ChatCompletionRequest, arriva
                                             engine.max_model_len))
     params = base.clone(max_tokens=resolve_max_tokens(
         engine.max_model_len, len(prompt.token_ids), requested, base.min_tokens, "messages"))
-    streams = await start_requests(context, request_id, [prompt], [params], body.cache_salt,
+    run = (beam_search_params(body, params, request_format.field) if body.use_beam_search
+           else params)
+    streams = await start_requests(context, request_id, [prompt], [run], body.cache_salt,
                                    arrival, "messages", body.priority, request_format.field)
     return ChatRun(request_id, streams, reader, len(prompt.token_ids), thinking)
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
 
-from pagellm.core.sampling_params import SamplingParams
+from pagellm.core.sampling_params import BeamSearchParams, SamplingParams
 from pagellm.engine.async_engine import RequestStream
 from pagellm.engine.outputs import CompletionOutput, RequestOutput
 from pagellm.entrypoints.openai.errors import bad_request
@@ -34,6 +34,7 @@ from pagellm.entrypoints.openai.serving import (
     Prompt,
     ServerContext,
     UsageReport,
+    beam_search_params,
     check_choices,
     check_supported,
     choice_usage,
@@ -136,8 +137,11 @@ async def create_completion(context: ServerContext, body: CompletionRequest,
             engine.max_model_len, len(p.token_ids), body.max_tokens, base.min_tokens,
             "prompt"))
         for p in prompts]
+    run: Sequence[SamplingParams | BeamSearchParams] = params
+    if body.use_beam_search:
+        run = [beam_search_params(body, p, request_format.field) for p in params]
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    streams = await start_requests(context, request_id, prompts, params, body.cache_salt,
+    streams = await start_requests(context, request_id, prompts, run, body.cache_salt,
                                    arrival, "prompt", body.priority, request_format.field)
     if body.stream:
         return EventStreamResponse(streamed(_stream(context, request_id, body, streams,
