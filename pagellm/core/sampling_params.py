@@ -450,14 +450,14 @@ class SamplingParams:
         return self.clone(n=1, seed=seed)
 
 
-
 @dataclass(frozen=True)
 class BeamSearchParams:
     """Beam search options (vLLM's `BeamSearchParams`), validated on construction.
 
     - beam_width: beams kept at each step, and sequences returned, in [1, 10]. Each step
-      looks at the best `2 * beam_width` continuations (one more `beam_width` per EOS
-      token beyond the first), which the engine reads as logprobs, at most 20 of them.
+      ranks the best `2 * beam_width` continuations (one more `beam_width` per EOS token
+      beyond the first), which the engine reads as logprobs, at most 20 of them: a model
+      with three EOS tokens takes a width of 5 at most (unless ignore_eos).
     - max_tokens: generated-token limit, >= 1 (cut to what the context leaves).
     - ignore_eos: EOS does not end a beam.
     - temperature: 0 only; the search is deterministic (beam sampling is not
@@ -465,7 +465,7 @@ class BeamSearchParams:
     - length_penalty: a finished beam scores its cumulative logprob divided by its length
       (EOS included) to this power, as transformers scores it: > 0 favours longer
       sequences, < 0 shorter ones.
-    - include_stop_str_in_output: keep the EOS token's text in `text`.
+    - include_stop_str_in_output: keep the text of the EOS that ended a beam.
     - skip_special_tokens: drop special tokens when detokenizing.
     """
 

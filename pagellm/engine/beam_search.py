@@ -1,12 +1,12 @@
-"""Beam search on the prefix cache, ranked exactly as transformers' `generate(num_beams=k)`.
+"""Beam search on the prefix cache, ranked as transformers' `generate(num_beams=k)` ranks.
 
 A step of a search asks the engine for the next token of every live beam as an ordinary
 one-token request whose prompt is the beam's whole sequence, with the logprobs of its
 best continuations. Whatever a beam shares with the prompt and with its parent beam, up
 to the last full block, comes from the prefix cache, so a step computes at most one
 block's worth of tokens per beam however long the prompt (vLLM v1 runs its beam search
-the same way). No engine code knows about beams: they are scheduled, preempted and
-evicted like any request.
+the same way). Below the engine's loop, nothing knows about beams: they are scheduled,
+preempted and evicted like any request.
 
 `BeamSearch` is the selection, kept apart from the engine so it can be checked against
 transformers' own loop: each step ranks the best `candidates` continuations of all beams
@@ -15,7 +15,8 @@ limit) are scored `cumulative logprob / length ** length_penalty` and kept if am
 best `beam_width` finished so far; the best `beam_width` that go on are the next beams.
 The search stops at the length limit, or once `beam_width` sequences have finished and
 the best running beam, scored at its current length, cannot beat the worst of them
-(transformers' default `early_stopping=False` heuristic).
+(transformers' default `early_stopping=False` heuristic). Scores are summed in float64
+(transformers: float32), so only a true near-tie can rank differently.
 """
 
 from __future__ import annotations
@@ -82,7 +83,6 @@ class BeamSearch:
         self.max_new_tokens = max_new_tokens
         self.running = [Beam()]
         self.finished: list[Beam] = []
-        self.improvable = True
         self.done = False
 
     def advance(self, tops: list[list[tuple[int, float]]],
@@ -104,8 +104,8 @@ class BeamSearch:
         for position, candidate in enumerate(ranked):
             parent = self.running[candidate.beam]
             ends = at_limit or candidate.token_id in self.stop_tokens
-            if ends and not (position < self.width and self.improvable):
-                continue  # only the best `width` may finish, and only while it can matter
+            if ends and position >= self.width:
+                continue  # only the best `width` may finish
             if not ends and len(going_on) == self.width:
                 continue
             top = tops[candidate.beam]
@@ -124,9 +124,8 @@ class BeamSearch:
         # Stable: among equal scores the earlier finished stays ahead.
         self.finished.sort(key=lambda b: -b.score)
         del self.finished[self.width:]
-        self.running = going_on
-        if self.improvable and len(self.finished) == self.width:
-            best_possible = going_on[0].cum_logprob / length ** self.length_penalty \
-                if going_on else float("-inf")
-            self.improvable = best_possible > self.finished[-1].score
-        self.done = at_limit or not going_on or not self.improvable
+        self.running = going_on  # empty only at the limit, where every candidate ends
+        self.done = at_limit or (
+            len(self.finished) == self.width
+            and going_on[0].cum_logprob / length ** self.length_penalty
+            <= self.finished[-1].score)

@@ -15,7 +15,7 @@ from pagellm.engine.beam_search import BeamSearchOutput, BeamSearchSequence
 from pagellm.engine.chat_template import ChatOptions, Message, render_chat, render_chat_prompt
 from pagellm.engine.config import EngineConfig
 from pagellm.engine.llm_engine import LLMEngine, PromptInput, is_token_id
-from pagellm.engine.outputs import RequestOutput
+from pagellm.engine.outputs import CompletionOutput, RequestOutput
 from pagellm.logger import ensure_visible_logging
 
 logger = logging.getLogger(__name__)
@@ -172,19 +172,24 @@ class LLM:
                                     use_tqdm, cache_salt, raise_errors=True):
                 if output.error is not None:
                     raise RuntimeError(f"beam search failed: {output.error}")
-                results.append(BeamSearchOutput([
-                    BeamSearchSequence(
-                        tokens, c.logprobs or [], c.cumulative_logprob or 0.0,
-                        self._decode(tokens, params.skip_special_tokens), c.finish_reason,
-                        c.stop_reason)
-                    for c in output.outputs
-                    for tokens in [output.prompt_token_ids + c.token_ids]]))
+                results.append(BeamSearchOutput([self._sequence(output, c, params)
+                                                 for c in output.outputs]))
         return results
 
-    def _decode(self, token_ids: list[int], skip_special_tokens: bool) -> str | None:
-        if self.tokenizer is None:
-            return None
-        return str(self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))
+    def _sequence(self, output: RequestOutput, completion: CompletionOutput,
+                  params: BeamSearchParams) -> BeamSearchSequence:
+        """A search's completion in vLLM's shape, whose text decodes the prompt and the
+        continuation together (the EOS that ended the beam only with
+        include_stop_str_in_output)."""
+        assert completion.logprobs is not None and completion.cumulative_logprob is not None
+        tokens = output.prompt_token_ids + completion.token_ids
+        shown = tokens
+        if completion.finish_reason == "stop" and not params.include_stop_str_in_output:
+            shown = tokens[:-1]
+        text = (None if self.tokenizer is None else str(self.tokenizer.decode(
+            shown, skip_special_tokens=params.skip_special_tokens)))
+        return BeamSearchSequence(tokens, completion.logprobs, completion.cumulative_logprob,
+                                  text, completion.finish_reason, completion.stop_reason)
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block; True, or False while requests added to

@@ -7,6 +7,7 @@ synchronous and single-threaded; the async server drives it from a background th
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import operator
@@ -408,6 +409,7 @@ class LLMEngine:
     def _add_beam_search(self, request_id: str, prompt: PromptInput,
                          params: BeamSearchParams, cache_salt: str | None,
                          arrival_time: float | None, priority: int) -> str:
+        """Starts a search (see beam_search.py) with its prompt as the first step."""
         text, token_ids = self.tokenize_prompt(prompt)
         self.check_prompt_length(len(token_ids))
         num_candidates = params.candidates(len(self.eos_token_ids))
@@ -429,13 +431,17 @@ class LLMEngine:
 
     def _start_beam_step(self, run: _BeamRun) -> None:
         """Queues one one-token request per running beam, in the search's place in the
-        queue (its arrival time and priority)."""
+        queue (its arrival time and priority). Their ids are the search's, extended, so
+        that they never take an id a caller would pick (see abort_request)."""
         run.pending = []
         run.tops = [None] * len(run.search.running)
         for index, beam in enumerate(run.search.running):
-            step_id = self.add_request(None, run.prompt_token_ids + beam.token_ids,
-                                       run.step_params, run.cache_salt,
-                                       run.metrics.arrival_time, run.priority)
+            step_id = f"{run.request_id}/beam{len(beam.token_ids)}.{index}"
+            while step_id in self._groups or step_id in self._searches:
+                step_id += "'"  # a caller did pick it
+            self.add_request(step_id, run.prompt_token_ids + beam.token_ids,
+                             run.step_params, run.cache_salt, run.metrics.arrival_time,
+                             run.priority)
             run.pending.append(step_id)
             self._beam_steps[step_id] = (run, index)
 
@@ -455,8 +461,7 @@ class LLMEngine:
                 continue
             run, beam = owner
             if output.error is not None:
-                ended.update(self._abort_beam_steps(run))
-                del self._searches[run.request_id]
+                ended.update(self._end_beam_search(run))
                 kept.append(self._beam_output(run, output.error))
                 continue
             if run.num_cached_tokens is None:  # the prompt's own step
@@ -484,27 +489,35 @@ class LLMEngine:
                 self._start_beam_step(run)
         return kept
 
-    def _abort_beam_steps(self, run: _BeamRun) -> list[str]:
+    def _end_beam_search(self, run: _BeamRun) -> list[str]:
+        """Forgets a search and aborts its step's requests; returns their ids."""
+        self._searches.pop(run.request_id, None)
         for step_id in run.pending:
             self._beam_steps.pop(step_id, None)
-        self.abort_request(run.pending)
+            self._abort_group(step_id)
         return run.pending
 
     def _beam_output(self, run: _BeamRun, error: str | None = None) -> RequestOutput:
-        """The search's sequences as completions, best first. As in any request's output,
-        `token_ids` keep the EOS that ended a beam and its text only shows with
-        include_stop_str_in_output."""
+        """The search's sequences as completions, best first, detokenized as any
+        request's: `token_ids` keep the EOS that ended a beam, whose text only shows with
+        include_stop_str_in_output, and each logprob's text_offset points into `text`."""
         params = run.params
         completions = []
         for index, beam in enumerate([] if error is not None else run.search.finished):
-            shown = beam.token_ids
-            if beam.finish_reason == "stop" and not params.include_stop_str_in_output:
-                shown = shown[:-1]
-            text = ("" if self.tokenizer is None else str(self.tokenizer.decode(
-                shown, skip_special_tokens=params.skip_special_tokens)))
-            completions.append(CompletionOutput(index, text, list(beam.token_ids),
-                                                beam.finish_reason, None, beam.logprobs,
-                                                beam.cum_logprob))
+            detokenizer = IncrementalDetokenizer(self.tokenizer, run.prompt_token_ids, [],
+                                                 params.include_stop_str_in_output,
+                                                 params.skip_special_tokens)
+            logprobs = []
+            for position, logprob in enumerate(beam.logprobs):
+                logprobs.append(dataclasses.replace(logprob,
+                                                    text_offset=len(detokenizer.text)))
+                ends = position == len(beam.token_ids) - 1 and beam.finish_reason == "stop"
+                if not ends or params.include_stop_str_in_output:
+                    detokenizer.add_token(logprob.token_id)
+            detokenizer.finish()
+            completions.append(CompletionOutput(index, detokenizer.text,
+                                                list(beam.token_ids), beam.finish_reason,
+                                                None, logprobs, beam.cum_logprob))
         return RequestOutput(run.request_id, run.prompt, run.prompt_token_ids, completions,
                              True, max(run.num_cached_tokens or 0, 0), run.metrics,
                              error=error)
@@ -568,19 +581,22 @@ class LLMEngine:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for request_id in request_ids:
-            run = self._searches.pop(request_id, None)
+            run = self._searches.get(request_id)
             if run is not None:
-                self._abort_beam_steps(run)
-                continue
-            group = self._groups.pop(request_id, None)
-            if group is None:
-                continue
-            for sample in group.samples:
-                self.scheduler.finish(sample.request, RequestStatus.FINISHED_ABORTED)
-                self._core_to_group.pop(sample.request.request_id, None)
+                self._end_beam_search(run)
+            elif request_id not in self._beam_steps:  # a search's step ends with it only
+                self._abort_group(request_id)
+
+    def _abort_group(self, request_id: str) -> None:
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return
+        for sample in group.samples:
+            self.scheduler.finish(sample.request, RequestStatus.FINISHED_ABORTED)
+            self._core_to_group.pop(sample.request.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups)
+        return bool(self._groups or self._searches)
 
     def get_num_unfinished_requests(self) -> int:
         """Requests as added: a beam search counts once, not once per beam."""

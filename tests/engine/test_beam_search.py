@@ -20,7 +20,7 @@ EOS = 1  # the tiny models' EOS
 
 
 def _hf_beams(model: Any, prompt: list[int], params: BeamSearchParams,
-              eos: int) -> list[tuple[list[int], float]]:
+              eos: int | list[int]) -> list[tuple[list[int], float]]:
     """transformers' beam search: each sequence's generated tokens (through its EOS) and
     its score. Our ignore_eos is transformers without an EOS."""
     from transformers import GenerationConfig
@@ -41,15 +41,18 @@ def _hf_beams(model: Any, prompt: list[int], params: BeamSearchParams,
     beams = []
     for sequence, score in zip(result.sequences, result.sequences_scores, strict=True):
         tokens = sequence.tolist()[len(prompt):]
-        if stop in tokens:  # shorter sequences are padded after their EOS
-            tokens = tokens[:tokens.index(stop) + 1]
+        ends = [i for i, t in enumerate(tokens)
+                if stop is not None and t in (stop if isinstance(stop, list) else [stop])]
+        if ends:  # shorter sequences are padded after their EOS
+            tokens = tokens[:ends[0] + 1]
         beams.append((tokens, float(score)))
     return beams
 
 
 def _assert_like_reference(output: BeamSearchOutput, prompt: list[int],
                            reference: list[tuple[list[int], float]],
-                           params: BeamSearchParams) -> None:
+                           params: BeamSearchParams, eos_ids: tuple[int, ...] = (EOS,)
+                           ) -> None:
     ours = [(s.tokens[len(prompt):], s.cum_logprob / (len(s.tokens) - len(prompt))
              ** params.length_penalty) for s in output.sequences]
     assert [tokens for tokens, _ in ours] == [tokens for tokens, _ in reference]
@@ -62,7 +65,7 @@ def _assert_like_reference(output: BeamSearchOutput, prompt: list[int],
         assert [lp.token_id for lp in sequence.logprobs] == generated
         assert sequence.cum_logprob == pytest.approx(sum(lp.logprob for lp in
                                                          sequence.logprobs))
-        ended_on_eos = generated[-1] == EOS and not params.ignore_eos
+        ended_on_eos = generated[-1] in eos_ids and not params.ignore_eos
         assert sequence.finish_reason == ("stop" if ended_on_eos else "length")
         if not ended_on_eos:
             assert len(generated) == params.max_tokens
@@ -174,7 +177,16 @@ def test_abort_and_bad_input_leave_nothing_held(tiny: Path) -> None:
     assert engine.get_num_unfinished_requests() == 1
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("search", [5, 6], params)
+    # The steps' requests are the search's: aborting one by its id changes nothing.
+    engine.abort_request([f"search/beam{n}.{i}" for n in range(8) for i in range(3)])
+    for _ in range(3):
+        assert engine.step() == []
     engine.abort_request("search")
+    assert_idle(engine)
+    engine.add_request("again", [5, 6, 7], BeamSearchParams(beam_width=2, max_tokens=6))
+    engine.abort_request([f"again/beam{n}.{i}" for n in range(8) for i in range(2)])
+    outputs = [o for _ in iter(engine.has_unfinished_requests, False) for o in engine.step()]
+    assert [(o.request_id, len(o.outputs)) for o in outputs] == [("again", 2)]
     assert_idle(engine)
     with pytest.raises(ValueError, match="max_model_len"):
         llm.beam_search([[5] * engine.max_model_len], params)
@@ -187,9 +199,26 @@ def test_abort_and_bad_input_leave_nothing_held(tiny: Path) -> None:
     assert_idle(engine)
 
 
-def test_too_many_candidates_for_the_eos_tokens(tmp_path: Path) -> None:
+def test_several_eos_tokens_widen_each_step(tmp_path: Path) -> None:
+    """With three EOS tokens transformers ranks 4 * beam_width continuations a step, and
+    so do we; more than the engine reads (20) is refused, unless EOS is ignored."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
     path = make_tiny_model(tmp_path / "eos3", eos_token_id=[1, 2, 3])
+    weights = load_file(path / "model.safetensors")
+    weights["lm_head.weight"][1:4] *= 5.0
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     llm = LLM(str(path), skip_tokenizer_init=True, kv_cache_memory_bytes=4 << 20)
+    params = BeamSearchParams(beam_width=3, max_tokens=10)
+    prompts = _prompts(5, [3, 18])
+    reasons = set()
+    for prompt, output in zip(prompts, llm.beam_search(prompts, params), strict=True):
+        _assert_like_reference(output, prompt, _hf_beams(reference, prompt, params,
+                                                         [1, 2, 3]), params, (1, 2, 3))
+        reasons |= {s.tokens[-1] for s in output.sequences if s.finish_reason == "stop"}
+    assert len(reasons) > 1  # beams ended on different EOS tokens
     with pytest.raises(ValueError, match="beam_width 6 ranks 24 continuations"):
         llm.beam_search([[5, 6]], BeamSearchParams(beam_width=6, max_tokens=4))
     assert len(llm.beam_search([[5, 6]], BeamSearchParams(
@@ -211,7 +240,7 @@ def test_the_search_stops_once_no_beam_can_win() -> None:
     # Best first; the running beams now trail both finished ones at any length.
     assert [(b.token_ids, round(b.score, 3)) for b in search.finished] == [
         ([EOS], -0.1), ([7, EOS], -0.7)]
-    assert search.done and not search.improvable
+    assert search.done
 
 
 def test_candidates_and_params() -> None:
@@ -256,6 +285,11 @@ def test_default_model_matches_transformers(default_llm: Any, default_hf_model: 
     assert "stop" in {c.finish_reason for c in final[0].outputs}
     for completion in final[0].outputs:
         assert completion.text == llm.tokenizer.decode(completion.token_ids)
+        assert completion.logprobs is not None
+        # Each token's text begins where the text before it ends, as in any output.
+        assert [lp.text_offset for lp in completion.logprobs] == [
+            len(llm.tokenizer.decode(completion.token_ids[:i]))
+            for i in range(len(completion.token_ids))]
         assert (completion.token_ids[-1] == eos) == (completion.finish_reason == "stop")
         assert completion.text.endswith("<|im_end|>") == (completion.finish_reason == "stop")
     assert_idle(engine)

@@ -891,6 +891,16 @@ def test_beam_search_chat_and_completions(server: Server, client: openai.OpenAI)
         c.message.content for c in answer.choices]
     assert again.usage is not None and again.usage.prompt_tokens_details is not None
     assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert all(c.logprobs is None for c in answer.choices)  # not asked for
+    # Streamed, each choice comes whole when the search ends.
+    streamed: dict[int, str] = {}
+    for chunk in client.chat.completions.create(
+            model=MODEL_NAME, messages=question, n=3, max_tokens=24, stream=True,
+            extra_body={"use_beam_search": True, "cache_salt": salt}):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + (
+                choice.delta.content or "")
+    assert [streamed[i] for i in range(3)] == [c.message.content for c in answer.choices]
 
     completion = client.completions.create(
         model=MODEL_NAME, prompt=["The capital of France is", "Water boils at"], n=2,
@@ -900,4 +910,5 @@ def test_beam_search_chat_and_completions(server: Server, client: openai.OpenAI)
     assert completion.choices[0].text.startswith("The capital of France is")
     assert completion.choices[2].text.startswith("Water boils at")
     assert completion.usage is not None and completion.usage.completion_tokens == 4 * 8
+    assert all(c.logprobs is None for c in completion.choices)
     server.wait_idle()

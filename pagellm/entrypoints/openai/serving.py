@@ -80,12 +80,9 @@ _SAMPLING_ONLY = ("top_p", "top_k", "min_p", "min_tokens", "stop", "stop_token_i
 def beam_search_params(body: SamplingFields, params: SamplingParams, format_param: str
                        ) -> BeamSearchParams:
     """vLLM's `use_beam_search`: `n` is the beam width and the n best sequences are the
-    choices, best first. The answer exists only when the search ends, so it cannot be
-    streamed. `temperature` may be omitted or 0 (the search is deterministic); a seed
-    changes nothing."""
-    if body.stream:
-        raise bad_request("stream is not supported with use_beam_search: the best beams "
-                          "are only known when the search ends", param="stream")
+    choices, best first. They are known only when the search ends, so a stream sends
+    each whole then (as vLLM's chat does). `temperature` may be omitted or 0 (the search
+    is deterministic); a seed changes nothing."""
     plain = SamplingParams()
     for name in _SAMPLING_ONLY:
         if getattr(params, name) != getattr(plain, name):

@@ -205,7 +205,8 @@ def _response(context: ServerContext, body: ChatCompletionRequest, run: ChatRun,
             index=c.index, message=ChatResponseMessage(
                 content=content, tool_calls=calls, reasoning=reasoning,
                 reasoning_content=reasoning),
-            logprobs=chat_logprobs(c.logprobs, token_text) if c.logprobs is not None else None,
+            logprobs=(chat_logprobs(c.logprobs, token_text)
+                      if body.logprobs and c.logprobs is not None else None),
             finish_reason=_finish_reason(c.finish_reason, calls, reader),
             stop_reason=c.stop_reason))
     return ChatCompletionResponse(
@@ -313,7 +314,7 @@ async def _stream(context: ServerContext, body: ChatCompletionRequest, run: Chat
                 if finished:
                     done.add(index)
                 logprobs = None
-                if completion.logprobs is not None:
+                if body.logprobs and completion.logprobs is not None:
                     logprobs = chat_logprobs(
                         completion.logprobs[sent_logprobs.get(index, 0):], token_text)
                     sent_logprobs[index] = len(completion.logprobs)

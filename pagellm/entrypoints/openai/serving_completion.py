@@ -163,7 +163,7 @@ def _response(context: ServerContext, request_id: str, body: CompletionRequest,
         echoed = _echoed(body, output)
         for completion in output.outputs:
             logprobs = None
-            if completion.logprobs is not None:
+            if body.logprobs is not None and completion.logprobs is not None:
                 logprobs = joined(
                     _first_logprobs(body, output, token_text) or CompletionLogprobs(),
                     completion_logprobs(completion.logprobs, token_text, len(completion.text)),
@@ -205,7 +205,7 @@ async def _stream(context: ServerContext, request_id: str, body: CompletionReque
                 if completion.finish_reason is not None:
                     done.add(index)
                 logprobs = None
-                if completion.logprobs is not None:
+                if body.logprobs is not None and completion.logprobs is not None:
                     new = completion.logprobs[sent_logprobs.get(index, 0):]
                     sent_logprobs[index] = len(completion.logprobs)
                     logprobs = joined(
