@@ -85,6 +85,10 @@ class LLM:
         `priority`: one per prompt, lower first, with scheduling_policy="priority" (vLLM's).
         """
         prompt_list, single = _prompt_list(prompts)
+        if isinstance(sampling_params, BeamSearchParams) or (
+                isinstance(sampling_params, Sequence)
+                and any(isinstance(p, BeamSearchParams) for p in sampling_params)):
+            raise ValueError("BeamSearchParams are for beam_search(), not generate()")
         if isinstance(sampling_params, Sequence):
             if len(sampling_params) != len(prompt_list):
                 raise ValueError(f"got {len(sampling_params)} sampling_params for "

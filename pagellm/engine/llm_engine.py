@@ -860,14 +860,30 @@ class LLMEngine:
                              "enable_kv_cache_events=True")
         return self.kv_manager.take_events()
 
+    def _request_counts(self) -> tuple[int, int]:
+        """Running and waiting requests as callers added them. A beam search counts once,
+        as running from its first scheduled step on: between two steps its next step's
+        requests wait, and a dashboard would otherwise show a busy search as queued."""
+        running, waiting = self.scheduler.num_running, self.scheduler.num_waiting
+        started = {run.request_id for run in self._searches.values()
+                   if run.metrics.first_token_time is not None}
+        for step_id, (run, _) in self._beam_steps.items():
+            if self._groups[step_id].samples[0].request.status == RequestStatus.RUNNING:
+                running -= 1
+                started.add(run.request_id)
+            else:
+                waiting -= 1
+        return running + len(started), waiting + len(self._searches) - len(started)
+
     def get_stats(self) -> EngineStats:
         cache = self.kv_manager.stats()
         timings = self.runner.timings.as_dict()
         timings["schedule_s"] = self._schedule_time
         timings["update_s"] = self._update_time
+        num_running, num_waiting = self._request_counts()
         return EngineStats(
-            num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
+            num_running=num_running,
+            num_waiting=num_waiting,
             kv_cache_usage=cache.usage,
             num_blocks=cache.num_blocks,
             num_free_blocks=cache.blocks_free,

@@ -172,8 +172,13 @@ def test_abort_and_bad_input_leave_nothing_held(tiny: Path) -> None:
     params = BeamSearchParams(beam_width=3, max_tokens=50, ignore_eos=True)
     engine.add_request("search", _prompts(4, [20])[0], params)
     assert engine.get_num_unfinished_requests() == 1
+    stats = engine.get_stats()
+    assert (stats.num_running, stats.num_waiting) == (0, 1)
     for _ in range(4):
         assert engine.step() == []  # beams' steps are not outputs
+        # One search, running, though between steps its next requests wait.
+        stats = engine.get_stats()
+        assert (stats.num_running, stats.num_waiting) == (1, 0)
     assert engine.get_num_unfinished_requests() == 1
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("search", [5, 6], params)
@@ -192,6 +197,8 @@ def test_abort_and_bad_input_leave_nothing_held(tiny: Path) -> None:
         llm.beam_search([[5] * engine.max_model_len], params)
     with pytest.raises(ValueError, match="BeamSearchParams"):
         llm.beam_search([[5, 6]], {"beam_width": 2})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="for beam_search"):
+        llm.generate([[5, 6]], params)
     with pytest.raises(ValueError, match="concurrency_limit"):
         llm.beam_search([[5, 6]], params, concurrency_limit=0)
     with pytest.raises(ValueError, match="prompt is empty"):
