@@ -467,6 +467,9 @@ class BeamSearchParams:
       sequences, < 0 shorter ones.
     - include_stop_str_in_output: keep the text of the EOS that ended a beam.
     - skip_special_tokens: drop special tokens when detokenizing.
+    - logprobs: alternatives kept with each generated token's logprob, at most the
+      continuations a step ranks; None keeps them all (vLLM's output). Not vLLM's field:
+      the server sets it from a request's `logprobs`.
     """
 
     beam_width: int
@@ -476,6 +479,7 @@ class BeamSearchParams:
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         width = _integer("beam_width", self.beam_width)
@@ -494,6 +498,7 @@ class BeamSearchParams:
             high_open=True))
         _flag("include_stop_str_in_output", self.include_stop_str_in_output)
         _flag("skip_special_tokens", self.skip_special_tokens)
+        _top_count("logprobs", self.logprobs)
 
     def candidates(self, num_eos_tokens: int) -> int:
         """Continuations a step ranks: transformers' `max(2, 1 + #EOS) * num_beams`, so

@@ -418,6 +418,10 @@ class LLMEngine:
                 f"beam_width {params.beam_width} ranks {num_candidates} continuations a "
                 f"step with this model's {len(self.eos_token_ids)} EOS tokens; at most "
                 f"{MAX_LOGPROBS} can be read (set ignore_eos, or a smaller beam_width)")
+        if params.logprobs is not None and params.logprobs > num_candidates:
+            raise ValueError(f"logprobs must be at most {num_candidates} with beam_width "
+                             f"{params.beam_width} (the continuations a step ranks), got "
+                             f"{params.logprobs}")
         search = BeamSearch(params, self.eos_token_ids,
                             min(params.max_tokens, self.max_model_len - len(token_ids)))
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -500,7 +504,8 @@ class LLMEngine:
     def _beam_output(self, run: _BeamRun, error: str | None = None) -> RequestOutput:
         """The search's sequences as completions, best first, detokenized as any
         request's: `token_ids` keep the EOS that ended a beam, whose text only shows with
-        include_stop_str_in_output, and each logprob's text_offset points into `text`."""
+        include_stop_str_in_output, and each logprob's text_offset points into `text`
+        (with `params.logprobs` of its alternatives)."""
         params = run.params
         completions = []
         for index, beam in enumerate([] if error is not None else run.search.finished):
@@ -509,8 +514,9 @@ class LLMEngine:
                                                  params.skip_special_tokens)
             logprobs = []
             for position, logprob in enumerate(beam.logprobs):
-                logprobs.append(dataclasses.replace(logprob,
-                                                    text_offset=len(detokenizer.text)))
+                logprobs.append(dataclasses.replace(
+                    logprob, text_offset=len(detokenizer.text),
+                    top_logprobs=logprob.top_logprobs[:params.logprobs]))
                 ends = position == len(beam.token_ids) - 1 and beam.finish_reason == "stop"
                 if not ends or params.include_stop_str_in_output:
                     detokenizer.add_token(logprob.token_id)

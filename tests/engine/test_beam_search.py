@@ -197,6 +197,11 @@ def test_abort_and_bad_input_leave_nothing_held(tiny: Path) -> None:
         llm.beam_search([[5] * engine.max_model_len], params)
     with pytest.raises(ValueError, match="BeamSearchParams"):
         llm.beam_search([[5, 6]], {"beam_width": 2})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="logprobs must be at most 6 with beam_width 3"):
+        llm.beam_search([[5, 6]], BeamSearchParams(beam_width=3, max_tokens=2, logprobs=7))
+    kept = llm.beam_search([[5, 6]], BeamSearchParams(beam_width=3, max_tokens=2,
+                                                      logprobs=1))[0]
+    assert all(len(lp.top_logprobs) == 1 for s in kept.sequences for lp in s.logprobs)
     with pytest.raises(ValueError, match="for beam_search"):
         llm.generate([[5, 6]], params)
     with pytest.raises(ValueError, match="concurrency_limit"):
@@ -258,6 +263,7 @@ def test_candidates_and_params() -> None:
                          ({"max_tokens": 0}, "max_tokens"),
                          ({"temperature": 0.7}, "temperature must be 0"),
                          ({"length_penalty": float("nan")}, "length_penalty"),
+                         ({"logprobs": 21}, "logprobs"),
                          ({"ignore_eos": 1}, "ignore_eos")]:
         with pytest.raises(ValueError, match=message):
             BeamSearchParams(**{"beam_width": 2, "max_tokens": 4, **bad})

@@ -911,4 +911,22 @@ def test_beam_search_chat_and_completions(server: Server, client: openai.OpenAI)
     assert completion.choices[2].text.startswith("Water boils at")
     assert completion.usage is not None and completion.usage.completion_tokens == 4 * 8
     assert all(c.logprobs is None for c in completion.choices)
+    # Logprobs when asked: each beam's own tokens, with as many alternatives as asked.
+    scored = client.chat.completions.create(
+        model=MODEL_NAME, messages=question, n=3, max_tokens=24, logprobs=True,
+        top_logprobs=2, extra_body={"use_beam_search": True, "cache_salt": salt})
+    assert [c.message.content for c in scored.choices] == [
+        c.message.content for c in answer.choices]
+    for choice in scored.choices:
+        assert choice.logprobs is not None and choice.logprobs.content is not None
+        tokens = choice.logprobs.content
+        assert "".join(t.token for t in tokens[:-1]) == choice.message.content  # EOS last
+        assert all(len(t.top_logprobs) == 2 for t in tokens)
+    plain = client.completions.create(
+        model=MODEL_NAME, prompt="The capital of France is", n=2, max_tokens=8, logprobs=3,
+        extra_body={"use_beam_search": True})
+    for choice in plain.choices:
+        assert choice.logprobs is not None and choice.logprobs.text_offset is not None
+        assert "".join(choice.logprobs.tokens or []) == choice.text
+        assert choice.logprobs.text_offset == sorted(choice.logprobs.text_offset)
     server.wait_idle()

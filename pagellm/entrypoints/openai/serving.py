@@ -73,8 +73,8 @@ def check_supported(body: SamplingFields) -> None:
 # answer, so with use_beam_search it is refused, not ignored.
 _SAMPLING_ONLY = ("top_p", "top_k", "min_p", "min_tokens", "stop", "stop_token_ids",
                   "presence_penalty", "frequency_penalty", "repetition_penalty",
-                  "logprobs", "prompt_logprobs", "logit_bias", "allowed_token_ids",
-                  "bad_words", "structured_outputs")
+                  "prompt_logprobs", "logit_bias", "allowed_token_ids", "bad_words",
+                  "structured_outputs")
 
 
 def beam_search_params(body: SamplingFields, params: SamplingParams, format_param: str
@@ -87,7 +87,11 @@ def beam_search_params(body: SamplingFields, params: SamplingParams, format_para
     for name in _SAMPLING_ONLY:
         if getattr(params, name) != getattr(plain, name):
             param = format_param if name == "structured_outputs" else name
-            raise bad_request(f"{param} is not supported with use_beam_search",
+            if name == "prompt_logprobs" and body.prompt_logprobs is None:
+                param = "echo"  # completions' echo with logprobs scores the prompt
+            raise bad_request(f"{param} is not supported with use_beam_search (it scores "
+                              "the generated tokens only)" if name == "prompt_logprobs"
+                              else f"{param} is not supported with use_beam_search",
                               param=param)
     assert params.max_tokens is not None  # resolved against the context by now
     try:
@@ -96,7 +100,7 @@ def beam_search_params(body: SamplingFields, params: SamplingParams, format_para
             temperature=body.temperature or 0.0,
             length_penalty=1.0 if body.length_penalty is None else body.length_penalty,
             include_stop_str_in_output=params.include_stop_str_in_output,
-            skip_special_tokens=params.skip_special_tokens)
+            skip_special_tokens=params.skip_special_tokens, logprobs=params.logprobs)
     except ValueError as error:
         field_name, rest = str(error).split(" ", 1)
         param = "n" if field_name == "beam_width" else field_name
@@ -237,6 +241,8 @@ async def start_requests(
                           if message.startswith(name)), prompt_param)
             if message.startswith("beam_width"):  # too wide for the model's EOS tokens
                 param = "n"
+            elif message.startswith("logprobs"):  # more than a beam search step ranks
+                param = "logprobs"
             if message.startswith("structured_outputs"):
                 param = format_param
                 if format_param != "structured_outputs" and "." in message.split(" ")[0]:
