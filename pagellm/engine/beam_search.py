@@ -5,8 +5,8 @@ one-token request whose prompt is the beam's whole sequence, with the logprobs o
 best continuations. Whatever a beam shares with the prompt and with its parent beam, up
 to the last full block, comes from the prefix cache, so a step computes at most one
 block's worth of tokens per beam however long the prompt (vLLM v1 runs its beam search
-the same way). Below the engine's loop, nothing knows about beams: they are scheduled,
-preempted and evicted like any request.
+the same way). Below the engine's loop nothing knows about beams: they are scheduled,
+preempted and evicted like any request. beam_searches.py runs the steps.
 
 `BeamSearch` is the selection, kept apart from the engine so it can be checked against
 transformers' own loop: each step ranks the best `candidates` continuations of all beams

@@ -7,14 +7,13 @@ synchronous and single-threaded; the async server drives it from a background th
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -24,9 +23,9 @@ from pagellm.core.config import SchedulerConfig
 from pagellm.core.events import KVCacheEvent
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
-from pagellm.core.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
+from pagellm.core.sampling_params import BeamSearchParams, SamplingParams
 from pagellm.core.scheduler import Scheduler, SchedulerOutput
-from pagellm.engine.beam_search import BeamSearch
+from pagellm.engine.beam_searches import BeamSearches
 from pagellm.engine.config import EngineConfig, resolve_device
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -108,25 +107,6 @@ class _Group:
     @property
     def finished(self) -> bool:
         return all(s.request.is_finished for s in self.samples)
-
-
-@dataclass
-class _BeamRun:
-    """A beam search (see beam_search.py): its selection state, and the one-token
-    requests of its current step, whose results `tops` collects by beam."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: BeamSearchParams
-    search: BeamSearch
-    step_params: SamplingParams
-    cache_salt: str | None
-    priority: int
-    metrics: RequestMetrics
-    pending: list[str] = field(default_factory=list)
-    tops: list[list[tuple[int, float]] | None] = field(default_factory=list)
-    num_cached_tokens: int | None = None
 
 
 @dataclass
@@ -216,8 +196,7 @@ class LLMEngine:
                                           sorted(self.eos_token_ids)))
         self._groups: dict[str, _Group] = {}
         self._core_to_group: dict[str, _Group] = {}
-        self._searches: dict[str, _BeamRun] = {}
-        self._beam_steps: dict[str, tuple[_BeamRun, int]] = {}  # step request -> beam
+        self._beams = BeamSearches(self)
         self._ids = itertools.count()
         self._prompt_tokens = 0
         self._generation_tokens = 0
@@ -341,11 +320,15 @@ class LLMEngine:
         if request_id is None:
             request_id = self._new_request_id()
         request_id = str(request_id)
-        if request_id in self._groups or request_id in self._searches:
+        if request_id in self._groups or request_id in self._beams:
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(params, BeamSearchParams):
-            return self._add_beam_search(request_id, prompt, params, cache_salt,
-                                         arrival_time, priority)
+            text, token_ids = self.tokenize_prompt(prompt)
+            self.check_prompt_length(len(token_ids))
+            self._beams.start(request_id, text, token_ids, params, cache_salt,
+                              time.monotonic() if arrival_time is None else arrival_time,
+                              priority)
+            return request_id
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer (skip_tokenizer_init is set): "
                              "use stop_token_ids")
@@ -402,131 +385,9 @@ class LLMEngine:
         """The next number no running request has taken (a caller may have named one
         "3" itself)."""
         while ((request_id := str(next(self._ids))) in self._groups
-               or request_id in self._searches):
+               or request_id in self._beams):
             pass
         return request_id
-
-    def _add_beam_search(self, request_id: str, prompt: PromptInput,
-                         params: BeamSearchParams, cache_salt: str | None,
-                         arrival_time: float | None, priority: int) -> str:
-        """Starts a search (see beam_search.py) with its prompt as the first step."""
-        text, token_ids = self.tokenize_prompt(prompt)
-        self.check_prompt_length(len(token_ids))
-        num_candidates = params.candidates(len(self.eos_token_ids))
-        if num_candidates > MAX_LOGPROBS:
-            raise ValueError(
-                f"beam_width {params.beam_width} ranks {num_candidates} continuations a "
-                f"step with this model's {len(self.eos_token_ids)} EOS tokens; at most "
-                f"{MAX_LOGPROBS} can be read (set ignore_eos, or a smaller beam_width)")
-        if params.logprobs is not None and params.logprobs > num_candidates:
-            raise ValueError(f"logprobs must be at most {num_candidates} with beam_width "
-                             f"{params.beam_width} (the continuations a step ranks), got "
-                             f"{params.logprobs}")
-        search = BeamSearch(params, self.eos_token_ids,
-                            min(params.max_tokens, self.max_model_len - len(token_ids)))
-        arrival = time.monotonic() if arrival_time is None else arrival_time
-        run = _BeamRun(request_id, text, token_ids, params, search,
-                       SamplingParams(temperature=0.0, max_tokens=1, logprobs=num_candidates,
-                                      detokenize=False),
-                       cache_salt, priority, RequestMetrics(arrival))
-        self._start_beam_step(run)  # the prompt alone: may raise (the salt), queues nothing
-        self._searches[request_id] = run
-        return request_id
-
-    def _start_beam_step(self, run: _BeamRun) -> None:
-        """Queues one one-token request per running beam, in the search's place in the
-        queue (its arrival time and priority). Their ids are the search's, extended, so
-        that they never take an id a caller would pick (see abort_request)."""
-        run.pending = []
-        run.tops = [None] * len(run.search.running)
-        for index, beam in enumerate(run.search.running):
-            step_id = f"{run.request_id}/beam{len(beam.token_ids)}.{index}"
-            while step_id in self._groups or step_id in self._searches:
-                step_id += "'"  # a caller did pick it
-            self.add_request(step_id, run.prompt_token_ids + beam.token_ids,
-                             run.step_params, run.cache_salt, run.metrics.arrival_time,
-                             run.priority)
-            run.pending.append(step_id)
-            self._beam_steps[step_id] = (run, index)
-
-    def _advance_beam_searches(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """Takes the outputs of beam search steps out of a step's `outputs`: a search
-        whose beams all have their next candidates advances, then queues its next step
-        or, when done, puts its own output in their place."""
-        if not self._beam_steps:
-            return outputs
-        kept: list[RequestOutput] = []
-        ended: set[str] = set()
-        for output in outputs:
-            owner = self._beam_steps.pop(output.request_id, None)
-            if owner is None:
-                if output.request_id not in ended:
-                    kept.append(output)
-                continue
-            run, beam = owner
-            if output.error is not None:
-                ended.update(self._end_beam_search(run))
-                kept.append(self._beam_output(run, output.error))
-                continue
-            if run.num_cached_tokens is None:  # the prompt's own step
-                run.num_cached_tokens = output.num_cached_tokens
-                assert output.metrics is not None
-                run.metrics.first_scheduled_time = output.metrics.first_scheduled_time
-            logprobs = output.outputs[0].logprobs
-            assert output.finished and logprobs
-            run.tops[beam] = logprobs[0].top_logprobs
-            if any(top is None for top in run.tops):
-                continue
-            run.search.advance(cast(list[list[tuple[int, float]]], run.tops),
-                               None if self.tokenizer is None else self._decode_token)
-            now = time.monotonic()
-            metrics = run.metrics
-            if metrics.first_token_time is None:
-                metrics.first_token_time = now
-            metrics.last_token_time = now
-            metrics.token_times.append(now)
-            if run.search.done:
-                metrics.finished_time = now
-                del self._searches[run.request_id]
-                kept.append(self._beam_output(run))
-            else:
-                self._start_beam_step(run)
-        return kept
-
-    def _end_beam_search(self, run: _BeamRun) -> list[str]:
-        """Forgets a search and aborts its step's requests; returns their ids."""
-        self._searches.pop(run.request_id, None)
-        for step_id in run.pending:
-            self._beam_steps.pop(step_id, None)
-            self._abort_group(step_id)
-        return run.pending
-
-    def _beam_output(self, run: _BeamRun, error: str | None = None) -> RequestOutput:
-        """The search's sequences as completions, best first, detokenized as any
-        request's: `token_ids` keep the EOS that ended a beam, whose text only shows with
-        include_stop_str_in_output, and each logprob's text_offset points into `text`
-        (with `params.logprobs` of its alternatives)."""
-        params = run.params
-        completions = []
-        for index, beam in enumerate([] if error is not None else run.search.finished):
-            detokenizer = IncrementalDetokenizer(self.tokenizer, run.prompt_token_ids, [],
-                                                 params.include_stop_str_in_output,
-                                                 params.skip_special_tokens)
-            logprobs = []
-            for position, logprob in enumerate(beam.logprobs):
-                logprobs.append(dataclasses.replace(
-                    logprob, text_offset=len(detokenizer.text),
-                    top_logprobs=logprob.top_logprobs[:params.logprobs]))
-                ends = position == len(beam.token_ids) - 1 and beam.finish_reason == "stop"
-                if not ends or params.include_stop_str_in_output:
-                    detokenizer.add_token(logprob.token_id)
-            detokenizer.finish()
-            completions.append(CompletionOutput(index, detokenizer.text,
-                                                list(beam.token_ids), beam.finish_reason,
-                                                None, logprobs, beam.cum_logprob))
-        return RequestOutput(run.request_id, run.prompt, run.prompt_token_ids, completions,
-                             True, max(run.num_cached_tokens or 0, 0), run.metrics,
-                             error=error)
 
     def _check_allowed_token_ids(self, params: SamplingParams,
                                  bad_words: BadWords | None) -> None:
@@ -587,26 +448,24 @@ class LLMEngine:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for request_id in request_ids:
-            run = self._searches.get(request_id)
-            if run is not None:
-                self._end_beam_search(run)
-            elif request_id not in self._beam_steps:  # a search's step ends with it only
-                self._abort_group(request_id)
-
-    def _abort_group(self, request_id: str) -> None:
-        group = self._groups.pop(request_id, None)
-        if group is None:
-            return
-        for sample in group.samples:
-            self.scheduler.finish(sample.request, RequestStatus.FINISHED_ABORTED)
-            self._core_to_group.pop(sample.request.request_id, None)
+            if request_id in self._beams:
+                self._beams.abort(request_id)
+                continue
+            if self._beams.owns(request_id):  # a search's step ends with the search only
+                continue
+            group = self._groups.pop(request_id, None)
+            if group is None:
+                continue
+            for sample in group.samples:
+                self.scheduler.finish(sample.request, RequestStatus.FINISHED_ABORTED)
+                self._core_to_group.pop(sample.request.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups or self._searches)
+        return bool(self._groups) or bool(self._beams)
 
     def get_num_unfinished_requests(self) -> int:
         """Requests as added: a beam search counts once, not once per beam."""
-        return len(self._groups) - len(self._beam_steps) + len(self._searches)
+        return len(self._groups) - len(self._beams.step_ids()) + len(self._beams)
 
     # ---- the step -------------------------------------------------------------------
 
@@ -646,7 +505,7 @@ class LLMEngine:
             result = self.runner.execute(chunks, copies, sampling)
         except Exception as error:  # noqa: BLE001 - one bad step must not kill the engine
             logger.exception("step failed; failing its %d requests", len(chunks))
-            return self._advance_beam_searches(self._fail_step(scheduled, error))
+            return self._beams.collect(self._fail_step(scheduled, error))
         updated_at = time.perf_counter()
         self._add_prompt_logprobs(scheduled, chunks, result.prompt_logprobs)
         sampled: dict[str, int] = {}
@@ -671,7 +530,7 @@ class LLMEngine:
         for request in updated:
             if request.request_id in format_failures:
                 self._fail_format(request, format_failures[request.request_id])
-        outputs = self._advance_beam_searches(self._process(updated))
+        outputs = self._beams.collect(self._process(updated))
         self._update_time += time.perf_counter() - updated_at
         return outputs
 
@@ -871,15 +730,14 @@ class LLMEngine:
         as running from its first scheduled step on: between two steps its next step's
         requests wait, and a dashboard would otherwise show a busy search as queued."""
         running, waiting = self.scheduler.num_running, self.scheduler.num_waiting
-        started = {run.request_id for run in self._searches.values()
-                   if run.metrics.first_token_time is not None}
-        for step_id, (run, _) in self._beam_steps.items():
+        started = self._beams.started()
+        for step_id, search_id in self._beams.step_ids():
             if self._groups[step_id].samples[0].request.status == RequestStatus.RUNNING:
                 running -= 1
-                started.add(run.request_id)
+                started.add(search_id)
             else:
                 waiting -= 1
-        return running + len(started), waiting + len(self._searches) - len(started)
+        return running + len(started), waiting + len(self._beams) - len(started)
 
     def get_stats(self) -> EngineStats:
         cache = self.kv_manager.stats()
