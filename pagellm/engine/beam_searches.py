@@ -64,8 +64,9 @@ class BeamSearches:
     def start(self, request_id: str, text: str | None, token_ids: list[int],
               params: BeamSearchParams, cache_salt: str | None, arrival_time: float,
               priority: int) -> None:
-        """Starts a search with its prompt as the first step; a ValueError (a width too
-        large for the model's EOS tokens, a salt the engine refuses) queues nothing."""
+        """Starts a search with its prompt as the first step. A ValueError (a width too
+        large for the model's EOS tokens, more logprobs than a step ranks) queues
+        nothing."""
         engine = self._engine
         num_candidates = params.candidates(len(engine.eos_token_ids))
         if num_candidates > MAX_LOGPROBS:
@@ -90,11 +91,11 @@ class BeamSearches:
         """Ends a search now, with its step's requests."""
         run = self._runs.pop(request_id)
         for step_id in run.pending:
-            if self._steps.pop(step_id, None) is not None:  # not yet finished
+            if self._steps.pop(step_id, None) is not None:  # not yet collected
                 self._engine.abort_request(step_id)
 
     def step_ids(self) -> list[tuple[str, str]]:
-        """(step request id, its search's id) of every step request in the engine."""
+        """(step request id, its search's id) of every step request not yet collected."""
         return [(step_id, run.request_id) for step_id, (run, _) in self._steps.items()]
 
     def started(self) -> set[str]:
@@ -104,27 +105,21 @@ class BeamSearches:
 
     def _queue_step(self, run: _Run) -> None:
         """One request per running beam, in the search's place in the queue (its arrival
-        time and priority), with an id of the search's own: callers never pick it, and
-        one who does gets refused (it is then extended)."""
+        time and priority), with an id of the search's own. A caller adding that id
+        while the step runs is refused; one who took it first gets to keep it, and the
+        step's id is extended."""
         run.pending = []
         run.tops = [None] * len(run.search.running)
+        engine = self._engine
         for index, beam in enumerate(run.search.running):
             step_id = f"{run.request_id}/beam{len(beam.token_ids)}.{index}"
-            while not self._add(step_id, run, beam.token_ids):
+            while engine.has_request(step_id):
                 step_id += "'"
+            engine.add_request(step_id, run.prompt_token_ids + beam.token_ids,
+                               run.step_params, run.cache_salt, run.metrics.arrival_time,
+                               run.priority)
             run.pending.append(step_id)
             self._steps[step_id] = (run, index)
-
-    def _add(self, step_id: str, run: _Run, generated: list[int]) -> bool:
-        try:
-            self._engine.add_request(step_id, run.prompt_token_ids + generated,
-                                     run.step_params, run.cache_salt,
-                                     run.metrics.arrival_time, run.priority)
-        except ValueError as error:
-            if "already in use" not in str(error):
-                raise
-            return False
-        return True
 
     def collect(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """A step's `outputs` less those of step requests, plus the outputs of the

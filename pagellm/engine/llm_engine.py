@@ -320,7 +320,7 @@ class LLMEngine:
         if request_id is None:
             request_id = self._new_request_id()
         request_id = str(request_id)
-        if request_id in self._groups or request_id in self._beams:
+        if self.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(params, BeamSearchParams):
             text, token_ids = self.tokenize_prompt(prompt)
@@ -384,10 +384,14 @@ class LLMEngine:
     def _new_request_id(self) -> str:
         """The next number no running request has taken (a caller may have named one
         "3" itself)."""
-        while ((request_id := str(next(self._ids))) in self._groups
-               or request_id in self._beams):
+        while self.has_request(request_id := str(next(self._ids))):
             pass
         return request_id
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether an unfinished request (a beam search, or one of its steps) has this
+        id."""
+        return request_id in self._groups or request_id in self._beams
 
     def _check_allowed_token_ids(self, params: SamplingParams,
                                  bad_words: BadWords | None) -> None:
@@ -444,7 +448,8 @@ class LLMEngine:
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """Ends requests now and frees their blocks (they stay cached). Unknown ids are
-        ignored: a client may abort a request that just finished."""
+        ignored: a client may abort a request that just finished. So are a beam search's
+        step requests, which end with their search."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for request_id in request_ids:
@@ -727,12 +732,16 @@ class LLMEngine:
 
     def _request_counts(self) -> tuple[int, int]:
         """Running and waiting requests as callers added them. A beam search counts once,
-        as running from its first scheduled step on: between two steps its next step's
-        requests wait, and a dashboard would otherwise show a busy search as queued."""
+        as running once a step of it has run or runs now: between two steps its next
+        step's requests wait, and a dashboard would otherwise show a busy search as
+        queued."""
         running, waiting = self.scheduler.num_running, self.scheduler.num_waiting
         started = self._beams.started()
         for step_id, search_id in self._beams.step_ids():
-            if self._groups[step_id].samples[0].request.status == RequestStatus.RUNNING:
+            group = self._groups.get(step_id)
+            if group is None:  # finished, its output not yet collected
+                continue
+            if group.samples[0].request.status == RequestStatus.RUNNING:
                 running -= 1
                 started.add(search_id)
             else:

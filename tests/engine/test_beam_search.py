@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from pagellm import LLM, BeamSearchOutput, BeamSearchParams
+from pagellm import LLM, BeamSearchOutput, BeamSearchParams, SamplingParams
 from pagellm.engine.beam_search import BeamSearch
 from tests.engine.conftest import assert_idle, make_tiny_model
 
@@ -192,6 +192,15 @@ def test_abort_and_bad_input_leave_nothing_held(tiny: Path) -> None:
     engine.abort_request([f"again/beam{n}.{i}" for n in range(8) for i in range(2)])
     outputs = [o for _ in iter(engine.has_unfinished_requests, False) for o in engine.step()]
     assert [(o.request_id, len(o.outputs)) for o in outputs] == [("again", 2)]
+    assert_idle(engine)
+    # A caller who took a step's id first keeps it; the step's id is extended.
+    engine.add_request("s/beam1.0", [5, 6], SamplingParams(max_tokens=12, ignore_eos=True))
+    engine.add_request("s", [5, 6, 7], BeamSearchParams(beam_width=2, max_tokens=4))
+    outputs = [o for _ in iter(engine.has_unfinished_requests, False) for o in engine.step()]
+    finals = {o.request_id: o for o in outputs if o.finished}
+    assert set(finals) == {"s/beam1.0", "s"}
+    assert len(finals["s/beam1.0"].outputs[0].token_ids) == 12
+    assert len(finals["s"].outputs) == 2
     assert_idle(engine)
     with pytest.raises(ValueError, match="max_model_len"):
         llm.beam_search([[5] * engine.max_model_len], params)
