@@ -21,7 +21,6 @@ the best running beam, scored at its current length, cannot beat the worst of th
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagellm.core.sampling_params import BeamSearchParams
@@ -85,11 +84,9 @@ class BeamSearch:
         self.finished: list[Beam] = []
         self.done = False
 
-    def advance(self, tops: list[list[tuple[int, float]]],
-                decode: Callable[[int], str] | None = None) -> None:
+    def advance(self, tops: list[list[tuple[int, float]]]) -> None:
         """One step: `tops[i]` holds running beam i's best continuations, (token id,
-        logprob) best first, at least `num_candidates` of them. `decode` gives the
-        returned logprob entries their text."""
+        logprob) best first, at least `num_candidates` of them."""
         assert not self.done and len(tops) == len(self.running)
         ranked = sorted(
             (_Candidate(self.running[beam].cum_logprob + logprob, beam, rank, token, logprob)
@@ -112,7 +109,7 @@ class BeamSearch:
             beam = Beam(parent.token_ids + [candidate.token_id],
                         parent.logprobs + [Logprob(
                             candidate.token_id, candidate.logprob, candidate.rank,
-                            top[:self.num_candidates], 0, decode)],
+                            top[:self.num_candidates])],
                         candidate.cum_logprob)
             if ends:
                 beam.score = beam.cum_logprob / length ** self.length_penalty

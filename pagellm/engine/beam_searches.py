@@ -152,10 +152,7 @@ class BeamSearches:
         return kept
 
     def _advance(self, run: _Run, kept: list[RequestOutput]) -> None:
-        tops = [top for top in run.tops if top is not None]
-        tokenizer = self._engine.tokenizer
-        run.search.advance(tops, None if tokenizer is None
-                           else lambda token: str(tokenizer.decode([token])))
+        run.search.advance([top for top in run.tops if top is not None])
         now = time.monotonic()
         metrics = run.metrics
         if metrics.first_token_time is None:
@@ -175,16 +172,18 @@ class BeamSearches:
         include_stop_str_in_output, and each logprob's text_offset points into `text`
         (with `params.logprobs` of its alternatives)."""
         params = run.params
+        engine = self._engine
+        decode = None if engine.tokenizer is None else engine.decode_token
         completions = []
         for index, beam in enumerate([] if error is not None else run.search.finished):
-            detokenizer = IncrementalDetokenizer(self._engine.tokenizer, run.prompt_token_ids,
-                                                 [], params.include_stop_str_in_output,
+            detokenizer = IncrementalDetokenizer(engine.tokenizer, run.prompt_token_ids, [],
+                                                 params.include_stop_str_in_output,
                                                  params.skip_special_tokens)
             logprobs = []
             for position, logprob in enumerate(beam.logprobs):
                 logprobs.append(dataclasses.replace(
                     logprob, text_offset=len(detokenizer.text),
-                    top_logprobs=logprob.top_logprobs[:params.logprobs]))
+                    top_logprobs=logprob.top_logprobs[:params.logprobs], decode=decode))
                 ends = position == len(beam.token_ids) - 1 and beam.finish_reason == "stop"
                 if not ends or params.include_stop_str_in_output:
                     detokenizer.add_token(logprob.token_id)
@@ -193,5 +192,5 @@ class BeamSearches:
                                                 list(beam.token_ids), beam.finish_reason,
                                                 None, logprobs, beam.cum_logprob))
         return RequestOutput(run.request_id, run.prompt, run.prompt_token_ids, completions,
-                             True, max(run.num_cached_tokens or 0, 0), run.metrics,
+                             True, run.num_cached_tokens or 0, run.metrics,
                              error=error)

@@ -580,10 +580,11 @@ class LLMEngine:
         text, or without a tokenizer."""
         if self.tokenizer is None or not params.detokenize:
             return None
-        return self._decode_token
+        return self.decode_token
 
-    def _decode_token(self, token_id: int) -> str:
-        """A token's own text (a piece of a character reads U+FFFD)."""
+    def decode_token(self, token_id: int) -> str:
+        """A token's own text (a piece of a character reads U+FFFD): logprob entries'
+        `decoded_token`."""
         assert self.tokenizer is not None
         return str(self.tokenizer.decode([token_id]))
 
