@@ -220,9 +220,11 @@ async def start_requests(
     prompt_param: str,
     priority: int,
     format_param: str,
+    logprobs_param: str = "logprobs",
 ) -> list[RequestStream]:
     """Queues one engine request per prompt; all or none (an error aborts the started).
-    An engine error names its field: `format_param` for the format's."""
+    An engine error names its field as the client sent it: `format_param` for the
+    format's, `logprobs_param` for the logprobs count's (chat's is `top_logprobs`)."""
     streams: list[RequestStream] = []
     try:
         for index, (prompt, sampling) in enumerate(zip(prompts, params, strict=True)):
@@ -242,7 +244,8 @@ async def start_requests(
             if message.startswith("beam_width"):  # too wide for the model's EOS tokens
                 param = "n"
             elif message.startswith("logprobs"):  # more than a beam search step ranks
-                param = "logprobs"
+                param = logprobs_param
+                message = logprobs_param + message[len("logprobs"):]
             if message.startswith("structured_outputs"):
                 param = format_param
                 if format_param != "structured_outputs" and "." in message.split(" ")[0]:

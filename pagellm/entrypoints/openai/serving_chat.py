@@ -174,7 +174,8 @@ async def start_chat(context: ServerContext, body: ChatCompletionRequest, arriva
     run = (beam_search_params(body, params, request_format.field) if body.use_beam_search
            else params)
     streams = await start_requests(context, request_id, [prompt], [run], body.cache_salt,
-                                   arrival, "messages", body.priority, request_format.field)
+                                   arrival, "messages", body.priority, request_format.field,
+                                   logprobs_param="top_logprobs")
     return ChatRun(request_id, streams, reader, len(prompt.token_ids), thinking)
 
 
