@@ -200,6 +200,11 @@ class AsyncLLMEngine:
         return self.engine.model_config.vocab_size
 
     @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """What a request's unset sampling fields default to (see `generation_config`)."""
+        return self.engine.sampling_defaults
+
+    @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopping and self._dead is None
 

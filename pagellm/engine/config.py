@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, get_args
+from typing import TYPE_CHECKING, Any, get_args
 
 from pagellm.core.block_hash import HashAlgorithm
 from pagellm.core.config import SchedulingPolicy
@@ -79,6 +79,13 @@ class EngineConfig:
     `enforce_eager` (vLLM's name): on CUDA, run decode steps op by op instead of replaying
     captured CUDA graphs (for debugging, or to save the graphs' memory); no effect on the
     CPU.
+    `generation_config` (vLLM's name): where requests that leave a sampling option unset
+    (temperature, top_p, top_k, min_p, the three penalties, max_tokens) take its default
+    from: "auto" reads the model's generation_config.json (what its authors recommend;
+    HF's `max_new_tokens` is `max_tokens`), "vllm" keeps the engine's own neutral
+    defaults, and a folder reads that folder's generation_config.json.
+    `override_generation_config` (vLLM's): keys of a generation config laid over it,
+    e.g. {"temperature": 0.5}.
     `enable_kv_cache_events` (vLLM's name): record how the prefix cache's content changes
     (blocks stored, evicted, all cleared) for `LLMEngine.take_kv_cache_events`, so that
     a router can send each request to the engine already holding its prefix. Off by
@@ -105,6 +112,8 @@ class EngineConfig:
     cpu_kernels: bool = True
     enforce_eager: bool = False
     enable_kv_cache_events: bool = False
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         for name in ("enable_prefix_caching", "skip_tokenizer_init", "cpu_kernels",
@@ -150,6 +159,17 @@ class EngineConfig:
                 or not 0 < self.kv_cache_memory_fraction <= 0.95):
             raise ValueError("kv_cache_memory_fraction must be in (0, 0.95], "
                              f"got {self.kv_cache_memory_fraction}")
+        if isinstance(self.generation_config, os.PathLike):
+            self.generation_config = os.fspath(self.generation_config)
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError('generation_config must be "auto", "vllm" or a folder holding a '
+                             f"generation_config.json, got {self.generation_config!r}")
+        if self.override_generation_config is not None and not (
+                isinstance(self.override_generation_config, dict)
+                and all(isinstance(key, str) for key in self.override_generation_config)):
+            raise ValueError("override_generation_config must be a dict of generation "
+                             'config keys, e.g. {"temperature": 0.5}, got '
+                             f"{self.override_generation_config!r}")
         if self.cache_dir is None:
             self.cache_dir = default_cache_dir()
         self.cache_dir = Path(self.cache_dir)

@@ -70,6 +70,12 @@ class LLM:
                             default=f.default, annotation=f.type)
           for f in dataclasses.fields(EngineConfig))])
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` run with when given no sampling params: the
+        engine's defaults, with those of the model's generation_config.json (see
+        `generation_config`), as in vLLM."""
+        return self.llm_engine.get_default_sampling_params()
+
     def generate(
         self,
         prompts: PromptInput | Sequence[PromptInput],
@@ -95,7 +101,8 @@ class LLM:
                                  f"{len(prompt_list)} prompts")
             params_list = list(sampling_params)
         else:
-            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+            params_list = [sampling_params if sampling_params is not None
+                           else self.get_default_sampling_params()] * len(prompt_list)
         # Checked before anything is queued: a priority the engine would refuse is a
         # programming error, not one prompt's failure.
         priorities = ([0] * len(prompt_list) if priority is None

@@ -13,6 +13,7 @@ import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,7 +34,11 @@ from pagellm.engine.structured_output import FormatMatcher, GrammarCompiler, all
 from pagellm.engine.text import bad_words_token_ids, encode_text
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.loader import load_model, load_tokenizer
-from pagellm.model.model_config import load_model_config
+from pagellm.model.model_config import (
+    load_model_config,
+    read_generation_config,
+    sampling_defaults,
+)
 from pagellm.model.resolve import resolve_model_path
 from pagellm.worker.cuda_graphs import CudaGraphRunner
 from pagellm.worker.input_batch import SequenceChunk
@@ -75,6 +80,32 @@ def _fitted_max_model_len(requested: int | None, context: int, pool_tokens: int)
                        pool_tokens)
         return pool_tokens
     return wanted
+
+
+def _sampling_defaults(config: EngineConfig, model_path: Path) -> dict[str, Any]:
+    """The defaults of unset sampling options that `generation_config` names (see
+    EngineConfig), checked once at start-up, so a bad value is the model's error and not
+    every request's."""
+    source = config.generation_config
+    generation: dict[str, Any] = {}
+    if source != "vllm":
+        folder = model_path if source == "auto" else Path(source)
+        if source != "auto" and not (folder / "generation_config.json").is_file():
+            raise ValueError(f"generation_config: no generation_config.json in {folder}")
+        generation = read_generation_config(folder)
+    generation.update(config.override_generation_config or {})
+    defaults = sampling_defaults(generation)
+    try:
+        SamplingParams(**defaults)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"generation config: {error}") from error
+    if defaults and source != "vllm":
+        logger.warning(
+            "Requests that leave these sampling options unset take them from %s: %s. "
+            'If that is not intended, start with generation_config="vllm" '
+            "(--generation-config vllm).",
+            "the model's generation_config.json" if source == "auto" else source, defaults)
+    return defaults
 
 
 @dataclass
@@ -153,6 +184,7 @@ class LLMEngine:
                              f"context length (max_position_embeddings) is {context}")
         dtype_name = "float32" if config.dtype == "auto" else config.dtype
         self.dtype = _TORCH_DTYPES[dtype_name]
+        self.sampling_defaults = _sampling_defaults(config, model_path)
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(model_path)
         self.model = load_model(
             model_path, dtype=self.dtype, device=self.device,
@@ -299,7 +331,8 @@ class LLMEngine:
         scheduling policy, as in vLLM. With `BeamSearchParams` the request is a beam
         search, whose one output comes when it ends, with its `beam_width` best
         sequences as completions, best first."""
-        params = sampling_params or SamplingParams()
+        params = (self.get_default_sampling_params() if sampling_params is None
+                  else sampling_params)
         if not isinstance(params, (SamplingParams, BeamSearchParams)):
             raise ValueError("sampling_params must be a SamplingParams (or BeamSearchParams)")
         priority = self.check_priority(priority)
@@ -380,6 +413,11 @@ class LLMEngine:
         self.scheduler.add_request(leader, [s.request for s in samples[1:]])
         self._prompt_tokens += len(token_ids)
         return request_id
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request without sampling params runs with: the engine's defaults, with
+        those of `generation_config` (vLLM's method)."""
+        return SamplingParams(**self.sampling_defaults)
 
     def _new_request_id(self) -> str:
         """The next number no running request has taken (a caller may have named one

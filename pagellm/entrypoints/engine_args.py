@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 from pathlib import Path
 from typing import Any, get_args
@@ -35,6 +36,17 @@ def byte_size(text: str) -> int:
     value = int(number * 1024 ** " kmgt".index(unit or " "))
     if value < 1:
         raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return value
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A JSON object given on the command line, e.g. '{"temperature": 0.5}'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {text!r} ({error})") from error
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
     return value
 
 
@@ -96,6 +108,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="compiled CPU kernels for decode steps: paged attention, and "
                             "matmuls on a GGUF's own quantized blocks (float32, AVX-512 or "
                             "AVX2 with FMA; built once into the cache dir) (default: on)")
+    group.add_argument("--generation-config", default=_DEFAULTS["generation_config"],
+                       metavar="auto|vllm|DIR",
+                       help="defaults of sampling options a request leaves unset: auto "
+                            "takes the model's generation_config.json (temperature, top_p, "
+                            "top_k, min_p, penalties, max_new_tokens), vllm the engine's "
+                            "own, DIR that folder's generation_config.json (default: "
+                            "%(default)s)")
+    group.add_argument("--override-generation-config", type=json_object,
+                       default=_DEFAULTS["override_generation_config"], metavar="JSON",
+                       help="generation config keys laid over it, e.g. "
+                            "'{\"temperature\": 0.5}'")
     group.add_argument("--enforce-eager", action="store_true",
                        default=_DEFAULTS["enforce_eager"],
                        help="on CUDA, run decode steps op by op instead of replaying "

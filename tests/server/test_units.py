@@ -435,3 +435,30 @@ def test_the_reasoning_parser_splits_as_vllm_and_streams_only_growing_parts() ->
             sent = now
         reasoning, content = parser.split(answer)
         assert (reasoning or "").startswith(sent[0]) and (content or "").startswith(sent[1])
+
+
+def test_unset_sampling_fields_take_the_models_defaults() -> None:
+    from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+    from pagellm.entrypoints.openai.sampling import build_sampling_params
+
+    defaults = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "presence_penalty": 1.5,
+                "max_tokens": 7}
+
+    def build(body: object, max_tokens: int | None) -> object:
+        return build_sampling_params(body, max_tokens=max_tokens, logprobs=None,  # type: ignore[arg-type]
+                                     prompt_logprobs=None, vocab_size=1000, defaults=defaults)
+
+    unset = build(ChatCompletionRequest.model_validate({"messages": []}), None)
+    assert (unset.temperature, unset.top_p, unset.top_k, unset.min_p, unset.presence_penalty,
+            unset.repetition_penalty, unset.max_tokens) == (0.6, 0.95, 20, 0.0, 1.5, 1.0, 7)
+    given = build(ChatCompletionRequest.model_validate(
+        {"messages": [], "temperature": 0, "top_k": 0, "presence_penalty": None}), 3)
+    assert (given.temperature, given.top_k, given.presence_penalty, given.max_tokens) == (
+        0.0, 0, 1.5, 3)
+    # Completions' max_tokens defaults to 16 (OpenAI's); only an explicit null falls back.
+    assert build(CompletionRequest.model_validate({"prompt": "x"}), 16).max_tokens == 16
+    neutral = build_sampling_params(
+        ChatCompletionRequest.model_validate({"messages": []}), max_tokens=None,
+        logprobs=None, prompt_logprobs=None, vocab_size=1000, defaults={})
+    assert (neutral.temperature, neutral.top_p, neutral.top_k, neutral.max_tokens) == (
+        1.0, 1.0, 0, None)

@@ -9,6 +9,7 @@ own field.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,9 +23,9 @@ from pagellm.core.sampling_params import (
 from pagellm.entrypoints.openai.errors import APIError, bad_request
 from pagellm.entrypoints.openai.protocol import SamplingFields
 
-
-def _or(value: float | None, default: float) -> float:
-    return default if value is None else value
+# What an unset field means when the model's generation config has no default for it.
+_NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+            "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 
 
 def build_sampling_params(
@@ -34,10 +35,15 @@ def build_sampling_params(
     logprobs: int | None,
     prompt_logprobs: int | None,
     vocab_size: int,
+    defaults: Mapping[str, Any],
     field_names: dict[str, str] | None = None,
     structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """The request's sampling options, validated; raises a 400 APIError naming the field.
+
+    A field the request leaves unset (or null) takes its value from `defaults`, the
+    engine's `sampling_defaults` (the model's generation_config.json, as in vLLM), else
+    its neutral value; so does `max_tokens`, before it is fitted to the context.
 
     Two checks need the vocabulary, which `SamplingParams` does not know, and both guard
     the whole batch: a token id outside it in `stop_token_ids`, or a `top_k` too big for
@@ -45,7 +51,10 @@ def build_sampling_params(
     `top_k` above the vocabulary means "no limit", so it is clamped; a stop token outside
     the vocabulary is a client error.
     """
-    top_k = request.top_k or 0
+    def value(name: str) -> Any:
+        given = getattr(request, name)
+        return defaults.get(name, _NEUTRAL[name]) if given is None else given
+
     logit_bias = _logit_bias(request.logit_bias, vocab_size)
     for token in request.stop_token_ids or []:
         if not 0 <= token < vocab_size:
@@ -54,20 +63,20 @@ def build_sampling_params(
     try:
         return SamplingParams(
             n=request.n,
-            temperature=_or(request.temperature, 1.0),
-            top_p=_or(request.top_p, 1.0),
-            top_k=min(top_k, vocab_size),
-            min_p=_or(request.min_p, 0.0),
+            temperature=value("temperature"),
+            top_p=value("top_p"),
+            top_k=min(value("top_k"), vocab_size),
+            min_p=value("min_p"),
             seed=request.seed,
-            max_tokens=max_tokens,
+            max_tokens=defaults.get("max_tokens") if max_tokens is None else max_tokens,
             min_tokens=request.min_tokens,
             stop=request.stop,
             stop_token_ids=request.stop_token_ids,
             ignore_eos=request.ignore_eos,
             include_stop_str_in_output=request.include_stop_str_in_output,
-            presence_penalty=_or(request.presence_penalty, 0.0),
-            frequency_penalty=_or(request.frequency_penalty, 0.0),
-            repetition_penalty=_or(request.repetition_penalty, 1.0),
+            presence_penalty=value("presence_penalty"),
+            frequency_penalty=value("frequency_penalty"),
+            repetition_penalty=value("repetition_penalty"),
             logprobs=logprobs,
             skip_special_tokens=request.skip_special_tokens,
             logit_bias=logit_bias,

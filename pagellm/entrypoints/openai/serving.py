@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -77,13 +77,13 @@ _SAMPLING_ONLY = ("top_p", "top_k", "min_p", "min_tokens", "stop", "stop_token_i
                   "structured_outputs")
 
 
-def beam_search_params(body: SamplingFields, params: SamplingParams, format_param: str
-                       ) -> BeamSearchParams:
+def beam_search_params(body: SamplingFields, params: SamplingParams, format_param: str,
+                       defaults: Mapping[str, Any]) -> BeamSearchParams:
     """vLLM's `use_beam_search`: `n` is the beam width and the n best sequences are the
     choices, best first. They are known only when the search ends, so a stream sends
     each whole then (as vLLM's chat does). `temperature` may be omitted or 0 (the search
     is deterministic); a seed changes nothing."""
-    plain = SamplingParams()
+    plain = SamplingParams(**defaults)  # what the request would be without such options
     for name in _SAMPLING_ONLY:
         if getattr(params, name) != getattr(plain, name):
             param = format_param if name == "structured_outputs" else name

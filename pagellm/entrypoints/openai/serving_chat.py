@@ -160,6 +160,7 @@ async def start_chat(context: ServerContext, body: ChatCompletionRequest, arriva
     base = build_sampling_params(
         body, max_tokens=requested, logprobs=_logprobs_setting(body),
         prompt_logprobs=body.prompt_logprobs, vocab_size=engine.vocab_size,
+        defaults=engine.sampling_defaults,
         field_names={"logprobs": "top_logprobs", "max_tokens": max_tokens_param},
         structured_outputs=request_format.params)
     if thinking is not None or reader is not None and not isinstance(reader, ToolCallFormat):
@@ -170,9 +171,10 @@ async def start_chat(context: ServerContext, body: ChatCompletionRequest, arriva
     prompt = Prompt(None, await context.off_loop(_chat_prompt, engine.tokenizer, body, base,
                                             engine.max_model_len))
     params = base.clone(max_tokens=resolve_max_tokens(
-        engine.max_model_len, len(prompt.token_ids), requested, base.min_tokens, "messages"))
-    run = (beam_search_params(body, params, request_format.field) if body.use_beam_search
-           else params)
+        engine.max_model_len, len(prompt.token_ids), base.max_tokens, base.min_tokens,
+        "messages"))
+    run = (beam_search_params(body, params, request_format.field, engine.sampling_defaults)
+           if body.use_beam_search else params)
     streams = await start_requests(context, request_id, [prompt], [run], body.cache_salt,
                                    arrival, "messages", body.priority, request_format.field,
                                    logprobs_param="top_logprobs")
