@@ -411,7 +411,6 @@ class LLMEngine:
             self._core_to_group[sample.request.request_id] = group
         self._groups[request_id] = group
         self.scheduler.add_request(leader, [s.request for s in samples[1:]])
-        self._prompt_tokens += len(token_ids)
         return request_id
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -663,6 +662,9 @@ class LLMEngine:
             self._generation_tokens += 1
             if group.metrics.first_token_time is None:
                 group.metrics.first_token_time = now
+                # Counted once the prompt is computed, as vLLM counts it: a stats line's
+                # prompt throughput is then prefill done, not prompts queued.
+                self._prompt_tokens += len(group.prompt_token_ids)
             self._detokenize(sample)
             changed[group.request_id] = group
         outputs = []

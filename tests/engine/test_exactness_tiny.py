@@ -269,6 +269,24 @@ def test_generate_beside_requests_added_to_the_engine(tiny_models: dict[str, Pat
     assert_idle(engine)
 
 
+def test_prompt_tokens_count_once_the_prompt_is_computed(tiny_models: dict[str, Path]
+                                                          ) -> None:
+    """As vLLM counts them: a queued prompt is not prefill done, and one aborted before
+    its first token never is; n > 1 counts the shared prompt once."""
+    engine = _llm(tiny_models["llama-gqa-untied"]).llm_engine
+    prompt = _prompts(1, 20, [3])[0]
+    engine.add_request("kept", {"prompt_token_ids": prompt}, _greedy(3))
+    engine.add_request("dropped", {"prompt_token_ids": prompt}, _greedy(3))
+    engine.add_request("pair", {"prompt_token_ids": prompt}, SamplingParams(
+        n=2, temperature=1.0, seed=1, max_tokens=2))
+    assert engine.get_stats().prompt_tokens == 0
+    engine.abort_request("dropped")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.get_stats().prompt_tokens == 2 * len(prompt)
+    assert_idle(engine)
+
+
 def test_debug_logging_says_where_a_prompt_departs(tiny_models: dict[str, Path]) -> None:
     """As the README says to turn it on, in a fresh process (no handler installed yet):
     with the `pagellm` logger at DEBUG before LLM(...), the engine keeps what it needs

@@ -115,6 +115,25 @@ def test_chat_stream_with_usage(client: openai.OpenAI) -> None:
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
+def test_chat_stream_opens_once_the_prompt_is_computed(client: openai.OpenAI) -> None:
+    """The role chunk comes with the first engine output, as vLLM sends it: clients
+    (vLLM's `bench serve` among them) time their first chunk as the time to first token.
+    Sent on arrival, it would read ~0 s whatever the prompt's length."""
+    import time
+
+    long_question = "Summarize this: " + "the quick brown fox jumps over a lazy dog " * 45
+    start = time.perf_counter()
+    arrivals: list[float] = []
+    for chunk in client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": long_question}],
+            max_tokens=2, temperature=0, stream=True,
+            extra_body={"cache_salt": uuid.uuid4().hex}):
+        if chunk.choices:
+            arrivals.append(time.perf_counter() - start)
+    role, first_content = arrivals[0], arrivals[1]
+    assert role >= 0.5 * first_content, (role, first_content)
+
+
 def test_continuous_usage_stats_count_the_tokens_so_far(client: openai.OpenAI) -> None:
     """vLLM's `continuous_usage_stats`: usage on every chunk, growing to the final one."""
     options: Any = {"include_usage": True, "continuous_usage_stats": True}

@@ -158,7 +158,8 @@ class ServerMetrics:
         scalar("pagellm_num_preemptions_total", "counter",
                "Requests preempted (their KV freed) to make room.", stats.num_preemptions)
         scalar("pagellm_prompt_tokens_total", "counter",
-               "Prompt tokens received.", stats.prompt_tokens)
+               "Prompt tokens of requests whose prompt was computed (cached ones "
+               "included).", stats.prompt_tokens)
         scalar("pagellm_generation_tokens_total", "counter",
                "Tokens generated.", stats.generation_tokens)
         lines.extend(_family(

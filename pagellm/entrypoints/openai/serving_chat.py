@@ -269,19 +269,25 @@ async def _stream(context: ServerContext, body: ChatCompletionRequest, run: Chat
             id=request_id, created=created, model=context.model_name, choices=choices,
             usage=so_far).model_dump(mode="json", exclude=None if so_far else {"usage"}))
 
-    # One choice a chunk, as OpenAI and vLLM send them (clients that read choices[0]).
-    for index in range(body.n):
-        yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))],
-                    UsageInfo(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens)
-                    if report.on_every_chunk else None)
     sent_text: dict[int, int] = {}
     sent_reasoning: dict[int, int] = {}
     sent_logprobs: dict[int, int] = {}
     named = reader.function if isinstance(reader, ToolCallFormat) else None
     done: set[int] = set()
     final: RequestOutput | None = None
+    opened = False
     async with aclosing(merged(run.streams, context.metrics)) as outputs:
         async for _, output in outputs:
+            if not opened:
+                opened = True
+                # The role opens each choice once the prompt is computed, as vLLM sends
+                # it: a client timing its first chunk measures the prefill (one choice a
+                # chunk, as OpenAI and vLLM send them, for clients that read choices[0]).
+                for index in range(body.n):
+                    yield chunk([ChatChunkChoice(
+                        index=index, delta=ChatDelta(role="assistant", content=""))],
+                        UsageInfo(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens)
+                        if report.on_every_chunk else None)
             choices: list[tuple[ChatChunkChoice, CompletionOutput]] = []
             for completion in output.outputs:
                 index = completion.index
