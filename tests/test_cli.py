@@ -81,7 +81,8 @@ def test_every_engine_option_maps_to_engine_config() -> None:
         "--max-num-batched-tokens", "512", "--max-num-seqs", "8", "--scheduling-policy",
         "cache_aware", "--attention-backend", "torch", "--cache-dir", "/tmp/c", "--seed", "3",
         "--num-threads", "2", "--kv-cache-memory-fraction", "0.5", "--no-cpu-kernels",
-        "--enforce-eager"])
+        "--enforce-eager", "--generation-config", "vllm", "--override-generation-config",
+        '{"temperature": 0.5}'])
     config = engine_config_from_args(args)
     assert config == EngineConfig(
         model="/models/m", dtype="bfloat16", device="cpu", block_size=32,
@@ -89,7 +90,8 @@ def test_every_engine_option_maps_to_engine_config() -> None:
         kv_cache_memory_bytes=64 << 20, max_model_len=1024, max_num_batched_tokens=512,
         max_num_seqs=8, scheduling_policy="cache_aware", attention_backend="torch",
         cache_dir=Path("/tmp/c"), seed=3, num_threads=2, kv_cache_memory_fraction=0.5,
-        cpu_kernels=False, enforce_eager=True)
+        cpu_kernels=False, enforce_eager=True, generation_config="vllm",
+        override_generation_config={"temperature": 0.5})
 
 
 @pytest.mark.parametrize(("text", "expected"), [
@@ -239,6 +241,24 @@ def test_generate_jsonl_lines_set_their_own_sampling() -> None:
     assert records[14]["text"] in (" yes", " no") and records[14]["finish_reason"] == "stop"
     assert "structured_outputs.regex is not a valid regular expression" in records[15]["error"]
     assert "response_format is the server's spelling" in records[16]["error"]
+
+
+def test_unset_sampling_options_take_the_models_defaults() -> None:
+    """A generation config's max_new_tokens (here laid over the model's) applies where
+    --max-tokens is not given; a given option and a line's own value win."""
+    lines = [{"prompt": "Count: one, two, three, four,"},
+             {"prompt": "Count: one, two, three, four,", "max_tokens": 4}]
+    override = ["--override-generation-config", '{"max_new_tokens": 2}']
+    stdin = "".join(json.dumps(line) + "\n" for line in lines)
+    result = run_cli("generate", "--input", "/dev/stdin", *override, *SMALL_ENGINE,
+                     stdin=stdin)
+    assert result.returncode == 0, result.stderr
+    assert [json.loads(line)["completion_tokens"] for line in result.stdout.splitlines()] == [
+        2, 4]
+    given = run_cli("generate", "--input", "/dev/stdin", "--max-tokens", "3", *override,
+                    *SMALL_ENGINE, stdin=stdin)
+    assert [json.loads(line)["completion_tokens"] for line in given.stdout.splitlines()] == [
+        3, 4]
 
 
 def test_generate_reads_jsonl_from_a_pipe() -> None:

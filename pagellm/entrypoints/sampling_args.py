@@ -1,26 +1,40 @@
-"""Sampling options of the offline subcommands (`generate`, `chat`)."""
+"""Sampling options of the offline subcommands (`generate`, `chat`).
+
+An option left unset takes the model's recommended value where its generation config
+has one (see EngineConfig's `generation_config`), else the subcommand's own default, so
+`pagellm chat` samples as `LLM.chat` and the server do.
+"""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
+from typing import Any
 
 from pagellm.core.sampling_params import SamplingParams
+
+# The options that fall back to the model's defaults, and their own fallbacks (the
+# subcommand gives max_tokens and temperature).
+_NEUTRAL = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int,
                       temperature: float) -> None:
-    group = parser.add_argument_group("sampling options")
-    group.add_argument("--max-tokens", type=int, default=max_tokens, metavar="N",
-                       help="tokens to generate at most (default: %(default)s)")
-    group.add_argument("--temperature", type=float, default=temperature, metavar="T",
-                       help="0 for greedy decoding (default: %(default)s)")
-    group.add_argument("--top-p", type=float, default=1.0, metavar="P",
-                       help="nucleus sampling mass (default: %(default)s)")
-    group.add_argument("--top-k", type=int, default=0, metavar="K",
+    parser.set_defaults(sampling_fallbacks={**_NEUTRAL, "max_tokens": max_tokens,
+                                            "temperature": temperature})
+    group = parser.add_argument_group(
+        "sampling options (unset: the model's generation config, else the default shown)")
+    group.add_argument("--max-tokens", type=int, metavar="N",
+                       help=f"tokens to generate at most (default: {max_tokens})")
+    group.add_argument("--temperature", type=float, metavar="T",
+                       help=f"0 for greedy decoding (default: {temperature})")
+    group.add_argument("--top-p", type=float, metavar="P",
+                       help="nucleus sampling mass (default: 1)")
+    group.add_argument("--top-k", type=int, metavar="K",
                        help="sample from the k most likely tokens; 0 = all (default: 0)")
-    group.add_argument("--min-p", type=float, default=0.0, metavar="P",
+    group.add_argument("--min-p", type=float, metavar="P",
                        help="drop tokens below min-p times the top one (default: 0)")
-    group.add_argument("--repetition-penalty", type=float, default=1.0, metavar="X",
+    group.add_argument("--repetition-penalty", type=float, metavar="X",
                        help="> 1 discourages repeats (default: 1)")
     group.add_argument("--stop", action="append", default=None, metavar="TEXT",
                        help="stop generating at this string (repeatable)")
@@ -28,9 +42,12 @@ def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int,
                        help="seed of each request's sampling, for reproducible output")
 
 
-def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
-    """Raises ValueError naming the bad option (the engine's check)."""
-    return SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-        stop=args.stop, seed=args.sampling_seed)
+def sampling_params_from_args(args: argparse.Namespace,
+                              model_defaults: Mapping[str, Any] | None = None
+                              ) -> SamplingParams:
+    """The options given, over `model_defaults` (the engine's `sampling_defaults`), over
+    the subcommand's own. Raises ValueError naming the bad option (the engine's check)."""
+    given = {name: getattr(args, name) for name in args.sampling_fallbacks
+             if getattr(args, name) is not None}
+    return SamplingParams(**{**args.sampling_fallbacks, **(model_defaults or {}), **given},
+                          stop=args.stop, seed=args.sampling_seed)
