@@ -142,6 +142,19 @@ def test_bad_options_fail_before_loading_the_model(argv: list[str],
     assert f"usage: pagellm {argv[0]}" in err  # the subcommand's usage, not the top level
 
 
+def test_vllm_only_options_say_what_to_use_instead(capsys: pytest.CaptureFixture[str]
+                                                   ) -> None:
+    with pytest.raises(SystemExit):
+        main(["serve", "--gpu-memory-utilization=0.9", "--tensor-parallel-size=2",
+              "--bogus"])
+    err = capsys.readouterr().err
+    assert ("unrecognized arguments: --gpu-memory-utilization=0.9 --tensor-parallel-size=2 "
+            "--bogus; --gpu-memory-utilization is vLLM's: the KV pool is sized by "
+            "--kv-cache-memory-bytes, or --kv-cache-memory-fraction") in err
+    assert "--tensor-parallel-size is vLLM's: one engine runs on one device" in err
+    assert "--bogus is" not in err
+
+
 @pytest.mark.parametrize("host", ["127.0.0.1", "999.1.1.1"])
 def test_serve_address_problems_fail_before_loading_the_model(
         host: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -375,5 +388,6 @@ def test_vllm_spellings_and_wrong_arguments_of_the_python_api() -> None:
             EngineConfig(**wrong)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="LLM.. got unexpected keyword arguments "
                                         "gpu_memory_utilization, tensor_parallel_size; "
-                                        ".*block_size"):
+                                        "gpu_memory_utilization is vLLM's: the KV pool is "
+                                        "sized by kv_cache_memory_bytes.*block_size"):
         LLM(gpu_memory_utilization=0.9, tensor_parallel_size=1, enforce_eager=True)

@@ -21,6 +21,37 @@ _DTYPES = ("float32", "bfloat16", "float16", "auto")
 # vLLM's other spellings, accepted so its command lines and scripts carry over.
 DTYPE_ALIASES = {"float": "float32", "half": "float16"}
 
+_ONE_DEVICE = "one engine runs on one device"
+_LOCAL = ("nothing is downloaded: give a local directory or GGUF file, or a hub id "
+          "already in the local Hugging Face cache")
+# vLLM options users bring along that PageLLM does not take, and what to do instead: an
+# unknown option is refused, never ignored, and these refusals say why.
+VLLM_ONLY_OPTIONS: dict[str, str] = {
+    "gpu_memory_utilization": "the KV pool is sized by kv_cache_memory_bytes, or "
+                              "kv_cache_memory_fraction of the memory free at start-up",
+    "tensor_parallel_size": _ONE_DEVICE,
+    "pipeline_parallel_size": _ONE_DEVICE,
+    "data_parallel_size": _ONE_DEVICE,
+    "enable_chunked_prefill": "prompts are always computed in chunks of at most "
+                              "max_num_batched_tokens a step",
+    "trust_remote_code": "no model code is loaded; the architectures are built in "
+                         "(Llama, Mistral, Qwen2, Qwen3)",
+    "kv_cache_dtype": "the KV cache is kept in the model's dtype",
+    "swap_space": "a preempted request is recomputed, mostly from the prefix cache",
+    "cpu_offload_gb": "weights stay on the device",
+    "quantization": "a GGUF file's quantized weights are read as they are",
+    "tokenizer": "the tokenizer is the model's own (a GGUF's is converted with it)",
+    "revision": _LOCAL,
+    "download_dir": _LOCAL,
+    "speculative_config": "speculative decoding is not implemented",
+}
+
+
+def vllm_only_hints(names: list[str]) -> list[str]:
+    """'name is vLLM's: what to do instead', for those of `names` in VLLM_ONLY_OPTIONS."""
+    return [f"{name} is vLLM's: {VLLM_ONLY_OPTIONS[name]}" for name in names
+            if name in VLLM_ONLY_OPTIONS]
+
 
 def default_cache_dir() -> Path:
     """Where converted models live: $PAGELLM_CACHE_DIR, else ~/.cache/pagellm."""

@@ -13,7 +13,7 @@ from tqdm import tqdm
 from pagellm.core.sampling_params import BeamSearchParams, SamplingParams
 from pagellm.engine.beam_search import BeamSearchOutput, BeamSearchSequence
 from pagellm.engine.chat_template import ChatOptions, Message, render_chat, render_chat_prompt
-from pagellm.engine.config import EngineConfig
+from pagellm.engine.config import EngineConfig, vllm_only_hints
 from pagellm.engine.llm_engine import LLMEngine, PromptInput, is_token_id
 from pagellm.engine.outputs import CompletionOutput, RequestOutput
 from pagellm.logger import ensure_visible_logging
@@ -49,9 +49,11 @@ class LLM:
         ensure_visible_logging()
         unknown = sorted(set(kwargs) - {f.name for f in dataclasses.fields(EngineConfig)})
         if unknown:
-            raise TypeError(f"LLM() got unexpected keyword arguments {', '.join(unknown)}; "
-                            "it takes those of EngineConfig: " + ", ".join(
-                                f.name for f in dataclasses.fields(EngineConfig)))
+            raise TypeError(
+                f"LLM() got unexpected keyword arguments {', '.join(unknown)}; "
+                + "".join(hint + "; " for hint in vllm_only_hints(unknown))
+                + "it takes those of EngineConfig: "
+                + ", ".join(f.name for f in dataclasses.fields(EngineConfig)))
         self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
 
     @property

@@ -23,7 +23,7 @@ from pagellm.engine.chat_template import load_chat_template, use_chat_template
 from pagellm.engine.config import EngineConfig
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.entrypoints import chat, generate, serve
-from pagellm.entrypoints.engine_args import engine_config_from_args
+from pagellm.entrypoints.engine_args import engine_config_from_args, unrecognized
 from pagellm.entrypoints.sampling_args import sampling_params_from_args
 from pagellm.logger import LOG_FORMAT
 
@@ -88,7 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # reported with the subcommand's usage, as its bad values are
-        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        args.command_parser.error(unrecognized(unknown))
     if args.command == "bench":
         return run_bench(args)
     level = args.log_level.upper() if args.command == "serve" else "WARNING"

@@ -16,7 +16,12 @@ from typing import Any, get_args
 
 from pagellm.core.block_hash import HashAlgorithm
 from pagellm.core.config import SchedulingPolicy
-from pagellm.engine.config import DTYPE_ALIASES, EngineConfig
+from pagellm.engine.config import (
+    DTYPE_ALIASES,
+    VLLM_ONLY_OPTIONS,
+    EngineConfig,
+    vllm_only_hints,
+)
 
 # Every subcommand reads and writes text, so running without a tokenizer is not offered;
 # only the server has someone to send KV cache events to, so it adds that option itself.
@@ -37,6 +42,18 @@ def byte_size(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
     return value
+
+
+def unrecognized(tokens: list[str]) -> str:
+    """The error for arguments no option takes; a vLLM option among them says what to do
+    instead, in the command line's spelling."""
+    names = [token[2:].split("=")[0].replace("-", "_") for token in tokens
+             if token.startswith("--")]
+    known = {f.name for f in dataclasses.fields(EngineConfig)} | set(VLLM_ONLY_OPTIONS)
+    hints = [re.sub(r"\b[a-z]+(?:_[a-z]+)+\b", lambda m: "--" + m.group().replace("_", "-")
+                    if m.group() in known else m.group(), hint)
+             for hint in vllm_only_hints(names)]
+    return "; ".join([f"unrecognized arguments: {' '.join(tokens)}", *hints])
 
 
 def json_object(text: str) -> dict[str, Any]:
