@@ -237,6 +237,16 @@ def _structured_outputs(value: object) -> StructuredOutputsParams | None:
     return StructuredOutputsParams.from_dict(value)
 
 
+# generation_config.json's keys that give defaults to requests that leave them unset
+# (the ones vLLM reads), and the SamplingParams field each sets: HF's max_new_tokens is
+# max_tokens.
+GENERATION_SAMPLING_KEYS: dict[str, str] = {
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty", "max_new_tokens": "max_tokens",
+}
+
+
 @dataclass(init=False)
 class SamplingParams:
     """Sampling and stopping options of one request, validated on construction.

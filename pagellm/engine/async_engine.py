@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pagellm.core.sampling_params import BeamSearchParams, SamplingParams
+from pagellm.engine.generation_config import GenerationDefaults
 from pagellm.engine.kv_events import KVEventHub
 from pagellm.engine.llm_engine import EngineStats, LLMEngine, PromptInput
 from pagellm.engine.outputs import RequestOutput
@@ -200,9 +201,10 @@ class AsyncLLMEngine:
         return self.engine.model_config.vocab_size
 
     @property
-    def sampling_defaults(self) -> dict[str, Any]:
-        """What a request's unset sampling fields default to (see `generation_config`)."""
-        return self.engine.sampling_defaults
+    def generation_defaults(self) -> GenerationDefaults:
+        """What a request's unset sampling fields default to, and the cap on max_tokens
+        (see `generation_config`)."""
+        return self.engine.generation_defaults
 
     @property
     def is_running(self) -> bool:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, get_args
 
 from pagellm.core.block_hash import HashAlgorithm
 from pagellm.core.config import SchedulingPolicy
+from pagellm.core.sampling_params import GENERATION_SAMPLING_KEYS
 
 if TYPE_CHECKING:
     import torch
@@ -201,6 +202,14 @@ class EngineConfig:
             raise ValueError("override_generation_config must be a dict of generation "
                              'config keys, e.g. {"temperature": 0.5}, got '
                              f"{self.override_generation_config!r}")
+        unknown = sorted(set(self.override_generation_config or {})
+                         - set(GENERATION_SAMPLING_KEYS))
+        if unknown:
+            hint = (" (the generation config's name for max_tokens is max_new_tokens)"
+                    if "max_tokens" in unknown else "")
+            raise ValueError(f"override_generation_config: {', '.join(unknown)} set no "
+                             "default; it takes " + ", ".join(GENERATION_SAMPLING_KEYS)
+                             + hint)
         if self.cache_dir is None:
             self.cache_dir = default_cache_dir()
         self.cache_dir = Path(self.cache_dir)

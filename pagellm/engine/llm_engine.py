@@ -13,7 +13,6 @@ import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,16 +28,13 @@ from pagellm.core.scheduler import Scheduler, SchedulerOutput
 from pagellm.engine.beam_searches import BeamSearches
 from pagellm.engine.config import EngineConfig, resolve_device
 from pagellm.engine.detokenizer import IncrementalDetokenizer
+from pagellm.engine.generation_config import load_generation_defaults
 from pagellm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagellm.engine.structured_output import FormatMatcher, GrammarCompiler, allowed_tokens
 from pagellm.engine.text import bad_words_token_ids, encode_text
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.loader import load_model, load_tokenizer
-from pagellm.model.model_config import (
-    load_model_config,
-    read_generation_config,
-    sampling_defaults,
-)
+from pagellm.model.model_config import load_model_config
 from pagellm.model.resolve import resolve_model_path
 from pagellm.worker.cuda_graphs import CudaGraphRunner
 from pagellm.worker.input_batch import SequenceChunk
@@ -80,32 +76,6 @@ def _fitted_max_model_len(requested: int | None, context: int, pool_tokens: int)
                        pool_tokens)
         return pool_tokens
     return wanted
-
-
-def _sampling_defaults(config: EngineConfig, model_path: Path) -> dict[str, Any]:
-    """The defaults of unset sampling options that `generation_config` names (see
-    EngineConfig), checked once at start-up, so a bad value is the model's error and not
-    every request's."""
-    source = config.generation_config
-    generation: dict[str, Any] = {}
-    if source != "vllm":
-        folder = model_path if source == "auto" else Path(source)
-        if source != "auto" and not (folder / "generation_config.json").is_file():
-            raise ValueError(f"generation_config: no generation_config.json in {folder}")
-        generation = read_generation_config(folder)
-    generation.update(config.override_generation_config or {})
-    defaults = sampling_defaults(generation)
-    try:
-        SamplingParams(**defaults)
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"generation config: {error}") from error
-    if defaults and source != "vllm":
-        logger.warning(
-            "Requests that leave these sampling options unset take them from %s: %s. "
-            'If that is not intended, start with generation_config="vllm" '
-            "(--generation-config vllm).",
-            "the model's generation_config.json" if source == "auto" else source, defaults)
-    return defaults
 
 
 @dataclass
@@ -184,7 +154,7 @@ class LLMEngine:
                              f"context length (max_position_embeddings) is {context}")
         dtype_name = "float32" if config.dtype == "auto" else config.dtype
         self.dtype = _TORCH_DTYPES[dtype_name]
-        self.sampling_defaults = _sampling_defaults(config, model_path)
+        self.generation_defaults = load_generation_defaults(config, model_path)
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(model_path)
         self.model = load_model(
             model_path, dtype=self.dtype, device=self.device,
@@ -416,7 +386,7 @@ class LLMEngine:
     def get_default_sampling_params(self) -> SamplingParams:
         """What a request without sampling params runs with: the engine's defaults, with
         those of `generation_config` (vLLM's method)."""
-        return SamplingParams(**self.sampling_defaults)
+        return SamplingParams(**self.generation_defaults.sampling)
 
     def _new_request_id(self) -> str:
         """The next number no running request has taken (a caller may have named one

@@ -56,7 +56,7 @@ def reply(engine: LLMEngine, conversation: list[Message], params: SamplingParams
 
 
 def run(args: argparse.Namespace, engine: LLMEngine) -> int:
-    params = sampling_params_from_args(args, engine.sampling_defaults)
+    params = sampling_params_from_args(args, engine.generation_defaults.sampling)
     system: list[Message] = [{"role": "system", "content": args.system}] if args.system else []
     conversation = list(system)
     print(HELP, file=sys.stderr)

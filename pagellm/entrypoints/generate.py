@@ -263,7 +263,7 @@ def result_record(job: Job, output: RequestOutput | None) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace, engine: LLMEngine) -> int:
-    params = sampling_params_from_args(args, engine.sampling_defaults)
+    params = sampling_params_from_args(args, engine.generation_defaults.sampling)
     jobs = [to_job(engine, i, r, args, params) for i, r in enumerate(read_records(args))]
     jsonl = args.input is not None or args.output is not None
     out: TextIO = args.output.open("w", encoding="utf-8") if args.output else sys.stdout

@@ -13,15 +13,17 @@ from typing import Any
 
 from pagellm.core.sampling_params import SamplingParams
 
-# The options that fall back to the model's defaults, and their own fallbacks (the
-# subcommand gives max_tokens and temperature).
-_NEUTRAL = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+# The options that fall back to the model's defaults; the subcommand gives its own
+# fallbacks for max_tokens and temperature, SamplingParams' the others'.
+_FALLING_BACK = ("top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int,
                       temperature: float) -> None:
-    parser.set_defaults(sampling_fallbacks={**_NEUTRAL, "max_tokens": max_tokens,
-                                            "temperature": temperature})
+    neutral = SamplingParams()
+    parser.set_defaults(sampling_fallbacks={
+        **{name: getattr(neutral, name) for name in _FALLING_BACK},
+        "max_tokens": max_tokens, "temperature": temperature})
     group = parser.add_argument_group(
         "sampling options (unset: the model's generation config, else the default shown)")
     group.add_argument("--max-tokens", type=int, metavar="N",
@@ -45,7 +47,7 @@ def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int,
 def sampling_params_from_args(args: argparse.Namespace,
                               model_defaults: Mapping[str, Any] | None = None
                               ) -> SamplingParams:
-    """The options given, over `model_defaults` (the engine's `sampling_defaults`), over
+    """The options given, over `model_defaults` (the engine's generation defaults), over
     the subcommand's own. Raises ValueError naming the bad option (the engine's check)."""
     given = {name: getattr(args, name) for name in args.sampling_fallbacks
              if getattr(args, name) is not None}

@@ -164,27 +164,10 @@ class ModelConfig:
         )
 
 
-# generation_config.json's keys that become the defaults of requests that leave them
-# unset (the ones vLLM reads), under SamplingParams' names: HF's max_new_tokens is
-# max_tokens.
-GENERATION_SAMPLING_KEYS: dict[str, str] = {
-    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty", "max_new_tokens": "max_tokens",
-}
-
-
 def read_generation_config(directory: str | Path) -> dict[str, Any]:
     """`directory/generation_config.json` parsed, or {} where there is none."""
     path = Path(directory) / "generation_config.json"
     return _read_json(path) if path.is_file() else {}
-
-
-def sampling_defaults(generation_config: Mapping[str, Any]) -> dict[str, Any]:
-    """The sampling defaults a generation config recommends, under SamplingParams' names
-    (only the keys it sets, and not to null)."""
-    return {name: generation_config[key] for key, name in GENERATION_SAMPLING_KEYS.items()
-            if generation_config.get(key) is not None}
 
 
 def load_model_config(path: str | Path) -> ModelConfig:

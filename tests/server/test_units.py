@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from pagellm.core.sampling_params import SamplingParams
 from pagellm.engine.llm_engine import EngineStats
 from pagellm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagellm.entrypoints.openai.errors import APIError, validation_error
@@ -373,7 +374,7 @@ def test_a_stored_turn_carries_the_call_ids_the_client_was_given() -> None:
     store = ResponseStore()
     body = ResponsesRequest(input="Weather?", tool_choice="required",
                             tools=[{"type": "function", "name": "f", "parameters": {}}])
-    run = ChatRun("resp_x", [], ToolCallFormat({"type": "array"}, None), 3)
+    run = ChatRun("resp_x", [], ToolCallFormat({"type": "array"}, None), 3, SamplingParams())
     answer = ResponseAnswer(body, "resp_x", "m", run, conversation_of([], body.input), store, None)
     text = '[{"name": "f", "parameters": {"a": 1}}, {"name": "f", "parameters": {}}]'
     response = answer.finish(RequestOutput("resp_x-0", None, [1, 2, 3], [

@@ -23,9 +23,8 @@ from pagellm.core.sampling_params import (
 from pagellm.entrypoints.openai.errors import APIError, bad_request
 from pagellm.entrypoints.openai.protocol import SamplingFields
 
-# What an unset field means when the model's generation config has no default for it.
-_NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
-            "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+# What an unset field means where the model's generation config sets nothing.
+_NEUTRAL = SamplingParams()
 
 
 def build_sampling_params(
@@ -41,9 +40,9 @@ def build_sampling_params(
 ) -> SamplingParams:
     """The request's sampling options, validated; raises a 400 APIError naming the field.
 
-    A field the request leaves unset (or null) takes its value from `defaults`, the
-    engine's `sampling_defaults` (the model's generation_config.json, as in vLLM), else
-    its neutral value; so does `max_tokens`, before it is fitted to the context.
+    A field the request leaves unset (or null) takes its value from `defaults` (see
+    `request_defaults`), else its neutral value; so does `max_tokens`, before it is
+    fitted to the context.
 
     Two checks need the vocabulary, which `SamplingParams` does not know, and both guard
     the whole batch: a token id outside it in `stop_token_ids`, or a `top_k` too big for
@@ -53,7 +52,7 @@ def build_sampling_params(
     """
     def value(name: str) -> Any:
         given = getattr(request, name)
-        return defaults.get(name, _NEUTRAL[name]) if given is None else given
+        return defaults.get(name, getattr(_NEUTRAL, name)) if given is None else given
 
     logit_bias = _logit_bias(request.logit_bias, vocab_size)
     for token in request.stop_token_ids or []:

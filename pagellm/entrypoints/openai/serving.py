@@ -77,13 +77,23 @@ _SAMPLING_ONLY = ("top_p", "top_k", "min_p", "min_tokens", "stop", "stop_token_i
                   "structured_outputs")
 
 
-def beam_search_params(body: SamplingFields, params: SamplingParams, format_param: str,
-                       defaults: Mapping[str, Any]) -> BeamSearchParams:
+def request_defaults(context: ServerContext, body: SamplingFields) -> Mapping[str, Any]:
+    """The values a request's unset fields take: the model's generation config's (see
+    GenerationDefaults), but for beam search only its max_tokens: a search follows none
+    of the sampling options, so the model's top_p must not make it refuse a request."""
+    sampling = context.engine.generation_defaults.sampling
+    if body.use_beam_search:
+        return {name: value for name, value in sampling.items() if name == "max_tokens"}
+    return sampling
+
+
+def beam_search_params(body: SamplingFields, params: SamplingParams, format_param: str
+                       ) -> BeamSearchParams:
     """vLLM's `use_beam_search`: `n` is the beam width and the n best sequences are the
     choices, best first. They are known only when the search ends, so a stream sends
     each whole then (as vLLM's chat does). `temperature` may be omitted or 0 (the search
     is deterministic); a seed changes nothing."""
-    plain = SamplingParams(**defaults)  # what the request would be without such options
+    plain = SamplingParams()
     for name in _SAMPLING_ONLY:
         if getattr(params, name) != getattr(plain, name):
             param = format_param if name == "structured_outputs" else name
@@ -186,10 +196,11 @@ def truncated(params: SamplingParams, token_ids: list[int], max_model_len: int) 
 
 
 def resolve_max_tokens(max_model_len: int, prompt_len: int, max_tokens: int | None,
-                       min_tokens: int, prompt_param: str) -> int:
+                       min_tokens: int, prompt_param: str, limit: int | None = None) -> int:
     """The completion budget of a prompt: as asked but no more than the context leaves
     (as vLLM does: the completion then ends with finish_reason "length"), or, if None,
-    all the context left.
+    all the context left; never more than `limit`, an operator's max_new_tokens (see
+    GenerationDefaults).
 
     Raises OpenAI's "maximum context length" 400, naming both numbers, when the prompt
     leaves no room for a single token, and a 400 naming min_tokens when it leaves fewer
@@ -207,7 +218,8 @@ def resolve_max_tokens(max_model_len: int, prompt_len: int, max_tokens: int | No
             f"min_tokens is {min_tokens}, but the context of {max_model_len} tokens leaves "
             f"{room} after the prompt's {prompt_len}", param="min_tokens",
             code=CONTEXT_LENGTH_EXCEEDED)
-    return room if max_tokens is None else min(max_tokens, room)
+    budget = room if max_tokens is None else min(max_tokens, room)
+    return budget if limit is None else min(budget, limit)
 
 
 async def start_requests(

@@ -54,6 +54,7 @@ from pagellm.entrypoints.openai.serving import (
     final_outputs,
     is_set,
     merged,
+    request_defaults,
     resolve_max_tokens,
     start_requests,
     truncated,
@@ -125,12 +126,14 @@ def _logprobs_setting(body: ChatCompletionRequest) -> int | None:
 @dataclass
 class ChatRun:
     """A chat request started in the engine: its streams, how its answer is read for
-    reasoning and tool calls, and its prompt's length (for usage)."""
+    reasoning and tool calls, its prompt's length (for usage), and the sampling it runs
+    with (defaults filled in, max_tokens fitted to the context: what Responses echo)."""
 
     request_id: str
     streams: list[RequestStream]
     reader: ToolCallReader | None
     prompt_tokens: int
+    params: SamplingParams
     thinking: ThinkReasoningParser | None = None
 
 
@@ -160,7 +163,7 @@ async def start_chat(context: ServerContext, body: ChatCompletionRequest, arriva
     base = build_sampling_params(
         body, max_tokens=requested, logprobs=_logprobs_setting(body),
         prompt_logprobs=body.prompt_logprobs, vocab_size=engine.vocab_size,
-        defaults=engine.sampling_defaults,
+        defaults=request_defaults(context, body),
         field_names={"logprobs": "top_logprobs", "max_tokens": max_tokens_param},
         structured_outputs=request_format.params)
     if thinking is not None or reader is not None and not isinstance(reader, ToolCallFormat):
@@ -172,13 +175,13 @@ async def start_chat(context: ServerContext, body: ChatCompletionRequest, arriva
                                             engine.max_model_len))
     params = base.clone(max_tokens=resolve_max_tokens(
         engine.max_model_len, len(prompt.token_ids), base.max_tokens, base.min_tokens,
-        "messages"))
-    run = (beam_search_params(body, params, request_format.field, engine.sampling_defaults)
-           if body.use_beam_search else params)
+        "messages", engine.generation_defaults.max_tokens_limit))
+    run = (beam_search_params(body, params, request_format.field) if body.use_beam_search
+           else params)
     streams = await start_requests(context, request_id, [prompt], [run], body.cache_salt,
                                    arrival, "messages", body.priority, request_format.field,
                                    logprobs_param="top_logprobs")
-    return ChatRun(request_id, streams, reader, len(prompt.token_ids), thinking)
+    return ChatRun(request_id, streams, reader, len(prompt.token_ids), params, thinking)
 
 
 async def create_chat_completion(context: ServerContext, body: ChatCompletionRequest,

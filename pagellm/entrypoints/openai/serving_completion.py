@@ -41,6 +41,7 @@ from pagellm.entrypoints.openai.serving import (
     encode,
     final_outputs,
     merged,
+    request_defaults,
     resolve_max_tokens,
     start_requests,
     truncated,
@@ -129,19 +130,18 @@ async def create_completion(context: ServerContext, body: CompletionRequest,
     base = build_sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs,
                                  prompt_logprobs=_prompt_logprobs(body),
                                  vocab_size=engine.vocab_size,
-                                 defaults=engine.sampling_defaults,
+                                 defaults=request_defaults(context, body),
                                  structured_outputs=request_format.params)
     prompts = await context.off_loop(_prompts, context, body, base)
     check_choices(len(prompts), body.n)
     params = [
         base.clone(max_tokens=resolve_max_tokens(
             engine.max_model_len, len(p.token_ids), base.max_tokens, base.min_tokens,
-            "prompt"))
+            "prompt", engine.generation_defaults.max_tokens_limit))
         for p in prompts]
     run: Sequence[SamplingParams | BeamSearchParams] = params
     if body.use_beam_search:
-        run = [beam_search_params(body, p, request_format.field, engine.sampling_defaults)
-               for p in params]
+        run = [beam_search_params(body, p, request_format.field) for p in params]
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = await start_requests(context, request_id, prompts, run, body.cache_salt,
                                    arrival, "prompt", body.priority, request_format.field)
