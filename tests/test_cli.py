@@ -131,6 +131,8 @@ def test_byte_size_rejects(text: str) -> None:
     ["serve", "--reasoning-parser", "qwen3"],
     ["serve", "--allowed-origins", "http://app.example"],
     ["serve", "--allowed-headers", '["x", 1]'],
+    ["generate", "x", "--generation-config", "/nonexistent/folder"],
+    ["serve", "--override-generation-config", '{"max_tokens": 5}'],
 ])
 def test_bad_options_fail_before_loading_the_model(argv: list[str],
                                                    capsys: pytest.CaptureFixture[str]) -> None:

@@ -196,6 +196,10 @@ class EngineConfig:
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError('generation_config must be "auto", "vllm" or a folder holding a '
                              f"generation_config.json, got {self.generation_config!r}")
+        if (self.generation_config not in ("auto", "vllm")
+                and not (Path(self.generation_config) / "generation_config.json").is_file()):
+            raise ValueError(f"generation_config: no generation_config.json in "
+                             f"{self.generation_config} (or give \"auto\" or \"vllm\")")
         if self.override_generation_config is not None and not (
                 isinstance(self.override_generation_config, dict)
                 and all(isinstance(key, str) for key in self.override_generation_config)):

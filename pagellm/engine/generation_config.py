@@ -48,9 +48,7 @@ def load_generation_defaults(config: EngineConfig, model_path: Path) -> Generati
     found: dict[str, Any] = {}
     origin = "override_generation_config"
     if source != "vllm":
-        folder = model_path if source == "auto" else Path(source)
-        if source != "auto" and not (folder / "generation_config.json").is_file():
-            raise ValueError(f"generation_config: no generation_config.json in {folder}")
+        folder = model_path if source == "auto" else Path(source)  # checked by EngineConfig
         found = read_generation_config(folder)
         origin = str(folder / "generation_config.json")
     sampling = sampling_defaults({**found, **override})
