@@ -155,9 +155,12 @@ class StructuredOutputsParams:
 
     JSON options: disable_any_whitespace keeps JSON compact (no whitespace between
     tokens), which also stops a small model from filling its budget with newlines;
-    whitespace_pattern is a regex for the whitespace JSON may hold instead;
-    disable_additional_properties reads a schema's objects as closed (no property beyond
-    those listed) unless they say otherwise. Only the shape is checked here; the engine
+    whitespace_pattern is a regex for the whitespace JSON may hold instead. An object
+    that lists its properties allows no other unless it says so (`additionalProperties`),
+    as vLLM's default backend (xgrammar, strict) reads schemas: a model left free adds
+    keys until its budget runs out. disable_additional_properties, which asks vLLM's
+    guidance backend for that reading, is accepted and changes nothing. Only the shape
+    is checked here; the engine
     compiles the format and refuses one that does not compile. Frozen, and its lists and
     dicts are copied, so a request's format cannot change under it.
     """

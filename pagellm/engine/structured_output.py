@@ -151,8 +151,7 @@ def grammar_spec(params: StructuredOutputsParams) -> str:
                 schema = json.loads(schema)
             if not isinstance(schema, dict):
                 raise ValueError("a JSON schema must be a JSON object")
-            if params.disable_additional_properties:
-                schema = _closed_objects(schema)
+            schema = _closed_objects(schema)
             options: JsonCompileOptions = {
                 "whitespace_flexible": not params.disable_any_whitespace}
             if params.whitespace_pattern is not None:
@@ -201,12 +200,14 @@ _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
 
 
 def _closed_objects(schema: Any) -> Any:
-    """A copy of the schema where every object that does not say otherwise allows no
-    property beyond its listed ones (vLLM's disable_additional_properties)."""
+    """A copy of the schema where every object that lists properties (or property
+    patterns) and does not say otherwise allows no other property: how xgrammar's strict
+    mode, vLLM's default, reads a schema. An object listing none stays any object."""
     if not isinstance(schema, dict):
         return schema
     closed = dict(schema)
-    if ("properties" in closed or closed.get("type") == "object") \
+    if (isinstance(closed.get("properties"), dict)
+            or isinstance(closed.get("patternProperties"), dict)) \
             and "additionalProperties" not in closed:
         closed["additionalProperties"] = False
     for key in _SUBSCHEMA:

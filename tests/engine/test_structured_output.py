@@ -250,18 +250,44 @@ def test_a_format_is_compiled_once_and_copied_per_completion(
     assert len(compiles) == 66 and compiles[-1] == compiles[0]
 
 
-def test_disable_additional_properties_closes_the_schemas_objects(default_llm: Any) -> None:
+def test_objects_listing_properties_are_closed_unless_they_say_otherwise(
+        default_llm: Any) -> None:
+    """As vLLM's default backend (xgrammar, strict) reads a schema: a small model left
+    free adds keys (LangChain's function-calling schemas leave additionalProperties
+    out). `"additionalProperties": true` opens an object; disable_additional_properties
+    (vLLM's guidance option) changes nothing."""
     llm = default_llm
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}},
               "required": ["name"]}
     prompt = _prompt(llm, "Describe a person as JSON with many fields.")
-    closed, open_ = llm.generate([prompt, prompt], [
+    plain, flagged, opened = llm.generate([prompt] * 3, [
+        _greedy(StructuredOutputsParams(json=schema, disable_any_whitespace=True)),
         _greedy(StructuredOutputsParams(json=schema, disable_any_whitespace=True,
                                         disable_additional_properties=True)),
-        _greedy(StructuredOutputsParams(json=schema, disable_any_whitespace=True))],
+        _greedy(StructuredOutputsParams(json={**schema, "additionalProperties": True},
+                                        disable_any_whitespace=True))],
         use_tqdm=False)
-    assert set(json.loads(closed.outputs[0].text)) == {"name"}
-    assert open_.outputs[0].text != closed.outputs[0].text  # the model adds fields when free
+    assert set(json.loads(plain.outputs[0].text)) == {"name"}
+    assert flagged.outputs[0].text == plain.outputs[0].text
+    assert opened.outputs[0].text != plain.outputs[0].text  # the model adds fields when free
+
+
+def test_closing_leaves_objects_without_listed_properties_open() -> None:
+    from pagellm.engine.structured_output import _closed_objects
+
+    schema = {"type": "object", "properties": {
+        "meta": {"type": "object"},
+        "tags": {"type": "array", "items": {"properties": {"k": {"type": "string"}}}},
+        "free": {"type": "object", "properties": {}, "additionalProperties": True}},
+        "$defs": {"p": {"patternProperties": {"^x": {"type": "integer"}}}}}
+    closed = _closed_objects(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["meta"] == {"type": "object"}  # any object, as in xgrammar
+    assert closed["properties"]["tags"]["items"]["additionalProperties"] is False
+    assert closed["properties"]["free"]["additionalProperties"] is True
+    assert closed["$defs"]["p"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # a copy: the request's own is untouched
+    assert _closed_objects({"type": "object"}) == {"type": "object"}  # json_object
 
 
 def test_after_the_format_only_eos_follows(default_llm: Any) -> None:
