@@ -117,7 +117,9 @@ class EngineConfig:
     HF's `max_new_tokens` is `max_tokens`), "vllm" keeps the engine's own neutral
     defaults, and a folder reads that folder's generation_config.json.
     `override_generation_config` (vLLM's): keys of a generation config laid over it,
-    e.g. {"temperature": 0.5}.
+    e.g. {"temperature": 0.5}: only those eight. An operator's `max_new_tokens` (a
+    folder's, or the override's) also caps every request of the server, as vLLM's server
+    does (see generation_config.py).
     `enable_kv_cache_events` (vLLM's name): record how the prefix cache's content changes
     (blocks stored, evicted, all cleared) for `LLMEngine.take_kv_cache_events`, so that
     a router can send each request to the engine already holding its prefix. Off by

@@ -74,5 +74,5 @@ def load_generation_defaults(config: EngineConfig, model_path: Path) -> Generati
             "Requests that leave these sampling options unset take them from %s: %s%s. "
             'If that is not intended, start with generation_config="vllm" '
             "(--generation-config vllm).", " and ".join(sources), sampling,
-            "" if limit is None else f"; no request may ask for more than {limit} tokens")
+            "" if limit is None else f"; every request stops at {limit} tokens at most")
     return GenerationDefaults(sampling, limit)

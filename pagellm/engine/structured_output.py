@@ -152,8 +152,11 @@ def grammar_spec(params: StructuredOutputsParams) -> str:
             if not isinstance(schema, dict):
                 raise ValueError("a JSON schema must be a JSON object")
             schema = _closed_objects(schema)
+            # A oneOf whose branches llguidance cannot prove disjoint is read as an anyOf,
+            # as vLLM's default backend (xgrammar) reads it, instead of refused.
             options: JsonCompileOptions = {
-                "whitespace_flexible": not params.disable_any_whitespace}
+                "whitespace_flexible": not params.disable_any_whitespace,
+                "coerce_one_of": True}
             if params.whitespace_pattern is not None:
                 options["whitespace_pattern"] = params.whitespace_pattern
             spec: str = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
@@ -191,35 +194,106 @@ def _choice_grammar(choices: list[str]) -> str:
 
 # JSON Schema keywords whose value is a subschema, a list of them, or a map of them:
 # the only places _closed_objects looks (a `const`, `enum` or `default` is data, and a
-# property may well be called "properties").
-_SUBSCHEMA = ("items", "additionalItems", "additionalProperties", "not", "if", "then", "else",
-              "contains", "propertyNames", "unevaluatedItems", "unevaluatedProperties")
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
-                   "dependentSchemas")
+# property may well be called "properties"). Not `not`, where closing an object would
+# widen what it forbids, nor `propertyNames`, whose subschema describes strings.
+_SUBSCHEMA = ("items", "additionalItems", "additionalProperties", "if", "then", "else",
+              "contains", "unevaluatedItems", "unevaluatedProperties")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "dependentSchemas", "dependencies")
+_DEFINITIONS = ("$defs", "definitions")
+# Where a node's properties may come from beside its own `properties`: such a node is
+# left open, since closing it would refuse what a branch or a referenced schema adds.
+_COMPOSED = ("allOf", "anyOf", "oneOf", "$ref")
 
 
 def _closed_objects(schema: Any) -> Any:
     """A copy of the schema where every object that lists properties (or property
-    patterns) and does not say otherwise allows no other property: how xgrammar's strict
-    mode, vLLM's default, reads a schema. An object listing none stays any object."""
-    if not isinstance(schema, dict):
-        return schema
-    closed = dict(schema)
-    if (isinstance(closed.get("properties"), dict)
-            or isinstance(closed.get("patternProperties"), dict)) \
-            and "additionalProperties" not in closed:
+    patterns) and does not say otherwise allows no other property, as vLLM's default
+    backend (xgrammar, strict mode) reads most schemas; a tuple (`prefixItems`) likewise
+    holds only its listed items. Left open: an object listing none (any object), one
+    whose properties are composed (allOf/anyOf/oneOf/$ref beside them, a branch of an
+    allOf with others, a branch of an anyOf/oneOf under an object that lists
+    properties, a definition extended that way), and one whose `required` names a
+    property it does not list (closing it would make it unsatisfiable)."""
+    return _close(schema, _extended_definitions(schema), closable=True)
+
+
+def _close(node: Any, extended: set[str], closable: bool) -> Any:
+    if not isinstance(node, dict):
+        return node
+    closed = dict(node)
+    listed = closed.get("properties")
+    lists_properties = isinstance(listed, dict)
+    if (closable and "additionalProperties" not in closed
+            and (lists_properties or isinstance(closed.get("patternProperties"), dict))
+            and not any(key in closed for key in _COMPOSED)
+            and (not isinstance(closed.get("required"), list)
+                 or "patternProperties" in closed
+                 or all(name in (listed or {}) for name in closed["required"]))):
         closed["additionalProperties"] = False
+    if (closable and isinstance(closed.get("prefixItems"), list) and "items" not in closed
+            and not any(key in closed for key in _COMPOSED)):
+        closed["items"] = False  # a tuple holds its listed items only, as in xgrammar
     for key in _SUBSCHEMA:
         if isinstance(closed.get(key), dict):
-            closed[key] = _closed_objects(closed[key])
-    for key in _SUBSCHEMA_LISTS:
+            closed[key] = _close(closed[key], extended, True)
+    for key in ("items", "prefixItems"):
         if isinstance(closed.get(key), list):
-            closed[key] = [_closed_objects(item) for item in closed[key]]
+            closed[key] = [_close(item, extended, True) for item in closed[key]]
+    if isinstance(closed.get("allOf"), list):
+        alone = len(closed["allOf"]) == 1 and not lists_properties  # the whole constraint
+        closed["allOf"] = [_close(item, extended, alone) for item in closed["allOf"]]
+    for key in ("anyOf", "oneOf"):
+        if isinstance(closed.get(key), list):
+            closed[key] = [_close(item, extended, not lists_properties)
+                           for item in closed[key]]
     for key in _SUBSCHEMA_MAPS:
         if isinstance(closed.get(key), dict):
-            closed[key] = {name: _closed_objects(item) for name, item in closed[key].items()}
+            closed[key] = {name: _close(item, extended, True)
+                           for name, item in closed[key].items()}
+    for key in _DEFINITIONS:
+        if isinstance(closed.get(key), dict):
+            closed[key] = {name: _close(item, extended, name not in extended)
+                           for name, item in closed[key].items()}
     return closed
+
+
+def _extended_definitions(node: Any) -> set[str]:
+    """Names of the definitions that some schema extends: a `$ref` beside properties or
+    other branches, a `$ref` branch of an allOf with others (an allOf of one, pydantic's
+    way of describing a reference, is the reference), or of an anyOf/oneOf under an
+    object that lists properties. Matched by the last part of the pointer, so a tool's schema
+    moved into the call array (see tool_calls.py) is recognised too."""
+    found: set[str] = set()
+
+    def name_of(ref: Any) -> str | None:
+        if not isinstance(ref, str):
+            return None
+        head, _, name = ref.rpartition("/")
+        return name if head.endswith(_DEFINITIONS) else None
+
+    def walk(value: Any, extending: bool) -> None:
+        if isinstance(value, list):
+            for item in value:
+                walk(item, extending)
+            return
+        if not isinstance(value, dict):
+            return
+        own = {"properties", "patternProperties", "allOf", "anyOf", "oneOf"} & set(value)
+        name = name_of(value.get("$ref"))
+        if name is not None and (extending or own):
+            found.add(name)
+        lists_properties = isinstance(value.get("properties"), dict)
+        for key, child in value.items():
+            if key == "allOf":
+                walk(child, not (isinstance(child, list) and len(child) == 1
+                                 and not lists_properties))
+            elif key in ("anyOf", "oneOf"):
+                walk(child, lists_properties)
+            elif isinstance(child, (dict, list)):
+                walk(child, False)
+
+    walk(node, False)
+    return found
 
 
 def format_error(params: StructuredOutputsParams) -> str | None:

@@ -130,11 +130,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="defaults of sampling options a request leaves unset: auto "
                             "takes the model's generation_config.json (temperature, top_p, "
                             "top_k, min_p, penalties, max_new_tokens), vllm the engine's "
-                            "own, DIR that folder's generation_config.json (default: "
+                            "own, DIR that folder's generation_config.json, whose "
+                            "max_new_tokens also caps every server request (default: "
                             "%(default)s)")
     group.add_argument("--override-generation-config", type=json_object,
                        default=_DEFAULTS["override_generation_config"], metavar="JSON",
-                       help="generation config keys laid over it, e.g. "
+                       help="generation config keys laid over it (those eight; its "
+                            "max_new_tokens also caps every server request), e.g. "
                             "'{\"temperature\": 0.5}'")
     group.add_argument("--enforce-eager", action="store_true",
                        default=_DEFAULTS["enforce_eager"],

@@ -272,22 +272,75 @@ def test_objects_listing_properties_are_closed_unless_they_say_otherwise(
     assert opened.outputs[0].text != plain.outputs[0].text  # the model adds fields when free
 
 
-def test_closing_leaves_objects_without_listed_properties_open() -> None:
-    from pagellm.engine.structured_output import _closed_objects
+class _ByteTokenizer:
+    """One token per byte, and an EOS: a matcher over it checks a text byte by byte."""
 
-    schema = {"type": "object", "properties": {
-        "meta": {"type": "object"},
-        "tags": {"type": "array", "items": {"properties": {"k": {"type": "string"}}}},
-        "free": {"type": "object", "properties": {}, "additionalProperties": True}},
-        "$defs": {"p": {"patternProperties": {"^x": {"type": "integer"}}}}}
-    closed = _closed_objects(schema)
-    assert closed["additionalProperties"] is False
-    assert closed["properties"]["meta"] == {"type": "object"}  # any object, as in xgrammar
-    assert closed["properties"]["tags"]["items"]["additionalProperties"] is False
-    assert closed["properties"]["free"]["additionalProperties"] is True
-    assert closed["$defs"]["p"]["additionalProperties"] is False
-    assert "additionalProperties" not in schema  # a copy: the request's own is untouched
-    assert _closed_objects({"type": "object"}) == {"type": "object"}  # json_object
+    tokens = [bytes([i]) for i in range(256)] + [b"<eos>"]
+    eos_token_id = 256
+    bos_token_id = None
+    special_token_ids = [256]
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        return list(text.encode() if isinstance(text, str) else text)
+
+
+_BYTES = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTokenizer()), slices=[])
+
+
+def _accepts(schema: dict[str, Any], text: str) -> bool:
+    from pagellm.engine.structured_output import grammar_spec
+
+    matcher = llguidance.LLMatcher(_BYTES, grammar_spec(StructuredOutputsParams(json=schema)),
+                                   log_level=0)
+    assert not matcher.is_error(), matcher.get_error()
+    for byte in text.encode():
+        matcher.consume_token(byte)
+        if matcher.is_error():
+            return False
+    return bool(matcher.is_accepting())
+
+
+BASE = {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}
+
+
+@pytest.mark.parametrize(("schema", "texts"), [
+    # Closed: a listed object, nested ones, a $ref'd definition, a lone allOf (pydantic's
+    # way of describing a reference), a tuple.
+    ({"type": "object", "properties": {"a": {"type": "string"}}},
+     {'{"a": "x"}': True, '{"a": "x", "b": 1}': False}),
+    ({"type": "object", "properties": {"x": {"allOf": [{"$ref": "#/definitions/X"}]}},
+      "definitions": {"X": {"type": "object", "properties": {"a": {"type": "string"}}}}},
+     {'{"x": {"a": "s"}}': True, '{"x": {"a": "s", "z": 1}}': False}),
+    ({"type": "array", "prefixItems": [{"type": "integer"}]}, {"[1]": True, "[1, 2]": False}),
+    # Open: any object, an explicit true, and properties composed from elsewhere.
+    ({"type": "object", "properties": {"meta": {"type": "object"}}},
+     {'{"meta": {"k": 1}}': True}),
+    ({"type": "object", "properties": {"a": {"type": "string"}}, "additionalProperties": True},
+     {'{"a": "x", "b": 1}': True}),
+    ({"allOf": [{"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]},
+                {"type": "object", "properties": {"b": {"type": "integer"}},
+                 "required": ["b"]}]},
+     {'{"a": "x", "b": 1}': True, '{"a": "x"}': False}),
+    ({"$defs": {"Base": BASE}, "allOf": [{"$ref": "#/$defs/Base"}, {
+        "type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}]},
+     {'{"id": 1, "name": "n"}': True, '{"id": 1}': False}),
+    ({"type": "object", "properties": {"kind": {"enum": ["circle", "square"]}},
+      "required": ["kind"],
+      "oneOf": [{"properties": {"radius": {"type": "number"}}, "required": ["radius"]},
+                {"properties": {"side": {"type": "number"}}, "required": ["side"]}]},
+     {'{"kind": "circle", "radius": 1}': True, '{"kind": "square", "side": 2}': True,
+      '{"kind": "circle"}': False}),
+    ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a", "b"]},
+     {'{"a": "x", "b": 1}': True, '{"a": "x"}': False}),
+])
+def test_closing_follows_the_schema_where_properties_are_composed(
+        schema: dict[str, Any], texts: dict[str, bool]) -> None:
+    """A schema that composes an object's properties (allOf, a $ref extended, branches
+    under listed properties) compiles and means what it says: closing each part alone
+    would refuse what another part lists (and turn `required` unsatisfiable)."""
+    original = json.dumps(schema, sort_keys=True)
+    assert {text: _accepts(schema, text) for text in texts} == texts
+    assert json.dumps(schema, sort_keys=True) == original  # the request's own is untouched
 
 
 def test_after_the_format_only_eos_follows(default_llm: Any) -> None:

@@ -194,10 +194,6 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
     ("two tools of one name", "/v1/chat/completions",
      {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}] * 2,
       "tool_choice": "required"}, 400, "tools[1].function.name", "given twice"),
-    ("a forced tool call and a response_format", "/v1/chat/completions",
-     {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}],
-      "tool_choice": "required", "response_format": {"type": "json_object"}}, 400,
-     "tool_choice", "give one format"),
     ("tool parameters that do not compile", "/v1/chat/completions",
      {"messages": USER, "tool_choice": {"type": "function", "function": {"name": "f"}},
       "tools": [{"type": "function", "function": {"name": "f", "parameters": {

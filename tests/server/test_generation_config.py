@@ -35,7 +35,7 @@ def client(server: Server) -> openai.OpenAI:
 def test_the_defaults_are_logged_at_start(server: Server) -> None:
     assert "take them from" in server.log_text
     assert "'max_tokens': 4" in server.log_text
-    assert "no request may ask for more than 4 tokens" in server.log_text
+    assert "every request stops at 4 tokens at most" in server.log_text
 
 
 def test_unset_fields_take_the_defaults_and_set_ones_win(client: openai.OpenAI,
@@ -83,6 +83,46 @@ def test_beam_search_is_not_refused_for_the_models_sampling_defaults(
         client.chat.completions.create(model=MODEL_NAME, messages=QUESTION, n=2, top_p=0.8,
                                        extra_body={"use_beam_search": True})
     server.wait_idle()
+
+
+def test_min_tokens_above_the_cap_is_a_400_naming_it(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="min_tokens is 6, but the server's "
+                                                     "max_new_tokens"):
+        client.chat.completions.create(model=MODEL_NAME, messages=QUESTION, max_tokens=20,
+                                       extra_body={"min_tokens": 6})
+
+
+def test_the_models_own_max_new_tokens_is_a_default_not_a_cap(tmp_path: Path) -> None:
+    """A generation_config.json beside the weights (here the default model's files with
+    max_new_tokens 5 added) gives requests that leave max_tokens unset 5; a request may
+    still ask for more, as in vLLM."""
+    from pagellm.engine.config import default_cache_dir
+    from pagellm.model.resolve import resolve_model_path
+
+    source = resolve_model_path(None, default_cache_dir())
+    model = tmp_path / "model"
+    model.mkdir()
+    for item in source.iterdir():
+        if item.name != "generation_config.json":
+            (model / item.name).symlink_to(item)
+    generation = json.loads((source / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**generation,
+                                                              "max_new_tokens": 5}))
+    running = start_server(tmp_path, "--model", str(model), "--served-model-name", MODEL_NAME)
+    try:
+        own = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused")
+        unset = own.chat.completions.create(model=MODEL_NAME, messages=QUESTION,
+                                            extra_body={"ignore_eos": True})
+        assert unset.usage.completion_tokens == 5
+        more = own.chat.completions.create(model=MODEL_NAME, messages=QUESTION, max_tokens=7,
+                                           extra_body={"ignore_eos": True})
+        assert more.usage.completion_tokens == 7
+        null = own.completions.create(model=MODEL_NAME, prompt="Colours:",
+                                      extra_body={"ignore_eos": True, "max_tokens": None})
+        assert null.usage.completion_tokens == 5
+        running.wait_idle()
+    finally:
+        running.stop()
 
 
 def test_a_bad_override_stops_the_server_at_start(tmp_path: Path) -> None:

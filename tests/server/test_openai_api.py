@@ -538,6 +538,33 @@ def test_a_forced_call_has_only_the_listed_arguments(client: openai.OpenAI) -> N
     assert choice.finish_reason == "stop"
     assert choice.message.tool_calls is not None
     assert set(json.loads(choice.message.tool_calls[0].function.arguments)) == {"name", "age"}
+    # instructor's RESPONSES_TOOLS sends the schema as a format too: the call wins (vLLM's
+    # rule), since it is the whole answer.
+    both = client.chat.completions.create(
+        model=MODEL_NAME, max_tokens=60, temperature=0, tools=[person],
+        messages=[{"role": "user", "content": "Extract: John is 30 years old."}],
+        tool_choice={"type": "function", "function": {"name": "Person"}},
+        response_format={"type": "json_object"})
+    assert both.choices[0].message.tool_calls is not None
+    assert both.choices[0].message.tool_calls[0].function.arguments == \
+        choice.message.tool_calls[0].function.arguments
+
+
+def test_tool_schemas_are_compiled_only_for_a_forced_call(client: openai.OpenAI) -> None:
+    """With "none" (or "auto") the tools are only rendered into the prompt, as vLLM
+    treats them: one whose schema would not compile (llama-index once sent a $ref
+    without its $defs) does not fail the request."""
+    broken = {"type": "function", "function": {"name": "Order", "parameters": {
+        "type": "object", "properties": {"items": {"type": "array",
+                                                   "items": {"$ref": "#/$defs/Item"}}}}}}
+    answer = client.chat.completions.create(
+        model=MODEL_NAME, max_tokens=4, messages=[{"role": "user", "content": "hi"}],
+        tools=[broken], tool_choice="none")
+    assert answer.choices[0].message.content is not None
+    with pytest.raises(openai.BadRequestError, match="tools.0..function.parameters"):
+        client.chat.completions.create(
+            model=MODEL_NAME, max_tokens=4, messages=[{"role": "user", "content": "hi"}],
+            tools=[broken], tool_choice="required")
 
 
 def test_a_named_tool_choice_answers_its_arguments(client: openai.OpenAI) -> None:

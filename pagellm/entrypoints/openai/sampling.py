@@ -105,9 +105,9 @@ def structured_outputs_of(request: SamplingFields, tool_schema: dict[str, Any] |
     """The request's format, from whichever field the client used: `response_format`
     (OpenAI: json_object, or json_schema with its `schema`), `structured_outputs`
     (vLLM's dict), vLLM's older `guided_*` fields, or a forced tool call's schema
-    (`tool_schema`, see tool_calls.py). They may be combined (a schema with
-    structured_outputs' whitespace options), but one format given twice is a 400, as is
-    a response_format type other than text, json_object and json_schema."""
+    (`tool_schema`, see tool_calls.py), which replaces any other. They may be combined (a
+    schema with structured_outputs' whitespace options), but one format given twice is a
+    400, as is a response_format type other than text, json_object and json_schema."""
     fields: dict[str, Any] = {}
     origin: dict[str, str] = {}
 
@@ -138,6 +138,11 @@ def structured_outputs_of(request: SamplingFields, tool_schema: dict[str, Any] |
         raise bad_request(f"response_format type must be 'text', 'json_object' or "
                           f"'json_schema', got {kind!r}", param="response_format")
     if tool_schema is not None:
+        # A forced call is the whole answer: no content is left for another format to
+        # shape, so the call's schema replaces it, as vLLM's does (options such as
+        # structured_outputs' whitespace ones still apply).
+        for key in [key for key in fields if key in FORMAT_KINDS]:
+            del fields[key], origin[key]
         put("json", tool_schema, "tool_choice")
     if not fields and request.structured_outputs is None:
         return RequestFormat(None, "structured_outputs")

@@ -204,7 +204,7 @@ def resolve_max_tokens(max_model_len: int, prompt_len: int, max_tokens: int | No
 
     Raises OpenAI's "maximum context length" 400, naming both numbers, when the prompt
     leaves no room for a single token, and a 400 naming min_tokens when it leaves fewer
-    than those.
+    than those, or the cap is below them.
     """
     room = max_model_len - prompt_len
     if room < 1:
@@ -218,6 +218,10 @@ def resolve_max_tokens(max_model_len: int, prompt_len: int, max_tokens: int | No
             f"min_tokens is {min_tokens}, but the context of {max_model_len} tokens leaves "
             f"{room} after the prompt's {prompt_len}", param="min_tokens",
             code=CONTEXT_LENGTH_EXCEEDED)
+    if limit is not None and min_tokens > limit:
+        raise bad_request(f"min_tokens is {min_tokens}, but the server's max_new_tokens "
+                          f"(--generation-config) stops every request at {limit}",
+                          param="min_tokens")
     budget = room if max_tokens is None else min(max_tokens, room)
     return budget if limit is None else min(budget, limit)
 

@@ -112,7 +112,8 @@ async def create_response(context: ServerContext, store: ResponseStore,
 async def _fitting(context: ServerContext, body: ResponsesRequest, conversation: Conversation
                    ) -> Conversation | None:
     """truncation "auto": the conversation less as few of its oldest turns as make it fit
-    beside max_output_tokens (OpenAI's rule; the instructions stay); where no tail leaves
+    beside max_output_tokens (OpenAI's rule; the instructions stay; the model's default
+    and the operator's cap apply as to any request); where no tail leaves
     that much room, as few as leave room for min_tokens (or one token; the budget is then
     cut, as always); None if even the last turn does not. Turns drop whole, so the longer tails only ever fit
     less: a binary search renders O(log turns) of them on the tokenizer thread."""
@@ -140,9 +141,13 @@ async def _fitting(context: ServerContext, body: ResponsesRequest, conversation:
         return best
 
     least = body.min_tokens or None  # what the answer needs at the least
-    best = await earliest(body.max_output_tokens if body.max_output_tokens is not None
-                          else least)
-    if best is None and body.max_output_tokens is not None:
+    defaults = context.engine.generation_defaults
+    asked = (body.max_output_tokens if body.max_output_tokens is not None
+             else defaults.sampling.get("max_tokens"))
+    wanted = min((n for n in (asked, defaults.max_tokens_limit) if n is not None),
+                 default=None)  # the budget the answer will run with (see sampling.py)
+    best = await earliest(wanted if wanted is not None else least)
+    if best is None and wanted is not None:
         best = await earliest(least)
     return None if best is None else conversation.tail(starts[best])
 

@@ -237,11 +237,13 @@ def tool_call_reader(body: ChatCompletionRequest, parser: str | None) -> ToolCal
         raise auto_needs_parser('"required" or a named function', '"none"',
                                 "tool_choice" if choice is not None else "tools")
     if choice == "required":
+        _compiled(tools, list(tools))
         return ToolCallFormat(_any_call_schema(tools, body.parallel_tool_calls), None)
     name = _named_function(choice)
     if name not in tools:
         raise bad_request(f"tool_choice names the function {name!r}, which is not in tools",
                           param="tool_choice")
+    _compiled(tools, [name])
     return ToolCallFormat(tools[name], name)
 
 
@@ -257,8 +259,9 @@ def auto_needs_parser(forced: str, none: str, param: str) -> APIError:
 
 def function_schemas(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Each function's name and its arguments' schema (an empty object when it takes
-    none), checked here so that an error names the tool (compiled within the call's
-    format it would name tool_choice)."""
+    none), their shapes checked. Whether a schema compiles is asked only of the tools a
+    call is forced under (see `_compiled`): with "auto" or "none" they are only
+    rendered into the prompt, as vLLM treats them."""
     functions: dict[str, dict[str, Any]] = {}
     for index, tool in enumerate(tools):
         function = tool.get("function")
@@ -278,13 +281,21 @@ def function_schemas(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             raise bad_request(f"tools[{index}].function.parameters must be the JSON schema "
                               "of an object (the arguments)",
                               param=f"tools[{index}].function.parameters")
-        error = format_error(StructuredOutputsParams(json=parameters or _NO_ARGUMENTS))
+        functions[name] = parameters or _NO_ARGUMENTS
+    return functions
+
+
+def _compiled(functions: dict[str, dict[str, Any]], names: list[str]) -> None:
+    """A 400 naming the first of these tools whose schema does not compile (within the
+    call's format the error would name tool_choice)."""
+    for index, (name, parameters) in enumerate(functions.items()):
+        if name not in names:
+            continue
+        error = format_error(StructuredOutputsParams(json=parameters))
         if error is not None:
             raise bad_request(error.replace("structured_outputs.json",
                                             f"tools[{index}].function.parameters", 1),
                               param=f"tools[{index}].function.parameters")
-        functions[name] = parameters or _NO_ARGUMENTS
-    return functions
 
 
 # The arguments of a function that declares none: "{}", as OpenAI answers.
