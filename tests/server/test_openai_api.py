@@ -317,6 +317,20 @@ def test_metrics_exposes_the_required_families(server: Server, path: str,
     text = httpx.get(f"{server.url}/metrics").text
     assert "# TYPE pagellm_time_to_first_token_seconds histogram" in text
     assert 'le="+Inf"' in text
+    # The same series under vLLM's names, for dashboards and autoscalers written for it.
+    assert "# TYPE vllm:time_to_first_token_seconds histogram" in text
+    assert 'vllm:time_to_first_token_seconds_bucket{model_name="SmolLM2-135M-Instruct",le=' \
+        in text
+    metrics = server.metrics()
+    for ours, theirs in (("pagellm_num_requests_running", "vllm:num_requests_running"),
+                         ("pagellm_kv_cache_usage", "vllm:kv_cache_usage_perc"),
+                         ("pagellm_prefix_cache_hits_total", "vllm:prefix_cache_hits_total"),
+                         ("pagellm_prompt_tokens_total", "vllm:prompt_tokens_total"),
+                         ("pagellm_e2e_request_latency_seconds_count",
+                          "vllm:e2e_request_latency_seconds_count"),
+                         ('pagellm_request_finished_total{finished_reason="length"}',
+                          'vllm:request_success_total{finished_reason="length"}')):
+        assert metrics[theirs] == metrics[ours], theirs
 
 
 def test_echo_puts_the_prompt_before_the_completion(client: openai.OpenAI) -> None:

@@ -26,6 +26,23 @@ ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                50.0, 60.0, 120.0, 240.0, 480.0)
 
+# The series vLLM has too, again under its names (same meaning, same model_name label),
+# so dashboards, alerts and autoscalers written against vLLM's /metrics read them.
+VLLM_NAMES = {
+    "pagellm_prefix_cache_queries_total": "vllm:prefix_cache_queries_total",
+    "pagellm_prefix_cache_hits_total": "vllm:prefix_cache_hits_total",
+    "pagellm_kv_cache_usage": "vllm:kv_cache_usage_perc",
+    "pagellm_num_requests_running": "vllm:num_requests_running",
+    "pagellm_num_requests_waiting": "vllm:num_requests_waiting",
+    "pagellm_num_preemptions_total": "vllm:num_preemptions_total",
+    "pagellm_prompt_tokens_total": "vllm:prompt_tokens_total",
+    "pagellm_generation_tokens_total": "vllm:generation_tokens_total",
+    "pagellm_request_finished_total": "vllm:request_success_total",
+    "pagellm_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+    "pagellm_inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
+    "pagellm_e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+}
+
 
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
@@ -136,10 +153,11 @@ class ServerMetrics:
     def render(self) -> str:
         stats = self.engine.stats()
         labels = self.labels
-        lines: list[str] = []
+        families: dict[str, list[str]] = {}
 
         def scalar(name: str, kind: str, help_text: str, value: float) -> None:
-            lines.extend(_family(name, kind, help_text, [f"{name}{_labels(labels)} {_number(value)}"]))
+            families[name] = _family(name, kind, help_text,
+                                     [f"{name}{_labels(labels)} {_number(value)}"])
 
         scalar("pagellm_prefix_cache_queries_total", "counter",
                "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries)
@@ -162,13 +180,17 @@ class ServerMetrics:
                "included).", stats.prompt_tokens)
         scalar("pagellm_generation_tokens_total", "counter",
                "Tokens generated.", stats.generation_tokens)
-        lines.extend(_family(
+        families["pagellm_request_finished_total"] = _family(
             "pagellm_request_finished_total", "counter",
             "Completions ended, by finish reason (abort: unfinished, e.g. the client left).",
             [f"pagellm_request_finished_total{_labels({**labels, 'finished_reason': reason})} "
              f"{self.requests_finished.get(reason, 0)}"
-             for reason in sorted({*FINISH_REASONS, *self.requests_finished})]))
+             for reason in sorted({*FINISH_REASONS, *self.requests_finished})])
         for histogram in (self.time_to_first_token, self.inter_token_latency,
                           self.e2e_request_latency):
-            lines.extend(histogram.render(labels))
+            families[histogram.name] = histogram.render(labels)
+        lines = [line for family in families.values() for line in family]
+        # Each line names its family first (# HELP/# TYPE name, name{...}, name_bucket).
+        lines += [line.replace(name, VLLM_NAMES[name], 1) for name, family in families.items()
+                  if name in VLLM_NAMES for line in family]
         return "\n".join(lines) + "\n"
