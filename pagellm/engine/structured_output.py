@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import urllib.parse
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
@@ -152,11 +153,12 @@ def grammar_spec(params: StructuredOutputsParams) -> str:
             if not isinstance(schema, dict):
                 raise ValueError("a JSON schema must be a JSON object")
             schema = _closed_objects(schema)
-            # A oneOf whose branches llguidance cannot prove disjoint is read as an anyOf,
-            # as vLLM's default backend (xgrammar) reads it, instead of refused.
+            # As vLLM's default backend (xgrammar) reads JSON: a oneOf whose branches
+            # llguidance cannot prove disjoint is an anyOf instead of refused, and a
+            # string may write any character as a \u escape (Python's json.dumps does).
             options: JsonCompileOptions = {
                 "whitespace_flexible": not params.disable_any_whitespace,
-                "coerce_one_of": True}
+                "coerce_one_of": True, "json_allow_general_unicode_escapes": True}
             if params.whitespace_pattern is not None:
                 options["whitespace_pattern"] = params.whitespace_pattern
             spec: str = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
@@ -203,6 +205,8 @@ _DEFINITIONS = ("$defs", "definitions")
 # Where a node's properties may come from beside its own `properties`: such a node is
 # left open, since closing it would refuse what a branch or a referenced schema adds.
 _COMPOSED = ("allOf", "anyOf", "oneOf", "$ref")
+# A JSON pointer into a schema, decoded into its parts.
+Pointer = tuple[str, ...]
 
 
 def _closed_objects(schema: Any) -> Any:
@@ -212,64 +216,80 @@ def _closed_objects(schema: Any) -> Any:
     holds only its listed items. Left open: an object listing none (any object), one
     whose properties are composed (allOf/anyOf/oneOf/$ref beside them, a branch of an
     allOf with others, a branch of an anyOf/oneOf under an object that lists
-    properties, a definition extended that way), and one whose `required` names a
-    property it does not list (closing it would make it unsatisfiable)."""
-    return _close(schema, _extended_definitions(schema), closable=True)
+    properties, a subschema a `$ref` extends that way, through any `$ref` aliases), and
+    one whose `required` names a property it does not list (closing it would make it
+    unsatisfiable)."""
+    return _close(schema, _extended_pointers(schema), (), closable=True)
 
 
-def _close(node: Any, extended: set[str], closable: bool) -> Any:
+def _close(node: Any, extended: set[Pointer], at: Pointer, closable: bool) -> Any:
     if not isinstance(node, dict):
         return node
+    closable = closable and at not in extended
     closed = dict(node)
     listed = closed.get("properties")
     lists_properties = isinstance(listed, dict)
+    required = closed.get("required")
     if (closable and "additionalProperties" not in closed
             and (lists_properties or isinstance(closed.get("patternProperties"), dict))
             and not any(key in closed for key in _COMPOSED)
-            and (not isinstance(closed.get("required"), list)
-                 or "patternProperties" in closed
-                 or all(name in (listed or {}) for name in closed["required"]))):
+            and (not isinstance(required, list)
+                 or all(name in (listed or {}) for name in required))):
         closed["additionalProperties"] = False
     if (closable and isinstance(closed.get("prefixItems"), list) and "items" not in closed
             and not any(key in closed for key in _COMPOSED)):
         closed["items"] = False  # a tuple holds its listed items only, as in xgrammar
     for key in _SUBSCHEMA:
         if isinstance(closed.get(key), dict):
-            closed[key] = _close(closed[key], extended, True)
+            closed[key] = _close(closed[key], extended, (*at, key), True)
     for key in ("items", "prefixItems"):
         if isinstance(closed.get(key), list):
-            closed[key] = [_close(item, extended, True) for item in closed[key]]
+            closed[key] = [_close(item, extended, (*at, key, str(i)), True)
+                           for i, item in enumerate(closed[key])]
     if isinstance(closed.get("allOf"), list):
         alone = len(closed["allOf"]) == 1 and not lists_properties  # the whole constraint
-        closed["allOf"] = [_close(item, extended, alone) for item in closed["allOf"]]
+        closed["allOf"] = [_close(item, extended, (*at, "allOf", str(i)), alone)
+                           for i, item in enumerate(closed["allOf"])]
     for key in ("anyOf", "oneOf"):
         if isinstance(closed.get(key), list):
-            closed[key] = [_close(item, extended, not lists_properties)
-                           for item in closed[key]]
-    for key in _SUBSCHEMA_MAPS:
+            closed[key] = [_close(item, extended, (*at, key, str(i)), not lists_properties)
+                           for i, item in enumerate(closed[key])]
+    for key in (*_SUBSCHEMA_MAPS, *_DEFINITIONS):
         if isinstance(closed.get(key), dict):
-            closed[key] = {name: _close(item, extended, True)
-                           for name, item in closed[key].items()}
-    for key in _DEFINITIONS:
-        if isinstance(closed.get(key), dict):
-            closed[key] = {name: _close(item, extended, name not in extended)
+            closed[key] = {name: _close(item, extended, (*at, key, name), True)
                            for name, item in closed[key].items()}
     return closed
 
 
-def _extended_definitions(node: Any) -> set[str]:
-    """Names of the definitions that some schema extends: a `$ref` beside properties or
-    other branches, a `$ref` branch of an allOf with others (an allOf of one, pydantic's
-    way of describing a reference, is the reference), or of an anyOf/oneOf under an
-    object that lists properties. Matched by the last part of the pointer, so a tool's schema
-    moved into the call array (see tool_calls.py) is recognised too."""
-    found: set[str] = set()
+def _pointer(ref: Any) -> Pointer | None:
+    """A `$ref`'s JSON pointer as its decoded parts (`#/$defs/a~1b` is ("$defs", "a/b");
+    percent-escapes decoded), or None without one. The document part is not compared
+    with the schema's `$id`: a pointer read as this schema's only leaves more open."""
+    if not isinstance(ref, str) or "#" not in ref:
+        return None
+    parts = urllib.parse.unquote(ref.partition("#")[2]).split("/")[1:]
+    return tuple(part.replace("~1", "/").replace("~0", "~") for part in parts)
 
-    def name_of(ref: Any) -> str | None:
-        if not isinstance(ref, str):
+
+def _resolve(schema: Any, pointer: Pointer) -> Any:
+    node = schema
+    for part in pointer:
+        if isinstance(node, dict):
+            node = node.get(part)
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
             return None
-        head, _, name = ref.rpartition("/")
-        return name if head.endswith(_DEFINITIONS) else None
+    return node
+
+
+def _extended_pointers(schema: Any) -> set[Pointer]:
+    """Where the subschemas are that some schema extends: the target of a `$ref` beside
+    properties or other branches, of a `$ref` branch of an allOf with others (an allOf
+    of one, pydantic's way of describing a reference, is the reference), or of an
+    anyOf/oneOf under an object that lists properties; and, through an alias (a
+    definition that is itself a `$ref`, or an allOf of one), what it refers to."""
+    found: set[Pointer] = set()
 
     def walk(value: Any, extending: bool) -> None:
         if isinstance(value, list):
@@ -279,9 +299,9 @@ def _extended_definitions(node: Any) -> set[str]:
         if not isinstance(value, dict):
             return
         own = {"properties", "patternProperties", "allOf", "anyOf", "oneOf"} & set(value)
-        name = name_of(value.get("$ref"))
-        if name is not None and (extending or own):
-            found.add(name)
+        target = _pointer(value.get("$ref"))
+        if target is not None and (extending or own):
+            found.add(target)
         lists_properties = isinstance(value.get("properties"), dict)
         for key, child in value.items():
             if key == "allOf":
@@ -292,7 +312,20 @@ def _extended_definitions(node: Any) -> set[str]:
             elif isinstance(child, (dict, list)):
                 walk(child, False)
 
-    walk(node, False)
+    walk(schema, False)
+    pending = list(found)
+    while pending:
+        node = _resolve(schema, pending.pop())
+        if not isinstance(node, dict):
+            continue
+        aliased = [node.get("$ref")]
+        if isinstance(node.get("allOf"), list):
+            aliased += [item.get("$ref") for item in node["allOf"] if isinstance(item, dict)]
+        for ref in aliased:
+            target = _pointer(ref)
+            if target is not None and target not in found:
+                found.add(target)
+                pending.append(target)
     return found
 
 

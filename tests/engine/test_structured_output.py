@@ -332,6 +332,32 @@ BASE = {"type": "object", "properties": {"id": {"type": "integer"}}, "required":
       '{"kind": "circle"}': False}),
     ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a", "b"]},
      {'{"a": "x", "b": 1}': True, '{"a": "x"}': False}),
+    ({"type": "object", "properties": {"a": {"type": "integer"}},
+      "patternProperties": {"^x-": {"type": "integer"}}, "required": ["a", "b"]},
+     {'{"a": 1, "b": 2}': True}),
+    # Extended through an alias (a definition that is a $ref, or an allOf of one), by an
+    # escaped name, by a pointer that is not a definition's, by an absolute URI.
+    ({"$defs": {"Base": BASE, "Mid": {"$ref": "#/$defs/Base"}},
+      "allOf": [{"$ref": "#/$defs/Mid"}, {"properties": {"name": {"type": "string"}},
+                                          "required": ["name"]}]},
+     {'{"id": 1, "name": "x"}': True}),
+    ({"$defs": {"Base": BASE, "Mid": {"allOf": [{"$ref": "#/$defs/Base"}]}},
+      "allOf": [{"$ref": "#/$defs/Mid"}, {"properties": {"name": {"type": "string"}}}]},
+     {'{"id": 1, "name": "x"}': True}),
+    ({"$defs": {"a/b c": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+      "allOf": [{"$ref": "#/$defs/a~1b%20c"}, {"properties": {"y": {"type": "integer"}}}]},
+     {'{"x": 1, "y": 2}': True}),
+    ({"type": "object", "properties": {
+        "a": {"type": "object", "properties": {"x": {"type": "integer"}}},
+        "b": {"allOf": [{"$ref": "#/properties/a"}, {"properties": {"y": {"type": "integer"}}}]}}},
+     {'{"a": {"x": 1}, "b": {"x": 1, "y": 2}}': True}),
+    ({"$id": "https://example.com/s.json", "$defs": {"X": BASE},
+      "allOf": [{"$ref": "https://example.com/s.json#/$defs/X"},
+                {"properties": {"n": {"type": "string"}}}]},
+     {'{"id": 1, "n": "x"}': True}),
+    # Any character may be written as a \u escape, as Python's json.dumps writes them.
+    ({"type": "object", "properties": {"s": {"type": "string"}}},
+     {'{"s": "Zo\\u00eb \\ud83d\\ude00"}': True}),
 ])
 def test_closing_follows_the_schema_where_properties_are_composed(
         schema: dict[str, Any], texts: dict[str, bool]) -> None:
