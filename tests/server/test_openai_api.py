@@ -333,6 +333,29 @@ def test_metrics_exposes_the_required_families(server: Server, path: str,
         assert metrics[theirs] == metrics[ours], theirs
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(client: openai.OpenAI) -> None:
+    """vLLM's way for scoring harnesses to ask a prompt's likelihood: the prompt back,
+    its tokens' logprobs (the first without one), and no completion."""
+    prompt = "The capital of France is Paris"
+    kwargs: dict[str, Any] = dict(model=MODEL_NAME, prompt=prompt, max_tokens=0, echo=True,
+                                  logprobs=1, temperature=0)
+    whole = client.completions.create(**kwargs)
+    choice = whole.choices[0]
+    assert choice.text == prompt
+    assert whole.usage.completion_tokens == 0
+    tokens = whole.usage.prompt_tokens
+    assert len(choice.logprobs.tokens) == tokens
+    assert choice.logprobs.token_logprobs[0] is None
+    assert all(lp is not None and lp <= 0 for lp in choice.logprobs.token_logprobs[1:])
+    streamed = list(client.completions.create(stream=True, **kwargs))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == prompt
+    with_one = client.completions.create(**{**kwargs, "max_tokens": 1})
+    assert with_one.choices[0].logprobs.token_logprobs[:tokens] == \
+        choice.logprobs.token_logprobs
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(**{**kwargs, "echo": False})
+
+
 def test_echo_puts_the_prompt_before_the_completion(client: openai.OpenAI) -> None:
     kwargs = dict(model=MODEL_NAME, max_tokens=6, temperature=0)
     plain = client.completions.create(prompt="The capital of France is", **kwargs)

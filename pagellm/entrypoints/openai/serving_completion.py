@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncGenerator, Sequence
@@ -127,7 +128,8 @@ async def create_completion(context: ServerContext, body: CompletionRequest,
     check_supported(body)
     engine = context.engine
     request_format = structured_outputs_of(body)
-    base = build_sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs,
+    base = build_sampling_params(body, max_tokens=1 if _prompt_only(body) else body.max_tokens,
+                                 logprobs=body.logprobs,
                                  prompt_logprobs=_prompt_logprobs(body),
                                  vocab_size=engine.vocab_size,
                                  defaults=request_defaults(context, body),
@@ -149,7 +151,25 @@ async def create_completion(context: ServerContext, body: CompletionRequest,
         return EventStreamResponse(streamed(_stream(context, request_id, body, streams,
                                                     UsageReport.of(body.stream_options))))
     outputs = await unless_disconnected(raw, final_outputs(streams, context.metrics))
+    if _prompt_only(body):
+        outputs = [_without_completion(output) for output in outputs]
     return JSONResponse(_response(context, request_id, body, outputs).model_dump(mode="json"))
+
+
+def _prompt_only(body: CompletionRequest) -> bool:
+    """vLLM's `echo` with `max_tokens: 0`: the prompt back (with `logprobs`, scored), and
+    no completion, as scoring harnesses ask for a prompt's likelihood. The request runs
+    for one token (the prompt's scores need its last step), which the answer drops."""
+    return body.echo and body.max_tokens == 0
+
+
+def _without_completion(output: RequestOutput) -> RequestOutput:
+    return dataclasses.replace(output, outputs=[
+        dataclasses.replace(completion, text="", token_ids=[],
+                            logprobs=None if completion.logprobs is None else [],
+                            cumulative_logprob=(None if completion.cumulative_logprob is None
+                                                else 0.0))
+        for completion in output.outputs])
 
 
 def _echoed(body: CompletionRequest, output: RequestOutput) -> str:
@@ -194,6 +214,8 @@ async def _stream(context: ServerContext, request_id: str, body: CompletionReque
     created = int(time.time())
     async with aclosing(merged(streams, context.metrics)) as outputs:
         async for prompt_index, output in outputs:
+            if _prompt_only(body):
+                output = _without_completion(output)
             choices: list[tuple[CompletionChoice, CompletionOutput]] = []
             for completion in output.outputs:
                 index = prompt_index * body.n + completion.index
