@@ -184,6 +184,9 @@ class StructuredOutputsParams:
             if not isinstance(self.json, (str, dict)):
                 raise ValueError("structured_outputs.json must be a JSON schema (a dict or "
                                  f"its JSON text), got {type(self.json).__name__}")
+            if nesting(self.json) > MAX_SCHEMA_NESTING:
+                raise ValueError(f"structured_outputs.json is nested more than "
+                                 f"{MAX_SCHEMA_NESTING} levels deep")
             object.__setattr__(self, "json", copy.deepcopy(self.json))
         for name in ("regex", "grammar"):
             value = getattr(self, name)
@@ -238,6 +241,25 @@ def _structured_outputs(value: object) -> StructuredOutputsParams | None:
         raise ValueError("structured_outputs must be a StructuredOutputsParams or a dict of "
                          f"its fields, got {type(value).__name__}")
     return StructuredOutputsParams.from_dict(value)
+
+
+# Deeper schemas are refused: copying and compiling one walk it recursively (a few
+# hundred levels exhaust Python's stack), and no real schema comes near.
+MAX_SCHEMA_NESTING = 64
+
+
+def nesting(value: Any) -> int:
+    """How deep dicts and lists nest in `value`, without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, list):
+            deepest = max(deepest, depth)
+            if depth <= MAX_SCHEMA_NESTING:
+                stack.extend((child, depth + 1) for child in item)
+    return deepest
 
 
 # generation_config.json's keys that give defaults to requests that leave them unset

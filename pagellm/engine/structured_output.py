@@ -32,7 +32,11 @@ import llguidance.hf
 import numpy as np
 import torch
 
-from pagellm.core.sampling_params import StructuredOutputsParams
+from pagellm.core.sampling_params import (
+    MAX_SCHEMA_NESTING,
+    StructuredOutputsParams,
+    nesting,
+)
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -152,6 +156,8 @@ def grammar_spec(params: StructuredOutputsParams) -> str:
                 schema = json.loads(schema)
             if not isinstance(schema, dict):
                 raise ValueError("a JSON schema must be a JSON object")
+            if nesting(schema) > MAX_SCHEMA_NESTING:  # given as text, unchecked so far
+                raise ValueError(f"it is nested more than {MAX_SCHEMA_NESTING} levels deep")
             schema = _closed_objects(schema)
             # As vLLM's default backend (xgrammar) reads JSON: a oneOf whose branches
             # llguidance cannot prove disjoint is an anyOf instead of refused, and a
@@ -175,7 +181,7 @@ def grammar_spec(params: StructuredOutputsParams) -> str:
                 f"start: /{llguidance.regex_to_lark(params.regex, 'd')}/")
         assert params.grammar is not None
         return llguidance.grammar_from("grammar", params.grammar)
-    except (ValueError, TypeError) as error:
+    except (ValueError, TypeError, RecursionError) as error:  # json.loads of deep text
         raise ValueError(f"structured_outputs.{kind} is not a valid {_KIND_NAMES[kind]}: "
                          f"{error}") from error
 
@@ -214,12 +220,25 @@ def _closed_objects(schema: Any) -> Any:
     patterns) and does not say otherwise allows no other property, as vLLM's default
     backend (xgrammar, strict mode) reads most schemas; a tuple (`prefixItems`) likewise
     holds only its listed items. Left open: an object listing none (any object), one
-    whose properties are composed (allOf/anyOf/oneOf/$ref beside them, a branch of an
-    allOf with others, a branch of an anyOf/oneOf under an object that lists
-    properties, a subschema a `$ref` extends that way, through any `$ref` aliases), and
-    one whose `required` names a property it does not list (closing it would make it
-    unsatisfiable)."""
+    whose properties are composed (allOf/anyOf/oneOf/$ref beside them, or beside its own
+    properties or allowed extra ones), every branch below such a composition however
+    deep, every subschema a `$ref` of such a composition points to (through aliases),
+    and one whose `required` names a property it does not list (closing it would make
+    it unsatisfiable)."""
     return _close(schema, _extended_pointers(schema), (), closable=True)
+
+
+def _branches_closable(node: dict[str, Any], key: str) -> bool:
+    """Whether the branches under `key` (allOf, anyOf, oneOf) are the node's whole
+    constraint, so each may be closed: nothing beside them lists or allows properties
+    (own properties or patterns, extra properties not false, another composition or a
+    `$ref`), and an allOf has one branch (pydantic's way of describing a reference)."""
+    widens = (isinstance(node.get("properties"), dict)
+              or isinstance(node.get("patternProperties"), dict)
+              or node.get("additionalProperties", False) is not False)
+    beside = any(other in node for other in _COMPOSED if other != key)
+    alone = key != "allOf" or len(node[key]) == 1
+    return alone and not widens and not beside
 
 
 def _close(node: Any, extended: set[Pointer], at: Pointer, closable: bool) -> Any:
@@ -246,13 +265,10 @@ def _close(node: Any, extended: set[Pointer], at: Pointer, closable: bool) -> An
         if isinstance(closed.get(key), list):
             closed[key] = [_close(item, extended, (*at, key, str(i)), True)
                            for i, item in enumerate(closed[key])]
-    if isinstance(closed.get("allOf"), list):
-        alone = len(closed["allOf"]) == 1 and not lists_properties  # the whole constraint
-        closed["allOf"] = [_close(item, extended, (*at, "allOf", str(i)), alone)
-                           for i, item in enumerate(closed["allOf"])]
-    for key in ("anyOf", "oneOf"):
+    for key in ("allOf", "anyOf", "oneOf"):
         if isinstance(closed.get(key), list):
-            closed[key] = [_close(item, extended, (*at, key, str(i)), not lists_properties)
+            branches_closable = closable and _branches_closable(node, key)
+            closed[key] = [_close(item, extended, (*at, key, str(i)), branches_closable)
                            for i, item in enumerate(closed[key])]
     for key in (*_SUBSCHEMA_MAPS, *_DEFINITIONS):
         if isinstance(closed.get(key), dict):
@@ -285,10 +301,9 @@ def _resolve(schema: Any, pointer: Pointer) -> Any:
 
 def _extended_pointers(schema: Any) -> set[Pointer]:
     """Where the subschemas are that some schema extends: the target of a `$ref` beside
-    properties or other branches, of a `$ref` branch of an allOf with others (an allOf
-    of one, pydantic's way of describing a reference, is the reference), or of an
-    anyOf/oneOf under an object that lists properties; and, through an alias (a
-    definition that is itself a `$ref`, or an allOf of one), what it refers to."""
+    properties or other branches, or of a `$ref` anywhere below a composition whose
+    branches are not its whole constraint (see `_branches_closable`); and, from each,
+    what it is made of (its own `$ref`, its branches' `$ref`s)."""
     found: set[Pointer] = set()
 
     def walk(value: Any, extending: bool) -> None:
@@ -302,31 +317,34 @@ def _extended_pointers(schema: Any) -> set[Pointer]:
         target = _pointer(value.get("$ref"))
         if target is not None and (extending or own):
             found.add(target)
-        lists_properties = isinstance(value.get("properties"), dict)
         for key, child in value.items():
-            if key == "allOf":
-                walk(child, not (isinstance(child, list) and len(child) == 1
-                                 and not lists_properties))
-            elif key in ("anyOf", "oneOf"):
-                walk(child, lists_properties)
+            if key in ("allOf", "anyOf", "oneOf") and isinstance(child, list):
+                walk(child, extending or not _branches_closable(value, key))
             elif isinstance(child, (dict, list)):
                 walk(child, False)
 
     walk(schema, False)
     pending = list(found)
     while pending:
-        node = _resolve(schema, pending.pop())
-        if not isinstance(node, dict):
-            continue
-        aliased = [node.get("$ref")]
-        if isinstance(node.get("allOf"), list):
-            aliased += [item.get("$ref") for item in node["allOf"] if isinstance(item, dict)]
-        for ref in aliased:
+        for ref in _composed_refs(_resolve(schema, pending.pop())):
             target = _pointer(ref)
             if target is not None and target not in found:
                 found.add(target)
                 pending.append(target)
     return found
+
+
+def _composed_refs(node: Any) -> list[Any]:
+    """The `$ref`s an extended subschema is made of: its own and those of its
+    allOf/anyOf/oneOf branches, however deep (each is extended with it)."""
+    if not isinstance(node, dict):
+        return []
+    refs = [node.get("$ref")]
+    for key in ("allOf", "anyOf", "oneOf"):
+        if isinstance(node.get(key), list):
+            for item in node[key]:
+                refs += _composed_refs(item)
+    return refs
 
 
 def format_error(params: StructuredOutputsParams) -> str | None:

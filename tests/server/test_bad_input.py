@@ -12,6 +12,9 @@ import pytest
 from tests.server.conftest import MAX_MODEL_LEN, MAX_REQUEST_BYTES, Server
 
 USER = [{"role": "user", "content": "Hi"}]
+DEEP_SCHEMA: dict[str, object] = {"type": "object"}
+for _ in range(100):
+    DEEP_SCHEMA = {"type": "object", "properties": {"a": DEEP_SCHEMA}}
 LONG_TEXT = "hello " * (MAX_MODEL_LEN + 50)
 
 # (name, path, raw body or JSON value, expected status, expected `param`, text in message)
@@ -194,6 +197,10 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
     ("two tools of one name", "/v1/chat/completions",
      {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}] * 2,
       "tool_choice": "required"}, 400, "tools[1].function.name", "given twice"),
+    ("a schema nested too deeply", "/v1/chat/completions",
+     {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
+         "name": "deep", "schema": DEEP_SCHEMA}}}, 400, "response_format",
+     "nested more than 64 levels deep"),
     ("tool parameters that do not compile", "/v1/chat/completions",
      {"messages": USER, "tool_choice": {"type": "function", "function": {"name": "f"}},
       "tools": [{"type": "function", "function": {"name": "f", "parameters": {

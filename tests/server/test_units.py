@@ -438,6 +438,23 @@ def test_the_reasoning_parser_splits_as_vllm_and_streams_only_growing_parts() ->
         assert (reasoning or "").startswith(sent[0]) and (content or "").startswith(sent[1])
 
 
+def test_a_forced_call_replaces_every_other_format_unread() -> None:
+    """vLLM's rule: the call is the whole answer, so response_format and a format in
+    structured_outputs are dropped (not even checked), and the options stay."""
+    from pagellm.entrypoints.openai.protocol import ChatCompletionRequest
+    from pagellm.entrypoints.openai.sampling import structured_outputs_of
+
+    body = ChatCompletionRequest.model_validate({
+        "messages": [], "response_format": {"type": "json_schema", "json_schema": {}},
+        "structured_outputs": {"regex": "a+", "disable_any_whitespace": True}})
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    forced = structured_outputs_of(body, schema)
+    assert forced.field == "tool_choice" and forced.params is not None
+    assert forced.params.json == schema and forced.params.disable_any_whitespace
+    with pytest.raises(APIError, match="needs json_schema.schema"):
+        structured_outputs_of(body)
+
+
 def test_unset_sampling_fields_take_the_models_defaults() -> None:
     from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
     from pagellm.entrypoints.openai.sampling import build_sampling_params

@@ -112,6 +112,8 @@ def structured_outputs_of(request: SamplingFields, tool_schema: dict[str, Any] |
     origin: dict[str, str] = {}
 
     def put(key: str, value: Any, source: str) -> None:
+        if tool_schema is not None and key in FORMAT_KINDS and source != "tool_choice":
+            return  # a forced call's schema replaces every other format (see below)
         clash = key if key in fields else next(
             (other for other in fields if other in FORMAT_KINDS and key in FORMAT_KINDS
              and origin[other] != source), None)
@@ -128,7 +130,10 @@ def structured_outputs_of(request: SamplingFields, tool_schema: dict[str, Any] |
         value = getattr(request, name)
         if value is not None:
             put(key, value, name)
-    response_format = request.response_format
+    # A forced call is the whole answer: no content is left for another format to shape,
+    # so the call's schema replaces it, unread, as vLLM's does (options such as
+    # structured_outputs' whitespace ones still apply).
+    response_format = request.response_format if tool_schema is None else None
     kind = None if response_format is None else response_format.get("type")
     if kind == "json_object":
         put("json_object", True, "response_format")
@@ -138,11 +143,6 @@ def structured_outputs_of(request: SamplingFields, tool_schema: dict[str, Any] |
         raise bad_request(f"response_format type must be 'text', 'json_object' or "
                           f"'json_schema', got {kind!r}", param="response_format")
     if tool_schema is not None:
-        # A forced call is the whole answer: no content is left for another format to
-        # shape, so the call's schema replaces it, as vLLM's does (options such as
-        # structured_outputs' whitespace ones still apply).
-        for key in [key for key in fields if key in FORMAT_KINDS]:
-            del fields[key], origin[key]
         put("json", tool_schema, "tool_choice")
     if not fields and request.structured_outputs is None:
         return RequestFormat(None, "structured_outputs")
