@@ -279,11 +279,15 @@ def _close(node: Any, extended: set[Pointer], at: Pointer, closable: bool) -> An
 
 def _pointer(ref: Any) -> Pointer | None:
     """A `$ref`'s JSON pointer as its decoded parts (`#/$defs/a~1b` is ("$defs", "a/b");
-    percent-escapes decoded), or None without one. The document part is not compared
-    with the schema's `$id`: a pointer read as this schema's only leaves more open."""
+    percent-escapes decoded), or None without one (an `$anchor` name is none). The
+    document part is not compared with the schema's `$id`: a pointer read as this
+    schema's only leaves more open."""
     if not isinstance(ref, str) or "#" not in ref:
         return None
-    parts = urllib.parse.unquote(ref.partition("#")[2]).split("/")[1:]
+    fragment = urllib.parse.unquote(ref.partition("#")[2])
+    if fragment and not fragment.startswith("/"):
+        return None
+    parts = fragment.split("/")[1:]
     return tuple(part.replace("~1", "/").replace("~0", "~") for part in parts)
 
 
