@@ -228,14 +228,24 @@ def _closed_objects(schema: Any) -> Any:
     return _close(schema, _extended_pointers(schema), (), closable=True)
 
 
+# Keywords beside a composition that may add or ask for properties its branches do not
+# list (a branch closed to its own would then refuse them), with when they do.
+_WIDENS: dict[str, Any] = {
+    "properties": lambda value: isinstance(value, dict),
+    "patternProperties": lambda value: isinstance(value, dict),
+    "additionalProperties": lambda value: value is not False,
+    "required": lambda value: bool(value),
+    "minProperties": lambda value: bool(value),
+}
+
+
 def _branches_closable(node: dict[str, Any], key: str) -> bool:
     """Whether the branches under `key` (allOf, anyOf, oneOf) are the node's whole
-    constraint, so each may be closed: nothing beside them lists or allows properties
-    (own properties or patterns, extra properties not false, another composition or a
-    `$ref`), and an allOf has one branch (pydantic's way of describing a reference)."""
-    widens = (isinstance(node.get("properties"), dict)
-              or isinstance(node.get("patternProperties"), dict)
-              or node.get("additionalProperties", False) is not False)
+    constraint, so each may be closed: nothing beside them lists, allows or asks for
+    properties (own properties or patterns, extra properties not false, `required`,
+    `minProperties`, another composition or a `$ref`), and an allOf has one branch
+    (pydantic's way of describing a reference)."""
+    widens = any(_WIDENS[name](node.get(name)) for name in _WIDENS if name in node)
     beside = any(other in node for other in _COMPOSED if other != key)
     alone = key != "allOf" or len(node[key]) == 1
     return alone and not widens and not beside
@@ -253,10 +263,13 @@ def _close(node: Any, extended: set[Pointer], at: Pointer, closable: bool) -> An
             and (lists_properties or isinstance(closed.get("patternProperties"), dict))
             and not any(key in closed for key in _COMPOSED)
             and (not isinstance(required, list)
-                 or all(name in (listed or {}) for name in required))):
+                 or all(name in (listed or {}) for name in required))
+            and not _more_than(closed.get("minProperties"), len(listed or {}))):
         closed["additionalProperties"] = False
-    if (closable and isinstance(closed.get("prefixItems"), list) and "items" not in closed
-            and not any(key in closed for key in _COMPOSED)):
+    prefix = closed.get("prefixItems")
+    if (closable and isinstance(prefix, list) and "items" not in closed
+            and not any(key in closed for key in _COMPOSED)
+            and not _more_than(closed.get("minItems"), len(prefix))):
         closed["items"] = False  # a tuple holds its listed items only, as in xgrammar
     for key in _SUBSCHEMA:
         if isinstance(closed.get(key), dict):
@@ -275,6 +288,12 @@ def _close(node: Any, extended: set[Pointer], at: Pointer, closable: bool) -> An
             closed[key] = {name: _close(item, extended, (*at, key, name), True)
                            for name, item in closed[key].items()}
     return closed
+
+
+def _more_than(minimum: Any, count: int) -> bool:
+    """Whether a minProperties/minItems asks for more than the `count` listed, which a
+    closed object or tuple could never hold."""
+    return isinstance(minimum, (int, float)) and minimum > count
 
 
 def _pointer(ref: Any) -> Pointer | None:
@@ -317,7 +336,8 @@ def _extended_pointers(schema: Any) -> set[Pointer]:
             return
         if not isinstance(value, dict):
             return
-        own = {"properties", "patternProperties", "allOf", "anyOf", "oneOf"} & set(value)
+        own = {"properties", "patternProperties", "allOf", "anyOf", "oneOf", "required",
+               "minProperties"} & set(value)
         target = _pointer(value.get("$ref"))
         if target is not None and (extending or own):
             found.add(target)

@@ -382,6 +382,14 @@ BASE = {"type": "object", "properties": {"id": {"type": "integer"}}, "required":
     ({"type": "object", "patternProperties": {"^x-": {"type": "integer"}},
       "anyOf": [{"properties": {"a": {"type": "integer"}}}]},
      {'{"a": 1, "x-1": 2}': True}),
+    # Asked-for properties a closed part could never hold: `required` beside branches,
+    # and minProperties / minItems beyond what is listed.
+    ({"type": "object", "required": ["z"], "anyOf": [{"properties": {"a": {"type": "integer"}}}]},
+     {'{"z": 1}': True}),
+    ({"type": "object", "properties": {"a": {}}, "required": ["a"], "minProperties": 2},
+     {'{"a": 1, "b": 2}': True}),
+    ({"type": "array", "prefixItems": [{"type": "integer"}], "minItems": 2},
+     {"[1, 2]": True}),
     # Any character may be written as a \u escape, as Python's json.dumps writes them.
     ({"type": "object", "properties": {"s": {"type": "string"}}},
      {'{"s": "Zo\\u00eb \\ud83d\\ude00"}': True}),
