@@ -206,11 +206,12 @@ def _choice_grammar(choices: list[str]) -> str:
 # widen what it forbids, nor `propertyNames`, whose subschema describes strings.
 _SUBSCHEMA = ("items", "additionalItems", "additionalProperties", "if", "then", "else",
               "contains", "unevaluatedItems", "unevaluatedProperties")
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "dependentSchemas", "dependencies")
-_DEFINITIONS = ("$defs", "definitions")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "dependentSchemas", "dependencies",
+                   "$defs", "definitions")
+_BRANCHES = ("allOf", "anyOf", "oneOf")
 # Where a node's properties may come from beside its own `properties`: such a node is
 # left open, since closing it would refuse what a branch or a referenced schema adds.
-_COMPOSED = ("allOf", "anyOf", "oneOf", "$ref")
+_COMPOSED = (*_BRANCHES, "$ref")
 # A JSON pointer into a schema, decoded into its parts.
 Pointer = tuple[str, ...]
 
@@ -228,15 +229,13 @@ def _closed_objects(schema: Any) -> Any:
     return _close(schema, _extended_pointers(schema), (), closable=True)
 
 
-# Keywords beside a composition that may add or ask for properties its branches do not
-# list (a branch closed to its own would then refuse them), with when they do.
-_WIDENS: dict[str, Any] = {
-    "properties": lambda value: isinstance(value, dict),
-    "patternProperties": lambda value: isinstance(value, dict),
-    "additionalProperties": lambda value: value is not False,
-    "required": lambda value: bool(value),
-    "minProperties": lambda value: bool(value),
-}
+def _widens(node: dict[str, Any]) -> bool:
+    """Whether keywords beside a composition may add or ask for properties its branches
+    do not list (a branch closed to its own would then refuse them)."""
+    return (isinstance(node.get("properties"), dict)
+            or isinstance(node.get("patternProperties"), dict)
+            or node.get("additionalProperties", False) is not False
+            or bool(node.get("required")) or bool(node.get("minProperties")))
 
 
 def _branches_closable(node: dict[str, Any], key: str) -> bool:
@@ -245,10 +244,9 @@ def _branches_closable(node: dict[str, Any], key: str) -> bool:
     properties (own properties or patterns, extra properties not false, `required`,
     `minProperties`, another composition or a `$ref`), and an allOf has one branch
     (pydantic's way of describing a reference)."""
-    widens = any(_WIDENS[name](node.get(name)) for name in _WIDENS if name in node)
     beside = any(other in node for other in _COMPOSED if other != key)
     alone = key != "allOf" or len(node[key]) == 1
-    return alone and not widens and not beside
+    return alone and not _widens(node) and not beside
 
 
 def _close(node: Any, extended: set[Pointer], at: Pointer, closable: bool) -> Any:
@@ -257,18 +255,16 @@ def _close(node: Any, extended: set[Pointer], at: Pointer, closable: bool) -> An
     closable = closable and at not in extended
     closed = dict(node)
     listed = closed.get("properties")
-    lists_properties = isinstance(listed, dict)
     required = closed.get("required")
-    if (closable and "additionalProperties" not in closed
-            and (lists_properties or isinstance(closed.get("patternProperties"), dict))
-            and not any(key in closed for key in _COMPOSED)
+    composed = any(key in closed for key in _COMPOSED)
+    if (closable and "additionalProperties" not in closed and not composed
+            and (isinstance(listed, dict) or isinstance(closed.get("patternProperties"), dict))
             and (not isinstance(required, list)
                  or all(name in (listed or {}) for name in required))
             and not _more_than(closed.get("minProperties"), len(listed or {}))):
         closed["additionalProperties"] = False
     prefix = closed.get("prefixItems")
-    if (closable and isinstance(prefix, list) and "items" not in closed
-            and not any(key in closed for key in _COMPOSED)
+    if (closable and isinstance(prefix, list) and "items" not in closed and not composed
             and not _more_than(closed.get("minItems"), len(prefix))):
         closed["items"] = False  # a tuple holds its listed items only, as in xgrammar
     for key in _SUBSCHEMA:
@@ -278,12 +274,12 @@ def _close(node: Any, extended: set[Pointer], at: Pointer, closable: bool) -> An
         if isinstance(closed.get(key), list):
             closed[key] = [_close(item, extended, (*at, key, str(i)), True)
                            for i, item in enumerate(closed[key])]
-    for key in ("allOf", "anyOf", "oneOf"):
+    for key in _BRANCHES:
         if isinstance(closed.get(key), list):
             branches_closable = closable and _branches_closable(node, key)
             closed[key] = [_close(item, extended, (*at, key, str(i)), branches_closable)
                            for i, item in enumerate(closed[key])]
-    for key in (*_SUBSCHEMA_MAPS, *_DEFINITIONS):
+    for key in _SUBSCHEMA_MAPS:
         if isinstance(closed.get(key), dict):
             closed[key] = {name: _close(item, extended, (*at, key, name), True)
                            for name, item in closed[key].items()}
@@ -342,7 +338,7 @@ def _extended_pointers(schema: Any) -> set[Pointer]:
         if target is not None and (extending or own):
             found.add(target)
         for key, child in value.items():
-            if key in ("allOf", "anyOf", "oneOf") and isinstance(child, list):
+            if key in _BRANCHES and isinstance(child, list):
                 walk(child, extending or not _branches_closable(value, key))
             elif isinstance(child, (dict, list)):
                 walk(child, False)
@@ -364,7 +360,7 @@ def _composed_refs(node: Any) -> list[Any]:
     if not isinstance(node, dict):
         return []
     refs = [node.get("$ref")]
-    for key in ("allOf", "anyOf", "oneOf"):
+    for key in _BRANCHES:
         if isinstance(node.get(key), list):
             for item in node[key]:
                 refs += _composed_refs(item)
