@@ -649,7 +649,11 @@ def test_required_tool_choice_answers_calls(client: openai.OpenAI) -> None:
     assert content == "" and reason == "tool_calls"
     assert [(c["name"], c["arguments"]) for c in calls] == [
         (call.function.name, call.function.arguments)]
-
+    # Cut by max_tokens, the array names no call: its text stays the content, and
+    # tool_calls is an empty list, as vLLM answers (LiteLLM fails on null there).
+    cut = client.chat.completions.create(**{**kwargs, "max_tokens": 3}).choices[0]
+    assert cut.finish_reason == "length" and cut.message.tool_calls == []
+    assert (cut.message.content or "").startswith("[")
 
 
 def test_forced_tool_calls_with_n_cuts_and_none(client: openai.OpenAI) -> None:
