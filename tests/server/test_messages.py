@@ -296,6 +296,42 @@ def test_system_blocks_join_without_the_billing_header(claude: anthropic.Anthrop
     assert blocks.input_tokens == plain.input_tokens
 
 
+def test_a_thread_is_refused_so_the_sdk_sends_the_whole_conversation(server: Server) -> None:
+    """The SDK's tool runner asks for a server-held thread by default and only sends
+    each turn's new messages; answering without the earlier turns would be a silent
+    wrong 200. Refused with Anthropic's code, the runner resends the whole conversation."""
+    reply = httpx.post(f"{server.url}/v1/messages", timeout=60, json={
+        "max_tokens": 5, "messages": [{"role": "user", "content": "x"}],
+        "thread": {"type": "continue", "previous_message_id": "msg_1"}})
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["type"] == "invalid_request_error" and "thread" in error["message"]
+    assert error["details"] == {"error_code": "thread_unsupported_request"}
+
+    calls: list[str] = []
+
+    @anthropic.beta_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return "Sunny, 20 C."
+
+    sent: list[dict[str, Any]] = []
+    recording = anthropic.Anthropic(
+        base_url=server.url, api_key="unused", max_retries=0, timeout=120,
+        http_client=anthropic.DefaultHttpxClient(event_hooks={"request": [
+            lambda request: sent.append(json.loads(request.read()))]}))
+    runner = recording.beta.messages.tool_runner(
+        model=MODEL_NAME, max_tokens=40, tools=[get_weather], max_iterations=2,
+        tool_choice={"type": "any"}, messages=[{"role": "user", "content": "Weather in Rome?"}],
+        **GREEDY)
+    replies = list(runner)
+    assert len(replies) == 2 and len(calls) == 2
+    assert all(reply.content[-1].type == "tool_use" for reply in replies)
+    assert "thread" in sent[0] and not any("thread" in body for body in sent[1:])
+    assert [len(body["messages"]) for body in sent[1:]] == [1, 3]  # the whole conversation
+
+
 def test_nothing_is_left_in_the_engine(server: Server, claude: anthropic.Anthropic) -> None:
     """A stream closed early is aborted (not left to run to max_tokens), and every
     message above has let go of its blocks."""

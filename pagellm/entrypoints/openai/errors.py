@@ -37,12 +37,14 @@ class APIError(Exception):
     """An error with its HTTP status, raised anywhere while serving a request."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, type: str | None = None) -> None:
+                 code: str | None = None, type: str | None = None,
+                 details: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.details = details  # Anthropic's `error.details`, which its SDK acts on
         self.type = type or ("server_error" if status >= 500 else "invalid_request_error")
 
     def body(self) -> dict[str, Any]:
@@ -53,7 +55,10 @@ class APIError(Exception):
         """The error as Anthropic's Messages API writes it (its SDK reads `error.type`)."""
         kind = _ANTHROPIC_TYPES.get(self.status,
                                     "api_error" if self.status >= 500 else self.type)
-        return {"type": "error", "error": {"type": kind, "message": self.message}}
+        error: dict[str, Any] = {"type": kind, "message": self.message}
+        if self.details is not None:
+            error["details"] = self.details
+        return {"type": "error", "error": error}
 
     def response(self, headers: dict[str, str] | None = None, anthropic: bool = False
                  ) -> JSONResponse:

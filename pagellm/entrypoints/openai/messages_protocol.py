@@ -46,6 +46,7 @@ class MessagesRequest(StrictModel):
     # Known, and refused when set.
     mcp_servers: Any = None
     container: Any = None
+    thread: Any = None
 
 
 class CountTokensRequest(StrictModel):

@@ -20,7 +20,7 @@ from pagellm.entrypoints.openai.chat_bridge import (
 from pagellm.entrypoints.openai.errors import APIError, bad_request
 from pagellm.entrypoints.openai.messages_protocol import MessagesRequest
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest
-from pagellm.entrypoints.openai.serving import refuse_set
+from pagellm.entrypoints.openai.serving import is_set, refuse_set
 from pagellm.entrypoints.openai.tool_calls import auto_needs_parser
 
 # Chat's field names in errors, and the Messages fields they stand for.
@@ -42,6 +42,12 @@ def check_options(body: MessagesRequest) -> None:
     """A 400 for what this server does not do, and for values Anthropic refuses that
     chat would name by its own fields."""
     refuse_set(body, _REFUSED)
+    if is_set(body.thread):
+        # Anthropic's refusal of a thread it cannot hold: the SDK's tool runner and
+        # thread helpers read the code and resend the whole conversation without one.
+        raise APIError(400, "thread is not supported: this server holds no Messages "
+                       "conversations; send the whole conversation each turn",
+                       param="thread", details={"error_code": "thread_unsupported_request"})
     if body.max_tokens < 1:
         raise bad_request(f"max_tokens must be >= 1, got {body.max_tokens}", param="max_tokens")
     if "" in (body.stop_sequences or []):
