@@ -644,11 +644,15 @@ def test_required_tool_choice_answers_calls(client: openai.OpenAI) -> None:
     assert call.function.name in ("get_weather", "get_time")
     schema = (WEATHER_TOOL if call.function.name == "get_weather" else TIME_TOOL)["function"]
     assert set(json.loads(call.function.arguments)) == set(schema["parameters"]["required"])
-    calls, reason, content = _streamed_tool_calls(
-        client.chat.completions.create(stream=True, **kwargs))
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    calls, reason, content = _streamed_tool_calls(chunks)
     assert content == "" and reason == "tool_calls"
     assert [(c["name"], c["arguments"]) for c in calls] == [
         (call.function.name, call.function.arguments)]
+    # The reason comes in a chunk of its own after the calls, as OpenAI sends it
+    # (openai-node's stream helper marks a call done only then).
+    assert all(c.choices[0].finish_reason is None for c in chunks if c.choices[0].delta.tool_calls)
+    assert chunks[-1].choices[0].delta.model_dump(exclude_none=True) == {}
     # Cut by max_tokens, the array names no call: its text stays the content, and
     # tool_calls is an empty list, as vLLM answers (LiteLLM fails on null there).
     cut = client.chat.completions.create(**{**kwargs, "max_tokens": 3}).choices[0]

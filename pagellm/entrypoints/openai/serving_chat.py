@@ -332,6 +332,13 @@ async def _stream(context: ServerContext, body: ChatCompletionRequest, run: Chat
                     logprobs = chat_logprobs(
                         completion.logprobs[sent_logprobs.get(index, 0):], token_text)
                     sent_logprobs[index] = len(completion.logprobs)
+                if finished and delta.tool_calls:
+                    # The calls, then the reason in a chunk of its own, as OpenAI sends
+                    # them: openai-node's stream helper marks a call done only when a
+                    # later chunk finishes it.
+                    choices.append((ChatChunkChoice(index=index, delta=delta,
+                                                    logprobs=logprobs), completion))
+                    delta, logprobs = ChatDelta(), None
                 choices.append((ChatChunkChoice(
                     index=index, delta=delta, logprobs=logprobs,
                     finish_reason=_finish_reason(completion.finish_reason, calls, reader),
