@@ -78,6 +78,31 @@ def test_previous_response_id_continues_from_the_prefix_cache(client: openai.Ope
     assert second.usage.input_tokens > first_turn
 
 
+def test_item_references_stand_for_stored_items(client: openai.OpenAI) -> None:
+    """The AI SDK keeps the history itself and sends earlier answers back as
+    `item_reference`s: each is the stored item it names (an output item, or an input
+    item by the id the input listing gave it), so the turn equals the same
+    conversation sent whole."""
+    first = client.responses.create(model=MODEL_NAME, input="Name a color.",
+                                    max_output_tokens=8, temperature=0)
+    question = client.responses.input_items.list(first.id).data[0].id
+    second = client.responses.create(
+        model=MODEL_NAME, max_output_tokens=8, temperature=0,
+        input=[{"type": "item_reference", "id": question},
+               {"type": "item_reference", "id": first.output[0].id},
+               {"role": "user", "content": "Name another one."}])
+    conversation = [{"role": "user", "content": "Name a color."},
+                    {"role": "assistant", "content": first.output_text},
+                    {"role": "user", "content": "Name another one."}]
+    assert second.output_text == chat_text(client, conversation, 8)
+    assert second.usage is not None and second.usage.input_tokens_details.cached_tokens > 0
+    listed = client.responses.input_items.list(second.id, order="asc").data
+    assert [item.id for item in listed[:2]] == [question, first.output[0].id]
+    with pytest.raises(openai.BadRequestError, match=r"input\[0\] refers to item 'msg_nope'"):
+        client.responses.create(model=MODEL_NAME, max_output_tokens=2,
+                                input=[{"type": "item_reference", "id": "msg_nope"}])
+
+
 def test_instructions_do_not_carry_over(client: openai.OpenAI) -> None:
     first = client.responses.create(model=MODEL_NAME, input="Say yes.",
                                     instructions=INSTRUCTIONS, max_output_tokens=4,

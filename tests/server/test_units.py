@@ -22,7 +22,12 @@ from pagellm.entrypoints.openai.messages_to_chat import conversation_of as messa
 from pagellm.entrypoints.openai.metrics import Histogram, ServerMetrics
 from pagellm.entrypoints.openai.reasoning import ThinkReasoningParser
 from pagellm.entrypoints.openai.response_store import ResponseStore
-from pagellm.entrypoints.openai.responses_protocol import ResponseObject, ResponsesRequest
+from pagellm.entrypoints.openai.responses_protocol import (
+    OutputMessage,
+    OutputText,
+    ResponseObject,
+    ResponsesRequest,
+)
 from pagellm.entrypoints.openai.responses_to_chat import conversation_of
 from pagellm.entrypoints.openai.serving import resolve_max_tokens
 from pagellm.entrypoints.openai.serving_chat import ChatRun
@@ -359,6 +364,25 @@ def test_response_store_forgets_the_least_recently_used_past_its_size() -> None:
     assert len(store) == 1 and kept is not None and store.used_bytes == kept.size
     with pytest.raises(ValueError, match="max_bytes"):
         ResponseStore(max_bytes=-1)
+
+
+def test_response_store_finds_items_until_no_response_holds_them() -> None:
+    """An item reference finds an input or output item of any stored response; an item
+    listed again by a later response stays found while either is kept."""
+    store = ResponseStore()
+    first, conversation, _ = _stored("resp_1", "a")
+    output = first.model_copy(update={"output": [OutputMessage(
+        id="msg_out", status="completed", content=[OutputText(text="Red.")])]})
+    store.put(output, conversation, [{"id": "msg_in", "type": "message", "role": "user",
+                                      "content": [{"type": "input_text", "text": "a"}]}])
+    assert store.item("msg_out")["content"][0]["text"] == "Red."  # type: ignore[index]
+    assert store.item("msg_in")["role"] == "user"  # type: ignore[index]
+    again, _, _ = _stored("resp_2", "b")
+    store.put(again, conversation, [{"id": "msg_out", "type": "message", "role": "assistant",
+                                     "content": "Red."}])
+    assert store.delete("resp_1")
+    assert store.item("msg_in") is None and store.item("msg_out") is not None
+    assert store.delete("resp_2") and store.item("msg_out") is None
 
 
 def test_response_store_counts_utf8_bytes() -> None:

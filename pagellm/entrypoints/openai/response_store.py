@@ -32,6 +32,7 @@ class StoredResponse:
     conversation: list[dict[str, Any]]
     input_items_json: bytes  # its input, as items with ids (GET .../input_items)
     size: int
+    item_ids: tuple[str, ...]  # of its input and output items, for item references
 
     @property
     def response(self) -> ResponseObject:
@@ -41,6 +42,12 @@ class StoredResponse:
     def input_items(self) -> list[dict[str, Any]]:
         items: list[dict[str, Any]] = json.loads(self.input_items_json)
         return items
+
+    def item(self, item_id: str) -> dict[str, Any] | None:
+        """One of its input or output items, as the client would send it back."""
+        output: list[dict[str, Any]] = json.loads(self.response_json)["output"]
+        return next((item for item in [*self.input_items, *output]
+                     if item.get("id") == item_id), None)
 
 
 class ResponseStore:
@@ -58,6 +65,9 @@ class ResponseStore:
         self.max_bytes = max_bytes
         self.used_bytes = 0
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        # Item id: the responses holding it, oldest first (a response's input may list
+        # an item of an earlier one again, under its id).
+        self._item_owners: dict[str, list[str]] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -72,12 +82,15 @@ class ResponseStore:
         self.delete(response.id)
         if size > self.max_bytes:
             return
+        item_ids = tuple(item["id"] for item in input_items) + tuple(
+            item.id for item in response.output)
         self._entries[response.id] = StoredResponse(response_json, conversation, items_json,
-                                                    size)
+                                                    size, item_ids)
+        for item_id in item_ids:
+            self._item_owners.setdefault(item_id, []).append(response.id)
         self.used_bytes += size
         while self.used_bytes > self.max_bytes:
-            _, oldest = self._entries.popitem(last=False)
-            self.used_bytes -= oldest.size
+            self.delete(next(iter(self._entries)))
 
     def get(self, response_id: str) -> StoredResponse | None:
         entry = self._entries.get(response_id)
@@ -85,9 +98,20 @@ class ResponseStore:
             self._entries.move_to_end(response_id)
         return entry
 
+    def item(self, item_id: str) -> dict[str, Any] | None:
+        """A stored item by id (an `item_reference`'s), from the newest response that
+        holds it."""
+        owners = self._item_owners.get(item_id)
+        return None if not owners else self._entries[owners[-1]].item(item_id)
+
     def delete(self, response_id: str) -> bool:
         entry = self._entries.pop(response_id, None)
         if entry is None:
             return False
         self.used_bytes -= entry.size
+        for item_id in entry.item_ids:
+            owners = self._item_owners[item_id]
+            owners.remove(response_id)
+            if not owners:
+                del self._item_owners[item_id]
         return True

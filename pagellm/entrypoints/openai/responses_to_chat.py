@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from pagellm.core.sampling_params import MAX_LOGPROBS
@@ -66,6 +67,29 @@ def conversation_of(history: list[dict[str, Any]], items: str | list[Any]) -> Co
 # The id prefix of each input item type, as OpenAI writes them.
 _ITEM_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
                   "reasoning": "rs"}
+
+
+def resolve_references(items: str | list[Any],
+                       stored_item: Callable[[str], dict[str, Any] | None]) -> str | list[Any]:
+    """The input with each `item_reference` replaced by the stored item it names (an
+    earlier response's input or output item), as OpenAI reads it: clients that keep the
+    history themselves (the AI SDK) send earlier answers back this way. An id not in the
+    store is a 400 naming the item."""
+    if isinstance(items, str):
+        return items
+    resolved = []
+    for index, item in enumerate(items):
+        if isinstance(item, dict) and item.get("type") == "item_reference":
+            where = f"input[{index}]"
+            item_id = required_string(item, "id", where)
+            found = stored_item(item_id)
+            if found is None:
+                raise bad_request(f"{where} refers to item {item_id!r}, which is not stored "
+                                  "(a response made with store: false, deleted, or forgotten "
+                                  "to keep the store within its size)", param=f"{where}.id")
+            item = found
+        resolved.append(item)
+    return resolved
 
 
 def input_items(items: str | list[Any]) -> list[dict[str, Any]]:
@@ -147,8 +171,9 @@ def _input_messages(items: str | list[Any]) -> list[tuple[dict[str, Any], str]]:
     for index, item in enumerate(items):
         where = f"input[{index}]"
         if not isinstance(item, dict):
-            raise bad_request(f"{where} must be an item object (a message, function_call or "
-                              f"function_call_output), got {type(item).__name__}", param=where)
+            raise bad_request(f"{where} must be an item object (a message, function_call, "
+                              "function_call_output or item_reference), got "
+                              f"{type(item).__name__}", param=where)
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
             role = item.get("role")
@@ -174,7 +199,8 @@ def _input_messages(items: str | list[Any]) -> list[tuple[dict[str, Any], str]]:
                              where))
         elif kind != "reasoning":
             raise bad_request(f"{where} has type {kind!r}, which is not supported (message, "
-                              "function_call, function_call_output)", param=f"{where}.type")
+                              "function_call, function_call_output, item_reference)",
+                              param=f"{where}.type")
     return messages
 
 

@@ -52,6 +52,7 @@ from pagellm.entrypoints.openai.responses_to_chat import (
     conversation_of,
     input_items,
     renamed,
+    resolve_references,
     wants_logprobs,
 )
 from pagellm.entrypoints.openai.serving import (
@@ -73,6 +74,7 @@ async def create_response(context: ServerContext, store: ResponseStore,
                           body: ResponsesRequest, raw: Request) -> Response:
     arrival = time.monotonic()
     context.check_model(body.model)
+    body = body.model_copy(update={"input": resolve_references(body.input, store.item)})
     check_options(body)
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
