@@ -184,14 +184,20 @@ def test_chat_logprob_bytes_are_the_tokens_own_bytes() -> None:
     assert TokenText(tokenizer).bytes(added) == list("<café>".encode())
 
 
-def test_colliding_token_texts_keep_the_likeliest_and_the_sampled_logprob() -> None:
+def test_colliding_token_texts_keep_the_likeliest_logprob() -> None:
+    """lm-evaluation-harness calls a scored token greedy when its logprob is the largest
+    value of its top_logprobs: a likelier token of the same text must not hide."""
     class Collide:
         def decode(self, ids: list[int]) -> str:
             return "\ufffd" if ids[0] >= 10 else f"<{ids[0]}>"
 
     entries = [Logprob(12, -3.0, 3, [(5, -0.5), (10, -1.0), (11, -2.0), (12, -3.0)])]
     block = completion_logprobs(entries, TokenText(Collide()), None)
-    assert block.top_logprobs == [{"<5>": -0.5, "\ufffd": -3.0}]
+    assert block.top_logprobs == [{"\ufffd": -1.0, "<5>": -0.5}]
+    assert block.token_logprobs == [-3.0]
+    entries = [Logprob(12, -3.0, 3, [(10, -1.0), (12, -3.0)])]
+    block = completion_logprobs(entries, TokenText(Collide()), 1)
+    assert block.top_logprobs == [{"\ufffd": -1.0}]  # not greedy: -3.0 is not the max
     entries = [Logprob(5, -0.5, 1, [(5, -0.5), (10, -1.0), (11, -2.0)])]
     block = completion_logprobs(entries, TokenText(Collide()), None)
     assert block.top_logprobs == [{"<5>": -0.5, "\ufffd": -1.0}]

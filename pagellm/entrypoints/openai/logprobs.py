@@ -122,11 +122,13 @@ def _top(entry: Logprob, token: str, token_text: TokenText, num_top: int | None 
          ) -> dict[str, float]:
     """{text: logprob} of the scored token, first as in vLLM, then the (first `num_top`)
     alternatives. Distinct tokens can share a text (parts of characters all read U+FFFD):
-    the scored token's own logprob always shows, and of the alternatives the most likely
-    one keeps the key."""
+    the most likely of them keeps the key, so that the largest value is the top
+    token's, as lm-evaluation-harness reads it (a scored token below the top one is not
+    greedy), and the scored token's own logprob stays in `token_logprobs`."""
     top = {token: _finite(entry.logprob)}
     for alternative, logprob in entry.top_logprobs[:num_top]:
-        top.setdefault(token_text(alternative), _finite(logprob))
+        text = token_text(alternative)
+        top[text] = max(top.get(text, -math.inf), _finite(logprob))
     return top
 
 
