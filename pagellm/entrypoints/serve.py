@@ -78,6 +78,10 @@ def add_parser(subparsers: Any) -> None:
     group.add_argument("--enable-kv-cache-events", action="store_true",
                        help="stream the prefix cache's changes (blocks stored, evicted, "
                             "cleared) at GET /kv_cache_events, for prefix-aware routers")
+    group.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                       help="serve GET /tokenizer_info: the tokenizer's configuration and "
+                            "chat template (vLLM's; lm-evaluation-harness's remote "
+                            "tokenizer reads it)")
     group.add_argument("--log-level", default="info",
                        choices=("critical", "error", "warning", "info", "debug"),
                        help="server log level (default: %(default)s)")
@@ -196,6 +200,7 @@ def server_settings(args: argparse.Namespace, launch_time: float, address: str
         reasoning_parser=args.reasoning_parser,
         allowed_origins=args.allowed_origins, allow_credentials=args.allow_credentials,
         allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
+        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         launch_time=launch_time, address=address)
 
 

@@ -901,6 +901,8 @@ def test_tokenize_gives_the_tokens_each_endpoint_sends(server: Server,
 
     decoded = httpx.post(f"{server.url}/detokenize", json={"tokens": rendered["tokens"]})
     assert decoded.status_code == 200, decoded.text
+    # Only with --enable-tokenizer-info-endpoint, as in vLLM (see the next test).
+    assert httpx.get(f"{server.url}/tokenizer_info").status_code == 404
     assert decoded.json()["prompt"].startswith("<|im_start|>system\n" + SYSTEM_PROMPT)
     assert decoded.json()["prompt"].endswith("<|im_start|>assistant\n")
 
@@ -912,8 +914,16 @@ def test_serve_renders_chat_with_the_chat_template_option(
     folder = tmp_path_factory.mktemp("template")
     (folder / "plain.jinja").write_text(
         "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:")
-    templated = start_server(folder, "--chat-template", str(folder / "plain.jinja"))
+    templated = start_server(folder, "--chat-template", str(folder / "plain.jinja"),
+                             "--enable-tokenizer-info-endpoint")
     try:
+        # vLLM's /tokenizer_info, which lm-evaluation-harness's remote tokenizer reads:
+        # the configuration, with the template chats are rendered with.
+        info = httpx.get(f"{templated.url}/tokenizer_info").json()
+        assert info["chat_template"] == (folder / "plain.jinja").read_text()
+        assert info["eos_token"] == "<|im_end|>" and info["tokenizer_class"]
+        assert info["added_tokens_decoder"]["0"] == "<|endoftext|>"
+        assert not any(key.endswith("_file") or key == "name_or_path" for key in info)
         messages = [{"role": "user", "content": "What is a cat?"}]
         rendered = httpx.post(f"{templated.url}/tokenize", json={"messages": messages}).json()
         decoded = httpx.post(f"{templated.url}/detokenize",

@@ -57,7 +57,11 @@ from pagellm.entrypoints.openai.serving_responses import (
     list_input_items,
     retrieve_response,
 )
-from pagellm.entrypoints.openai.serving_tokenization import detokenize, tokenize
+from pagellm.entrypoints.openai.serving_tokenization import (
+    detokenize,
+    tokenize,
+    tokenizer_info,
+)
 from pagellm.entrypoints.openai.stats_logger import log_stats_forever
 from pagellm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 
@@ -88,6 +92,7 @@ class ServerSettings:
     allow_credentials: bool = False
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (vLLM's option)
     launch_time: float = field(default_factory=time.perf_counter)
     # host:port as bound (the real port when --port 0 let the OS choose), for the log.
     address: str = ""
@@ -194,6 +199,11 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize_route(body: DetokenizeRequest) -> DetokenizeResponse:
         return await detokenize(context, body)
+
+    if settings.enable_tokenizer_info_endpoint:
+        @app.get("/tokenizer_info")
+        async def tokenizer_info_route() -> Response:
+            return JSONResponse(tokenizer_info(context.engine.tokenizer))
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:

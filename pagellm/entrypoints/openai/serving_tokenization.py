@@ -8,6 +8,8 @@ very code the generation endpoints use: `prompt` is encoded as completions encod
 
 from __future__ import annotations
 
+from typing import Any
+
 from pagellm.entrypoints.openai.errors import bad_request
 from pagellm.entrypoints.openai.protocol import (
     DetokenizeRequest,
@@ -47,6 +49,31 @@ async def tokenize(context: ServerContext, body: TokenizeRequest) -> TokenizeRes
                       context.engine.tokenizer.convert_ids_to_tokens(token_ids)]
     return TokenizeResponse(count=len(token_ids), max_model_len=context.engine.max_model_len,
                             tokens=token_ids, token_strs=token_strs)
+
+
+def tokenizer_info(tokenizer: Any) -> dict[str, Any]:
+    """vLLM's GET /tokenizer_info: what the tokenizer was configured with (its
+    tokenizer_config.json, special tokens as their text), its class and the chat
+    template the server renders with (the --chat-template one, if given), from which a
+    client such as lm-evaluation-harness tokenizes through /tokenize and renders chats
+    itself. Paths on the server mean nothing to a client and are left out."""
+    config = {key: _json_value(value) for key, value in tokenizer.init_kwargs.items()
+              if not key.endswith("_file") and key != "name_or_path"}
+    config["tokenizer_class"] = type(tokenizer).__name__
+    if getattr(tokenizer, "chat_template", None):
+        config["chat_template"] = tokenizer.chat_template
+    return config
+
+
+def _json_value(value: Any) -> Any:
+    """A configuration value as JSON: an added token as its text."""
+    if isinstance(value, dict):
+        return {str(key): _json_value(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_value(item) for item in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return getattr(value, "content", str(value))
 
 
 async def detokenize(context: ServerContext, body: DetokenizeRequest) -> DetokenizeResponse:
