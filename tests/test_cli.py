@@ -42,7 +42,7 @@ def test_top_level_help_lists_the_subcommands(capsys: pytest.CaptureFixture[str]
         main(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    for command in ("serve", "generate", "chat", "bench"):
+    for command in ("serve", "run-batch", "generate", "chat", "bench"):
         assert command in out
 
 
@@ -53,7 +53,7 @@ def test_bench_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--workload" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("command", ["serve", "generate", "chat"])
+@pytest.mark.parametrize("command", ["serve", "run-batch", "generate", "chat"])
 def test_subcommand_help_is_complete(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main([command, "--help"])
@@ -64,6 +64,8 @@ def test_subcommand_help_is_complete(command: str, capsys: pytest.CaptureFixture
     own = {"serve": ["--host", "--port", "--api-key", "--served-model-name",
                      "--max-request-bytes", "--shutdown-timeout", "--allowed-origins",
                      "--enable-kv-cache-events"],
+           "run-batch": ["--input-file", "--output-file", "--served-model-name",
+                         "--tool-call-parser", "--chat-template"],
            "generate": ["--input", "--output", "--system", "--max-tokens", "--temperature"],
            "chat": ["--system", "--max-tokens", "--temperature"]}[command]
     for flag in own:
@@ -133,6 +135,10 @@ def test_byte_size_rejects(text: str) -> None:
     ["serve", "--allowed-headers", '["x", 1]'],
     ["generate", "x", "--generation-config", "/nonexistent/folder"],
     ["serve", "--override-generation-config", '{"max_tokens": 5}'],
+    ["run-batch", "-o", "/tmp/out.jsonl"],
+    ["run-batch", "-i", "/nonexistent/batch.jsonl", "-o", "/tmp/out.jsonl"],
+    ["run-batch", "-i", "/dev/null", "-o", "/nonexistent/dir/out.jsonl"],
+    ["run-batch", "-i", "/dev/null", "-o", "/tmp/o.jsonl", "--tool-call-parser", "mistral"],
 ])
 def test_bad_options_fail_before_loading_the_model(argv: list[str],
                                                    capsys: pytest.CaptureFixture[str]) -> None:
@@ -194,6 +200,48 @@ def test_generate_jsonl_shows_cached_tokens_for_a_repeated_system_prompt(tmp_pat
     assert "not JSON" in records[1]["error"]
     assert all(r["cached_tokens"] >= 32 for r in (records[2], records[3])), records
     assert "from the prefix cache" in result.stderr
+
+
+def test_run_batch_answers_each_line_as_the_server_would(tmp_path: Path) -> None:
+    """vLLM's run-batch on OpenAI's batch format: results in input order, each the
+    server's answer (its status and body), a shared system prompt computed once, and a
+    line that cannot run answered with its reason while the others run."""
+    def line(custom_id: str, url: str, body: dict[str, object]) -> str:
+        return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+
+    def ask(question: str) -> dict[str, object]:
+        return {"model": "gpt-4o-mini", "max_tokens": 6, "temperature": 0, "messages": [
+            {"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]}
+
+    source = tmp_path / "batch.jsonl"
+    source.write_text("\n".join([
+        line("fruit", "/v1/chat/completions", ask("Name a fruit.")),
+        line("river", "/v1/chat/completions", ask("Name a river.")),
+        line("text", "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 4}),
+        line("resp", "/v1/responses", {"input": "Say hi.", "max_output_tokens": 4}),
+        line("cold", "/v1/chat/completions", {**ask("x"), "temperature": -1}),
+        line("embed", "/v1/embeddings", {"input": "x"}),
+        line("stream", "/v1/completions", {"prompt": "x", "stream": True}),
+        "{not json", ""]) + "\n")
+    target = tmp_path / "results.jsonl"
+    result = run_cli("run-batch", "-i", str(source), "-o", str(target),
+                     "--served-model-name", "gpt-4o-mini", *SMALL_ENGINE)
+    assert result.returncode == 1, result.stderr  # some lines failed
+    results = [json.loads(text) for text in target.read_text().splitlines()]
+    assert [r["custom_id"] for r in results] == [
+        "fruit", "river", "text", "resp", "cold", "embed", "stream", None]
+    assert [r["response"]["status_code"] for r in results] == [200] * 4 + [400] * 4
+    fruit, river, text, resp = (r["response"]["body"] for r in results[:4])
+    assert fruit["choices"][0]["message"]["content"] and fruit["model"] == "gpt-4o-mini"
+    assert results[0]["response"]["request_id"] == fruit["id"] and results[0]["error"] is None
+    assert river["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
+    assert text["object"] == "text_completion" and resp["object"] == "response"
+    assert "temperature" in results[4]["error"]["message"]
+    assert results[4]["error"] == results[4]["response"]["body"]["error"]
+    assert "url must be one of" in results[5]["error"]["message"]
+    assert "cannot stream" in results[6]["error"]["message"]
+    assert "not a JSON object" in results[7]["error"]["message"]
+    assert "4/8 requests done" in result.stderr and "from the prefix cache" in result.stderr
 
 
 def test_generate_jsonl_bad_lines_spoil_only_themselves(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
-"""The `pagellm` command: serve, generate, chat, bench.
+"""The `pagellm` command: serve, run-batch, generate, chat, bench.
 
-serve, generate and chat take the engine options (one definition, in engine_args) plus
-their own; options are validated before the model loads, so a typo fails in
+serve, run-batch, generate and chat take the engine options (one definition, in
+engine_args) plus their own; options are validated before the model loads, so a typo fails in
 milliseconds, and a model that cannot load ends with one clear line instead of a
 traceback. bench builds its own engines (one per contender) from its own options.
 """
@@ -22,7 +22,7 @@ from pagellm.engine.async_engine import AsyncLLMEngine
 from pagellm.engine.chat_template import load_chat_template, use_chat_template
 from pagellm.engine.config import EngineConfig
 from pagellm.engine.llm_engine import LLMEngine
-from pagellm.entrypoints import chat, generate, serve
+from pagellm.entrypoints import chat, generate, run_batch, serve
 from pagellm.entrypoints.engine_args import engine_config_from_args, unrecognized
 from pagellm.entrypoints.sampling_args import sampling_params_from_args
 from pagellm.logger import LOG_FORMAT
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version",
                         version=f"pagellm {pagellm.__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (serve, generate, chat):
+    for module in (serve, run_batch, generate, chat):
         module.add_parser(subparsers)
     add_bench_parser(subparsers)
     for command_parser in subparsers.choices.values():
@@ -51,6 +51,9 @@ def _runner(args: argparse.Namespace, launch_time: float) -> Callable[[Any], int
         serve.check_parser_args(args)
         sock = serve.bind(args)
         return lambda engine: serve.run(args, engine, launch_time, sock)
+    if args.command == "run-batch":
+        run_batch.check_args(args)
+        return lambda engine: run_batch.run(args, engine)
     sampling_params_from_args(args)
     if args.command == "generate":
         generate.check_args(args)
@@ -70,7 +73,7 @@ def _start(args: argparse.Namespace, config: EngineConfig, chat_template: str | 
             use_chat_template(engine.tokenizer, chat_template)
         return engine
 
-    if args.command == "serve":
+    if args.command in ("serve", "run-batch"):
         try:
             engine = AsyncLLMEngine(build)
         except KeyboardInterrupt:

@@ -85,12 +85,12 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--input {args.input}: no such file")
     if args.input is not None and args.input.is_dir():
         raise ValueError(f"--input {args.input}: is a directory, not a file of prompts")
-    if args.output is not None and not _writable(args.output):
+    if args.output is not None and not writable(args.output):
         raise ValueError(f"--output {args.output}: cannot write there (is "
                          f"{args.output.parent} a writable folder?)")
 
 
-def _writable(path: Path) -> bool:
+def writable(path: Path) -> bool:
     """Whether `path` can be opened for writing: an existing file (/dev/stdout too), or a
     new one in a writable folder."""
     if path.exists():
@@ -289,14 +289,17 @@ def run(args: argparse.Namespace, engine: LLMEngine) -> int:
     finally:
         if args.output:
             out.close()
-    _summary(len(jobs), failures, totals, time.perf_counter() - started)
+    print_summary(len(jobs), failures, totals, time.perf_counter() - started, "prompts")
     return 1 if failures else 0
 
 
-def _summary(count: int, failures: int, totals: dict[str, int], seconds: float) -> None:
+def print_summary(count: int, failures: int, totals: dict[str, int], seconds: float,
+                  unit: str) -> None:
+    """One line on stderr: how many `unit` succeeded, and the tokens, cached share and
+    speed of the run."""
     prompt, cached = totals["prompt_tokens"], totals["cached_tokens"]
     share = 100.0 * cached / prompt if prompt else 0.0
-    print(f"{count - failures}/{count} prompts done in {seconds:.2f} s: {prompt} prompt tokens "
+    print(f"{count - failures}/{count} {unit} done in {seconds:.2f} s: {prompt} prompt tokens "
           f"({cached} from the prefix cache, {share:.0f}%), {totals['completion_tokens']} "
           f"generated ({totals['completion_tokens'] / max(seconds, 1e-9):.1f} tok/s)",
           file=sys.stderr)

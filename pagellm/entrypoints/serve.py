@@ -38,9 +38,7 @@ def add_parser(subparsers: Any) -> None:
                        help="address to bind (default: %(default)s)")
     group.add_argument("--port", type=_port, default=8000, metavar="PORT",
                        help="port to bind (default: %(default)s)")
-    group.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                       help="model name(s) clients use; the first is reported in responses "
-                            "(default: the model path's name)")
+    add_answer_args(group)
     group.add_argument("--api-key", default=os.environ.get("PAGELLM_API_KEY"), metavar="KEY",
                        help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on /v1 "
                             "requests, /reset_prefix_cache and /kv_cache_events (default: "
@@ -57,15 +55,6 @@ def add_parser(subparsers: Any) -> None:
                        metavar="S",
                        help="on SIGINT/SIGTERM, seconds running requests get to finish "
                             "before they are aborted (default: %(default)s)")
-    group.add_argument("--enable-auto-tool-choice", action="store_true",
-                       help='answer tool_choice "auto" (the default with tools), reading the '
-                            "model's tool calls with --tool-call-parser")
-    group.add_argument("--tool-call-parser", default=None, metavar="NAME",
-                       help="the model's tool-call syntax: hermes (<tool_call> blocks: "
-                            "Qwen2.5, Qwen3, Hermes, ...) or llama3_json (Llama 3.1-3.3)")
-    group.add_argument("--reasoning-parser", default=None, metavar="NAME",
-                       help="the model's reasoning syntax, read into chat's `reasoning`: "
-                            "deepseek_r1 (<think> ... </think>: DeepSeek R1 and its distills)")
     group.add_argument("--allowed-origins", type=_json_strings, default=[], metavar="JSON",
                        help='origins browsers may call from, as a JSON list (vLLM\'s), e.g. '
                             '\'["https://app.example"]\' or \'["*"]\' (default: none)')
@@ -87,6 +76,23 @@ def add_parser(subparsers: Any) -> None:
                        help="server log level (default: %(default)s)")
     add_chat_template_arg(parser)
     add_engine_args(parser)
+
+
+def add_answer_args(group: Any) -> None:
+    """The options that shape the API's answers, shared by serve and run-batch: the
+    model's names and the parsers of its tool calls and reasoning."""
+    group.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="model name(s) requests use; the first is reported in responses "
+                            "(default: the model path's name)")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='answer tool_choice "auto" (the default with tools), reading the '
+                            "model's tool calls with --tool-call-parser")
+    group.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                       help="the model's tool-call syntax: hermes (<tool_call> blocks: "
+                            "Qwen2.5, Qwen3, Hermes, ...) or llama3_json (Llama 3.1-3.3)")
+    group.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                       help="the model's reasoning syntax, read into chat's `reasoning`: "
+                            "deepseek_r1 (<think> ... </think>: DeepSeek R1 and its distills)")
 
 
 def take_model_tag(args: argparse.Namespace) -> None:

@@ -1,0 +1,169 @@
+"""`pagellm run-batch`: a file of OpenAI batch requests answered offline, as vLLM's
+`vllm run-batch` and OpenAI's Batch API take them.
+
+Each input line is `{"custom_id", "method": "POST", "url", "body"}`; each output line,
+in input order, is `{"id", "custom_id", "response": {"status_code", "request_id",
+"body"}, "error"}`. The bodies go through the server's own app in this process (no
+socket), so a line is answered exactly as `pagellm serve` answers it: the same checks,
+defaults and errors, and one prefix cache, so lines that share a system prompt or a
+document compute it once. Every line is submitted at once, as vLLM does, and the
+scheduler batches them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from pagellm.engine.async_engine import AsyncLLMEngine
+from pagellm.entrypoints import serve
+from pagellm.entrypoints.engine_args import add_chat_template_arg, add_engine_args
+from pagellm.entrypoints.generate import print_summary, writable
+
+URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "run-batch", help="answer a file of OpenAI batch requests offline",
+        description="Answer an OpenAI batch file (JSONL lines of {\"custom_id\", \"method\": "
+                    "\"POST\", \"url\", \"body\"}, url one of " + ", ".join(URLS) + ") as "
+                    "the server would, writing one result line per request in input order "
+                    "(vLLM's `vllm run-batch`).")
+    parser.add_argument("-i", "--input-file", type=Path, required=True, metavar="FILE",
+                        help="the batch file (JSONL)")
+    parser.add_argument("-o", "--output-file", type=Path, required=True, metavar="FILE",
+                        help="where the results go (JSONL)")
+    serve.add_answer_args(parser.add_argument_group("answer options"))
+    add_chat_template_arg(parser)
+    add_engine_args(parser)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Options that can be checked before the engine loads; ValueError names the problem."""
+    if not args.input_file.exists():
+        raise ValueError(f"--input-file {args.input_file}: no such file")
+    if args.input_file.is_dir():
+        raise ValueError(f"--input-file {args.input_file}: is a directory, not a batch file")
+    if not writable(args.output_file):
+        raise ValueError(f"--output-file {args.output_file}: cannot write there (is "
+                         f"{args.output_file.parent} a writable folder?)")
+    serve.check_parser_args(args)
+
+
+def read_requests(path: Path) -> list[dict[str, Any]]:
+    """The file's requests, blank lines skipped; a line that is not one keeps its
+    problem under "error" (and its custom_id where it has one), so the others still run."""
+    requests = []
+    with path.open("rb") as lines:
+        for number, raw in enumerate(lines, 1):
+            if raw.strip():
+                requests.append(_request(number, raw))
+    return requests
+
+
+def _request(number: int, raw: bytes) -> dict[str, Any]:
+    try:
+        line = json.loads(raw.decode("utf-8-sig" if number == 1 else "utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        return {"error": f"line {number}: not a JSON object: {error}"}
+    if not isinstance(line, dict):
+        return {"error": f"line {number}: must be a JSON object"}
+    request = {"custom_id": line.get("custom_id"), "url": line.get("url"),
+               "body": line.get("body")}
+    if not isinstance(request["custom_id"], str):
+        return {**request, "error": f"line {number}: custom_id must be a string"}
+    if line.get("method") != "POST":
+        return {**request, "error": f"line {number}: method must be \"POST\", got "
+                                    f"{line.get('method')!r}"}
+    if request["url"] not in URLS:
+        return {**request, "error": f"line {number}: url must be one of {', '.join(URLS)}, "
+                                    f"got {request['url']!r}"}
+    if not isinstance(request["body"], dict):
+        return {**request, "error": f"line {number}: body must be a JSON object"}
+    if request["body"].get("stream"):
+        return {**request, "error": f"line {number}: a batch request cannot stream; leave "
+                                    "out body.stream"}
+    return request
+
+
+def result_line(request: dict[str, Any], status: int, body: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's result line; a failed request also carries its error object under
+    "error", where vLLM's readers look for it."""
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": request.get("custom_id"),
+            "response": {"status_code": status,
+                         "request_id": body.get("id") or f"req_{uuid.uuid4().hex}",
+                         "body": body},
+            "error": None if status == 200 else body.get("error")}
+
+
+def _usage_totals(lines: list[dict[str, Any]]) -> dict[str, int]:
+    """Prompt, cached and generated tokens of the answered lines, whichever API's usage
+    names they are reported under."""
+    totals = {"prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0}
+    for line in lines:
+        usage = line["response"]["body"].get("usage") or {}
+        details = (usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
+                   or {})
+        totals["prompt_tokens"] += usage.get("prompt_tokens", usage.get("input_tokens", 0))
+        totals["cached_tokens"] += details.get("cached_tokens") or 0
+        totals["completion_tokens"] += usage.get("completion_tokens",
+                                                 usage.get("output_tokens", 0))
+    return totals
+
+
+async def answer_all(engine: AsyncLLMEngine, args: argparse.Namespace,
+                     requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every request's result line, in order, from the server's app in this process."""
+    import httpx
+
+    from pagellm.entrypoints.openai.api_server import ServerSettings, create_app
+
+    app = create_app(engine, ServerSettings(
+        model_names=serve.served_model_names(args), log_stats_interval=None,
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        reasoning_parser=args.reasoning_parser))
+    bar = tqdm(total=len(requests), desc="Answering", unit="request", file=sys.stderr)
+
+    async def answer(client: httpx.AsyncClient, request: dict[str, Any]) -> dict[str, Any]:
+        if "error" in request:
+            line = result_line(request, 400, {"error": {
+                "message": request["error"], "type": "invalid_request_error",
+                "param": None, "code": None}})
+        else:
+            reply = await client.post(request["url"], json=request["body"])
+            line = result_line(request, reply.status_code, reply.json())
+        bar.update(1)
+        return line
+
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://batch", timeout=None) as client:
+            return list(await asyncio.gather(*(answer(client, r) for r in requests)))
+    finally:
+        bar.close()
+
+
+def run(args: argparse.Namespace, engine: AsyncLLMEngine) -> int:
+    """Answers the file, writes the results and a summary line; 1 if any request failed
+    (its line says why), as `generate` does."""
+    started = time.perf_counter()
+    try:
+        lines = asyncio.run(answer_all(engine, args, read_requests(args.input_file)))
+    finally:
+        engine.shutdown()
+    with args.output_file.open("w", encoding="utf-8") as out:
+        for line in lines:
+            out.write(json.dumps(line, ensure_ascii=False) + "\n")
+    answered = [line for line in lines if line["error"] is None]
+    print_summary(len(lines), len(lines) - len(answered), _usage_totals(answered),
+                  time.perf_counter() - started, "requests")
+    return 0 if len(answered) == len(lines) else 1
