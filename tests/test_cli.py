@@ -18,7 +18,7 @@ import pytest
 
 from pagellm.engine.config import EngineConfig
 from pagellm.entrypoints.cli import build_parser, main
-from pagellm.entrypoints.engine_args import NOT_ON_CLI, byte_size, engine_config_from_args
+from pagellm.entrypoints.engine_args import NOT_ON_CLI, EngineArgs, byte_size
 from pagellm.entrypoints.serve import served_model_names, server_settings, take_model_tag
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -74,8 +74,8 @@ def test_subcommand_help_is_complete(command: str, capsys: pytest.CaptureFixture
 
 def test_every_engine_option_maps_to_engine_config() -> None:
     parser = build_parser()
-    defaults = engine_config_from_args(parser.parse_args(["generate", "x"]))
-    assert defaults == EngineConfig()
+    defaults = EngineArgs.from_cli_args(parser.parse_args(["generate", "x"]))
+    assert defaults == EngineArgs()  # EngineConfig's defaults
     args = parser.parse_args([
         "serve", "--model", "/models/m", "--dtype", "bfloat16", "--device", "cpu",
         "--block-size", "32", "--no-enable-prefix-caching", "--prefix-caching-hash-algo",
@@ -85,8 +85,8 @@ def test_every_engine_option_maps_to_engine_config() -> None:
         "--num-threads", "2", "--kv-cache-memory-fraction", "0.5", "--no-cpu-kernels",
         "--enforce-eager", "--generation-config", "vllm", "--override-generation-config",
         '{"temperature": 0.5}'])
-    config = engine_config_from_args(args)
-    assert config == EngineConfig(
+    config = EngineArgs.from_cli_args(args)
+    assert config == EngineArgs(
         model="/models/m", dtype="bfloat16", device="cpu", block_size=32,
         enable_prefix_caching=False, prefix_caching_hash_algo="fast",
         kv_cache_memory_bytes=64 << 20, max_model_len=1024, max_num_batched_tokens=512,
@@ -426,7 +426,7 @@ def test_vllm_spellings_and_wrong_arguments_of_the_python_api() -> None:
     assert list(signature.parameters) == [f.name for f in dataclasses.fields(EngineConfig)]
     assert signature.parameters["block_size"].default == 16
     assert EngineConfig(dtype="float").dtype == "float32"
-    assert engine_config_from_args(build_parser().parse_args(
+    assert EngineArgs.from_cli_args(build_parser().parse_args(
         ["generate", "x", "--dtype", "half"])).dtype == "float16"
     with pytest.raises(ValueError, match="seed must be an integer, got 'x'"):
         EngineConfig(seed="x")  # type: ignore[arg-type]
@@ -440,4 +440,4 @@ def test_vllm_spellings_and_wrong_arguments_of_the_python_api() -> None:
                                         "gpu_memory_utilization, tensor_parallel_size; "
                                         "gpu_memory_utilization is vLLM's: the KV pool is "
                                         "sized by kv_cache_memory_bytes.*block_size"):
-        LLM(gpu_memory_utilization=0.9, tensor_parallel_size=1, enforce_eager=True)
+        LLM(gpu_memory_utilization=0.9, tensor_parallel_size=2, enforce_eager=True)

@@ -40,6 +40,16 @@ class SamplingType(enum.IntEnum):
     RANDOM_SEED = 2
 
 
+class RequestOutputKind(enum.Enum):
+    """What each of a request's outputs holds (vLLM's): everything so far, only what is
+    new since the last output (for streaming without re-reading), or nothing until the
+    final output."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 def _number(name: str, value: object, low: float, high: float, *,
             low_open: bool = False, high_open: bool = False) -> float:
     """Checks that `value` is a real number in the range and returns it as a float.
@@ -318,6 +328,10 @@ class SamplingParams:
       generated). At most 1,024 words; None for none.
     - structured_outputs: a `StructuredOutputsParams` format (JSON schema, regex, choice,
       grammar) every completion must follow, or a dict of its fields; None for free text.
+    - output_kind: a `RequestOutputKind`: CUMULATIVE outputs (the default), DELTA (each
+      output's text, token ids and logprobs are those new since the previous one; the
+      prompt's logprobs come once, with the first) or FINAL_ONLY (only the last output).
+      `LLM.generate` returns whole outputs whatever it says, as vLLM's does.
     """
 
     n: int
@@ -344,6 +358,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None
     bad_words: list[str] | None
     structured_outputs: StructuredOutputsParams | None
+    output_kind: RequestOutputKind
 
     def __init__(
         self,
@@ -372,6 +387,7 @@ class SamplingParams:
         allowed_token_ids: Sequence[int] | None = None,
         bad_words: str | Sequence[str] | None = None,
         structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> None:
         self.n = _integer("n", n)
         if not 1 <= self.n <= MAX_N:
@@ -433,6 +449,10 @@ class SamplingParams:
             raise ValueError(f"bad_words must hold at most {MAX_BAD_WORDS} words, got "
                              f"{len(self.bad_words)}")
         self.structured_outputs = _structured_outputs(structured_outputs)
+        if not isinstance(output_kind, RequestOutputKind):
+            raise ValueError("output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or "
+                             f"FINAL_ONLY), got {output_kind!r}")
+        self.output_kind = output_kind
 
     def truncate(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
         """The prompt as `truncate_prompt_tokens` keeps it: its last tokens. -1 keeps as

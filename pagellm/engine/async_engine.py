@@ -26,15 +26,16 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from pagellm.core.sampling_params import BeamSearchParams, SamplingParams
+from pagellm.core.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from pagellm.engine.config import EngineConfig, refuse_lora
 from pagellm.engine.generation_config import GenerationDefaults
 from pagellm.engine.kv_events import KVEventHub
 from pagellm.engine.llm_engine import EngineStats, LLMEngine, PromptInput
-from pagellm.engine.outputs import RequestOutput
+from pagellm.engine.outputs import OutputShaper, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,8 @@ class RequestFailedError(RuntimeError):
 
 
 class RequestStream:
-    """The cumulative outputs of one request, as an async iterator.
+    """The outputs of one request, as an async iterator: cumulative, or as the request's
+    `output_kind` asks (see OutputShaper).
 
     Use it as an async context manager: leaving the block before the last output (a
     client that disconnected, a cancelled task, an exception) aborts the request, so its
@@ -59,10 +61,12 @@ class RequestStream:
     """
 
     def __init__(self, engine: AsyncLLMEngine, request_id: str, stream: _OutputStream,
-                 num_samples: int = 1) -> None:
+                 num_samples: int = 1,
+                 kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
         self.engine = engine
         self.request_id = request_id
         self._stream = stream
+        self._shaper = OutputShaper(kind)
         self.num_samples = num_samples
         self.finished = False
 
@@ -70,17 +74,19 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        try:
-            output = await self._stream.get()
-        except BaseException:
-            self.abort()
-            raise
-        self.finished = output.finished
-        if output.error is not None:
-            raise RequestFailedError(output.error)
-        return output
+        while not self.finished:
+            try:
+                output = await self._stream.get()
+            except BaseException:
+                self.abort()
+                raise
+            self.finished = output.finished
+            if output.error is not None:
+                raise RequestFailedError(output.error)
+            shaped = self._shaper(output)
+            if shaped is not None:
+                return shaped
+        raise StopAsyncIteration
 
     def abort(self) -> None:
         """Ends the request now unless it already finished; idempotent."""
@@ -162,6 +168,12 @@ class AsyncLLMEngine:
     publishes each step's prefix-cache events (else it is None).
     """
 
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineConfig) -> AsyncLLMEngine:
+        """vLLM's constructor: the engine of an `AsyncEngineArgs` (any `EngineConfig`),
+        built on its thread."""
+        return cls(lambda: LLMEngine(engine_args))
+
     def __init__(self, build: Callable[[], LLMEngine]) -> None:
         """Calls `build` on the engine thread and returns once it has (re-raising what it
         raised): pass `lambda: LLMEngine(config)`, not an engine built here, to keep
@@ -231,6 +243,13 @@ class AsyncLLMEngine:
         """
         stream = _OutputStream(asyncio.get_running_loop())
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        kind = RequestOutputKind.CUMULATIVE
+        if isinstance(sampling_params, SamplingParams):
+            # Shaped as the stream is read: it keeps only the newest output, which must
+            # then hold everything so far.
+            kind = sampling_params.output_kind
+            if kind is not RequestOutputKind.CUMULATIVE:
+                sampling_params = sampling_params.clone(output_kind=RequestOutputKind.CUMULATIVE)
         if (isinstance(sampling_params, SamplingParams)
                 and sampling_params.structured_outputs is not None):
             # Compiled here, not between two steps (see LLMEngine.prepare_format); the
@@ -255,7 +274,28 @@ class AsyncLLMEngine:
         return RequestStream(self, request_id, stream,
                              sampling_params.beam_width
                              if isinstance(sampling_params, BeamSearchParams)
-                             else sampling_params.n)
+                             else sampling_params.n, kind)
+
+    async def generate(
+        self,
+        prompt: PromptInput,
+        sampling_params: SamplingParams | BeamSearchParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        lora_request: None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """The request's outputs as they come (vLLM's `AsyncLLM.generate`): cumulative,
+        or only what is new with `output_kind=RequestOutputKind.DELTA`. Leaving the loop
+        early (a break, a cancelled task) aborts the request. A request the engine
+        refuses raises ValueError; one it fails, RequestFailedError."""
+        refuse_lora(lora_request)
+        stream = await self.add_request(request_id, prompt, sampling_params,
+                                        cache_salt=cache_salt, priority=priority)
+        async with stream:
+            async for output in stream:
+                yield output
 
     def abort(self, request_id: str) -> None:
         """Aborts a request without waiting: safe from `finally` blocks during cancellation.

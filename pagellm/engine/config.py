@@ -48,6 +48,29 @@ VLLM_ONLY_OPTIONS: dict[str, str] = {
 }
 
 
+# vLLM options given the value that asks for what PageLLM does anyway: accepted and
+# ignored, so scripts that spell them out (one GPU, chunked prefill) run unchanged.
+VLLM_NEUTRAL_VALUES: dict[str, tuple[object, ...]] = {
+    "tensor_parallel_size": (1,), "pipeline_parallel_size": (1,), "data_parallel_size": (1,),
+    "enable_chunked_prefill": (True,),
+    "trust_remote_code": (False, True),  # leave to run code that is never loaded
+}
+
+
+def without_neutral_vllm_options(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` less the vLLM options set to a value in VLLM_NEUTRAL_VALUES."""
+    return {name: value for name, value in kwargs.items()
+            if not any(value is neutral or (type(value) is type(neutral) and value == neutral)
+                       for neutral in VLLM_NEUTRAL_VALUES.get(name, ()))}
+
+
+def refuse_lora(lora_request: object) -> None:
+    """vLLM's `lora_request` argument, there for code that passes None through."""
+    if lora_request is not None:
+        raise ValueError("lora_request must be None: PageLLM serves no LoRA adapters (merge "
+                         "the adapter into the weights and load those)")
+
+
 def vllm_only_hints(names: list[str]) -> list[str]:
     """'name is vLLM's: what to do instead', for those of `names` in VLLM_ONLY_OPTIONS."""
     return [f"{name} is vLLM's: {VLLM_ONLY_OPTIONS[name]}" for name in names

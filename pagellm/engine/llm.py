@@ -5,15 +5,20 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
 from tqdm import tqdm
 
-from pagellm.core.sampling_params import BeamSearchParams, SamplingParams
+from pagellm.core.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pagellm.engine.beam_search import BeamSearchOutput, BeamSearchSequence
 from pagellm.engine.chat_template import ChatOptions, Message, render_chat, render_chat_prompt
-from pagellm.engine.config import EngineConfig, vllm_only_hints
+from pagellm.engine.config import (
+    EngineConfig,
+    refuse_lora,
+    vllm_only_hints,
+    without_neutral_vllm_options,
+)
 from pagellm.engine.llm_engine import LLMEngine, PromptInput, is_token_id
 from pagellm.engine.outputs import CompletionOutput, RequestOutput
 from pagellm.logger import ensure_visible_logging
@@ -38,6 +43,10 @@ def _prompt_list(prompts: Any) -> tuple[list[PromptInput], bool]:
     return cast(list[PromptInput], [prompts] if single else list(prompts)), single
 
 
+# `use_tqdm`: whether to draw progress, or (vLLM's) the tqdm-like class to draw it with.
+ProgressOption = bool | Callable[..., Any]
+
+
 class LLM:
     """Runs batches of prompts to completion on one engine.
 
@@ -47,6 +56,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         ensure_visible_logging()
+        kwargs = without_neutral_vllm_options(kwargs)
         unknown = sorted(set(kwargs) - {f.name for f in dataclasses.fields(EngineConfig)})
         if unknown:
             raise TypeError(
@@ -55,6 +65,12 @@ class LLM:
                 + "it takes those of EngineConfig: "
                 + ", ".join(f.name for f in dataclasses.fields(EngineConfig)))
         self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineConfig) -> LLM:
+        """vLLM's constructor: an `EngineArgs` (or any `EngineConfig`)."""
+        return cls(**{f.name: getattr(engine_args, f.name)
+                      for f in dataclasses.fields(EngineConfig)})
 
     @property
     def tokenizer(self) -> Any:
@@ -82,16 +98,21 @@ class LLM:
         self,
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: ProgressOption = True,
         cache_salt: str | None = None,
-        priority: Sequence[int] | None = None,
+        priority: int | Sequence[int] | None = None,
+        lora_request: None = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt; outputs come back in input order.
 
         A single prompt that is invalid raises ValueError. In a list, an invalid prompt
         does not stop the others: its output has `error` set and no completion.
-        `priority`: one per prompt, lower first, with scheduling_policy="priority" (vLLM's).
+        `priority`: one for all prompts or one per prompt, lower first, with
+        scheduling_policy="priority" (vLLM's). `use_tqdm` may also be a tqdm-like class
+        to draw the progress with, as in vLLM. `lora_request` must be None (no adapters
+        here; the argument exists for code that passes None through).
         """
+        refuse_lora(lora_request)
         prompt_list, single = _prompt_list(prompts)
         if isinstance(sampling_params, BeamSearchParams) or (
                 isinstance(sampling_params, Sequence)
@@ -107,8 +128,10 @@ class LLM:
                            else self.get_default_sampling_params()] * len(prompt_list)
         # Checked before anything is queued: a priority the engine would refuse is a
         # programming error, not one prompt's failure.
-        priorities = ([0] * len(prompt_list) if priority is None
-                      else [self.llm_engine.check_priority(p) for p in priority])
+        if isinstance(priority, Iterable) and not isinstance(priority, str):
+            priorities = [self.llm_engine.check_priority(p) for p in priority]
+        else:  # one for all (a bad one is refused by name)
+            priorities = [self.llm_engine.check_priority(priority or 0)] * len(prompt_list)
         if len(priorities) != len(prompt_list):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
         return self._run(prompt_list, params_list, priorities, use_tqdm, cache_salt,
@@ -118,13 +141,15 @@ class LLM:
         self,
         messages: list[Message] | list[list[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: ProgressOption = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         cache_salt: str | None = None,
+        priority: int | Sequence[int] | None = None,
+        lora_request: None = None,
     ) -> list[RequestOutput]:
         """Applies the chat template to one conversation or a list of them, then generates.
 
@@ -147,7 +172,7 @@ class LLM:
         ]
         # One conversation is one prompt: invalid, it raises, as `generate` does.
         return self.generate(prompts[0] if single else prompts, sampling_params, use_tqdm,
-                             cache_salt)
+                             cache_salt, priority, lora_request)
 
     def apply_chat_template(self, messages: list[Message],
                             add_generation_prompt: bool = True) -> list[int]:
@@ -159,7 +184,7 @@ class LLM:
         self,
         prompts: PromptInput | Sequence[PromptInput],
         params: BeamSearchParams,
-        use_tqdm: bool = False,
+        use_tqdm: ProgressOption = False,
         concurrency_limit: int | None = None,
         cache_salt: str | None = None,
     ) -> list[BeamSearchOutput]:
@@ -211,16 +236,19 @@ class LLM:
 
     def _run(self, prompts: list[PromptInput],
              params: Sequence[SamplingParams | BeamSearchParams],
-             priorities: list[int], use_tqdm: bool, cache_salt: str | None,
+             priorities: list[int], use_tqdm: ProgressOption, cache_salt: str | None,
              raise_errors: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         results: list[RequestOutput | None] = [None] * len(prompts)
         positions: dict[str, int] = {}
-        bar = tqdm(total=len(prompts), desc="Generating", unit="req", disable=not use_tqdm,
-                   leave=False)
+        progress = use_tqdm if callable(use_tqdm) else tqdm
+        bar = progress(total=len(prompts), desc="Generating", unit="req",
+                       disable=not use_tqdm, leave=False)
         try:
             for index, (prompt, sp, priority) in enumerate(zip(prompts, params, priorities,
                                                                 strict=True)):
+                if isinstance(sp, SamplingParams) and sp.output_kind is RequestOutputKind.DELTA:
+                    sp = sp.clone(output_kind=RequestOutputKind.FINAL_ONLY)  # whole outputs
                 try:
                     # The engine numbers the requests, so that ids never collide with
                     # those of requests added to `llm_engine` directly.

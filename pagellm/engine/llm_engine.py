@@ -23,13 +23,19 @@ from pagellm.core.config import SchedulerConfig
 from pagellm.core.events import KVCacheEvent
 from pagellm.core.kv_cache_manager import KVCacheManager
 from pagellm.core.request import Request, RequestStatus
-from pagellm.core.sampling_params import BeamSearchParams, SamplingParams
+from pagellm.core.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pagellm.core.scheduler import Scheduler, SchedulerOutput
 from pagellm.engine.beam_searches import BeamSearches
 from pagellm.engine.config import EngineConfig, resolve_device
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.engine.generation_config import load_generation_defaults
-from pagellm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagellm.engine.outputs import (
+    CompletionOutput,
+    Logprob,
+    OutputShaper,
+    RequestMetrics,
+    RequestOutput,
+)
 from pagellm.engine.structured_output import FormatMatcher, GrammarCompiler, allowed_tokens
 from pagellm.engine.text import bad_words_token_ids, encode_text
 from pagellm.model.llama import LlamaForCausalLM
@@ -104,6 +110,8 @@ class _Group:
     prompt_logprobs: list[Logprob | None] | None = None
     bad_words: BadWords | None = None
     error: str | None = None
+    shaper: OutputShaper = field(
+        default_factory=lambda: OutputShaper(RequestOutputKind.CUMULATIVE))
 
     @property
     def finished(self) -> bool:
@@ -213,6 +221,15 @@ class LLMEngine:
             ", decode steps from CUDA graphs" if graphs else "")
 
     # ---- requests -------------------------------------------------------------------
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineConfig) -> LLMEngine:
+        """vLLM's constructor: an `EngineArgs` (or any `EngineConfig`)."""
+        return cls(engine_args)
+
+    def get_tokenizer(self) -> Any:
+        """vLLM's accessor of `tokenizer` (None with skip_tokenizer_init)."""
+        return self.tokenizer
 
     def tokenize_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         """A prompt is text, token ids (a list, tuple or 1-D array), or a prompt dict
@@ -375,7 +392,7 @@ class LLMEngine:
         assert leader is not None
         group = _Group(request_id, text, token_ids, samples, RequestMetrics(arrival),
                        prompt_logprobs=None if params.prompt_logprobs is None else [None],
-                       bad_words=bad_words)
+                       bad_words=bad_words, shaper=OutputShaper(params.output_kind))
         for sample in samples:
             group.by_core_id[sample.request.request_id] = sample
             self._core_to_group[sample.request.request_id] = group
@@ -641,7 +658,9 @@ class LLMEngine:
         for group in changed.values():
             group.metrics.last_token_time = now
             group.metrics.token_times.append(now)
-            outputs.append(self._output(group))
+            output = self._output(group)
+            if output is not None:
+                outputs.append(output)
             if group.finished:
                 group.metrics.finished_time = now
                 self._forget(group)
@@ -672,7 +691,8 @@ class LLMEngine:
         else:
             self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
 
-    def _output(self, group: _Group) -> RequestOutput:
+    def _output(self, group: _Group) -> RequestOutput | None:
+        """The group's output as its output_kind shapes it (None: held back)."""
         completions = []
         for sample in group.samples:
             request = sample.request
@@ -688,7 +708,7 @@ class LLMEngine:
                                     if sample.logprobs is not None else None),
             ))
         leader = group.samples[0].request
-        return RequestOutput(
+        return group.shaper(RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,
             prompt_token_ids=group.prompt_token_ids,
@@ -699,7 +719,7 @@ class LLMEngine:
             prompt_logprobs=(list(group.prompt_logprobs)
                              if group.prompt_logprobs is not None else None),
             error=group.error,
-        )
+        ))
 
     def _forget(self, group: _Group) -> None:
         self._groups.pop(group.request_id, None)
@@ -717,7 +737,9 @@ class LLMEngine:
             for sample in group.samples:
                 self.scheduler.finish(sample.request, RequestStatus.FINISHED_ERROR)
             group.error = f"internal error while computing this request: {error}"
-            outputs.append(self._output(group))
+            output = self._output(group)
+            assert output is not None  # a finished output is never held back
+            outputs.append(output)
             self._forget(group)
         return outputs
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+
+from pagellm.core.sampling_params import RequestOutputKind
 
 
 @dataclass(frozen=True)
@@ -86,8 +89,8 @@ class CompletionOutput:
     logprobs: list[Logprob] | None = None
     cumulative_logprob: float | None = None
 
-    @property
     def finished(self) -> bool:
+        """A method, as in vLLM (where `RequestOutput.finished` is a field)."""
         return self.finish_reason is not None
 
 
@@ -124,3 +127,35 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first
     # (nothing predicts it); filled in as the prompt is computed.
     prompt_logprobs: list[Logprob | None] | None = None
+
+
+class OutputShaper:
+    """A request's outputs as its `output_kind` asks, made from the engine's cumulative
+    ones: each whole, only what is new since the last one shaped, or the final one
+    only. Shaping from cumulative outputs keeps DELTA right when a reader skipped some
+    (the async engine keeps only each request's newest output): the next delta holds
+    everything since the last one read."""
+
+    def __init__(self, kind: RequestOutputKind) -> None:
+        self.kind = kind
+        self._sent: dict[int, tuple[int, int, int]] = {}  # index: text, tokens, logprobs
+        self._prompt_logprobs_sent = False
+
+    def __call__(self, output: RequestOutput) -> RequestOutput | None:
+        """The output to hand on, or None where FINAL_ONLY holds it back."""
+        if self.kind is RequestOutputKind.CUMULATIVE:
+            return output
+        if self.kind is RequestOutputKind.FINAL_ONLY:
+            return output if output.finished else None
+        completions = []
+        for completion in output.outputs:
+            text, tokens, logprobs = self._sent.get(completion.index, (0, 0, 0))
+            completions.append(dataclasses.replace(
+                completion, text=completion.text[text:],
+                token_ids=completion.token_ids[tokens:],
+                logprobs=None if completion.logprobs is None else completion.logprobs[logprobs:]))
+            self._sent[completion.index] = (len(completion.text), len(completion.token_ids),
+                                            len(completion.logprobs or ()))
+        prompt_logprobs = None if self._prompt_logprobs_sent else output.prompt_logprobs
+        self._prompt_logprobs_sent = True
+        return dataclasses.replace(output, outputs=completions, prompt_logprobs=prompt_logprobs)

@@ -23,7 +23,7 @@ from pagellm.engine.chat_template import load_chat_template, use_chat_template
 from pagellm.engine.config import EngineConfig
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.entrypoints import chat, generate, run_batch, serve
-from pagellm.entrypoints.engine_args import engine_config_from_args, unrecognized
+from pagellm.entrypoints.engine_args import EngineArgs, unrecognized
 from pagellm.entrypoints.sampling_args import sampling_params_from_args
 from pagellm.logger import LOG_FORMAT
 
@@ -99,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "serve":
             serve.take_model_tag(args)
-        config = engine_config_from_args(args)
+        config = EngineArgs.from_cli_args(args)
         template = (None if args.chat_template is None
                     else load_chat_template(args.chat_template))
         run = _runner(args, launch_time)

@@ -1,8 +1,9 @@
 """The engine's command-line options, and the one mapping from them to `EngineConfig`.
 
-Every subcommand calls `add_engine_args` and `engine_config_from_args`, so an option
+Every subcommand calls `add_engine_args` and `EngineArgs.from_cli_args`, so an option
 means the same everywhere and a new `EngineConfig` field is added to the CLI once.
 Defaults are read from `EngineConfig` itself so the CLI can never drift from the API.
+`EngineArgs` is that mapping under vLLM's names, for scripts written against vLLM.
 """
 
 from __future__ import annotations
@@ -151,9 +152,22 @@ def add_chat_template_arg(parser: argparse.ArgumentParser) -> None:
                              "of the model's (for a model without one, say)")
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The `EngineConfig` of parsed options; raises ValueError naming a bad option."""
-    values: dict[str, Any] = {field.name: getattr(args, field.name)
-                              for field in dataclasses.fields(EngineConfig)
-                              if hasattr(args, field.name)}
-    return EngineConfig(**values)
+class EngineArgs(EngineConfig):
+    """vLLM's `EngineArgs` (and `AsyncEngineArgs`): an `EngineConfig` (same fields, and
+    what every engine takes) with vLLM's command-line round trip, so its scripts run:
+    `EngineArgs.add_cli_args(parser)`, then `EngineArgs.from_cli_args(parser.parse_args())`
+    and `LLMEngine.from_engine_args(...)`."""
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        add_engine_args(parser)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The configuration of parsed options; raises ValueError naming a bad option."""
+        return cls(**{field.name: getattr(args, field.name)
+                      for field in dataclasses.fields(EngineConfig) if hasattr(args, field.name)})
+
+
+AsyncEngineArgs = EngineArgs

@@ -1,0 +1,149 @@
+"""vLLM's Python API where its scripts reach past `LLM.generate`: its import paths, the
+`EngineArgs` round trip and `from_engine_args`, `output_kind` (DELTA / FINAL_ONLY) on
+the step loop and on `AsyncLLMEngine.generate`, and the arguments its wrappers pass
+through. Each is checked against what the same request gives cumulatively."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import Any
+
+import pytest
+from tqdm import tqdm
+
+from pagellm import (
+    LLM,
+    AsyncEngineArgs,
+    AsyncLLMEngine,
+    EngineArgs,
+    LLMEngine,
+    RequestOutputKind,
+    SamplingParams,
+)
+from tests.engine.conftest import assert_idle
+
+SMALL = ["--kv-cache-memory-bytes", "32MiB", "--max-model-len", "512"]
+PROMPT = "The three primary colours are"
+
+
+def run_all(engine: LLMEngine) -> list[Any]:
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs.extend(engine.step())
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def engine() -> LLMEngine:
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    engine_args = EngineArgs.from_cli_args(parser.parse_args(SMALL))
+    assert isinstance(engine_args, EngineArgs) and engine_args.max_model_len == 512
+    return LLMEngine.from_engine_args(engine_args)
+
+
+def test_vllm_import_paths() -> None:
+    from pagellm.outputs import CompletionOutput, RequestOutput
+    from pagellm.sampling_params import (
+        BeamSearchParams,
+        RequestOutputKind,
+        SamplingParams,
+        StructuredOutputsParams,
+    )
+
+    assert SamplingParams().output_kind is RequestOutputKind.CUMULATIVE
+    assert BeamSearchParams(beam_width=2, max_tokens=4).beam_width == 2
+    assert StructuredOutputsParams(regex="a+").regex == "a+"
+    assert CompletionOutput(0, "", [], "stop").finished()  # a method, as in vLLM
+    assert RequestOutput.__name__ == "RequestOutput"
+    with pytest.raises(ValueError, match="output_kind must be a RequestOutputKind"):
+        SamplingParams(output_kind="delta")  # type: ignore[arg-type]
+
+
+def test_delta_outputs_add_up_to_the_cumulative_ones(engine: LLMEngine) -> None:
+    """n=2 sampled with a seed: each sample's pieces (text, token ids, logprobs) join
+    into what the cumulative request gives, and the prompt's logprobs come once."""
+    assert engine.get_tokenizer() is engine.tokenizer
+    params = dict(n=2, max_tokens=10, temperature=1.0, seed=7, logprobs=1, prompt_logprobs=1)
+    engine.add_request("whole", PROMPT, SamplingParams(**params))
+    (whole,) = [o for o in run_all(engine) if o.finished]
+    engine.add_request("delta", PROMPT, SamplingParams(**params,
+                                                       output_kind=RequestOutputKind.DELTA))
+    pieces = run_all(engine)
+    assert len(pieces) > 1 and pieces[-1].finished and not pieces[0].finished
+    assert pieces[0].prompt_logprobs == whole.prompt_logprobs
+    assert all(piece.prompt_logprobs is None for piece in pieces[1:])
+    for index, completion in enumerate(whole.outputs):
+        parts = [piece.outputs[index] for piece in pieces]
+        assert "".join(part.text for part in parts) == completion.text
+        assert [t for part in parts for t in part.token_ids] == completion.token_ids
+        assert [lp for part in parts for lp in part.logprobs or []] == completion.logprobs
+        assert parts[-1].finish_reason == completion.finish_reason
+    engine.add_request("final", PROMPT, SamplingParams(
+        **params, output_kind=RequestOutputKind.FINAL_ONLY))
+    (final,) = run_all(engine)
+    assert final.finished and [c.text for c in final.outputs] == [c.text for c in whole.outputs]
+    assert_idle(engine)
+
+
+def test_llm_takes_vllms_arguments() -> None:
+    """from_engine_args, options that ask for what PageLLM does anyway, one priority for
+    all prompts, lora_request=None, a tqdm class, and whole outputs from generate
+    whatever the output_kind."""
+    llm = LLM.from_engine_args(EngineArgs(kv_cache_memory_bytes=32 << 20, max_model_len=512))
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    (expected,) = llm.generate(PROMPT, greedy, use_tqdm=False)
+    bars: list[Any] = []
+
+    class Bar(tqdm):  # type: ignore[type-arg]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            bars.append(self)
+
+    outputs = llm.generate([PROMPT, PROMPT], greedy.clone(output_kind=RequestOutputKind.DELTA),
+                           use_tqdm=Bar, priority=0, lora_request=None)
+    assert [o.outputs[0].text for o in outputs] == [expected.outputs[0].text] * 2
+    assert len(bars) == 1 and bars[0].n == 2
+    chat = llm.chat([{"role": "user", "content": "Hi"}], greedy, use_tqdm=False, priority=0)
+    assert chat[0].outputs[0].text
+    with pytest.raises(ValueError, match="lora_request must be None"):
+        llm.generate(PROMPT, greedy, lora_request=object())  # type: ignore[arg-type]
+    assert_idle(llm.llm_engine)
+    neutral = LLM(kv_cache_memory_bytes=32 << 20, max_model_len=512, tensor_parallel_size=1,
+                  enable_chunked_prefill=True, trust_remote_code=True)
+    assert neutral.generate(PROMPT, greedy, use_tqdm=False)[0].outputs[0].text == \
+        expected.outputs[0].text
+    with pytest.raises(TypeError, match="tensor_parallel_size is vLLM's"):
+        LLM(tensor_parallel_size=2)
+
+
+def test_async_generate_streams_deltas_and_aborts_when_left() -> None:
+    """vLLM's `AsyncLLM.generate` loop: DELTA pieces join into the cumulative answer,
+    and breaking out of the loop frees the request at once."""
+    engine = AsyncLLMEngine.from_engine_args(
+        AsyncEngineArgs(kv_cache_memory_bytes=32 << 20, max_model_len=512))
+    greedy = SamplingParams(max_tokens=12, temperature=0)
+
+    async def scenario() -> tuple[str, list[str]]:
+        whole = ""
+        async for output in engine.generate(PROMPT, greedy, "whole"):
+            whole = output.outputs[0].text
+        pieces = [output.outputs[0].text async for output in engine.generate(
+            PROMPT, greedy.clone(output_kind=RequestOutputKind.DELTA), "delta")]
+        async for output in engine.generate(PROMPT, greedy.clone(max_tokens=400,
+                                                                 ignore_eos=True), "left"):
+            if len(output.outputs[0].token_ids) >= 2:
+                break
+        return whole, pieces
+
+    try:
+        whole, pieces = asyncio.run(scenario())
+        assert len(pieces) > 1 and "".join(pieces) == whole
+        deadline = 100
+        while engine.engine.has_unfinished_requests() and deadline:
+            asyncio.run(asyncio.sleep(0.05))
+            deadline -= 1
+        assert not engine.engine.has_unfinished_requests()
+    finally:
+        engine.shutdown()
+    assert_idle(engine.engine)
