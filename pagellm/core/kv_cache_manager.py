@@ -91,17 +91,18 @@ class KVCacheManager:
         Never the last token: its logits are needed, so at least one token is always
         computed, even when the whole prompt is cached.
         """
-        if not self.enable_caching or self._scores_prompt(request):
+        if not self.enable_caching or self._skips_reading(request):
             return 0
         return (request.num_tokens - 1) // self.block_size
 
     @staticmethod
-    def _scores_prompt(request: Request) -> bool:
-        """Whether the request still needs the logits of every prompt position (prompt
-        logprobs), which a cached block does not have. Once it has an output token, its
-        prompt was scored (a resume after preemption), so it reads the cache like any
-        other; it is not counted in the hit rate before that."""
-        return (request.sampling_params.prompt_logprobs is not None
+    def _skips_reading(request: Request) -> bool:
+        """Whether the request's prompt must be computed whole: it asked so
+        (`skip_reading_prefix_cache`), as a request for prompt logprobs does, which needs
+        the logits of every prompt position, and a cached block has none. Once it has an
+        output token its prompt was computed (a resume after preemption), so it reads the
+        cache like any other; it is not counted in the hit rate before that."""
+        return (bool(request.sampling_params.skip_reading_prefix_cache)
                 and request.num_output_tokens == 0)
 
     def find_cached_prefix(self, request: Request) -> tuple[list[KVBlock], int]:
@@ -173,7 +174,7 @@ class KVCacheManager:
         if held is None:
             held = self.req_to_blocks[request.request_id] = []
             self._num_cached_blocks[request.request_id] = len(cached_blocks)
-            if not self._scores_prompt(request):
+            if not self._skips_reading(request):
                 self._queries += request.num_tokens
                 self._hits += len(cached_blocks) * self.block_size
         self.pool.touch(cached_blocks)

@@ -328,6 +328,10 @@ class SamplingParams:
       generated). At most 1,024 words; None for none.
     - structured_outputs: a `StructuredOutputsParams` format (JSON schema, regex, choice,
       grammar) every completion must follow, or a dict of its fields; None for free text.
+    - skip_reading_prefix_cache: compute the prompt whole instead of reading its cached
+      blocks (it still caches its own for others), e.g. to time a cold prefill; None
+      (vLLM's default) means True with prompt_logprobs, which need every position
+      computed, and False otherwise.
     - output_kind: a `RequestOutputKind`: CUMULATIVE outputs (the default), DELTA (each
       output's text, token ids and logprobs are those new since the previous one; the
       prompt's logprobs come once, with the first) or FINAL_ONLY (only the last output).
@@ -358,6 +362,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None
     bad_words: list[str] | None
     structured_outputs: StructuredOutputsParams | None
+    skip_reading_prefix_cache: bool
     output_kind: RequestOutputKind
 
     def __init__(
@@ -387,6 +392,7 @@ class SamplingParams:
         allowed_token_ids: Sequence[int] | None = None,
         bad_words: str | Sequence[str] | None = None,
         structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None,
+        skip_reading_prefix_cache: bool | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> None:
         self.n = _integer("n", n)
@@ -449,6 +455,13 @@ class SamplingParams:
             raise ValueError(f"bad_words must hold at most {MAX_BAD_WORDS} words, got "
                              f"{len(self.bad_words)}")
         self.structured_outputs = _structured_outputs(structured_outputs)
+        if skip_reading_prefix_cache is None:
+            skip_reading_prefix_cache = self.prompt_logprobs is not None
+        self.skip_reading_prefix_cache = _flag("skip_reading_prefix_cache",
+                                               skip_reading_prefix_cache)
+        if self.prompt_logprobs is not None and not self.skip_reading_prefix_cache:
+            raise ValueError("prompt_logprobs need every prompt position computed: "
+                             "skip_reading_prefix_cache cannot be False with them")
         if not isinstance(output_kind, RequestOutputKind):
             raise ValueError("output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or "
                              f"FINAL_ONLY), got {output_kind!r}")

@@ -147,3 +147,26 @@ def test_async_generate_streams_deltas_and_aborts_when_left() -> None:
     finally:
         engine.shutdown()
     assert_idle(engine.engine)
+
+
+def test_skip_reading_prefix_cache_computes_the_prompt_whole(engine: LLMEngine) -> None:
+    """vLLM's `skip_reading_prefix_cache`: the prompt is computed though it is cached
+    (the same greedy tokens), it is left out of the hit rate, and its blocks are still
+    cached for the next request; prompt logprobs imply it and cannot turn it off."""
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    engine.add_request("warm", PROMPT * 4, greedy)
+    (warm,) = [o for o in run_all(engine) if o.finished]
+    before = engine.get_stats()
+    engine.add_request("cold", PROMPT * 4, greedy.clone(skip_reading_prefix_cache=True))
+    (cold,) = [o for o in run_all(engine) if o.finished]
+    after = engine.get_stats()
+    assert cold.num_cached_tokens == 0 and cold.outputs[0].token_ids == warm.outputs[0].token_ids
+    assert after.prefix_cache_queries == before.prefix_cache_queries
+    engine.add_request("again", PROMPT * 4, greedy)
+    (again,) = [o for o in run_all(engine) if o.finished]
+    assert again.num_cached_tokens > 0
+    assert SamplingParams(prompt_logprobs=0).skip_reading_prefix_cache
+    assert not SamplingParams().skip_reading_prefix_cache
+    with pytest.raises(ValueError, match="skip_reading_prefix_cache cannot be False"):
+        SamplingParams(prompt_logprobs=0, skip_reading_prefix_cache=False)
+    assert_idle(engine)
