@@ -269,6 +269,14 @@ class Scheduler:
         forks = self._siblings.pop(request.request_id, []) if samples else []
         return ScheduledRequest(request, num_new, samples, forks)
 
+    def preempt_running(self) -> None:
+        """Preempts every running request between two steps, freeing all their blocks;
+        each recomputes once admitted again (vLLM's `reset_prefix_cache(
+        reset_running_requests=True)`, which needs no block held)."""
+        for request in reversed(self.running):
+            self._preempt(request)
+        self.running.clear()
+
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)
         request.num_computed_tokens = 0

@@ -311,10 +311,12 @@ class AsyncLLMEngine:
 
         self._submit(abort)
 
-    async def reset_prefix_cache(self) -> bool:
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forgets every cached block, between two steps; False while requests hold
-        blocks (see LLMEngine.reset_prefix_cache)."""
-        return await self._call(self.engine.reset_prefix_cache)
+        blocks, unless `reset_running_requests` preempts them (see
+        LLMEngine.reset_prefix_cache)."""
+        return await self._call(functools.partial(self.engine.reset_prefix_cache,
+                                                  reset_running_requests))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Aborts every request (their streams get EngineDeadError) and stops the thread.

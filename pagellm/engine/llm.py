@@ -229,10 +229,11 @@ class LLM:
         return BeamSearchSequence(tokens, completion.logprobs, completion.cumulative_logprob,
                                   text, completion.finish_reason, completion.stop_reason)
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forgets every cached block; True, or False while requests added to
-        `llm_engine` directly hold blocks (between `generate` calls nothing runs)."""
-        return self.llm_engine.reset_prefix_cache()
+        `llm_engine` directly hold blocks (between `generate` calls nothing runs), unless
+        `reset_running_requests` preempts them (see LLMEngine.reset_prefix_cache)."""
+        return self.llm_engine.reset_prefix_cache(reset_running_requests)
 
     def _run(self, prompts: list[PromptInput],
              params: Sequence[SamplingParams | BeamSearchParams],

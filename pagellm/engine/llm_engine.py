@@ -745,8 +745,12 @@ class LLMEngine:
 
     # ---- introspection --------------------------------------------------------------
 
-    def reset_prefix_cache(self) -> bool:
-        """Forgets every cached block; False while requests hold blocks (as in vLLM)."""
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forgets every cached block; False while requests hold blocks (as in vLLM),
+        unless `reset_running_requests` preempts them first: they recompute their
+        prompts and tokens so far, from nothing, and go on (greedy tokens unchanged)."""
+        if reset_running_requests:
+            self.scheduler.preempt_running()
         if self.kv_manager.reset_prefix_cache():
             return True
         logger.warning("prefix cache not reset: %d requests are unfinished; reset when "

@@ -170,3 +170,28 @@ def test_skip_reading_prefix_cache_computes_the_prompt_whole(engine: LLMEngine) 
     with pytest.raises(ValueError, match="skip_reading_prefix_cache cannot be False"):
         SamplingParams(prompt_logprobs=0, skip_reading_prefix_cache=False)
     assert_idle(engine)
+
+
+def test_reset_prefix_cache_can_preempt_the_running_requests(engine: LLMEngine) -> None:
+    """vLLM's reset_prefix_cache(reset_running_requests=True): refused while requests
+    hold blocks, done once they are preempted; they recompute and finish with the
+    tokens they would have given (n=2 samples forked from one prompt included)."""
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    seeded = SamplingParams(n=2, max_tokens=12, temperature=1.0, seed=3, ignore_eos=True)
+    expected = {}
+    for request_id, params in (("g", greedy), ("s", seeded)):
+        engine.add_request(request_id, PROMPT, params)
+        expected.update({o.request_id: [c.token_ids for c in o.outputs]
+                         for o in run_all(engine) if o.finished})
+    assert engine.reset_prefix_cache()
+    engine.add_request("g", PROMPT, greedy)
+    engine.add_request("s", PROMPT, seeded)
+    for _ in range(4):
+        engine.step()
+    assert not engine.reset_prefix_cache()
+    assert engine.reset_prefix_cache(reset_running_requests=True)
+    assert engine.kv_manager.stats().blocks_cached == 0
+    finished = {o.request_id: [c.token_ids for c in o.outputs]
+                for o in run_all(engine) if o.finished}
+    assert finished == expected
+    assert_idle(engine)

@@ -202,8 +202,8 @@ def test_anthropic_clients_may_send_the_key_as_x_api_key(engine: AsyncLLMEngine)
 
 def test_reset_prefix_cache_empties_the_cache_when_idle(engine: AsyncLLMEngine) -> None:
     """vLLM's POST /reset_prefix_cache: a repeat is served from the cache, and after a
-    reset it is computed again; it fails while a request holds blocks, and needs the API
-    key when the server has one."""
+    reset it is computed again; it fails while a request holds blocks unless asked to
+    preempt it, and needs the API key when the server has one."""
     app = create_app(engine, ServerSettings(model_names=[MODEL_NAME], api_key="s3cret"))
     body = {"prompt": "The history of the paged KV cache, told briefly. " * 4, "max_tokens": 1}
     key = {"Authorization": "Bearer s3cret"}
@@ -228,6 +228,13 @@ def test_reset_prefix_cache_empties_the_cache_when_idle(engine: AsyncLLMEngine) 
                 await stream.__anext__()
                 busy = await client.post("/reset_prefix_cache", headers=key)
                 assert busy.json() == {"success": False}
+                # vLLM's query option preempts the holder (it recomputes and goes on).
+                forced = await client.post("/reset_prefix_cache?reset_running_requests=true",
+                                           headers=key)
+                assert forced.json() == {"success": True}
+                async for output in stream:
+                    last = output
+                assert len(last.outputs[0].token_ids) == 50
 
     asyncio.run(run())
 

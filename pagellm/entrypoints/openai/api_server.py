@@ -206,10 +206,12 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
             return JSONResponse(tokenizer_info(context.engine.tokenizer))
 
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> Response:
+    async def reset_prefix_cache(reset_running_requests: bool = False) -> Response:
         """vLLM's (in its dev mode): a cold cache for the next measurement. It fails
-        (`success` false) while requests hold blocks; the caller may retry."""
-        return JSONResponse({"success": await engine.reset_prefix_cache()})
+        (`success` false) while requests hold blocks, unless
+        `?reset_running_requests=true` preempts them; the caller may retry."""
+        return JSONResponse({"success": await engine.reset_prefix_cache(
+            reset_running_requests)})
 
     @app.get("/kv_cache_events")
     async def kv_cache_events() -> Response:
