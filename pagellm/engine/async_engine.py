@@ -232,9 +232,10 @@ class AsyncLLMEngine:
         request_id: str,
         prompt: PromptInput,
         sampling_params: SamplingParams | BeamSearchParams,
-        cache_salt: str | None = None,
+        *,
         arrival_time: float | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Queues a request and returns the stream of its outputs.
 
@@ -260,8 +261,8 @@ class AsyncLLMEngine:
                 self._formats, self.engine.prepare_format, sampling_params)
 
         def add() -> None:
-            self.engine.add_request(request_id, prompt, sampling_params, cache_salt, arrival,
-                                    priority)
+            self.engine.add_request(request_id, prompt, sampling_params, arrival_time=arrival,
+                                    priority=priority, cache_salt=cache_salt)
             self._streams[request_id] = stream
 
         try:

@@ -116,8 +116,8 @@ class BeamSearches:
             while engine.has_request(step_id):
                 step_id += "'"
             engine.add_request(step_id, run.prompt_token_ids + beam.token_ids,
-                               run.step_params, run.cache_salt, run.metrics.arrival_time,
-                               run.priority)
+                               run.step_params, arrival_time=run.metrics.arrival_time,
+                               priority=run.priority, cache_salt=run.cache_salt)
             run.pending.append(step_id)
             self._steps[step_id] = (run, index)
 

@@ -26,7 +26,7 @@ from pagellm.core.request import Request, RequestStatus
 from pagellm.core.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pagellm.core.scheduler import Scheduler, SchedulerOutput
 from pagellm.engine.beam_searches import BeamSearches
-from pagellm.engine.config import EngineConfig, resolve_device
+from pagellm.engine.config import EngineConfig, refuse_lora, resolve_device
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.engine.generation_config import load_generation_defaults
 from pagellm.engine.outputs import (
@@ -309,15 +309,19 @@ class LLMEngine:
         request_id: str | None,
         prompt: PromptInput,
         sampling_params: SamplingParams | BeamSearchParams | None = None,
-        cache_salt: str | None = None,
+        *,
         arrival_time: float | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
+        lora_request: None = None,
     ) -> str:
         """Validates and queues a request; raises ValueError naming the problem, in which
-        case nothing was queued. `priority` (lower runs first) needs the "priority"
+        case nothing was queued. The arguments after the params are named only: vLLM's
+        order (arrival_time first) differs from what a positional call meant here. `priority` (lower runs first) needs the "priority"
         scheduling policy, as in vLLM. With `BeamSearchParams` the request is a beam
         search, whose one output comes when it ends, with its `beam_width` best
         sequences as completions, best first."""
+        refuse_lora(lora_request)
         params = (self.get_default_sampling_params() if sampling_params is None
                   else sampling_params)
         if not isinstance(params, (SamplingParams, BeamSearchParams)):

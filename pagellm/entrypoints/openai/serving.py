@@ -247,8 +247,8 @@ async def start_requests(
             engine_prompt: Any = ({"prompt": prompt.text, "prompt_token_ids": prompt.token_ids}
                                   if prompt.text is not None else prompt.token_ids)
             streams.append(await context.engine.add_request(
-                f"{base_id}-{index}", engine_prompt, sampling, cache_salt, arrival_time,
-                priority))
+                f"{base_id}-{index}", engine_prompt, sampling, arrival_time=arrival_time,
+                priority=priority, cache_salt=cache_salt))
     except BaseException as error:
         for stream in streams:
             stream.abort()
