@@ -153,14 +153,21 @@ def test_bad_options_fail_before_loading_the_model(argv: list[str],
 def test_vllm_only_options_say_what_to_use_instead(capsys: pytest.CaptureFixture[str]
                                                    ) -> None:
     with pytest.raises(SystemExit):
-        main(["serve", "--gpu-memory-utilization=0.9", "--tensor-parallel-size=2",
-              "--bogus"])
+        main(["serve", "--gpu-memory-utilization=0.9", "--kv-cache-dtype=fp8", "--bogus"])
     err = capsys.readouterr().err
-    assert ("unrecognized arguments: --gpu-memory-utilization=0.9 --tensor-parallel-size=2 "
+    assert ("unrecognized arguments: --gpu-memory-utilization=0.9 --kv-cache-dtype=fp8 "
             "--bogus; --gpu-memory-utilization is vLLM's: the KV pool is sized by "
             "--kv-cache-memory-bytes, or --kv-cache-memory-fraction") in err
-    assert "--tensor-parallel-size is vLLM's: one engine runs on one device" in err
+    assert "--kv-cache-dtype is vLLM's: the KV cache is kept in the model's dtype" in err
     assert "--bogus is" not in err
+    # Flags asking for what PageLLM does anyway are taken; another value is refused.
+    args = build_parser().parse_args(["serve", "--tensor-parallel-size", "1",
+                                      "--trust-remote-code", "--enable-chunked-prefill"])
+    assert EngineArgs.from_cli_args(args) == EngineArgs()
+    with pytest.raises(SystemExit):
+        main(["serve", "--tensor-parallel-size=2"])
+    assert ("argument --tensor-parallel-size: only 1 is taken (vLLM's option; one engine "
+            "runs on one device), got '2'") in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "999.1.1.1"])

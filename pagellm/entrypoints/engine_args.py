@@ -19,6 +19,7 @@ from pagellm.core.block_hash import HashAlgorithm
 from pagellm.core.config import SchedulingPolicy
 from pagellm.engine.config import (
     DTYPE_ALIASES,
+    VLLM_NEUTRAL_VALUES,
     VLLM_ONLY_OPTIONS,
     EngineConfig,
     vllm_only_hints,
@@ -143,6 +144,33 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        default=_DEFAULTS["enforce_eager"],
                        help="on CUDA, run decode steps op by op instead of replaying "
                             "captured CUDA graphs")
+    _add_neutral_vllm_flags(group)
+
+
+def _add_neutral_vllm_flags(group: Any) -> None:
+    """vLLM's flags that ask for what PageLLM does anyway (`--tensor-parallel-size 1`,
+    `--trust-remote-code`, ...), taken and ignored, unlisted: deployment commands copied
+    from vLLM's run unchanged. Another value says what to do instead. Their defaults are
+    neutral too, so `LLM(**vars(args))` takes a parsed namespace whole."""
+    for name, values in VLLM_NEUTRAL_VALUES.items():
+        flag = "--" + name.replace("_", "-")
+        if all(isinstance(value, bool) for value in values):
+            group.add_argument(flag, action="store_true", default=values[0],
+                               help=argparse.SUPPRESS)
+        else:
+            group.add_argument(flag, type=_neutral_value(name, values), default=values[0],
+                               help=argparse.SUPPRESS)
+
+
+def _neutral_value(name: str, values: tuple[object, ...]) -> Any:
+    def parse(text: str) -> object:
+        value = next((v for v in values if str(v) == text.strip()), None)
+        if value is None:
+            raise argparse.ArgumentTypeError(
+                f"only {' or '.join(map(str, values))} is taken (vLLM's option; "
+                f"{VLLM_ONLY_OPTIONS[name]}), got {text!r}")
+        return value
+    return parse
 
 
 def add_chat_template_arg(parser: argparse.ArgumentParser) -> None:

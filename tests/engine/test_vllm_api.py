@@ -109,8 +109,11 @@ def test_llm_takes_vllms_arguments() -> None:
     with pytest.raises(ValueError, match="lora_request must be None"):
         llm.generate(PROMPT, greedy, lora_request=object())  # type: ignore[arg-type]
     assert_idle(llm.llm_engine)
-    neutral = LLM(kv_cache_memory_bytes=32 << 20, max_model_len=512, tensor_parallel_size=1,
-                  enable_chunked_prefill=True, trust_remote_code=True)
+    # vLLM's basic/generate.py: LLM(**vars(args)) of its engine flags, with the flags
+    # that ask for what PageLLM does anyway.
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    neutral = LLM(**vars(parser.parse_args(
+        [*SMALL, "--tensor-parallel-size", "1", "--trust-remote-code"])))
     assert neutral.generate(PROMPT, greedy, use_tqdm=False)[0].outputs[0].text == \
         expected.outputs[0].text
     with pytest.raises(TypeError, match="tensor_parallel_size is vLLM's"):
