@@ -229,15 +229,18 @@ def test_run_batch_answers_each_line_as_the_server_would(tmp_path: Path) -> None
         line("cold", "/v1/chat/completions", {**ask("x"), "temperature": -1}),
         line("embed", "/v1/embeddings", {"input": "x"}),
         line("stream", "/v1/completions", {"prompt": "x", "stream": True}),
-        "{not json", ""]) + "\n")
+        "{not json", "",
+        # JSON that Python reads but HTTP clients refuse to send: the server judges it.
+        line("nan", "/v1/completions", {"prompt": "x", "temperature": float("nan")}),
+        line("surrogate", "/v1/completions", {"prompt": "\ud800"})]) + "\n")
     target = tmp_path / "results.jsonl"
     result = run_cli("run-batch", "-i", str(source), "-o", str(target),
                      "--served-model-name", "gpt-4o-mini", *SMALL_ENGINE)
     assert result.returncode == 1, result.stderr  # some lines failed
     results = [json.loads(text) for text in target.read_text().splitlines()]
     assert [r["custom_id"] for r in results] == [
-        "fruit", "river", "text", "resp", "cold", "embed", "stream", None]
-    assert [r["response"]["status_code"] for r in results] == [200] * 4 + [400] * 4
+        "fruit", "river", "text", "resp", "cold", "embed", "stream", None, "nan", "surrogate"]
+    assert [r["response"]["status_code"] for r in results] == [200] * 4 + [400] * 6
     fruit, river, text, resp = (r["response"]["body"] for r in results[:4])
     assert fruit["choices"][0]["message"]["content"] and fruit["model"] == "gpt-4o-mini"
     assert results[0]["response"]["request_id"] == fruit["id"] and results[0]["error"] is None
@@ -248,7 +251,9 @@ def test_run_batch_answers_each_line_as_the_server_would(tmp_path: Path) -> None
     assert "url must be one of" in results[5]["error"]["message"]
     assert "cannot stream" in results[6]["error"]["message"]
     assert "not a JSON object" in results[7]["error"]["message"]
-    assert "4/8 requests done" in result.stderr and "from the prefix cache" in result.stderr
+    assert "temperature" in results[8]["error"]["message"]
+    assert "surrogate" in results[9]["error"]["message"]
+    assert "4/10 requests done" in result.stderr and "from the prefix cache" in result.stderr
 
 
 def test_generate_jsonl_bad_lines_spoil_only_themselves(tmp_path: Path) -> None:

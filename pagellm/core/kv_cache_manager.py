@@ -102,7 +102,8 @@ class KVCacheManager:
         the logits of every prompt position, and a cached block has none. Once it has an
         output token its prompt was computed (a resume after preemption), so it reads the
         cache like any other; it is not counted in the hit rate before that."""
-        return (bool(request.sampling_params.skip_reading_prefix_cache)
+        params = request.sampling_params
+        return ((bool(params.skip_reading_prefix_cache) or params.prompt_logprobs is not None)
                 and request.num_output_tokens == 0)
 
     def find_cached_prefix(self, request: Request) -> tuple[list[KVBlock], int]:

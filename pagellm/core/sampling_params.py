@@ -362,7 +362,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None
     bad_words: list[str] | None
     structured_outputs: StructuredOutputsParams | None
-    skip_reading_prefix_cache: bool
+    skip_reading_prefix_cache: bool | None
     output_kind: RequestOutputKind
 
     def __init__(
@@ -455,11 +455,12 @@ class SamplingParams:
             raise ValueError(f"bad_words must hold at most {MAX_BAD_WORDS} words, got "
                              f"{len(self.bad_words)}")
         self.structured_outputs = _structured_outputs(structured_outputs)
-        if skip_reading_prefix_cache is None:
-            skip_reading_prefix_cache = self.prompt_logprobs is not None
-        self.skip_reading_prefix_cache = _flag("skip_reading_prefix_cache",
-                                               skip_reading_prefix_cache)
-        if self.prompt_logprobs is not None and not self.skip_reading_prefix_cache:
+        # Kept as given (None: decided by prompt_logprobs when the request is admitted),
+        # so that clone() and fields set after construction keep the rule.
+        self.skip_reading_prefix_cache = (None if skip_reading_prefix_cache is None else
+                                          _flag("skip_reading_prefix_cache",
+                                                skip_reading_prefix_cache))
+        if self.prompt_logprobs is not None and self.skip_reading_prefix_cache is False:
             raise ValueError("prompt_logprobs need every prompt position computed: "
                              "skip_reading_prefix_cache cannot be False with them")
         if not isinstance(output_kind, RequestOutputKind):

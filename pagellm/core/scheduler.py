@@ -276,6 +276,9 @@ class Scheduler:
         for request in reversed(self.running):
             self._preempt(request)
         self.running.clear()
+        # Copy-on-write copies queued by forks only write into blocks of running
+        # requests, which were all just freed.
+        self._pending_copies.clear()
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)

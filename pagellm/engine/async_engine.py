@@ -161,8 +161,9 @@ def _post(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None
 class AsyncLLMEngine:
     """Runs an `LLMEngine` in a background thread and streams its outputs to coroutines.
 
-    `add_request` returns a `RequestStream`, an async iterator of cumulative
-    `RequestOutput`s; leaving it early (a client that disconnects, a cancelled task)
+    `add_request` returns a `RequestStream`, an async iterator of `RequestOutput`s
+    (cumulative unless the request's output_kind says otherwise), and `generate` is
+    vLLM's loop over one; leaving it early (a client that disconnects, a cancelled task)
     aborts the request so its blocks are freed. `stats()` is the snapshot taken after the
     latest step, so metrics never wait on one. With `enable_kv_cache_events`, `kv_events`
     publishes each step's prefix-cache events (else it is None).
@@ -245,12 +246,12 @@ class AsyncLLMEngine:
         stream = _OutputStream(asyncio.get_running_loop())
         arrival = time.monotonic() if arrival_time is None else arrival_time
         kind = RequestOutputKind.CUMULATIVE
-        if isinstance(sampling_params, SamplingParams):
+        if (isinstance(sampling_params, SamplingParams)
+                and sampling_params.output_kind is RequestOutputKind.DELTA):
             # Shaped as the stream is read: it keeps only the newest output, which must
-            # then hold everything so far.
-            kind = sampling_params.output_kind
-            if kind is not RequestOutputKind.CUMULATIVE:
-                sampling_params = sampling_params.clone(output_kind=RequestOutputKind.CUMULATIVE)
+            # then hold everything so far (FINAL_ONLY the engine applies itself).
+            kind = RequestOutputKind.DELTA
+            sampling_params = sampling_params.clone(output_kind=RequestOutputKind.CUMULATIVE)
         if (isinstance(sampling_params, SamplingParams)
                 and sampling_params.structured_outputs is not None):
             # Compiled here, not between two steps (see LLMEngine.prepare_format); the

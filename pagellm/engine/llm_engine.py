@@ -317,8 +317,8 @@ class LLMEngine:
     ) -> str:
         """Validates and queues a request; raises ValueError naming the problem, in which
         case nothing was queued. The arguments after the params are named only: vLLM's
-        order (arrival_time first) differs from what a positional call meant here. `priority` (lower runs first) needs the "priority"
-        scheduling policy, as in vLLM. With `BeamSearchParams` the request is a beam
+        order (arrival_time first) differs from what a positional call meant here.
+        `priority` (lower runs first) needs the "priority" scheduling policy, as in vLLM. With `BeamSearchParams` the request is a beam
         search, whose one output comes when it ends, with its `beam_width` best
         sequences as completions, best first."""
         refuse_lora(lora_request)
@@ -503,7 +503,8 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduled step; returns the outputs of every request that changed."""
+        """Runs one scheduled step; returns the outputs of every request that changed
+        (as each request's output_kind shapes them: a FINAL_ONLY one only when done)."""
         begin = time.perf_counter()
         scheduled = self.scheduler.schedule()
         scheduled_at = time.perf_counter()

@@ -23,6 +23,7 @@ from pagellm.engine.config import (
     VLLM_ONLY_OPTIONS,
     EngineConfig,
     vllm_only_hints,
+    without_neutral_vllm_options,
 )
 
 # Every subcommand reads and writes text, so running without a tokenizer is not offered;
@@ -184,7 +185,11 @@ class EngineArgs(EngineConfig):
     """vLLM's `EngineArgs` (and `AsyncEngineArgs`): an `EngineConfig` (same fields, and
     what every engine takes) with vLLM's command-line round trip, so its scripts run:
     `EngineArgs.add_cli_args(parser)`, then `EngineArgs.from_cli_args(parser.parse_args())`
-    and `LLMEngine.from_engine_args(...)`."""
+    and `LLMEngine.from_engine_args(...)`. Like `LLM()`, it takes vLLM's options set to
+    what PageLLM does anyway (`tensor_parallel_size=1`, ...) and drops them."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **without_neutral_vllm_options(kwargs))
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

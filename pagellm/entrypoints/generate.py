@@ -32,7 +32,7 @@ from pagellm.entrypoints.sampling_args import add_sampling_args, sampling_params
 # override the command line's. Every other key is the caller's, echoed back untouched,
 # except the ones a result line has no room for (refused rather than ignored) and near
 # misses of a sampling name (a typo that would silently change nothing).
-_NO_ROOM = frozenset({"n", "logprobs", "prompt_logprobs", "detokenize"})
+_NO_ROOM = frozenset({"n", "logprobs", "prompt_logprobs", "detokenize", "output_kind"})
 LINE_SAMPLING_KEYS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - _NO_ROOM
 # The server's ways of giving a format: refused in a line rather than echoed back unused.
 _SERVER_FORMAT_KEYS = frozenset({"response_format", *GUIDED_FIELDS})

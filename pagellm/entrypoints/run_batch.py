@@ -95,6 +95,13 @@ def _request(number: int, raw: bytes) -> dict[str, Any]:
     return request
 
 
+_JSON = {"content-type": "application/json"}
+
+
+def _error_body(message: str, kind: str = "invalid_request_error") -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+
+
 def result_line(request: dict[str, Any], status: int, body: dict[str, Any]) -> dict[str, Any]:
     """OpenAI's result line; a failed request also carries its error object under
     "error", where vLLM's readers look for it."""
@@ -127,26 +134,31 @@ async def answer_all(engine: AsyncLLMEngine, args: argparse.Namespace,
 
     from pagellm.entrypoints.openai.api_server import ServerSettings, create_app
 
-    app = create_app(engine, ServerSettings(
-        model_names=serve.served_model_names(args), log_stats_interval=None,
-        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-        reasoning_parser=args.reasoning_parser))
+    app = create_app(engine, ServerSettings(**serve.answer_settings(args),
+                                            log_stats_interval=None))
     bar = tqdm(total=len(requests), desc="Answering", unit="request", file=sys.stderr)
 
     async def answer(client: httpx.AsyncClient, request: dict[str, Any]) -> dict[str, Any]:
         if "error" in request:
-            line = result_line(request, 400, {"error": {
-                "message": request["error"], "type": "invalid_request_error",
-                "param": None, "code": None}})
+            line = result_line(request, 400, _error_body(request["error"]))
         else:
-            reply = await client.post(request["url"], json=request["body"])
-            line = result_line(request, reply.status_code, reply.json())
+            try:
+                # The body as the file wrote it (NaN, lone surrogate escapes), for the
+                # server to judge as it would judge it over HTTP.
+                reply = await client.post(request["url"], headers=_JSON, content=json.dumps(
+                    request["body"], ensure_ascii=True).encode())
+                line = result_line(request, reply.status_code, reply.json())
+            except Exception as error:  # noqa: BLE001 - one line's failure is its own
+                line = result_line(request, 500, _error_body(
+                    f"internal error while answering this request: {error!r}",
+                    "server_error"))
         bar.update(1)
         return line
 
     try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                     base_url="http://batch", timeout=None) as client:
+        async with httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
+                base_url="http://batch", timeout=None) as client:
             return list(await asyncio.gather(*(answer(client, r) for r in requests)))
     finally:
         bar.close()

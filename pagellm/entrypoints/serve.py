@@ -192,18 +192,24 @@ def served_model_names(args: argparse.Namespace) -> list[str]:
     return [DEFAULT_MODEL_NAME]
 
 
+def answer_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The ServerSettings of `add_answer_args`' options (vLLM's rule: the tool-call
+    parser reads "auto" calls only with --enable-auto-tool-choice)."""
+    return {"model_names": served_model_names(args),
+            "tool_call_parser": args.tool_call_parser if args.enable_auto_tool_choice else None,
+            "reasoning_parser": args.reasoning_parser}
+
+
 def server_settings(args: argparse.Namespace, launch_time: float, address: str
                     ) -> ServerSettings:
     # Imported here so the offline subcommands work without the server extra installed.
     from pagellm.entrypoints.openai.api_server import ServerSettings
 
     return ServerSettings(
-        model_names=served_model_names(args), host=args.host, port=args.port,
+        **answer_settings(args), host=args.host, port=args.port,
         api_key=args.api_key or None, max_request_bytes=args.max_request_bytes,
         log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
-        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-        reasoning_parser=args.reasoning_parser,
         allowed_origins=args.allowed_origins, allow_credentials=args.allow_credentials,
         allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,

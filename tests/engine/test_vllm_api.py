@@ -90,7 +90,8 @@ def test_llm_takes_vllms_arguments() -> None:
     """from_engine_args, options that ask for what PageLLM does anyway, one priority for
     all prompts, lora_request=None, a tqdm class, and whole outputs from generate
     whatever the output_kind."""
-    llm = LLM.from_engine_args(EngineArgs(kv_cache_memory_bytes=32 << 20, max_model_len=512))
+    llm = LLM.from_engine_args(EngineArgs(kv_cache_memory_bytes=32 << 20, max_model_len=512,
+                                          tensor_parallel_size=1))
     greedy = SamplingParams(max_tokens=6, temperature=0)
     (expected,) = llm.generate(PROMPT, greedy, use_tqdm=False)
     bars: list[Any] = []
@@ -168,10 +169,20 @@ def test_skip_reading_prefix_cache_computes_the_prompt_whole(engine: LLMEngine) 
     engine.add_request("again", PROMPT * 4, greedy)
     (again,) = [o for o in run_all(engine) if o.finished]
     assert again.num_cached_tokens > 0
-    assert SamplingParams(prompt_logprobs=0).skip_reading_prefix_cache
-    assert not SamplingParams().skip_reading_prefix_cache
     with pytest.raises(ValueError, match="skip_reading_prefix_cache cannot be False"):
         SamplingParams(prompt_logprobs=0, skip_reading_prefix_cache=False)
+    # Prompt logprobs set by clone() or after construction still compute the prompt
+    # whole (every position scored), and dropping them reads the cache again.
+    scored = greedy.clone(prompt_logprobs=0)
+    late = greedy.clone()
+    late.prompt_logprobs = 0
+    for request_id, params in (("scored", scored), ("late", late)):
+        engine.add_request(request_id, PROMPT * 4, params)
+        (output,) = [o for o in run_all(engine) if o.finished]
+        assert output.num_cached_tokens == 0 and len(output.prompt_logprobs) == len(
+            output.prompt_token_ids)
+    engine.add_request("unscored", PROMPT * 4, scored.clone(prompt_logprobs=None))
+    assert [o for o in run_all(engine) if o.finished][0].num_cached_tokens > 0
     assert_idle(engine)
 
 

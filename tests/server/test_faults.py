@@ -219,6 +219,7 @@ def test_reset_prefix_cache_empties_the_cache_when_idle(engine: AsyncLLMEngine) 
             await cached_tokens(client)
             assert await cached_tokens(client) > 0
             assert (await client.post("/reset_prefix_cache")).status_code == 401
+            assert (await client.get("/tokenizer_info")).status_code == 401  # the template
             reset = await client.post("/reset_prefix_cache", headers=key)
             assert reset.status_code == 200 and reset.json() == {"success": True}
             assert await cached_tokens(client) == 0

@@ -658,6 +658,10 @@ def test_required_tool_choice_answers_calls(client: openai.OpenAI) -> None:
     cut = client.chat.completions.create(**{**kwargs, "max_tokens": 3}).choices[0]
     assert cut.finish_reason == "length" and cut.message.tool_calls == []
     assert (cut.message.content or "").startswith("[")
+    # Cut by a stop string it keeps "stop": "tool_calls" would tell an agent loop to run
+    # calls that are not there.
+    stopped = client.chat.completions.create(**{**kwargs, "stop": ["name"]}).choices[0]
+    assert stopped.finish_reason == "stop" and stopped.message.tool_calls == []
 
 
 def test_forced_tool_calls_with_n_cuts_and_none(client: openai.OpenAI) -> None:

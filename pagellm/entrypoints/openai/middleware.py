@@ -102,13 +102,14 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
 
 # Paths that need the API key: the API, the one endpoint outside it that changes the
-# server's state, and the one that shows the tokens of cached prompts.
-_GUARDED_PREFIXES = ("/v1", "/reset_prefix_cache", "/kv_cache_events")
+# server's state, the one that shows the tokens of cached prompts, and the one that
+# shows the chat template (which may hold an operator's private system prompt).
+_GUARDED_PREFIXES = ("/v1", "/reset_prefix_cache", "/kv_cache_events", "/tokenizer_info")
 
 
 class APIKeyMiddleware:
-    """401 for any /v1 request (and /reset_prefix_cache, /kv_cache_events) without `Authorization: Bearer
-    <api key>` or, as Anthropic's clients send it, `x-api-key: <api key>`.
+    """401 for any /v1 request (and the other guarded paths) without `Authorization:
+    Bearer <api key>` or, as Anthropic's clients send it, `x-api-key: <api key>`.
 
     /health and /metrics stay open: load balancers and Prometheus probe them without
     credentials, and they reveal no request data.

@@ -229,7 +229,7 @@ def _finish_reason(reason: str | None, calls: list[ToolCall] | None,
     """An answer that made calls finishes as its reader says ("tool_calls"; a named
     function's call keeps "stop", OpenAI's for a forced function); a cut answer keeps
     its own reason."""
-    if reader is None or calls is None or reason != "stop":
+    if reader is None or not calls or reason != "stop":
         return reason
     return reader.finish_reason or reason
 
