@@ -395,6 +395,9 @@ def test_server_options_reach_the_server_settings() -> None:
                            0.0, "x").tool_call_parser is None  # vLLM's rule: not enabled
     assert server_settings(parser.parse_args(["serve", "--reasoning-parser", "deepseek_r1"]),
                            0.0, "x").reasoning_parser == "deepseek_r1"
+    assert not settings.enable_log_requests
+    assert server_settings(parser.parse_args(["serve", "--enable-log-requests"]),
+                           0.0, "x").enable_log_requests
     from pagellm.entrypoints.openai.api_server import ServerSettings
 
     with pytest.raises(ValueError, match="log_stats_interval"):

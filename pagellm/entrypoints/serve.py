@@ -71,6 +71,10 @@ def add_parser(subparsers: Any) -> None:
                        help="serve GET /tokenizer_info: the tokenizer's configuration and "
                             "chat template (vLLM's; lm-evaluation-harness's remote "
                             "tokenizer reads it)")
+    group.add_argument("--enable-log-requests", action="store_true",
+                       help="log each request as it arrives (prompt tokens, sampling) and "
+                            "as it ends (prompt tokens from the prefix cache, tokens "
+                            "generated, first-token and total time)")
     group.add_argument("--log-level", default="info",
                        choices=("critical", "error", "warning", "info", "debug"),
                        help="server log level (default: %(default)s)")
@@ -213,6 +217,7 @@ def server_settings(args: argparse.Namespace, launch_time: float, address: str
         allowed_origins=args.allowed_origins, allow_credentials=args.allow_credentials,
         allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+        enable_log_requests=args.enable_log_requests,
         launch_time=launch_time, address=address)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 
 import pytest
 
@@ -71,23 +72,35 @@ def test_histogram_buckets_are_cumulative() -> None:
     assert lines[-1] == 'h_count{model_name="a\\"b"} 4'
 
 
-def test_finish_reasons_are_counted_per_completion() -> None:
+def test_finish_reasons_are_counted_per_completion(caplog: pytest.LogCaptureFixture) -> None:
     """Every completion ends once in the counter; one aborted before any output (still
-    queued when its client left) counts as many aborts as it had samples."""
+    queued when its client left) counts as many aborts as it had samples. With
+    --enable-log-requests each request also gets a line as it arrives and as it ends."""
     class Engine:
         def stats(self) -> EngineStats:
             return stats()
 
-    metrics = ServerMetrics(Engine(), "m")  # type: ignore[arg-type]
+    metrics = ServerMetrics(Engine(), "m", log_requests=True)  # type: ignore[arg-type]
+    caplog.set_level(logging.INFO, logger="pagellm.entrypoints.openai.metrics")
+    metrics.observe_received("r1", 1, "params")
     timing = RequestMetrics(arrival_time=1.0, first_token_time=1.5, last_token_time=2.0,
                             finished_time=2.0, token_times=[1.5, 2.0])
     done = [CompletionOutput(0, "a", [1, 2], finish_reason="stop"),
             CompletionOutput(1, "b", [1, 2], finish_reason="length")]
-    metrics.observe_finished(RequestOutput("r1", None, [1], done, True, metrics=timing))
+    metrics.observe_finished(RequestOutput("r1", None, [1], done, True, metrics=timing,
+                                           num_cached_tokens=0))
     partial = [CompletionOutput(0, "a", [1, 2], finish_reason="stop"),
                CompletionOutput(1, "b", [1])]
-    metrics.observe_aborted(RequestOutput("r2", None, [1], partial, False, metrics=timing), 2)
-    metrics.observe_aborted(None, 3)
+    metrics.observe_aborted("r2", RequestOutput("r2", None, [1], partial, False,
+                                                metrics=timing), 2)
+    metrics.observe_aborted("r3", None, 3)
+    assert [record.getMessage() for record in caplog.records] == [
+        "request r1 received: 1 prompt tokens, 'params'",
+        "request r1 finished (length, stop): 1 prompt tokens (0 from the prefix cache), 4 "
+        "generated, first token after 0.500 s, 1.000 s in all",
+        "request r2 aborted: 1 prompt tokens (0 from the prefix cache), 3 generated, first "
+        "token after 0.500 s, 1.000 s in all",
+        "request r3 aborted: before its first token"]
     text = metrics.render()
     for reason, count in (("stop", 2), ("length", 1), ("abort", 4)):
         assert (f'pagellm_request_finished_total{{model_name="m",finished_reason="{reason}"}} '

@@ -93,6 +93,7 @@ class ServerSettings:
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (vLLM's option)
+    enable_log_requests: bool = False  # a log line per request (vLLM's option)
     launch_time: float = field(default_factory=time.perf_counter)
     # host:port as bound (the real port when --port 0 let the OS choose), for the log.
     address: str = ""
@@ -134,7 +135,8 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="PageLLM OpenAI-compatible API", lifespan=lifespan,
                   default_response_class=JSONResponse)
     context = ServerContext(engine, list(settings.model_names),
-                            ServerMetrics(engine, settings.model_names[0]),
+                            ServerMetrics(engine, settings.model_names[0],
+                                          settings.enable_log_requests),
                             settings.tool_call_parser, settings.reasoning_parser)
     stored = ResponseStore()
     install_error_handlers(app)

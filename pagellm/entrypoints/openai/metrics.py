@@ -9,11 +9,14 @@ the engine's own timestamps. Everything here runs on the event loop thread, so n
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 from collections.abc import Iterable, Sequence
 
 from pagellm.engine.async_engine import AsyncLLMEngine
 from pagellm.engine.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 FINISHED_ABORT = "abort"
@@ -42,6 +45,20 @@ VLLM_NAMES = {
     "pagellm_inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
     "pagellm_e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
 }
+
+
+def _request_summary(output: RequestOutput) -> str:
+    """A request's tokens and times as a log line tells them: how much of its prompt
+    came from the prefix cache is what an operator looks for when it is slow."""
+    metrics = output.metrics
+    text = (f"{len(output.prompt_token_ids)} prompt tokens ({output.num_cached_tokens} from "
+            f"the prefix cache), "
+            f"{sum(len(c.token_ids) for c in output.outputs)} generated")
+    if metrics is not None and metrics.first_token_time is not None:
+        end = metrics.finished_time or metrics.last_token_time or metrics.first_token_time
+        text += (f", first token after {metrics.first_token_time - metrics.arrival_time:.3f} s"
+                 f", {end - metrics.arrival_time:.3f} s in all")
+    return text
 
 
 def _escape(value: str) -> str:
@@ -95,11 +112,15 @@ class Histogram:
 
 
 class ServerMetrics:
-    """The server's metrics: engine counters and gauges, plus request latency histograms."""
+    """The server's metrics: engine counters and gauges, plus request latency histograms;
+    with `log_requests` (vLLM's --enable-log-requests), also a log line per request as it
+    arrives and as it ends, saying what the prefix cache gave it."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str,
+                 log_requests: bool = False) -> None:
         self.engine = engine
         self.labels = {"model_name": model_name}
+        self.log_requests = log_requests
         self.time_to_first_token = Histogram(
             "pagellm_time_to_first_token_seconds",
             "Time from a request's arrival to its first generated token.", TTFT_BUCKETS)
@@ -123,11 +144,21 @@ class ServerMetrics:
             if metrics is not None and end is not None:
                 self.e2e_request_latency.observe(end - metrics.arrival_time)
             self._finished(completion.finish_reason or FINISHED_ABORT)
+        if self.log_requests:
+            reasons = ", ".join(sorted({c.finish_reason or FINISHED_ABORT
+                                        for c in output.outputs}))
+            logger.info("request %s finished (%s): %s", output.request_id, reasons,
+                        _request_summary(output))
 
-    def observe_aborted(self, output: RequestOutput | None, num_samples: int) -> None:
+    def observe_aborted(self, request_id: str, output: RequestOutput | None,
+                        num_samples: int) -> None:
         """Records a request that ended unfinished (its client left, the server shut
         down, the engine failed it): the tokens it produced count in the token latencies;
         its end-to-end time is not a completion's and does not."""
+        if self.log_requests:
+            logger.info("request %s aborted: %s", request_id,
+                        "before its first token" if output is None
+                        else _request_summary(output))
         if output is None:
             for _ in range(num_samples):
                 self._finished(FINISHED_ABORT)
@@ -146,6 +177,12 @@ class ServerMetrics:
         times = metrics.token_times[:num_tokens]
         for earlier, later in zip(times, times[1:], strict=False):
             self.inter_token_latency.observe(later - earlier)
+
+    def observe_received(self, request_id: str, num_prompt_tokens: int,
+                         params: object) -> None:
+        if self.log_requests:
+            logger.info("request %s received: %d prompt tokens, %r", request_id,
+                        num_prompt_tokens, params)
 
     def _finished(self, reason: str) -> None:
         self.requests_finished[reason] = self.requests_finished.get(reason, 0) + 1

@@ -249,6 +249,8 @@ async def start_requests(
             streams.append(await context.engine.add_request(
                 f"{base_id}-{index}", engine_prompt, sampling, arrival_time=arrival_time,
                 priority=priority, cache_salt=cache_salt))
+            context.metrics.observe_received(f"{base_id}-{index}", len(prompt.token_ids),
+                                             sampling)
     except BaseException as error:
         for stream in streams:
             stream.abort()
@@ -309,7 +311,8 @@ async def merged(streams: list[RequestStream], metrics: ServerMetrics
             task.cancel()
         for index, stream in enumerate(streams):
             if index not in finished:
-                metrics.observe_aborted(latest.get(index), stream.num_samples)
+                metrics.observe_aborted(stream.request_id, latest.get(index),
+                                        stream.num_samples)
             stream.abort()
 
 
