@@ -232,28 +232,34 @@ def test_run_batch_answers_each_line_as_the_server_would(tmp_path: Path) -> None
         "{not json", "",
         # JSON that Python reads but HTTP clients refuse to send: the server judges it.
         line("nan", "/v1/completions", {"prompt": "x", "temperature": float("nan")}),
-        line("surrogate", "/v1/completions", {"prompt": "\ud800"})]) + "\n")
+        line("surrogate", "/v1/completions", {"prompt": "\ud800"}),
+        line("fruit", "/v1/completions", {"prompt": "x"})]) + "\n")  # its id is taken
     target = tmp_path / "results.jsonl"
     result = run_cli("run-batch", "-i", str(source), "-o", str(target),
                      "--served-model-name", "gpt-4o-mini", *SMALL_ENGINE)
     assert result.returncode == 1, result.stderr  # some lines failed
     results = [json.loads(text) for text in target.read_text().splitlines()]
     assert [r["custom_id"] for r in results] == [
-        "fruit", "river", "text", "resp", "cold", "embed", "stream", None, "nan", "surrogate"]
-    assert [r["response"]["status_code"] for r in results] == [200] * 4 + [400] * 6
+        "fruit", "river", "text", "resp", "cold", "embed", "stream", None, "nan", "surrogate",
+        "fruit"]
+    assert [r["response"]["status_code"] for r in results] == [200] * 4 + [400] * 7
     fruit, river, text, resp = (r["response"]["body"] for r in results[:4])
     assert fruit["choices"][0]["message"]["content"] and fruit["model"] == "gpt-4o-mini"
     assert results[0]["response"]["request_id"] == fruit["id"] and results[0]["error"] is None
     assert river["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
     assert text["object"] == "text_completion" and resp["object"] == "response"
     assert "temperature" in results[4]["error"]["message"]
-    assert results[4]["error"] == results[4]["response"]["body"]["error"]
+    # The error body as the server answers it, and OpenAI's {code, message} beside it.
+    body_error = results[4]["response"]["body"]["error"]
+    assert results[4]["error"] == {"code": body_error["code"] or body_error["type"],
+                                   "message": body_error["message"]}
     assert "url must be one of" in results[5]["error"]["message"]
     assert "cannot stream" in results[6]["error"]["message"]
     assert "not a JSON object" in results[7]["error"]["message"]
     assert "temperature" in results[8]["error"]["message"]
     assert "surrogate" in results[9]["error"]["message"]
-    assert "4/10 requests done" in result.stderr and "from the prefix cache" in result.stderr
+    assert "used by an earlier line" in results[10]["error"]["message"]
+    assert "4/11 requests done" in result.stderr and "from the prefix cache" in result.stderr
 
 
 def test_generate_jsonl_bad_lines_spoil_only_themselves(tmp_path: Path) -> None:

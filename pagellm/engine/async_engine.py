@@ -26,7 +26,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Generator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -99,6 +99,15 @@ class RequestStream:
 
     async def __aexit__(self, *exc_info: object) -> None:
         self.abort()
+
+
+class _Done:
+    """What `AsyncLLMEngine.abort` returns: nothing to wait for, but awaitable, since
+    vLLM's abort is a coroutine and its callers await it."""
+
+    def __await__(self) -> Generator[None, None, None]:
+        return
+        yield
 
 
 class _OutputStream:
@@ -261,19 +270,28 @@ class AsyncLLMEngine:
             await asyncio.get_running_loop().run_in_executor(
                 self._formats, self.engine.prepare_format, sampling_params)
 
-        def add() -> None:
-            self.engine.add_request(request_id, prompt, sampling_params, arrival_time=arrival,
-                                    priority=priority, cache_salt=cache_salt)
-            self._streams[request_id] = stream
+        chosen: list[str] = []  # the id as the engine took it (None: one it picked)
+
+        def add() -> str:
+            chosen.append(self.engine.add_request(
+                request_id, prompt, sampling_params, arrival_time=arrival, priority=priority,
+                cache_salt=cache_salt))
+            self._streams[chosen[0]] = stream
+            return chosen[0]
+
+        def abort_added() -> None:
+            if chosen:
+                self._abort_now(chosen[0])
 
         try:
-            await self._call(add)
+            engine_id = await self._call(add)
         except asyncio.CancelledError:
             # The add may still run after we stop waiting; the abort queued behind it
             # makes sure nobody's request keeps running with no reader.
-            self.abort(request_id)
+            if self.is_running:
+                self._submit(abort_added)
             raise
-        return RequestStream(self, request_id, stream,
+        return RequestStream(self, engine_id, stream,
                              sampling_params.beam_width
                              if isinstance(sampling_params, BeamSearchParams)
                              else sampling_params.n, kind)
@@ -299,19 +317,38 @@ class AsyncLLMEngine:
             async for output in stream:
                 yield output
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> _Done:
         """Aborts a request without waiting: safe from `finally` blocks during cancellation.
+        It may also be awaited, as vLLM's coroutine is.
 
         Once the engine has stopped there is nothing left to free, so this is then a no-op.
         """
+        if self.is_running:
+            self._submit(functools.partial(self._abort_now, request_id))
+        return _Done()
+
+    def _abort_now(self, request_id: str) -> None:
+        """On the engine thread. The request's stream, if anyone still reads it (an
+        abort by id, as vLLM callers send it), ends."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            _post(stream.loop, functools.partial(stream.put, StopAsyncIteration()))
+        self.engine.abort_request(request_id)
+
+    async def get_tokenizer(self) -> Any:
+        """vLLM's coroutine; the tokenizer is also the `tokenizer` attribute (a copy for
+        the event loop's thread)."""
+        return self.tokenizer
+
+    @property
+    def errored(self) -> bool:
+        """Whether the engine thread died of an error, not of a shutdown (vLLM's name)."""
+        return self._dead is not None and not isinstance(self._dead, EngineDeadError)
+
+    async def check_health(self) -> None:
+        """vLLM's: raises EngineDeadError once the engine no longer runs."""
         if not self.is_running:
-            return
-
-        def abort() -> None:
-            self._streams.pop(request_id, None)
-            self.engine.abort_request(request_id)
-
-        self._submit(abort)
+            raise EngineDeadError("the engine is not running")
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forgets every cached block, between two steps; False while requests hold

@@ -134,11 +134,16 @@ class OutputShaper:
     ones: each whole, only what is new since the last one shaped, or the final one
     only. Shaping from cumulative outputs keeps DELTA right when a reader skipped some
     (the async engine keeps only each request's newest output): the next delta holds
-    everything since the last one read."""
+    everything since the last one read. A DELTA sample that finished is not sent again
+    (as in vLLM: a reader counting finish reasons counts each once)."""
 
     def __init__(self, kind: RequestOutputKind) -> None:
+        if not isinstance(kind, RequestOutputKind):  # a field set after construction
+            raise ValueError("output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or "
+                             f"FINAL_ONLY), got {kind!r}")
         self.kind = kind
         self._sent: dict[int, tuple[int, int, int]] = {}  # index: text, tokens, logprobs
+        self._finished_sent: set[int] = set()
         self._prompt_logprobs_sent = False
 
     def __call__(self, output: RequestOutput) -> RequestOutput | None:
@@ -149,6 +154,10 @@ class OutputShaper:
             return output if output.finished else None
         completions = []
         for completion in output.outputs:
+            if completion.index in self._finished_sent:
+                continue
+            if completion.finished():
+                self._finished_sent.add(completion.index)
             text, tokens, logprobs = self._sent.get(completion.index, (0, 0, 0))
             completions.append(dataclasses.replace(
                 completion, text=completion.text[text:],

@@ -63,10 +63,19 @@ def read_requests(path: Path) -> list[dict[str, Any]]:
     """The file's requests, blank lines skipped; a line that is not one keeps its
     problem under "error" (and its custom_id where it has one), so the others still run."""
     requests = []
+    seen: set[str] = set()
     with path.open("rb") as lines:
         for number, raw in enumerate(lines, 1):
-            if raw.strip():
-                requests.append(_request(number, raw))
+            if not raw.strip():
+                continue
+            request = _request(number, raw)
+            if "error" not in request:
+                if request["custom_id"] in seen:
+                    # Its result could not be matched to it (OpenAI's rule).
+                    request["error"] = (f"line {number}: custom_id {request['custom_id']!r} "
+                                        "is used by an earlier line; each request needs its own")
+                seen.add(request["custom_id"])
+            requests.append(request)
     return requests
 
 
@@ -89,7 +98,7 @@ def _request(number: int, raw: bytes) -> dict[str, Any]:
                                     f"got {request['url']!r}"}
     if not isinstance(request["body"], dict):
         return {**request, "error": f"line {number}: body must be a JSON object"}
-    if request["body"].get("stream"):
+    if request["body"].get("stream") is True:
         return {**request, "error": f"line {number}: a batch request cannot stream; leave "
                                     "out body.stream"}
     return request
@@ -103,13 +112,16 @@ def _error_body(message: str, kind: str = "invalid_request_error") -> dict[str, 
 
 
 def result_line(request: dict[str, Any], status: int, body: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI's result line; a failed request also carries its error object under
-    "error", where vLLM's readers look for it."""
+    """OpenAI's result line. A failed request keeps its status and error body, and also
+    gets "error" in the shape OpenAI gives that field, {code, message}, so that readers
+    which check only that field (vLLM's run-batch fills it for every failure) see it."""
+    error = body.get("error") if status != 200 else None
     return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": request.get("custom_id"),
             "response": {"status_code": status,
                          "request_id": body.get("id") or f"req_{uuid.uuid4().hex}",
                          "body": body},
-            "error": None if status == 200 else body.get("error")}
+            "error": None if error is None else {
+                "code": error.get("code") or error.get("type"), "message": error.get("message")}}
 
 
 def _usage_totals(lines: list[dict[str, Any]]) -> dict[str, int]:
@@ -128,8 +140,10 @@ def _usage_totals(lines: list[dict[str, Any]]) -> dict[str, int]:
 
 
 async def answer_all(engine: AsyncLLMEngine, args: argparse.Namespace,
-                     requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every request's result line, in order, from the server's app in this process."""
+                     requests: list[dict[str, Any]],
+                     results: list[dict[str, Any] | None]) -> None:
+    """Fills in each request's result line (in `results`, by position, as each ends),
+    from the server's app in this process."""
     import httpx
 
     from pagellm.entrypoints.openai.api_server import ServerSettings, create_app
@@ -138,7 +152,8 @@ async def answer_all(engine: AsyncLLMEngine, args: argparse.Namespace,
                                             log_stats_interval=None))
     bar = tqdm(total=len(requests), desc="Answering", unit="request", file=sys.stderr)
 
-    async def answer(client: httpx.AsyncClient, request: dict[str, Any]) -> dict[str, Any]:
+    async def answer(client: httpx.AsyncClient, index: int) -> None:
+        request = requests[index]
         if "error" in request:
             line = result_line(request, 400, _error_body(request["error"]))
         else:
@@ -152,30 +167,41 @@ async def answer_all(engine: AsyncLLMEngine, args: argparse.Namespace,
                 line = result_line(request, 500, _error_body(
                     f"internal error while answering this request: {error!r}",
                     "server_error"))
+        results[index] = line
         bar.update(1)
-        return line
 
     try:
         async with httpx.AsyncClient(
                 transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
                 base_url="http://batch", timeout=None) as client:
-            return list(await asyncio.gather(*(answer(client, r) for r in requests)))
+            await asyncio.gather(*(answer(client, i) for i in range(len(requests))))
     finally:
         bar.close()
 
 
 def run(args: argparse.Namespace, engine: AsyncLLMEngine) -> int:
     """Answers the file, writes the results and a summary line; 1 if any request failed
-    (its line says why), as `generate` does."""
+    (its line says why), as `generate` does. Interrupted (Ctrl-C), it still writes every
+    result line, those not answered yet saying so, and returns 130."""
     started = time.perf_counter()
+    requests = read_requests(args.input_file)
+    results: list[dict[str, Any] | None] = [None] * len(requests)
+    interrupted = False
     try:
-        lines = asyncio.run(answer_all(engine, args, read_requests(args.input_file)))
+        asyncio.run(answer_all(engine, args, requests, results))
+    except KeyboardInterrupt:
+        interrupted = True
     finally:
         engine.shutdown()
+    lines = [line if line is not None else result_line(request, 503, _error_body(
+                 "not answered: the run was interrupted", "server_error"))
+             for request, line in zip(requests, results, strict=True)]
     with args.output_file.open("w", encoding="utf-8") as out:
         for line in lines:
             out.write(json.dumps(line, ensure_ascii=False) + "\n")
     answered = [line for line in lines if line["error"] is None]
     print_summary(len(lines), len(lines) - len(answered), _usage_totals(answered),
                   time.perf_counter() - started, "requests")
+    if interrupted:
+        return 130
     return 0 if len(answered) == len(lines) else 1

@@ -64,21 +64,30 @@ def test_delta_outputs_add_up_to_the_cumulative_ones(engine: LLMEngine) -> None:
     """n=2 sampled with a seed: each sample's pieces (text, token ids, logprobs) join
     into what the cumulative request gives, and the prompt's logprobs come once."""
     assert engine.get_tokenizer() is engine.tokenizer
-    params = dict(n=2, max_tokens=10, temperature=1.0, seed=7, logprobs=1, prompt_logprobs=1)
+    params: dict[str, Any] = dict(n=2, temperature=1.0, seed=3, logprobs=1, prompt_logprobs=1,
+                                  max_tokens=10, stop=["."])  # one stops after 5 tokens
     engine.add_request("whole", PROMPT, SamplingParams(**params))
     (whole,) = [o for o in run_all(engine) if o.finished]
     engine.add_request("delta", PROMPT, SamplingParams(**params,
                                                        output_kind=RequestOutputKind.DELTA))
     pieces = run_all(engine)
     assert len(pieces) > 1 and pieces[-1].finished and not pieces[0].finished
+    assert len(pieces[-1].outputs) == 1  # the sample that stopped early is not resent
     assert pieces[0].prompt_logprobs == whole.prompt_logprobs
     assert all(piece.prompt_logprobs is None for piece in pieces[1:])
-    for index, completion in enumerate(whole.outputs):
-        parts = [piece.outputs[index] for piece in pieces]
+    for completion in whole.outputs:
+        parts = [part for piece in pieces for part in piece.outputs
+                 if part.index == completion.index]
         assert "".join(part.text for part in parts) == completion.text
         assert [t for part in parts for t in part.token_ids] == completion.token_ids
         assert [lp for part in parts for lp in part.logprobs or []] == completion.logprobs
-        assert parts[-1].finish_reason == completion.finish_reason
+        # Sent finished once, as in vLLM, and not again with later pieces.
+        assert [part.finish_reason for part in parts if part.finished()] == [
+            completion.finish_reason]
+    late = SamplingParams(max_tokens=2)
+    late.output_kind = "delta"  # type: ignore[assignment]
+    with pytest.raises(ValueError, match="output_kind must be a RequestOutputKind"):
+        engine.add_request("late", PROMPT, late)
     engine.add_request("final", PROMPT, SamplingParams(
         **params, output_kind=RequestOutputKind.FINAL_ONLY))
     (final,) = run_all(engine)
@@ -138,6 +147,15 @@ def test_async_generate_streams_deltas_and_aborts_when_left() -> None:
                                                                  ignore_eos=True), "left"):
             if len(output.outputs[0].token_ids) >= 2:
                 break
+        # No id: the engine picks one, and the stream is found under it.
+        unnamed = [o async for o in engine.generate(PROMPT, greedy, None)]  # type: ignore[arg-type]
+        assert unnamed[-1].finished and unnamed[-1].outputs[0].text == whole
+        stream = await engine.add_request("awaited", PROMPT, greedy.clone(max_tokens=400))
+        await engine.abort("awaited")  # vLLM's abort is a coroutine
+        assert [o async for o in stream] == [] or stream.finished
+        assert (await engine.get_tokenizer()) is engine.tokenizer
+        await engine.check_health()
+        assert not engine.errored
         return whole, pieces
 
     try:
