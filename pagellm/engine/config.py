@@ -7,7 +7,7 @@ deeper changes behaviour behind the caller's back.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
 
@@ -57,11 +57,20 @@ VLLM_NEUTRAL_VALUES: dict[str, tuple[object, ...]] = {
 }
 
 
-def without_neutral_vllm_options(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """`kwargs` less the vLLM options set to a value in VLLM_NEUTRAL_VALUES."""
-    return {name: value for name, value in kwargs.items()
+def engine_config_kwargs(kwargs: dict[str, Any], caller: str) -> dict[str, Any]:
+    """`kwargs` for EngineConfig, less the vLLM options set to a neutral value (see
+    VLLM_NEUTRAL_VALUES). Any other name EngineConfig lacks is a TypeError that lists
+    what it takes, and for a vLLM option says what to do instead: never ignored."""
+    kept = {name: value for name, value in kwargs.items()
             if not any(value is neutral or (type(value) is type(neutral) and value == neutral)
                        for neutral in VLLM_NEUTRAL_VALUES.get(name, ()))}
+    names = [f.name for f in fields(EngineConfig)]
+    unknown = sorted(set(kept) - set(names))
+    if unknown:
+        raise TypeError(f"{caller} got unexpected keyword arguments {', '.join(unknown)}; "
+                        + "".join(hint + "; " for hint in vllm_only_hints(unknown))
+                        + "it takes those of EngineConfig: " + ", ".join(names))
+    return kept
 
 
 def refuse_lora(lora_request: object) -> None:

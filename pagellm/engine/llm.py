@@ -15,9 +15,8 @@ from pagellm.engine.beam_search import BeamSearchOutput, BeamSearchSequence
 from pagellm.engine.chat_template import ChatOptions, Message, render_chat, render_chat_prompt
 from pagellm.engine.config import (
     EngineConfig,
+    engine_config_kwargs,
     refuse_lora,
-    vllm_only_hints,
-    without_neutral_vllm_options,
 )
 from pagellm.engine.llm_engine import LLMEngine, PromptInput, is_token_id
 from pagellm.engine.outputs import CompletionOutput, RequestOutput
@@ -56,15 +55,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         ensure_visible_logging()
-        kwargs = without_neutral_vllm_options(kwargs)
-        unknown = sorted(set(kwargs) - {f.name for f in dataclasses.fields(EngineConfig)})
-        if unknown:
-            raise TypeError(
-                f"LLM() got unexpected keyword arguments {', '.join(unknown)}; "
-                + "".join(hint + "; " for hint in vllm_only_hints(unknown))
-                + "it takes those of EngineConfig: "
-                + ", ".join(f.name for f in dataclasses.fields(EngineConfig)))
-        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self.llm_engine = LLMEngine(EngineConfig(model=model,
+                                                 **engine_config_kwargs(kwargs, "LLM()")))
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineConfig) -> LLM:

@@ -22,8 +22,8 @@ from pagellm.engine.config import (
     VLLM_NEUTRAL_VALUES,
     VLLM_ONLY_OPTIONS,
     EngineConfig,
+    engine_config_kwargs,
     vllm_only_hints,
-    without_neutral_vllm_options,
 )
 
 # Every subcommand reads and writes text, so running without a tokenizer is not offered;
@@ -189,7 +189,7 @@ class EngineArgs(EngineConfig):
     what PageLLM does anyway (`tensor_parallel_size=1`, ...) and drops them."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **without_neutral_vllm_options(kwargs))
+        super().__init__(*args, **engine_config_kwargs(kwargs, type(self).__name__ + "()"))
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

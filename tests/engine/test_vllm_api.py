@@ -126,8 +126,9 @@ def test_llm_takes_vllms_arguments() -> None:
         [*SMALL, "--tensor-parallel-size", "1", "--trust-remote-code"])))
     assert neutral.generate(PROMPT, greedy, use_tqdm=False)[0].outputs[0].text == \
         expected.outputs[0].text
-    with pytest.raises(TypeError, match="tensor_parallel_size is vLLM's"):
-        LLM(tensor_parallel_size=2)
+    for construct in (LLM, EngineArgs):
+        with pytest.raises(TypeError, match="tensor_parallel_size is vLLM's"):
+            construct(tensor_parallel_size=2)
 
 
 def test_async_generate_streams_deltas_and_aborts_when_left() -> None:
