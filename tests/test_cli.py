@@ -233,7 +233,8 @@ def test_run_batch_answers_each_line_as_the_server_would(tmp_path: Path) -> None
         # JSON that Python reads but HTTP clients refuse to send: the server judges it.
         line("nan", "/v1/completions", {"prompt": "x", "temperature": float("nan")}),
         line("surrogate", "/v1/completions", {"prompt": "\ud800"}),
-        line("fruit", "/v1/completions", {"prompt": "x"})]) + "\n")  # its id is taken
+        line("fruit", "/v1/completions", {"prompt": "x"}),  # its id is taken
+        "[" * 100_000 + "]" * 100_000]) + "\n")  # nested past what Python reads
     target = tmp_path / "results.jsonl"
     result = run_cli("run-batch", "-i", str(source), "-o", str(target),
                      "--served-model-name", "gpt-4o-mini", *SMALL_ENGINE)
@@ -241,8 +242,8 @@ def test_run_batch_answers_each_line_as_the_server_would(tmp_path: Path) -> None
     results = [json.loads(text) for text in target.read_text().splitlines()]
     assert [r["custom_id"] for r in results] == [
         "fruit", "river", "text", "resp", "cold", "embed", "stream", None, "nan", "surrogate",
-        "fruit"]
-    assert [r["response"]["status_code"] for r in results] == [200] * 4 + [400] * 7
+        "fruit", None]
+    assert [r["response"]["status_code"] for r in results] == [200] * 4 + [400] * 8
     fruit, river, text, resp = (r["response"]["body"] for r in results[:4])
     assert fruit["choices"][0]["message"]["content"] and fruit["model"] == "gpt-4o-mini"
     assert results[0]["response"]["request_id"] == fruit["id"] and results[0]["error"] is None
@@ -259,25 +260,29 @@ def test_run_batch_answers_each_line_as_the_server_would(tmp_path: Path) -> None
     assert "temperature" in results[8]["error"]["message"]
     assert "surrogate" in results[9]["error"]["message"]
     assert "used by an earlier line" in results[10]["error"]["message"]
-    assert "4/11 requests done" in result.stderr and "from the prefix cache" in result.stderr
+    assert "not a JSON object" in results[11]["error"]["message"]
+    assert "4/12 requests done" in result.stderr and "from the prefix cache" in result.stderr
 
 
 def test_generate_jsonl_bad_lines_spoil_only_themselves(tmp_path: Path) -> None:
-    """Valid JSON of the wrong kind, a lone surrogate escape, a byte that is not UTF-8:
-    each becomes an error record, and every other line still runs."""
+    """Valid JSON of the wrong kind, a lone surrogate escape, a byte that is not UTF-8,
+    JSON nested or long past what Python reads: each becomes an error record, and every
+    other line still runs."""
     source = tmp_path / "prompts.jsonl"
     source.write_bytes(b'\xef\xbb\xbf"first"\nnull\n5\n[["a", "b"]]\n{"prompt": "\\ud800"}\n'
-                       b'"bad \xff byte"\n"last"\n')
+                       b'"bad \xff byte"\n' + b"[" * 100_000 + b"]" * 100_000 + b"\n"
+                       + b"1" * 5_000 + b'\n"last"\n')
     target = tmp_path / "out.jsonl"
     result = run_cli("generate", "--input", str(source), "--output", str(target),
                      "--max-tokens", "2", *SMALL_ENGINE)
     assert result.returncode == 1, result.stderr
     records = [json.loads(line) for line in target.read_text().splitlines()]
-    assert [r.get("prompt") for r in records] == ["first", None, None, None, None, None, "last"]
+    assert [r.get("prompt") for r in records] == ["first", *[None] * 7, "last"]
     assert records[0]["text"] and records[-1]["text"]
     errors = [r["error"] for r in records[1:-1]]
     assert ["null" in errors[0], "number" in errors[1], "array" in errors[2],
-            "surrogate" in errors[3], "UTF-8" in errors[4]] == [True] * 5, errors
+            "surrogate" in errors[3], "UTF-8" in errors[4], "not JSON" in errors[5],
+            "not JSON" in errors[6]] == [True] * 7, errors
     assert "Traceback" not in result.stderr
 
 

@@ -26,7 +26,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Generator
+from collections.abc import AsyncGenerator, Callable, Generator, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -77,6 +77,9 @@ class RequestStream:
         while not self.finished:
             try:
                 output = await self._stream.get()
+            except StopAsyncIteration:  # aborted by id: already out of the engine
+                self.finished = True
+                raise
             except BaseException:
                 self.abort()
                 raise
@@ -89,10 +92,12 @@ class RequestStream:
         raise StopAsyncIteration
 
     def abort(self) -> None:
-        """Ends the request now unless it already finished; idempotent."""
+        """Ends the request now unless it already finished; idempotent. Only this
+        stream's request: if it finished meanwhile and its id was taken again, the new
+        request is left alone."""
         if not self.finished:
             self.finished = True
-            self.engine.abort(self.request_id)
+            self.engine._abort_stream(self.request_id, self._stream)
 
     async def __aenter__(self) -> RequestStream:
         return self
@@ -317,15 +322,24 @@ class AsyncLLMEngine:
             async for output in stream:
                 yield output
 
-    def abort(self, request_id: str) -> _Done:
-        """Aborts a request without waiting: safe from `finally` blocks during cancellation.
-        It may also be awaited, as vLLM's coroutine is.
+    def abort(self, request_id: str | Iterable[str]) -> _Done:
+        """Aborts requests (one id or several, as vLLM takes them) without waiting: safe
+        from `finally` blocks during cancellation. It may also be awaited, as vLLM's
+        coroutine is. A stream still read ends.
 
         Once the engine has stopped there is nothing left to free, so this is then a no-op.
         """
+        ids = [request_id] if isinstance(request_id, (str, int)) else list(request_id)
         if self.is_running:
-            self._submit(functools.partial(self._abort_now, request_id))
+            for one in ids:
+                self._submit(functools.partial(self._abort_now, str(one)))
         return _Done()
+
+    def _abort_stream(self, request_id: str, stream: _OutputStream) -> None:
+        """Aborts the request `stream` reads, if it is still the one under its id."""
+        if self.is_running:
+            self._submit(lambda: self._abort_now(request_id)
+                         if self._streams.get(request_id) is stream else None)
 
     def _abort_now(self, request_id: str) -> None:
         """On the engine thread. The request's stream, if anyone still reads it (an

@@ -116,7 +116,7 @@ def _record(number: int, raw: bytes) -> list[dict[str, Any] | str]:
         value = json.loads(raw.decode("utf-8-sig" if number == 1 else "utf-8"))
     except UnicodeDecodeError as error:
         return [f"line {number}: not UTF-8 text: {error}"]
-    except json.JSONDecodeError as error:
+    except (ValueError, RecursionError) as error:  # not JSON, or nested or long past reading
         return [f"line {number}: not JSON: {error}"]
     if isinstance(value, str):
         value = {"prompt": value}

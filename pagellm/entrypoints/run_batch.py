@@ -82,7 +82,7 @@ def read_requests(path: Path) -> list[dict[str, Any]]:
 def _request(number: int, raw: bytes) -> dict[str, Any]:
     try:
         line = json.loads(raw.decode("utf-8-sig" if number == 1 else "utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+    except (ValueError, RecursionError) as error:  # not UTF-8, not JSON, too deep or long
         return {"error": f"line {number}: not a JSON object: {error}"}
     if not isinstance(line, dict):
         return {"error": f"line {number}: must be a JSON object"}
@@ -184,10 +184,12 @@ def run(args: argparse.Namespace, engine: AsyncLLMEngine) -> int:
     (its line says why), as `generate` does. Interrupted (Ctrl-C), it still writes every
     result line, those not answered yet saying so, and returns 130."""
     started = time.perf_counter()
-    requests = read_requests(args.input_file)
-    results: list[dict[str, Any] | None] = [None] * len(requests)
+    requests: list[dict[str, Any]] = []
+    results: list[dict[str, Any] | None] = []
     interrupted = False
     try:
+        requests = read_requests(args.input_file)
+        results = [None] * len(requests)
         asyncio.run(answer_all(engine, args, requests, results))
     except KeyboardInterrupt:
         interrupted = True

@@ -153,7 +153,15 @@ def test_async_generate_streams_deltas_and_aborts_when_left() -> None:
         assert unnamed[-1].finished and unnamed[-1].outputs[0].text == whole
         stream = await engine.add_request("awaited", PROMPT, greedy.clone(max_tokens=400))
         await engine.abort("awaited")  # vLLM's abort is a coroutine
+        # The id taken again at once: the first reader's end does not abort the second.
+        again = await engine.add_request("awaited", PROMPT, greedy)
         assert [o async for o in stream] == [] or stream.finished
+        assert [o async for o in again][-1].outputs[0].text == whole
+        pair = [await engine.add_request(name, PROMPT, greedy.clone(max_tokens=400))
+                for name in ("a", "b")]
+        engine.abort(["a", "b"])  # several ids, as vLLM takes them; the readers end
+        for each in pair:
+            assert not [o async for o in each if o.finished]
         assert (await engine.get_tokenizer()) is engine.tokenizer
         await engine.check_health()
         assert not engine.errored

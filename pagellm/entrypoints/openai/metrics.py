@@ -9,8 +9,10 @@ the engine's own timestamps. Everything here runs on the event loop thread, so n
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import math
+import reprlib
 from collections.abc import Iterable, Sequence
 
 from pagellm.engine.async_engine import AsyncLLMEngine
@@ -45,6 +47,23 @@ VLLM_NAMES = {
     "pagellm_inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
     "pagellm_e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
 }
+
+
+# Sizes past which a logged value is cut: a schema, a token list or a stop string may
+# be megabytes, and a log line per request must stay a line.
+_BRIEF = reprlib.Repr()
+_BRIEF.maxlevel, _BRIEF.maxstring, _BRIEF.maxother = 3, 80, 80
+_BRIEF.maxlist = _BRIEF.maxtuple = _BRIEF.maxdict = _BRIEF.maxset = 8
+
+
+def _brief(value: object) -> str:
+    """Sampling params as a log line shows them, field by field (nested formats too),
+    each value cut to a few items or characters."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = ", ".join(f"{field.name}={_brief(getattr(value, field.name))}"
+                           for field in dataclasses.fields(value))
+        return f"{type(value).__name__}({fields})"
+    return _BRIEF.repr(value)
 
 
 def _request_summary(output: RequestOutput) -> str:
@@ -181,8 +200,8 @@ class ServerMetrics:
     def observe_received(self, request_id: str, num_prompt_tokens: int,
                          params: object) -> None:
         if self.log_requests:
-            logger.info("request %s received: %d prompt tokens, %r", request_id,
-                        num_prompt_tokens, params)
+            logger.info("request %s received: %d prompt tokens, %s", request_id,
+                        num_prompt_tokens, _brief(params))
 
     def _finished(self, reason: str) -> None:
         self.requests_finished[reason] = self.requests_finished.get(reason, 0) + 1

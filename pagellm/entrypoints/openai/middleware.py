@@ -102,9 +102,12 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
 
 # Paths that need the API key: the API, the one endpoint outside it that changes the
-# server's state, the one that shows the tokens of cached prompts, and the one that
-# shows the chat template (which may hold an operator's private system prompt).
-_GUARDED_PREFIXES = ("/v1", "/reset_prefix_cache", "/kv_cache_events", "/tokenizer_info")
+# server's state, the one that shows the tokens of cached prompts, and those that show
+# the chat template (which may hold an operator's private system prompt): /tokenizer_info,
+# and /tokenize with /detokenize, which render it and read it back. vLLM leaves the
+# last three open.
+_GUARDED_PREFIXES = ("/v1", "/reset_prefix_cache", "/kv_cache_events", "/tokenize",
+                     "/detokenize")
 
 
 class APIKeyMiddleware:

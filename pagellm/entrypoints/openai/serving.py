@@ -254,6 +254,7 @@ async def start_requests(
     except BaseException as error:
         for stream in streams:
             stream.abort()
+            context.metrics.observe_aborted(stream.request_id, None, stream.num_samples)
         if isinstance(error, ValueError):
             message = str(error)
             param = next((name for name in ("cache_salt", "priority", "allowed_token_ids",
@@ -313,20 +314,6 @@ async def merged(streams: list[RequestStream], metrics: ServerMetrics
             if index not in finished:
                 metrics.observe_aborted(stream.request_id, latest.get(index),
                                         stream.num_samples)
-            stream.abort()
-
-
-async def aborting_on_exit(streams: list[RequestStream], events: AsyncGenerator[str, None]
-                           ) -> AsyncGenerator[str, None]:
-    """`events`, and the streams aborted when they end: a client that leaves while the
-    first events (before `merged` runs) are being sent would otherwise leave its request
-    running to its last token for nobody."""
-    try:
-        async with aclosing(events):
-            async for event in events:
-                yield event
-    finally:
-        for stream in streams:
             stream.abort()
 
 

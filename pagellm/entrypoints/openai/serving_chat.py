@@ -47,7 +47,6 @@ from pagellm.entrypoints.openai.serving import (
     Prompt,
     ServerContext,
     UsageReport,
-    aborting_on_exit,
     beam_search_params,
     check_supported,
     choice_usage,
@@ -191,7 +190,7 @@ async def create_chat_completion(context: ServerContext, body: ChatCompletionReq
     run = await start_chat(context, body, arrival, f"chatcmpl-{uuid.uuid4().hex}")
     if body.stream:
         events = _stream(context, body, run, UsageReport.of(body.stream_options))
-        return EventStreamResponse(streamed(aborting_on_exit(run.streams, events)))
+        return EventStreamResponse(streamed(events), run.streams)
     outputs = await unless_disconnected(raw, final_outputs(run.streams, context.metrics))
     return JSONResponse(_response(context, body, run, outputs[0]).model_dump(mode="json"))
 

@@ -149,7 +149,8 @@ async def create_completion(context: ServerContext, body: CompletionRequest,
                                    arrival, "prompt", body.priority, request_format.field)
     if body.stream:
         return EventStreamResponse(streamed(_stream(context, request_id, body, streams,
-                                                    UsageReport.of(body.stream_options))))
+                                                    UsageReport.of(body.stream_options))),
+                                   streams)
     outputs = await unless_disconnected(raw, final_outputs(streams, context.metrics))
     if _prompt_only(body):
         outputs = [_without_completion(output) for output in outputs]

@@ -44,7 +44,6 @@ from pagellm.entrypoints.openai.messages_to_chat import (
 from pagellm.entrypoints.openai.reasoning import answer_parts
 from pagellm.entrypoints.openai.serving import (
     ServerContext,
-    aborting_on_exit,
     final_outputs,
     merged,
     usage,
@@ -70,8 +69,7 @@ async def create_message(context: ServerContext, body: MessagesRequest, raw: Req
     except APIError as error:
         raise renamed(error, conversation) from error
     if body.stream:
-        return EventStreamResponse(aborting_on_exit(
-            run.streams, _events(context, run, message_id)))
+        return EventStreamResponse(_events(context, run, message_id), run.streams)
     outputs = await unless_disconnected(raw, final_outputs(run.streams, context.metrics))
     return JSONResponse(_answer(context.model_name, message_id, run, outputs[0])
                         .model_dump(mode="json"))

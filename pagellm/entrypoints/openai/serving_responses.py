@@ -58,7 +58,6 @@ from pagellm.entrypoints.openai.responses_to_chat import (
 from pagellm.entrypoints.openai.serving import (
     CONTEXT_LENGTH_EXCEEDED,
     ServerContext,
-    aborting_on_exit,
     final_outputs,
     fits_context,
     merged,
@@ -106,7 +105,7 @@ async def create_response(context: ServerContext, store: ResponseStore,
                             TokenText(context.engine.tokenizer) if wants_logprobs(body)
                             else None)
     if body.stream:
-        return EventStreamResponse(aborting_on_exit(run.streams, answer.events(context)))
+        return EventStreamResponse(answer.events(context), run.streams)
     outputs = await unless_disconnected(raw, final_outputs(run.streams, context.metrics))
     return JSONResponse((await answer.finished(context, outputs[0])).model_dump(mode="json"))
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Sequence
 from contextlib import aclosing
 from typing import Any, TypeVar
 
@@ -18,6 +18,7 @@ from fastapi import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from pagellm.engine.async_engine import RequestStream
 from pagellm.entrypoints.openai.errors import APIError, failure
 from pagellm.entrypoints.openai.json_text import dumps
 
@@ -50,26 +51,35 @@ class EventStreamResponse(StreamingResponse):
 
     Starlette only notices a disconnect when a write fails (ASGI spec 2.4), so a request
     still queued or in a long prefill would run on for a client that is gone. Here a
-    listener runs beside the stream and cancels it on disconnect, and the body iterator
-    is always closed, so the request's `finally` aborts it and frees its KV blocks.
+    listener runs beside the stream and cancels it on disconnect, the body iterator is
+    always closed, and the engine requests it reads (`streams`) are aborted when the
+    response ends, so their KV blocks are freed at once. That last step is not left to
+    the iterator's own `finally`: a generator closed before its first step never runs it
+    (a client gone before the first event).
     """
 
-    def __init__(self, events: AsyncGenerator[str, None]) -> None:
+    def __init__(self, events: AsyncGenerator[str, None],
+                 streams: Sequence[RequestStream] = ()) -> None:
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.events = events
+        self.streams = streams
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async with aclosing(self.events), anyio.create_task_group() as group:
+        try:
+            async with aclosing(self.events), anyio.create_task_group() as group:
 
-            async def stream() -> None:
-                with contextlib.suppress(OSError):
-                    await self.stream_response(send)
+                async def stream() -> None:
+                    with contextlib.suppress(OSError):
+                        await self.stream_response(send)
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                await self.listen_for_disconnect(receive)
                 group.cancel_scope.cancel()
-
-            group.start_soon(stream)
-            await self.listen_for_disconnect(receive)
-            group.cancel_scope.cancel()
+        finally:
+            for request in self.streams:
+                request.abort()  # idempotent: a finished one is left alone
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
