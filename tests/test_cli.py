@@ -225,7 +225,8 @@ def test_run_batch_answers_each_line_as_the_server_would(tmp_path: Path) -> None
         line("fruit", "/v1/chat/completions", ask("Name a fruit.")),
         line("river", "/v1/chat/completions", ask("Name a river.")),
         line("text", "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 4}),
-        line("resp", "/v1/responses", {"input": "Say hi.", "max_output_tokens": 4}),
+        line("resp", "/v1/responses", {"input": "Say hi.", "max_output_tokens": 4,
+                                       "metadata": {"note": "\ud800"}}),  # echoed back
         line("cold", "/v1/chat/completions", {**ask("x"), "temperature": -1}),
         line("embed", "/v1/embeddings", {"input": "x"}),
         line("stream", "/v1/completions", {"prompt": "x", "stream": True}),

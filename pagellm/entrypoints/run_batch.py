@@ -124,6 +124,17 @@ def result_line(request: dict[str, Any], status: int, body: dict[str, Any]) -> d
                 "code": error.get("code") or error.get("type"), "message": error.get("message")}}
 
 
+def _jsonl(line: dict[str, Any]) -> str:
+    """A result line as UTF-8 JSON text; one that echoes a lone surrogate back (the
+    Responses API echoes metadata as given) is written with escapes instead."""
+    text = json.dumps(line, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(line)
+    return text + "\n"
+
+
 def _usage_totals(lines: list[dict[str, Any]]) -> dict[str, int]:
     """Prompt, cached and generated tokens of the answered lines, whichever API's usage
     names they are reported under."""
@@ -200,7 +211,7 @@ def run(args: argparse.Namespace, engine: AsyncLLMEngine) -> int:
              for request, line in zip(requests, results, strict=True)]
     with args.output_file.open("w", encoding="utf-8") as out:
         for line in lines:
-            out.write(json.dumps(line, ensure_ascii=False) + "\n")
+            out.write(_jsonl(line))
     answered = [line for line in lines if line["error"] is None]
     print_summary(len(lines), len(lines) - len(answered), _usage_totals(answered),
                   time.perf_counter() - started, "requests")
