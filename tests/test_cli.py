@@ -165,6 +165,10 @@ def test_vllm_only_options_say_what_to_use_instead(capsys: pytest.CaptureFixture
                                       "--trust-remote-code", "--enable-chunked-prefill"])
     assert EngineArgs.from_cli_args(args) == EngineArgs()
     with pytest.raises(SystemExit):
+        main(["serve", "--no-enable-chunked-prefill"])
+    assert ("--enable-chunked-prefill is vLLM's: prompts are always computed in chunks"
+            in capsys.readouterr().err)
+    with pytest.raises(SystemExit):
         main(["serve", "--tensor-parallel-size=2"])
     assert ("argument --tensor-parallel-size: only 1 is taken (vLLM's option; one engine "
             "runs on one device), got '2'") in capsys.readouterr().err

@@ -52,6 +52,9 @@ def unrecognized(tokens: list[str]) -> str:
     instead, in the command line's spelling."""
     names = [token[2:].split("=")[0].replace("-", "_") for token in tokens
              if token.startswith("--")]
+    # vLLM's negative spellings (--no-enable-chunked-prefill) get their option's hint.
+    names = [name.removeprefix("no_") if name.removeprefix("no_") in VLLM_ONLY_OPTIONS
+             else name for name in names]
     known = {f.name for f in dataclasses.fields(EngineConfig)} | set(VLLM_ONLY_OPTIONS)
     hints = [re.sub(r"\b[a-z]+(?:_[a-z]+)+\b", lambda m: "--" + m.group().replace("_", "-")
                     if m.group() in known else m.group(), hint)
