@@ -318,9 +318,9 @@ class LLMEngine:
         """Validates and queues a request; raises ValueError naming the problem, in which
         case nothing was queued. The arguments after the params are named only: vLLM's
         order (arrival_time first) differs from what a positional call meant here.
-        `priority` (lower runs first) needs the "priority" scheduling policy, as in vLLM. With `BeamSearchParams` the request is a beam
-        search, whose one output comes when it ends, with its `beam_width` best
-        sequences as completions, best first."""
+        `priority` (lower runs first) needs the "priority" scheduling policy, as in vLLM.
+        With `BeamSearchParams` the request is a beam search, whose one output comes
+        when it ends, with its `beam_width` best sequences as completions, best first."""
         refuse_lora(lora_request)
         params = (self.get_default_sampling_params() if sampling_params is None
                   else sampling_params)
@@ -698,6 +698,8 @@ class LLMEngine:
 
     def _output(self, group: _Group) -> RequestOutput | None:
         """The group's output as its output_kind shapes it (None: held back)."""
+        if not group.shaper.wants(group.finished):
+            return None
         completions = []
         for sample in group.samples:
             request = sample.request

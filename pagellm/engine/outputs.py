@@ -146,12 +146,17 @@ class OutputShaper:
         self._finished_sent: set[int] = set()
         self._prompt_logprobs_sent = False
 
+    def wants(self, finished: bool) -> bool:
+        """Whether an output is handed on at all (FINAL_ONLY: only the last), so that
+        one held back need not be built."""
+        return finished or self.kind is not RequestOutputKind.FINAL_ONLY
+
     def __call__(self, output: RequestOutput) -> RequestOutput | None:
         """The output to hand on, or None where FINAL_ONLY holds it back."""
-        if self.kind is RequestOutputKind.CUMULATIVE:
+        if not self.wants(output.finished):
+            return None
+        if self.kind is not RequestOutputKind.DELTA:
             return output
-        if self.kind is RequestOutputKind.FINAL_ONLY:
-            return output if output.finished else None
         completions = []
         for completion in output.outputs:
             if completion.index in self._finished_sent:

@@ -249,7 +249,7 @@ async def start_requests(
             streams.append(await context.engine.add_request(
                 f"{base_id}-{index}", engine_prompt, sampling, arrival_time=arrival_time,
                 priority=priority, cache_salt=cache_salt))
-            context.metrics.observe_received(f"{base_id}-{index}", len(prompt.token_ids),
+            context.metrics.observe_received(streams[-1].request_id, len(prompt.token_ids),
                                              sampling)
     except BaseException as error:
         for stream in streams:
