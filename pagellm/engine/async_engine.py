@@ -26,7 +26,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Generator, Iterable
+from collections.abc import AsyncGenerator, Callable, Coroutine, Generator, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -106,13 +106,23 @@ class RequestStream:
         self.abort()
 
 
-class _Done:
-    """What `AsyncLLMEngine.abort` returns: nothing to wait for, but awaitable, since
-    vLLM's abort is a coroutine and its callers await it."""
+class _Done(Coroutine[None, None, None]):
+    """What `AsyncLLMEngine.abort` returns: nothing to wait for, but a coroutine as
+    vLLM's abort is, so callers may await it or hand it to `asyncio.create_task`. It is
+    not a native one: a plain call, never awaited, draws no "never awaited" warning."""
 
     def __await__(self) -> Generator[None, None, None]:
         return
         yield
+
+    def send(self, value: None) -> None:
+        raise StopIteration
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> None:
+        raise typ if val is None else val
+
+    def close(self) -> None:
+        return None
 
 
 class _OutputStream:
@@ -296,10 +306,7 @@ class AsyncLLMEngine:
             if self.is_running:
                 self._submit(abort_added)
             raise
-        return RequestStream(self, engine_id, stream,
-                             sampling_params.beam_width
-                             if isinstance(sampling_params, BeamSearchParams)
-                             else sampling_params.n, kind)
+        return RequestStream(self, engine_id, stream, sampling_params.num_completions, kind)
 
     async def generate(
         self,
@@ -329,7 +336,13 @@ class AsyncLLMEngine:
 
         Once the engine has stopped there is nothing left to free, so this is then a no-op.
         """
-        ids = [request_id] if isinstance(request_id, (str, int)) else list(request_id)
+        if isinstance(request_id, (str, int)):
+            ids: list[str | int] = [request_id]
+        elif isinstance(request_id, Iterable):
+            ids = list(request_id)
+        else:
+            raise TypeError(f"abort takes a request id or an iterable of ids, got "
+                            f"{request_id!r}")
         if self.is_running:
             for one in ids:
                 self._submit(functools.partial(self._abort_now, str(one)))
@@ -343,11 +356,13 @@ class AsyncLLMEngine:
 
     def _abort_now(self, request_id: str) -> None:
         """On the engine thread. The request's stream, if anyone still reads it (an
-        abort by id, as vLLM callers send it), ends."""
+        abort by id, as vLLM callers send it), ends with the request's last output,
+        finish_reason "abort", as vLLM's does (a beam search's just ends)."""
         stream = self._streams.pop(request_id, None)
+        last = self.engine.abort_request(request_id)
         if stream is not None:
-            _post(stream.loop, functools.partial(stream.put, StopAsyncIteration()))
-        self.engine.abort_request(request_id)
+            _post(stream.loop, functools.partial(stream.put, last[0] if last
+                                                 else StopAsyncIteration()))
 
     async def get_tokenizer(self) -> Any:
         """vLLM's coroutine; the tokenizer is also the `tokenizer` attribute (a copy for

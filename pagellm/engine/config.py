@@ -54,6 +54,7 @@ VLLM_NEUTRAL_VALUES: dict[str, tuple[object, ...]] = {
     "tensor_parallel_size": (1,), "pipeline_parallel_size": (1,), "data_parallel_size": (1,),
     "enable_chunked_prefill": (True,),
     "trust_remote_code": (False, True),  # leave to run code that is never loaded
+    "disable_log_stats": (False, True),  # stats are always kept (LLM.get_metrics)
 }
 
 

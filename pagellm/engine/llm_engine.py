@@ -474,12 +474,17 @@ class LLMEngine:
                              "set)")
         return self._grammars.matchers(params.structured_outputs, params.n)
 
-    def abort_request(self, request_ids: str | Sequence[str]) -> None:
+    def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
         """Ends requests now and frees their blocks (they stay cached). Unknown ids are
         ignored: a client may abort a request that just finished. So are a beam search's
-        step requests, which end with their search."""
+        step requests, which end with their search.
+
+        Returns the aborted requests' last outputs (finished, their unfinished completions
+        with finish_reason "abort"), which `step` will not: the async engine hands them
+        to a stream still read, as vLLM's does. A beam search returns none."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
+        outputs = []
         for request_id in request_ids:
             if request_id in self._beams:
                 self._beams.abort(request_id)
@@ -492,6 +497,11 @@ class LLMEngine:
             for sample in group.samples:
                 self.scheduler.finish(sample.request, RequestStatus.FINISHED_ABORTED)
                 self._core_to_group.pop(sample.request.request_id, None)
+            group.metrics.finished_time = time.monotonic()
+            output = self._output(group)
+            if output is not None:
+                outputs.append(output)
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups) or bool(self._beams)

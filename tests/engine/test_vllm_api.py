@@ -133,7 +133,8 @@ def test_llm_takes_vllms_arguments() -> None:
 
 def test_async_generate_streams_deltas_and_aborts_when_left() -> None:
     """vLLM's `AsyncLLM.generate` loop: DELTA pieces join into the cumulative answer,
-    and breaking out of the loop frees the request at once."""
+    breaking out of the loop frees the request at once, and an abort by id ends a
+    reader's loop with a last output whose finish_reason is "abort"."""
     engine = AsyncLLMEngine.from_engine_args(
         AsyncEngineArgs(kv_cache_memory_bytes=32 << 20, max_model_len=512))
     greedy = SamplingParams(max_tokens=12, temperature=0)
@@ -157,11 +158,25 @@ def test_async_generate_streams_deltas_and_aborts_when_left() -> None:
         again = await engine.add_request("awaited", PROMPT, greedy)
         assert [o async for o in stream] == [] or stream.finished
         assert [o async for o in again][-1].outputs[0].text == whole
-        pair = [await engine.add_request(name, PROMPT, greedy.clone(max_tokens=400))
-                for name in ("a", "b")]
-        engine.abort(["a", "b"])  # several ids, as vLLM takes them; the readers end
-        for each in pair:
-            assert not [o async for o in each if o.finished]
+        pair = [await engine.add_request(name, PROMPT, greedy.clone(max_tokens=400, n=n,
+                                                                     seed=n))
+                for name, n in (("a", 1), ("b", 2))]
+        engine.abort(["a", "b"])  # several ids, as vLLM takes them
+        for each in pair:  # each reader gets the last output, finished by the abort
+            last = [o async for o in each][-1]
+            assert last.finished and {c.finish_reason for c in last.outputs} == {"abort"}
+        # A DELTA reader, aborted from a task as vLLM's coroutine allows: the last piece
+        # says why it ended (with any token a step added before the abort).
+        deltas = []
+        async for output in engine.generate(PROMPT, greedy.clone(
+                max_tokens=400, ignore_eos=True, output_kind=RequestOutputKind.DELTA), "c"):
+            deltas.append(output)
+            if len(deltas) == 3:
+                await asyncio.create_task(engine.abort("c"))
+        assert deltas[-1].finished and deltas[-1].outputs[0].finish_reason == "abort"
+        assert len(deltas[-1].outputs[0].token_ids) <= 2
+        with pytest.raises(TypeError, match="abort takes a request id"):
+            engine.abort(None)  # type: ignore[arg-type]
         assert (await engine.get_tokenizer()) is engine.tokenizer
         await engine.check_health()
         assert not engine.errored
@@ -236,3 +251,38 @@ def test_reset_prefix_cache_can_preempt_the_running_requests(engine: LLMEngine) 
                 for o in run_all(engine) if o.finished}
     assert finished == expected
     assert_idle(engine)
+
+
+def test_get_metrics_snapshots_the_engine_and_the_requests_run() -> None:
+    """vLLM's metrics example: LLM(disable_log_stats=False).get_metrics() gives Counter,
+    Gauge and Histogram records under vLLM's names (and PageLLM's), and they count what
+    generate ran, each completion of an n=2 request apart."""
+    from pagellm.engine.metrics import Counter, Gauge, Histogram
+
+    llm = LLM(kv_cache_memory_bytes=32 << 20, max_model_len=512, disable_log_stats=False)
+    prefix = "A long shared beginning about colours and paint and light. " * 4
+    greedy = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    llm.generate([prefix + "Red", prefix + "Blue"], [greedy, greedy.clone(n=2, seed=1)],
+                 use_tqdm=False)
+    metrics = {(m.name, tuple(sorted(m.labels.items()))): m for m in llm.get_metrics()}
+    model = ("model_name", "SmolLM2-135M-Instruct")
+
+    def value(name: str, **labels: str) -> Any:
+        return metrics[(name, tuple(sorted({**dict([model]), **labels}.items())))]
+
+    for finished in ("pagellm_request_finished_total", "vllm:request_success_total"):
+        assert value(finished, finished_reason="length") == Counter(
+            finished, {"model_name": model[1], "finished_reason": "length"}, 3)
+        assert value(finished, finished_reason="abort").value == 0
+    assert value("vllm:generation_tokens_total").value == 15
+    assert value("vllm:prefix_cache_hits_total").value > 0
+    assert value("vllm:prefix_cache_queries_total").value >= \
+        value("vllm:prefix_cache_hits_total").value
+    running = value("vllm:num_requests_running")
+    assert isinstance(running, Gauge) and running.value == 0
+    ttft = value("vllm:time_to_first_token_seconds")
+    assert isinstance(ttft, Histogram) and ttft.count == 3 and ttft.buckets["+Inf"] == 3
+    assert value("vllm:inter_token_latency_seconds").count == 3 * 4
+    assert value("vllm:e2e_request_latency_seconds").count == 3
+    assert value("pagellm_kv_cache_blocks").value > 0
+    assert_idle(llm.llm_engine)

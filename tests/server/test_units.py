@@ -10,6 +10,7 @@ import pytest
 
 from pagellm.core.sampling_params import SamplingParams
 from pagellm.engine.llm_engine import EngineStats
+from pagellm.engine.metrics import Counter, Gauge, LatencyHistogram
 from pagellm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagellm.entrypoints.openai.errors import APIError, validation_error
 from pagellm.entrypoints.openai.logprobs import (
@@ -20,7 +21,7 @@ from pagellm.entrypoints.openai.logprobs import (
 )
 from pagellm.entrypoints.openai.messages_protocol import AnthropicMessage
 from pagellm.entrypoints.openai.messages_to_chat import conversation_of as messages_conversation
-from pagellm.entrypoints.openai.metrics import Histogram, ServerMetrics
+from pagellm.entrypoints.openai.metrics import ServerMetrics, prometheus_text
 from pagellm.entrypoints.openai.reasoning import ThinkReasoningParser
 from pagellm.entrypoints.openai.response_store import ResponseStore
 from pagellm.entrypoints.openai.responses_protocol import (
@@ -62,14 +63,38 @@ def test_blocked_tokens_are_reported_as_finite_logprobs() -> None:
 
 
 def test_histogram_buckets_are_cumulative() -> None:
-    histogram = Histogram("h", "help", (0.1, 1.0))
+    histogram = LatencyHistogram("pagellm_time_to_first_token_seconds", (0.1, 1.0))
     for value in (0.05, 0.1, 0.5, 5.0):
         histogram.observe(value)
-    lines = histogram.render({"model_name": 'a"b'})
-    assert 'h_bucket{model_name="a\\"b",le="0.1"} 2' in lines
-    assert 'h_bucket{model_name="a\\"b",le="1.0"} 3' in lines
-    assert 'h_bucket{model_name="a\\"b",le="+Inf"} 4' in lines
-    assert lines[-1] == 'h_count{model_name="a\\"b"} 4'
+    snapshot = histogram.snapshot({"model_name": 'a"b'})
+    assert (snapshot.count, snapshot.sum) == (4, 5.65)
+    assert snapshot.buckets == {"0.1": 2, "1.0": 3, "+Inf": 4}
+    lines = prometheus_text([snapshot]).splitlines()
+    name = "pagellm_time_to_first_token_seconds"
+    assert lines[:2] == [f"# HELP {name} Time from a request's arrival to its first "
+                         "generated token.", f"# TYPE {name} histogram"]
+    assert f'{name}_bucket{{model_name="a\\"b",le="0.1"}} 2' in lines
+    assert f'{name}_bucket{{model_name="a\\"b",le="1.0"}} 3' in lines
+    assert f'{name}_bucket{{model_name="a\\"b",le="+Inf"}} 4' in lines
+    assert lines[-1] == f'{name}_count{{model_name="a\\"b"}} 4'
+
+
+def test_prometheus_families_group_their_samples() -> None:
+    """Records sharing a name print under one HELP/TYPE pair; vLLM's names take
+    PageLLM's help text."""
+    text = prometheus_text([
+        Counter("pagellm_request_finished_total", {"finished_reason": "stop"}, 2),
+        Counter("pagellm_request_finished_total", {"finished_reason": "length"}, 1),
+        Gauge("vllm:kv_cache_usage_perc", {}, 0.25)])
+    assert text.splitlines() == [
+        "# HELP pagellm_request_finished_total Completions ended, by finish reason (abort: "
+        "unfinished, e.g. the client left).",
+        "# TYPE pagellm_request_finished_total counter",
+        'pagellm_request_finished_total{finished_reason="stop"} 2',
+        'pagellm_request_finished_total{finished_reason="length"} 1',
+        "# HELP vllm:kv_cache_usage_perc Fraction of KV cache blocks in use (0 when idle).",
+        "# TYPE vllm:kv_cache_usage_perc gauge",
+        "vllm:kv_cache_usage_perc 0.25"]
 
 
 def test_finish_reasons_are_counted_per_completion(caplog: pytest.LogCaptureFixture) -> None:
@@ -106,9 +131,9 @@ def test_finish_reasons_are_counted_per_completion(caplog: pytest.LogCaptureFixt
         assert (f'pagellm_request_finished_total{{model_name="m",finished_reason="{reason}"}} '
                 f"{count}") in text
     # Per completion, as the counter: 2 finished and 2 aborted ones produced tokens.
-    assert metrics.time_to_first_token.count == 4
-    assert metrics.e2e_request_latency.count == 2
-    assert metrics.inter_token_latency.count == 1 + 1 + 1 + 0  # 2, 2, 2 and 1 tokens
+    assert metrics.latencies.time_to_first_token.count == 4
+    assert metrics.latencies.e2e_request_latency.count == 2
+    assert metrics.latencies.inter_token_latency.count == 1 + 1 + 1 + 0  # 2, 2, 2 and 1 tokens
 
 
 @pytest.mark.parametrize(("errors", "param", "message"), [

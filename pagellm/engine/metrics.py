@@ -1,0 +1,215 @@
+"""The engine's metrics as records: what `LLM.get_metrics()` returns and what the server's
+`/metrics` page prints, from one snapshot so the two never disagree.
+
+The record types are vLLM's (`vllm.v1.metrics.reader`: Counter, Gauge, Histogram, each
+with a name and labels), so code that walks `llm.get_metrics()` in vLLM walks PageLLM's.
+Counters and gauges come from the engine's stats when the snapshot is taken; the latency
+histograms and finish-reason counts are fed by whoever sees requests end (the offline
+`LLM`, the server's serving code), from the engine's own timestamps.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pagellm.engine.llm_engine import EngineStats
+from pagellm.engine.outputs import RequestOutput
+
+FINISHED_ABORT = "abort"
+FINISH_REASONS = ("stop", "length", FINISHED_ABORT)
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+               1.0, 2.5, 5.0, 10.0, 20.0)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+               50.0, 60.0, 120.0, 240.0, 480.0)
+
+# Each metric's one-line meaning (Prometheus' HELP), which also fixes the order they
+# are listed in.
+HELP = {
+    "pagellm_prefix_cache_queries_total": "Prompt tokens looked up in the prefix cache.",
+    "pagellm_prefix_cache_hits_total": "Prompt tokens served from the prefix cache.",
+    "pagellm_prefix_cache_evictions_total": "Cached KV blocks evicted to make room.",
+    "pagellm_kv_cache_usage": "Fraction of KV cache blocks in use (0 when idle).",
+    "pagellm_kv_cache_blocks": "KV cache blocks in the pool.",
+    "pagellm_num_requests_running": "Requests scheduled in the running batch.",
+    "pagellm_num_requests_waiting": "Requests waiting to be scheduled.",
+    "pagellm_num_preemptions_total": "Requests preempted (their KV freed) to make room.",
+    "pagellm_prompt_tokens_total": "Prompt tokens of requests whose prompt was computed "
+                                   "(cached ones included).",
+    "pagellm_generation_tokens_total": "Tokens generated.",
+    "pagellm_request_finished_total": "Completions ended, by finish reason (abort: "
+                                      "unfinished, e.g. the client left).",
+    "pagellm_time_to_first_token_seconds": "Time from a request's arrival to its first "
+                                           "generated token.",
+    "pagellm_inter_token_latency_seconds": "Time between consecutive generated tokens of a "
+                                           "request.",
+    "pagellm_e2e_request_latency_seconds": "Time from a request's arrival to its last token "
+                                           "(finished requests only).",
+}
+
+# The series vLLM has too, again under its names (same meaning, same model_name label),
+# so dashboards, alerts and autoscalers written against vLLM's read them.
+VLLM_NAMES = {
+    "pagellm_prefix_cache_queries_total": "vllm:prefix_cache_queries_total",
+    "pagellm_prefix_cache_hits_total": "vllm:prefix_cache_hits_total",
+    "pagellm_kv_cache_usage": "vllm:kv_cache_usage_perc",
+    "pagellm_num_requests_running": "vllm:num_requests_running",
+    "pagellm_num_requests_waiting": "vllm:num_requests_waiting",
+    "pagellm_num_preemptions_total": "vllm:num_preemptions_total",
+    "pagellm_prompt_tokens_total": "vllm:prompt_tokens_total",
+    "pagellm_generation_tokens_total": "vllm:generation_tokens_total",
+    "pagellm_request_finished_total": "vllm:request_success_total",
+    "pagellm_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+    "pagellm_inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
+    "pagellm_e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+}
+
+
+@dataclass
+class Metric:
+    name: str
+    labels: dict[str, str]
+
+
+@dataclass
+class Counter(Metric):
+    """A count that only grows."""
+
+    value: int
+
+
+@dataclass
+class Gauge(Metric):
+    """A value that goes up and down (queue lengths, pool usage)."""
+
+    value: float
+
+
+@dataclass
+class Histogram(Metric):
+    """Observations in buckets: `buckets` maps each upper bound, as Prometheus writes it
+    ("0.1", ..., "+Inf"), to the observations at or below it (cumulative, as vLLM's)."""
+
+    count: int
+    sum: float
+    buckets: dict[str, int]
+
+
+def bound_text(bound: float) -> str:
+    """A bucket bound as Prometheus writes it."""
+    return "+Inf" if math.isinf(bound) else repr(float(bound))
+
+
+class LatencyHistogram:
+    """Records observations into fixed buckets."""
+
+    def __init__(self, name: str, bounds: Sequence[float]) -> None:
+        self.name = name
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def snapshot(self, labels: dict[str, str]) -> Histogram:
+        buckets: dict[str, int] = {}
+        cumulative = 0
+        for bound, count in zip((*self.bounds, math.inf), self.counts, strict=True):
+            cumulative += count
+            buckets[bound_text(bound)] = cumulative
+        return Histogram(self.name, dict(labels), cumulative, self.sum, buckets)
+
+
+class RequestLatencies:
+    """Latency histograms and finish-reason counts of ended requests, per completion (as
+    vLLM counts an n > 1 request's samples), so every histogram's count agrees with the
+    finish-reason counter."""
+
+    def __init__(self) -> None:
+        self.time_to_first_token = LatencyHistogram("pagellm_time_to_first_token_seconds",
+                                                    TTFT_BUCKETS)
+        self.inter_token_latency = LatencyHistogram("pagellm_inter_token_latency_seconds",
+                                                    ITL_BUCKETS)
+        self.e2e_request_latency = LatencyHistogram("pagellm_e2e_request_latency_seconds",
+                                                    E2E_BUCKETS)
+        # Completions by how they ended: "stop", "length", or "abort" (unfinished).
+        self.requests_finished: dict[str, int] = {}
+
+    def observe_finished(self, output: RequestOutput) -> None:
+        """A finished request, from its whole (not delta) output."""
+        metrics = output.metrics
+        end = None if metrics is None else metrics.finished_time or metrics.last_token_time
+        for completion in output.outputs:
+            self._observe_tokens(output, len(completion.token_ids))
+            if metrics is not None and end is not None:
+                self.e2e_request_latency.observe(end - metrics.arrival_time)
+            self._finished(completion.finish_reason or FINISHED_ABORT)
+
+    def observe_aborted(self, output: RequestOutput | None, num_samples: int) -> None:
+        """A request that ended unfinished (its client left, the server shut down, the
+        engine failed it), from its latest output if it had one: the tokens it produced
+        count in the token latencies; its end-to-end time is not a completion's and does
+        not."""
+        if output is None:
+            for _ in range(num_samples):
+                self._finished(FINISHED_ABORT)
+            return
+        for completion in output.outputs:
+            self._observe_tokens(output, len(completion.token_ids))
+            self._finished(completion.finish_reason or FINISHED_ABORT)
+
+    def _observe_tokens(self, output: RequestOutput, num_tokens: int) -> None:
+        """One completion's time to first token and gaps between its `num_tokens` tokens
+        (the request's step times; samples of one request advance together)."""
+        metrics = output.metrics
+        if metrics is None or metrics.first_token_time is None or not num_tokens:
+            return
+        self.time_to_first_token.observe(metrics.first_token_time - metrics.arrival_time)
+        times = metrics.token_times[:num_tokens]
+        for earlier, later in zip(times, times[1:], strict=False):
+            self.inter_token_latency.observe(later - earlier)
+
+    def _finished(self, reason: str) -> None:
+        self.requests_finished[reason] = self.requests_finished.get(reason, 0) + 1
+
+
+def metrics_snapshot(stats: EngineStats, latencies: RequestLatencies,
+                     model_name: str) -> list[Metric]:
+    """Every metric now, labelled with the model's name, in `HELP`'s order; then those
+    vLLM has, again under vLLM's names."""
+    labels = {"model_name": model_name}
+    metrics: list[Metric] = [
+        Counter("pagellm_prefix_cache_queries_total", labels, stats.prefix_cache_queries),
+        Counter("pagellm_prefix_cache_hits_total", labels, stats.prefix_cache_hits),
+        Counter("pagellm_prefix_cache_evictions_total", labels, stats.num_evictions),
+        Gauge("pagellm_kv_cache_usage", labels, stats.kv_cache_usage),
+        Gauge("pagellm_kv_cache_blocks", labels, stats.num_blocks),
+        Gauge("pagellm_num_requests_running", labels, stats.num_running),
+        Gauge("pagellm_num_requests_waiting", labels, stats.num_waiting),
+        Counter("pagellm_num_preemptions_total", labels, stats.num_preemptions),
+        Counter("pagellm_prompt_tokens_total", labels, stats.prompt_tokens),
+        Counter("pagellm_generation_tokens_total", labels, stats.generation_tokens),
+        *(Counter("pagellm_request_finished_total", {**labels, "finished_reason": reason},
+                  latencies.requests_finished.get(reason, 0))
+          for reason in sorted({*FINISH_REASONS, *latencies.requests_finished})),
+        *(histogram.snapshot(labels) for histogram in (
+            latencies.time_to_first_token, latencies.inter_token_latency,
+            latencies.e2e_request_latency)),
+    ]
+    # Each record gets its own labels, so a caller changing one changes no other.
+    return ([dataclasses.replace(metric, labels=dict(metric.labels)) for metric in metrics]
+            + [dataclasses.replace(metric, name=VLLM_NAMES[metric.name],
+                                   labels=dict(metric.labels))
+               for metric in metrics if metric.name in VLLM_NAMES])
