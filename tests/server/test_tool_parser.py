@@ -37,7 +37,8 @@ def engine() -> Iterator[AsyncLLMEngine]:
     assert engine.engine.get_stats().kv_cache_usage == 0
 
 
-def ask(engine: AsyncLLMEngine, parser: str | None, answer: str, stream: bool
+def ask(engine: AsyncLLMEngine, parser: str | None, answer: str, stream: bool,
+        tools: tuple[dict[str, Any], ...] = (WEATHER,), **extra: Any,
         ) -> tuple[str | None, list[tuple[str, dict[str, Any]]], str | None]:
     """(content, [(function, arguments)], finish_reason) of one chat answer fixed to
     `answer`, through the openai client against the app in this process."""
@@ -49,9 +50,9 @@ def ask(engine: AsyncLLMEngine, parser: str | None, answer: str, stream: bool
             client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="x",
                                         http_client=http, max_retries=0)
             kwargs: dict[str, Any] = dict(
-                model=MODEL_NAME, max_tokens=60, temperature=0, tools=[WEATHER],
+                model=MODEL_NAME, max_tokens=60, temperature=0, tools=list(tools),
                 messages=[{"role": "user", "content": "Weather in Paris?"}],
-                extra_body={"structured_outputs": {"choice": [answer]}})
+                extra_body={"structured_outputs": {"choice": [answer]}}, **extra)
             if not stream:
                 result = await client.chat.completions.create(**kwargs)
                 message = result.choices[0].message
@@ -92,6 +93,18 @@ def test_auto_tool_calls_are_parsed_from_the_models_syntax(
 def test_auto_without_a_parser_is_refused(engine: AsyncLLMEngine) -> None:
     with pytest.raises(openai.BadRequestError, match="--tool-call-parser hermes"):
         ask(engine, None, CALLING, False)
+
+
+@pytest.mark.parametrize("parser", [None, "hermes"])
+def test_auto_over_no_tools_is_a_plain_answer(engine: AsyncLLMEngine,
+                                              parser: str | None) -> None:
+    """LangChain's bind_tools([]) sends `tools: []` with tool_choice "auto": nothing can
+    be called, so the answer is plain text, as the Responses and Messages APIs give it;
+    "required" over no tools is still a 400."""
+    assert ask(engine, parser, CALLING, False, tools=(), tool_choice="auto") == (
+        CALLING, [], "stop")
+    with pytest.raises(openai.BadRequestError, match="tool_choice needs tools"):
+        ask(engine, parser, CALLING, False, tools=(), tool_choice="required")
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -224,7 +224,9 @@ def tool_call_reader(body: ChatCompletionRequest, parser: str | None) -> ToolCal
     only rendered into the prompt). Bad tools or choices are a 400."""
     choice = body.tool_choice
     if not body.tools:
-        if choice is not None and choice != "none":
+        # "auto" over an empty list (LangChain's bind_tools([])) has nothing to call: a
+        # plain answer, as the Responses and Messages APIs give it.
+        if choice not in (None, "none") and not (choice == "auto" and body.tools == []):
             raise bad_request("tool_choice needs tools", param="tool_choice")
         return None
     tools = function_schemas(body.tools)
