@@ -275,8 +275,9 @@ class LLM:
             bar.close()
             for request_id, index in positions.items():
                 if results[index] is None:
-                    engine.abort_request(request_id)
-                    self._latencies.observe_aborted(None, params[index].num_completions)
+                    last = engine.abort_request(request_id)
+                    self._latencies.observe_aborted(last[0] if last else None,
+                                                    params[index].num_completions)
         unfinished = [index for index, result in enumerate(results) if result is None]
         if unfinished:  # aborted behind generate's back, through llm_engine
             raise RuntimeError(f"prompts {unfinished} ended without an output")
