@@ -153,17 +153,23 @@ def test_bad_options_fail_before_loading_the_model(argv: list[str],
 def test_vllm_only_options_say_what_to_use_instead(capsys: pytest.CaptureFixture[str]
                                                    ) -> None:
     with pytest.raises(SystemExit):
-        main(["serve", "--gpu-memory-utilization=0.9", "--kv-cache-dtype=fp8", "--bogus"])
+        main(["serve", "--gpu-memory-utilization=0.9", "--swap-space=4", "--bogus"])
     err = capsys.readouterr().err
-    assert ("unrecognized arguments: --gpu-memory-utilization=0.9 --kv-cache-dtype=fp8 "
+    assert ("unrecognized arguments: --gpu-memory-utilization=0.9 --swap-space=4 "
             "--bogus; --gpu-memory-utilization is vLLM's: the KV pool is sized by "
             "--kv-cache-memory-bytes, or --kv-cache-memory-fraction") in err
-    assert "--kv-cache-dtype is vLLM's: the KV cache is kept in the model's dtype" in err
+    assert "--swap-space is vLLM's: a preempted request is recomputed" in err
     assert "--bogus is" not in err
     # Flags asking for what PageLLM does anyway are taken; another value is refused.
     args = build_parser().parse_args(["serve", "--tensor-parallel-size", "1",
-                                      "--trust-remote-code", "--enable-chunked-prefill"])
+                                      "--trust-remote-code", "--enable-chunked-prefill",
+                                      "--kv-cache-dtype", "auto", "--max-logprobs", "20",
+                                      "--tokenizer-mode", "auto", "--load-format", "auto"])
     assert EngineArgs.from_cli_args(args) == EngineArgs()
+    with pytest.raises(SystemExit):
+        main(["serve", "--kv-cache-dtype=fp8"])
+    assert ("argument --kv-cache-dtype: only auto is taken (vLLM's option; the KV cache is "
+            "kept in the model's dtype), got 'fp8'") in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["serve", "--no-enable-chunked-prefill"])
     assert ("--enable-chunked-prefill is vLLM's: prompts are always computed in chunks"
@@ -414,10 +420,27 @@ def test_server_options_reach_the_server_settings() -> None:
     assert not settings.enable_log_requests
     assert server_settings(parser.parse_args(["serve", "--enable-log-requests"]),
                            0.0, "x").enable_log_requests
+    # vLLM's deployment flags: the ones that shape answers and HTTP, and those taken for
+    # what PageLLM does anyway (--enable-prompt-tokens-details, --disable-log-requests).
+    vllm_style = server_settings(parser.parse_args([
+        "serve", "--return-tokens-as-token-ids", "--enable-force-include-usage",
+        "--default-chat-template-kwargs", '{"enable_thinking": false}',
+        "--enable-prompt-tokens-details", "--disable-log-requests",
+        "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log",
+        "--disable-fastapi-docs", "--root-path", "/llm"]), 0.0, "x")
+    assert vllm_style.return_tokens_as_token_ids and vllm_style.enable_force_include_usage
+    assert vllm_style.default_chat_template_kwargs == {"enable_thinking": False}
+    assert (vllm_style.uvicorn_log_level, vllm_style.root_path) == ("warning", "/llm")
+    assert vllm_style.disable_uvicorn_access_log and vllm_style.disable_fastapi_docs
+    assert not settings.return_tokens_as_token_ids and settings.root_path == ""
     from pagellm.entrypoints.openai.api_server import ServerSettings
 
     with pytest.raises(ValueError, match="log_stats_interval"):
         ServerSettings(model_names=["m"], log_stats_interval=0)
+    with pytest.raises(ValueError, match="HTTPS needs a certificate"):
+        ServerSettings(model_names=["m"], ssl_keyfile="key.pem")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--ssl-certfile", "/nonexistent/cert.pem"])
 
 
 def test_version_and_public_names(capsys: pytest.CaptureFixture[str]) -> None:

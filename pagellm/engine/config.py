@@ -42,6 +42,9 @@ VLLM_ONLY_OPTIONS: dict[str, str] = {
     "cpu_offload_gb": "weights stay on the device",
     "quantization": "a GGUF file's quantized weights are read as they are",
     "tokenizer": "the tokenizer is the model's own (a GGUF's is converted with it)",
+    "tokenizer_mode": "the model's own Hugging Face tokenizer is used",
+    "load_format": "a GGUF file or a Hugging Face directory is read as what it is",
+    "max_logprobs": "a token's alternatives are at most 20, vLLM's default",
     "revision": _LOCAL,
     "download_dir": _LOCAL,
     "speculative_config": "speculative decoding is not implemented",
@@ -55,6 +58,8 @@ VLLM_NEUTRAL_VALUES: dict[str, tuple[object, ...]] = {
     "enable_chunked_prefill": (True,),
     "trust_remote_code": (False, True),  # leave to run code that is never loaded
     "disable_log_stats": (False, True),  # stats are always kept (LLM.get_metrics)
+    "kv_cache_dtype": ("auto",), "tokenizer_mode": ("auto",), "load_format": ("auto",),
+    "max_logprobs": (20,),
 }
 
 

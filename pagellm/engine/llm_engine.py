@@ -155,6 +155,9 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         assert config.cache_dir is not None
         model_path = resolve_model_path(config.model, config.cache_dir)
+        # The model as given (a path or hub id), else the local directory loaded: what a
+        # client may load the tokenizer from (the server's model cards say it as `root`).
+        self.model_root = config.model or str(model_path)
         self.model_config = load_model_config(model_path)
         context = self.model_config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > context:

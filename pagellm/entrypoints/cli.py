@@ -50,7 +50,12 @@ def _runner(args: argparse.Namespace, launch_time: float) -> Callable[[Any], int
     if args.command == "serve":
         serve.check_parser_args(args)
         sock = serve.bind(args)
-        return lambda engine: serve.run(args, engine, launch_time, sock)
+        try:  # the settings are checked before the model loads, not after
+            settings = serve.server_settings(args, launch_time, serve.address_of(sock))
+        except ValueError:
+            sock.close()
+            raise
+        return lambda engine: serve.run(engine, settings, sock)
     if args.command == "run-batch":
         run_batch.check_args(args)
         return lambda engine: run_batch.run(args, engine)

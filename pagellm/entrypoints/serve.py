@@ -11,7 +11,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pagellm.engine.async_engine import AsyncLLMEngine
-from pagellm.entrypoints.engine_args import add_chat_template_arg, add_engine_args, byte_size
+from pagellm.entrypoints.engine_args import (
+    add_chat_template_arg,
+    add_engine_args,
+    byte_size,
+    json_object,
+)
 from pagellm.model.resolve import served_model_name
 
 if TYPE_CHECKING:
@@ -69,6 +74,27 @@ def add_parser(subparsers: Any) -> None:
                        help="log each request as it arrives (prompt tokens, sampling) and "
                             "as it ends (prompt tokens from the prefix cache, tokens "
                             "generated, first-token and total time)")
+    # vLLM's older flag for what is now the default (no request log lines).
+    group.add_argument("--disable-log-requests", action="store_true", help=argparse.SUPPRESS)
+    group.add_argument("--enable-force-include-usage", action="store_true",
+                       help="usage in every streamed answer, on each chunk too, whatever "
+                            "the request's stream_options say")
+    group.add_argument("--uvicorn-log-level", default=None,
+                       choices=("critical", "error", "warning", "info", "debug", "trace"),
+                       help="uvicorn's log level (default: --log-level); at debug or trace "
+                            "it logs every request line")
+    group.add_argument("--disable-uvicorn-access-log", action="store_true",
+                       help="no request lines, whatever the log level")
+    group.add_argument("--disable-fastapi-docs", action="store_true",
+                       help="no /docs, /redoc or /openapi.json pages")
+    group.add_argument("--root-path", default="", metavar="PATH",
+                       help="the path prefix a proxy serves the app under (ASGI root_path)")
+    group.add_argument("--ssl-keyfile", type=_readable_file, default=None, metavar="FILE",
+                       help="serve HTTPS with this private key (with --ssl-certfile)")
+    group.add_argument("--ssl-certfile", type=_readable_file, default=None, metavar="FILE",
+                       help="serve HTTPS with this certificate")
+    group.add_argument("--ssl-ca-certs", type=_readable_file, default=None, metavar="FILE",
+                       help="CA certificates to check client certificates against")
     group.add_argument("--log-level", default="info",
                        choices=("critical", "error", "warning", "info", "debug"),
                        help="server log level (default: %(default)s)")
@@ -91,6 +117,17 @@ def add_answer_args(group: Any) -> None:
     group.add_argument("--reasoning-parser", default=None, metavar="NAME",
                        help="the model's reasoning syntax, read into chat's `reasoning`: "
                             "deepseek_r1 (<think> ... </think>: DeepSeek R1 and its distills)")
+    group.add_argument("--return-tokens-as-token-ids", action="store_true",
+                       help="logprobs name each token `token_id:N` (requests may say "
+                            "otherwise with the field of that name)")
+    group.add_argument("--default-chat-template-kwargs", type=json_object, default={},
+                       metavar="JSON",
+                       help="chat template variables for every request, under a request's "
+                            "own chat_template_kwargs, e.g. '{\"enable_thinking\": false}'")
+    # vLLM's switch for usage.prompt_tokens_details: PageLLM always reports the prompt
+    # tokens served from the prefix cache there, so the flag is taken and changes nothing.
+    group.add_argument("--enable-prompt-tokens-details", action="store_true",
+                       help=argparse.SUPPRESS)
 
 
 def take_model_tag(args: argparse.Namespace) -> None:
@@ -131,6 +168,13 @@ def _json_strings(text: str) -> list[str]:
         raise argparse.ArgumentTypeError(f'not a JSON list of strings: {text!r} (example: '
                                          '\'["https://app.example"]\')')
     return value
+
+
+def _readable_file(text: str) -> str:
+    """A file checked before the model loads, not after."""
+    if not os.path.isfile(text) or not os.access(text, os.R_OK):
+        raise argparse.ArgumentTypeError(f"not a readable file: {text!r}")
+    return text
 
 
 def _port(text: str) -> int:
@@ -176,7 +220,7 @@ def bind(args: argparse.Namespace) -> socket.socket:
     return sock
 
 
-def _address(sock: socket.socket) -> str:
+def address_of(sock: socket.socket) -> str:
     host, port = sock.getsockname()[:2]
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -192,7 +236,9 @@ def answer_settings(args: argparse.Namespace) -> dict[str, Any]:
     parser reads "auto" calls only with --enable-auto-tool-choice)."""
     return {"model_names": served_model_names(args),
             "tool_call_parser": args.tool_call_parser if args.enable_auto_tool_choice else None,
-            "reasoning_parser": args.reasoning_parser}
+            "reasoning_parser": args.reasoning_parser,
+            "return_tokens_as_token_ids": args.return_tokens_as_token_ids,
+            "default_chat_template_kwargs": args.default_chat_template_kwargs}
 
 
 def server_settings(args: argparse.Namespace, launch_time: float, address: str
@@ -209,12 +255,16 @@ def server_settings(args: argparse.Namespace, launch_time: float, address: str
         allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         enable_log_requests=args.enable_log_requests,
-        launch_time=launch_time, address=address)
+        enable_force_include_usage=args.enable_force_include_usage,
+        uvicorn_log_level=args.uvicorn_log_level,
+        disable_uvicorn_access_log=args.disable_uvicorn_access_log,
+        disable_fastapi_docs=args.disable_fastapi_docs, root_path=args.root_path,
+        ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs, launch_time=launch_time, address=address)
 
 
-def run(args: argparse.Namespace, engine: AsyncLLMEngine, launch_time: float,
-        sock: socket.socket) -> int:
+def run(engine: AsyncLLMEngine, settings: ServerSettings, sock: socket.socket) -> int:
     from pagellm.entrypoints.openai.api_server import run_server
 
-    run_server(engine, server_settings(args, launch_time, _address(sock)), sock)
+    run_server(engine, settings, sock)
     return 0

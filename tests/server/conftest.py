@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -45,6 +46,8 @@ class Server:
     process: subprocess.Popen[bytes]
     url: str
     log: Path
+    # How the server's certificate is checked (its CA, for an HTTPS test server).
+    verify: ssl.SSLContext | bool = True
 
     @property
     def log_text(self) -> str:
@@ -53,7 +56,7 @@ class Server:
     def metrics(self) -> dict[str, float]:
         """The /metrics samples by name, without the model_name label every sample has;
         other labels stay in the key: 'pagellm_request_finished_total{finished_reason="stop"}'."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        text = httpx.get(f"{self.url}/metrics", timeout=10, verify=self.verify).text
         values: dict[str, float] = {}
         for line in text.splitlines():
             if line.startswith("#") or "_bucket" in line or not line.strip():
@@ -86,7 +89,9 @@ class Server:
 
 
 def start_server(tmp: Path, *extra: str, env: dict[str, str] | None = None,
-                 startup_timeout: float = 180.0) -> Server:
+                 startup_timeout: float = 180.0, https_ca: Path | None = None) -> Server:
+    """A server with SERVER_ARGS and `extra`; `https_ca`: it serves HTTPS (give it
+    --ssl-keyfile and --ssl-certfile) with a certificate this CA file vouches for."""
     port = free_port()
     log = tmp / f"server-{port}.log"
     command = [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", "--port", str(port),
@@ -94,13 +99,15 @@ def start_server(tmp: Path, *extra: str, env: dict[str, str] | None = None,
     with log.open("wb") as sink:
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT,
                                    env={**os.environ, **(env or {})})
-    server = Server(process, f"http://127.0.0.1:{port}", log)
+    server = Server(process, f"{'https' if https_ca else 'http'}://127.0.0.1:{port}", log,
+                    ssl.create_default_context(cafile=str(https_ca)) if https_ca else True)
     deadline = time.monotonic() + startup_timeout
     while True:
         if process.poll() is not None:
             raise RuntimeError(f"server exited with {process.returncode}:\n{server.log_text}")
         try:
-            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+            if httpx.get(f"{server.url}/health", timeout=2,
+                         verify=server.verify).status_code == 200:
                 return server
         except httpx.HTTPError:
             pass

@@ -6,6 +6,7 @@ import asyncio
 import json
 import re
 import uuid
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -24,8 +25,14 @@ def chat(system: str, question: str) -> list[dict[str, str]]:
 
 
 def test_models_lists_the_served_name(client: openai.OpenAI) -> None:
+    """With vLLM's card fields: `root` is where the tokenizer can be loaded from (the
+    default model's local directory), and one permission record."""
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
+    card = models.data[0].model_extra
+    assert card["parent"] is None and Path(card["root"], "tokenizer.json").is_file()
+    assert card["permission"][0]["object"] == "model_permission"
+    assert client.models.retrieve(MODEL_NAME).model_extra["root"] == card["root"]
 
 
 def test_health(server: Server) -> None:
@@ -91,6 +98,8 @@ def test_chat(client: openai.OpenAI) -> None:
     assert message.role == "assistant"
     assert message.content
     assert result.object == "chat.completion"
+    # No call: no tool_calls field at all, as OpenAI answers (not null, not []).
+    assert "tool_calls" not in message.model_dump(exclude_unset=True)
 
 
 def test_chat_max_completion_tokens(client: openai.OpenAI) -> None:

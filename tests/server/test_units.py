@@ -442,7 +442,7 @@ def test_a_stored_turn_carries_the_call_ids_the_client_was_given() -> None:
     store = ResponseStore()
     body = ResponsesRequest(input="Weather?", tool_choice="required",
                             tools=[{"type": "function", "name": "f", "parameters": {}}])
-    run = ChatRun("resp_x", [], ToolCallFormat({"type": "array"}, None), 3, SamplingParams())
+    run = ChatRun("resp_x", [], ToolCallFormat({"type": "array"}, None), SamplingParams())
     answer = ResponseAnswer(body, "resp_x", "m", run, conversation_of([], body.input), store, None)
     text = '[{"name": "f", "parameters": {"a": 1}}, {"name": "f", "parameters": {}}]'
     response = answer.finish(RequestOutput("resp_x-0", None, [1, 2, 3], [

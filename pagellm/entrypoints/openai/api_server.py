@@ -12,6 +12,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -94,6 +95,22 @@ class ServerSettings:
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (vLLM's option)
     enable_log_requests: bool = False  # a log line per request (vLLM's option)
+    # vLLM's answer defaults: logprobs' tokens as `token_id:N` unless a request says,
+    # usage in every stream (on each chunk too), chat template variables under a
+    # request's own.
+    return_tokens_as_token_ids: bool = False
+    enable_force_include_usage: bool = False
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # vLLM's HTTP options: uvicorn's log level (else log_level), its access log
+    # (on at debug unless disabled), FastAPI's /docs pages, the path a proxy mounts the
+    # app under, and HTTPS.
+    uvicorn_log_level: str | None = None
+    disable_uvicorn_access_log: bool = False
+    disable_fastapi_docs: bool = False
+    root_path: str = ""
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
     launch_time: float = field(default_factory=time.perf_counter)
     # host:port as bound (the real port when --port 0 let the OS choose), for the log.
     address: str = ""
@@ -111,6 +128,10 @@ class ServerSettings:
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} "
                              f"or None, got {self.reasoning_parser!r}")
+        if (self.ssl_keyfile or self.ssl_ca_certs) and not self.ssl_certfile:
+            raise ValueError("HTTPS needs a certificate: ssl_keyfile / ssl_ca_certs "
+                             "(--ssl-keyfile / --ssl-ca-certs) were given without "
+                             "ssl_certfile (--ssl-certfile)")
 
 
 def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
@@ -120,9 +141,9 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         stats_task = (None if settings.log_stats_interval is None else
                       asyncio.create_task(log_stats_forever(engine, settings.log_stats_interval)))
-        logger.info("PageLLM server ready in %.2f s, serving %s on http://%s",
+        logger.info("PageLLM server ready in %.2f s, serving %s on %s://%s",
                     time.perf_counter() - settings.launch_time, ", ".join(settings.model_names),
-                    settings.address)
+                    "https" if settings.ssl_certfile else "http", settings.address)
         try:
             yield
         finally:
@@ -132,12 +153,17 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
             await asyncio.to_thread(engine.shutdown)
             logger.info("shutting down: engine stopped")
 
+    docs: dict[str, Any] = {} if not settings.disable_fastapi_docs else {
+        "docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="PageLLM OpenAI-compatible API", lifespan=lifespan,
-                  default_response_class=JSONResponse)
+                  default_response_class=JSONResponse, **docs)
     context = ServerContext(engine, list(settings.model_names),
                             ServerMetrics(engine, settings.model_names[0],
                                           settings.enable_log_requests),
-                            settings.tool_call_parser, settings.reasoning_parser)
+                            settings.tool_call_parser, settings.reasoning_parser,
+                            settings.return_tokens_as_token_ids,
+                            settings.enable_force_include_usage,
+                            dict(settings.default_chat_template_kwargs))
     stored = ResponseStore()
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
@@ -186,13 +212,15 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=name, max_model_len=engine.max_model_len)
+        return ModelList(data=[ModelCard(id=name, root=engine.engine.model_root,
+                                         max_model_len=engine.max_model_len)
                                for name in context.model_names])
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str) -> ModelCard:
         context.check_model(name)
-        return ModelCard(id=name, max_model_len=engine.max_model_len)
+        return ModelCard(id=name, root=engine.engine.model_root,
+                         max_model_len=engine.max_model_len)
 
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest) -> TokenizeResponse:
@@ -316,8 +344,11 @@ def run_server(engine: AsyncLLMEngine, settings: ServerSettings, sock: socket.so
     `sock` is already bound to the settings' address (see `serve.bind`)."""
     config = uvicorn.Config(
         create_app(engine, settings), host=settings.host, port=settings.port,
-        log_level=settings.log_level,
+        log_level=settings.uvicorn_log_level or settings.log_level,
         timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout) + _SHUTDOWN_BACKSTOP_S,
-        access_log=settings.log_level == "debug")
+        access_log=(settings.uvicorn_log_level or settings.log_level) in ("debug", "trace")
+        and not settings.disable_uvicorn_access_log,
+        root_path=settings.root_path, ssl_keyfile=settings.ssl_keyfile,
+        ssl_certfile=settings.ssl_certfile, ssl_ca_certs=settings.ssl_ca_certs)
     with _signals_end_gracefully():
         _GracefulServer(config, engine, settings.shutdown_timeout).run(sockets=[sock])

@@ -13,6 +13,7 @@ wrong kind of output.
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any, Literal, get_args
 
 from pydantic import (
@@ -94,7 +95,7 @@ class SamplingFields(StrictModel):
     echo: bool = False
     best_of: int | None = None
     truncate_prompt_tokens: int | None = None
-    return_tokens_as_token_ids: bool = False
+    return_tokens_as_token_ids: bool | None = None  # None: the server's default
     modalities: list[str] | None = None
     prompt_logprobs: int | None = None
     use_beam_search: bool = False  # vLLM's: n beams, the best n returned
@@ -231,17 +232,21 @@ class ToolCall(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
-    tool_calls: list[ToolCall] | None = None  # null unless a tool is called
+    # Left out unless the answer calls tools, as OpenAI's answers leave it out: a client
+    # reading `message.get("tool_calls", [])` must not get null, and one sending the
+    # message back must not send an empty list (Llama 3.1's template refuses it).
+    tool_calls: list[ToolCall] | None = None
     # With --reasoning-parser: vLLM's field, and its older name many clients read (both
     # left out when there is none).
     reasoning: str | None = None
     reasoning_content: str | None = None
 
     @model_serializer(mode="wrap")
-    def _without_null_reasoning(self, handler: SerializerFunctionWrapHandler
-                                ) -> dict[str, Any]:
+    def _without_absent_fields(self, handler: SerializerFunctionWrapHandler
+                               ) -> dict[str, Any]:
         return {key: value for key, value in handler(self).items()
-                if value is not None or key not in ("reasoning", "reasoning_content")}
+                if value is not None or key not in ("tool_calls", "reasoning",
+                                                    "reasoning_content")}
 
 
 class WithoutNulls(BaseModel):
@@ -313,12 +318,35 @@ class ChatCompletionChunk(BaseModel):
     usage: UsageInfo | None = None
 
 
+class ModelPermission(BaseModel):
+    """vLLM's (OpenAI's old) permission record; some clients read its flags."""
+
+    id: str = Field(default_factory=lambda: f"modelperm-{uuid.uuid4().hex}")
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(BaseModel):
+    """vLLM's model card: `root` is the model the server loaded (as given, else its
+    local directory), `parent` a base model (none: no adapters here)."""
+
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagellm"
+    root: str | None = None
+    parent: str | None = None
     max_model_len: int | None = None
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
 
 
 class ModelList(BaseModel):

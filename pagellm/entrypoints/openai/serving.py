@@ -18,8 +18,11 @@ from pagellm.engine.async_engine import AsyncLLMEngine, EngineDeadError, Request
 from pagellm.engine.outputs import CompletionOutput, RequestOutput
 from pagellm.engine.text import encode_text
 from pagellm.entrypoints.openai.errors import APIError, bad_request
+from pagellm.entrypoints.openai.logprobs import TokenText
 from pagellm.entrypoints.openai.metrics import ServerMetrics
 from pagellm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
     PromptTokensDetails,
     SamplingFields,
     StreamOptions,
@@ -126,6 +129,11 @@ class ServerContext:
     metrics: ServerMetrics
     tool_call_parser: str | None = None  # for tool_choice "auto" (see tool_calls.py)
     reasoning_parser: str | None = None  # chat's reasoning (see reasoning.py)
+    # vLLM's server-wide answer defaults (--return-tokens-as-token-ids,
+    # --enable-force-include-usage, --default-chat-template-kwargs).
+    return_tokens_as_token_ids: bool = False
+    force_include_usage: bool = False
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     tokenizer_thread: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenizer"))
 
@@ -144,6 +152,13 @@ class ServerContext:
     @property
     def model_name(self) -> str:
         return self.model_names[0]
+
+    def token_text(self, body: CompletionRequest | ChatCompletionRequest) -> TokenText:
+        """How the request's logprobs name tokens: by text, or as `token_id:N` where the
+        request (or, if it does not say, the server) asks for ids."""
+        as_ids = body.return_tokens_as_token_ids
+        return TokenText(self.engine.tokenizer,
+                         self.return_tokens_as_token_ids if as_ids is None else as_ids)
 
     def check_model(self, requested: str | None) -> None:
         """404 for a model this server does not serve; an omitted or empty model means
@@ -337,7 +352,11 @@ class UsageReport:
     on_every_chunk: bool
 
     @classmethod
-    def of(cls, options: StreamOptions | None) -> UsageReport:
+    def of(cls, options: StreamOptions | None, forced: bool) -> UsageReport:
+        """`forced`: the server's --enable-force-include-usage, which (as vLLM's) reports
+        both ways whatever the request says."""
+        if forced:
+            return cls(True, True)
         if options is None or not options.include_usage:
             return cls(False, False)
         return cls(True, options.continuous_usage_stats)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request
@@ -19,7 +19,6 @@ from pagellm.engine.outputs import CompletionOutput, RequestOutput
 from pagellm.entrypoints.openai.errors import bad_request
 from pagellm.entrypoints.openai.json_text import JSONResponse
 from pagellm.entrypoints.openai.logprobs import (
-    TokenText,
     chat_logprobs,
     prompt_logprobs_json,
 )
@@ -73,14 +72,15 @@ from pagellm.entrypoints.openai.transport import (
 )
 
 
-def render_messages(tokenizer: Any, body: ChatCompletionRequest | TokenizeRequest
-                    ) -> list[int]:
+def render_messages(tokenizer: Any, body: ChatCompletionRequest | TokenizeRequest,
+                    default_kwargs: Mapping[str, Any]) -> list[int]:
     """The prompt token ids of the request's conversation, rendered with its options by
     the engine's one renderer; a conversation or option it refuses is the client's error,
-    a 400 naming the field."""
+    a 400 naming the field. The request's `chat_template_kwargs` are laid over the
+    server's `default_kwargs` (--default-chat-template-kwargs)."""
     assert body.messages is not None
     options = ChatOptions(body.add_generation_prompt, body.continue_final_message,
-                          body.tools, None, body.chat_template_kwargs)
+                          body.tools, None, {**default_kwargs, **(body.chat_template_kwargs or {})})
     try:
         return render_chat(tokenizer, [m.model_dump(exclude_none=True) for m in body.messages],
                            options)
@@ -99,9 +99,11 @@ def check_rendering(body: ChatCompletionRequest | TokenizeRequest) -> None:
                           "template writes the special tokens", param="add_special_tokens")
 
 
-def _chat_prompt(tokenizer: Any, body: ChatCompletionRequest, params: SamplingParams,
-                 max_model_len: int) -> list[int]:
-    return truncated(params, render_messages(tokenizer, body), max_model_len)
+def _chat_prompt(context: ServerContext, body: ChatCompletionRequest, params: SamplingParams
+                 ) -> list[int]:
+    return truncated(params, render_messages(context.engine.tokenizer, body,
+                                             context.default_chat_template_kwargs),
+                     context.engine.max_model_len)
 
 
 def _check_chat_options(body: ChatCompletionRequest) -> None:
@@ -125,13 +127,12 @@ def _logprobs_setting(body: ChatCompletionRequest) -> int | None:
 @dataclass
 class ChatRun:
     """A chat request started in the engine: its streams, how its answer is read for
-    reasoning and tool calls, its prompt's length (for usage), and the sampling it runs
-    with (defaults filled in, max_tokens fitted to the context: what Responses echo)."""
+    reasoning and tool calls, and the sampling it runs with (defaults filled in,
+    max_tokens fitted to the context: what Responses echo)."""
 
     request_id: str
     streams: list[RequestStream]
     reader: ToolCallReader | None
-    prompt_tokens: int
     params: SamplingParams
     thinking: ThinkReasoningParser | None = None
 
@@ -170,8 +171,7 @@ async def start_chat(context: ServerContext, body: ChatCompletionRequest, arriva
         # Llama's <|python_tag|>, some models' <think>), which the text would otherwise
         # drop (as vLLM does).
         base = base.clone(skip_special_tokens=False)
-    prompt = Prompt(None, await context.off_loop(_chat_prompt, engine.tokenizer, body, base,
-                                            engine.max_model_len))
+    prompt = Prompt(None, await context.off_loop(_chat_prompt, context, body, base))
     params = base.clone(max_tokens=resolve_max_tokens(
         engine.max_model_len, len(prompt.token_ids), base.max_tokens, base.min_tokens,
         "messages", engine.generation_defaults.max_tokens_limit))
@@ -180,7 +180,7 @@ async def start_chat(context: ServerContext, body: ChatCompletionRequest, arriva
     streams = await start_requests(context, request_id, [prompt], [run], body.cache_salt,
                                    arrival, "messages", body.priority, request_format.field,
                                    logprobs_param="top_logprobs")
-    return ChatRun(request_id, streams, reader, len(prompt.token_ids), params, thinking)
+    return ChatRun(request_id, streams, reader, params, thinking)
 
 
 async def create_chat_completion(context: ServerContext, body: ChatCompletionRequest,
@@ -189,7 +189,7 @@ async def create_chat_completion(context: ServerContext, body: ChatCompletionReq
     context.check_model(body.model)
     run = await start_chat(context, body, arrival, f"chatcmpl-{uuid.uuid4().hex}")
     if body.stream:
-        events = _stream(context, body, run, UsageReport.of(body.stream_options))
+        events = _stream(context, body, run, UsageReport.of(body.stream_options, context.force_include_usage))
         return EventStreamResponse(streamed(events), run.streams)
     outputs = await unless_disconnected(raw, final_outputs(run.streams, context.metrics))
     return JSONResponse(_response(context, body, run, outputs[0]).model_dump(mode="json"))
@@ -197,7 +197,7 @@ async def create_chat_completion(context: ServerContext, body: ChatCompletionReq
 
 def _response(context: ServerContext, body: ChatCompletionRequest, run: ChatRun,
               output: RequestOutput) -> ChatCompletionResponse:
-    token_text = TokenText(context.engine.tokenizer, body.return_tokens_as_token_ids)
+    token_text = context.token_text(body)
     reader = run.reader
     choices = []
     for c in output.outputs:
@@ -262,10 +262,9 @@ async def _stream(context: ServerContext, body: ChatCompletionRequest, run: Chat
     arguments as they come (the first piece naming the call). Other calls are read from
     the whole answer and sent with the last chunk ("required": a partial array names no
     call yet; a parsed answer: its content is sent up to where a call begins)."""
-    token_text = TokenText(context.engine.tokenizer, body.return_tokens_as_token_ids)
+    token_text = context.token_text(body)
     created = int(time.time())
     request_id, reader, thinking = run.request_id, run.reader, run.thinking
-    prompt_tokens = run.prompt_tokens
 
     def chunk(choices: list[ChatChunkChoice], so_far: UsageInfo | None) -> str:
         """A chunk, with the usage so far where continuous usage is asked for."""
@@ -290,7 +289,7 @@ async def _stream(context: ServerContext, body: ChatCompletionRequest, run: Chat
                 for index in range(body.n):
                     yield chunk([ChatChunkChoice(
                         index=index, delta=ChatDelta(role="assistant", content=""))],
-                        UsageInfo(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens)
+                        usage([replace(output, outputs=[])])
                         if report.on_every_chunk else None)
             choices: list[tuple[ChatChunkChoice, CompletionOutput]] = []
             for completion in output.outputs:

@@ -149,7 +149,7 @@ async def create_completion(context: ServerContext, body: CompletionRequest,
                                    arrival, "prompt", body.priority, request_format.field)
     if body.stream:
         return EventStreamResponse(streamed(_stream(context, request_id, body, streams,
-                                                    UsageReport.of(body.stream_options))),
+                                                    UsageReport.of(body.stream_options, context.force_include_usage))),
                                    streams)
     outputs = await unless_disconnected(raw, final_outputs(streams, context.metrics))
     if _prompt_only(body):
@@ -180,7 +180,7 @@ def _echoed(body: CompletionRequest, output: RequestOutput) -> str:
 
 def _response(context: ServerContext, request_id: str, body: CompletionRequest,
               outputs: list[RequestOutput]) -> CompletionResponse:
-    token_text = TokenText(context.engine.tokenizer, body.return_tokens_as_token_ids)
+    token_text = context.token_text(body)
     choices = []
     for prompt_index, output in enumerate(outputs):
         echoed = _echoed(body, output)
@@ -207,7 +207,7 @@ async def _stream(context: ServerContext, request_id: str, body: CompletionReque
     """A chunk per choice that moved, with its new text (and new logprobs), one choice a
     chunk as OpenAI and vLLM send them; with continuous usage, the chunk counts its
     prompt and its choice's tokens so far (as vLLM's does)."""
-    token_text = TokenText(context.engine.tokenizer, body.return_tokens_as_token_ids)
+    token_text = context.token_text(body)
     sent_text: dict[int, int] = {}
     sent_logprobs: dict[int, int] = {}
     done: set[int] = set()

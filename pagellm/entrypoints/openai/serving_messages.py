@@ -84,7 +84,8 @@ async def count_tokens(context: ServerContext, body: CountTokensRequest) -> Coun
         chat = count_request(conversation, body.tools)
         if chat.tools:
             function_schemas(chat.tools)  # the tools checked as a message checks them
-        tokens = await context.off_loop(render_messages, context.engine.tokenizer, chat)
+        tokens = await context.off_loop(render_messages, context.engine.tokenizer, chat,
+                                        context.default_chat_template_kwargs)
     except APIError as error:
         raise renamed(error, conversation) from error
     return CountTokensResponse(input_tokens=len(tokens))

@@ -126,7 +126,8 @@ async def _fitting(context: ServerContext, body: ResponsesRequest, conversation:
         if start not in lengths:
             lengths[start] = len(await context.off_loop(
                 render_messages, context.engine.tokenizer,
-                chat_request(body, conversation.tail(start))))
+                chat_request(body, conversation.tail(start)),
+                context.default_chat_template_kwargs))
         return lengths[start]
 
     async def earliest(budget: int | None) -> int | None:

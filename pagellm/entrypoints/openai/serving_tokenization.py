@@ -27,7 +27,7 @@ def _token_ids(context: ServerContext, body: TokenizeRequest) -> list[int]:
     if body.prompt is not None:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         return encode(tokenizer, body.prompt, "prompt", add_special)
-    return render_messages(tokenizer, body)
+    return render_messages(tokenizer, body, context.default_chat_template_kwargs)
 
 
 def _check(body: TokenizeRequest) -> None:

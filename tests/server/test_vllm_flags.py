@@ -1,0 +1,118 @@
+"""vLLM's deployment flags on a server of their own, over HTTPS: a command copied from a
+vLLM deployment runs unchanged and its flags do what they do there."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import MODEL_NAME, Server, start_server
+
+TEMPLATE = "{{ greeting }}{% for m in messages %} {{ m.content }}{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make the test certificate")
+    tmp = tmp_path_factory.mktemp("vllm-flags")
+    key, cert = tmp / "key.pem", tmp / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True,
+                   capture_output=True)
+    server = start_server(
+        tmp, "--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--root-path", "/llm",
+        "--disable-fastapi-docs", "--return-tokens-as-token-ids",
+        "--enable-force-include-usage", "--enable-prompt-tokens-details",
+        "--disable-log-requests", "--uvicorn-log-level", "warning",
+        "--disable-uvicorn-access-log", "--chat-template", TEMPLATE,
+        "--default-chat-template-kwargs", json.dumps({"greeting": "Hello"}), https_ca=cert)
+    yield server
+    assert server.stop() == 0
+    assert "Traceback" not in server.log_text
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                         http_client=httpx.Client(verify=server.verify, timeout=120))
+
+
+def test_https_and_no_docs(server: Server) -> None:
+    assert f"serving {MODEL_NAME} on {server.url}" in server.log_text
+    assert server.url.startswith("https://")
+    for page in ("/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(server.url + page, verify=server.verify).status_code == 404
+    with pytest.raises(httpx.ConnectError):  # the certificate is checked
+        httpx.get(f"{server.url}/health")
+
+
+def test_logprob_tokens_are_ids_unless_the_request_says(client: openai.OpenAI) -> None:
+    def tokens(**extra: object) -> list[str]:
+        result = client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+            temperature=0, logprobs=True, top_logprobs=2, extra_body=extra)
+        content = result.choices[0].logprobs.content  # type: ignore[union-attr]
+        assert content is not None
+        return [t.token for t in content] + [t.token for t in content[0].top_logprobs]
+
+    as_ids = tokens()
+    assert all(token.startswith("token_id:") for token in as_ids), as_ids
+    as_text = tokens(return_tokens_as_token_ids=False)
+    assert not any(token.startswith("token_id:") for token in as_text), as_text
+    completion = client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2,
+                                           logprobs=1, temperature=0)
+    assert completion.choices[0].logprobs.tokens[0].startswith("token_id:")  # type: ignore[union-attr, index]
+
+
+def test_usage_in_every_stream_and_on_each_chunk(client: openai.OpenAI,
+                                                 server: Server) -> None:
+    """--enable-force-include-usage: a stream that asked for no usage gets it on every
+    chunk and in a last chunk, each with the prompt tokens served from the cache."""
+    for create in (
+            lambda: client.chat.completions.create(
+                model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}],
+                max_tokens=4, stream=True),
+            lambda: client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=4,
+                                              stream=True)):
+        chunks = list(create())
+        assert all(c.usage is not None and c.usage.prompt_tokens_details is not None
+                   for c in chunks)
+        last = chunks[-1]
+        assert last.choices == [] and last.usage is not None
+        assert last.usage.completion_tokens == 4
+    server.wait_idle()
+
+
+def test_server_chat_template_kwargs_lie_under_the_requests(server: Server) -> None:
+    """--default-chat-template-kwargs reach every rendering: chat, /tokenize, and the
+    Messages API's token count."""
+    def rendered(**extra: object) -> tuple[str, int]:
+        body = {"messages": [{"role": "user", "content": "hi"}], **extra}
+        encoded = httpx.post(f"{server.url}/tokenize", json=body, verify=server.verify).json()
+        text = httpx.post(f"{server.url}/detokenize", json={"tokens": encoded["tokens"]},
+                          verify=server.verify).json()["prompt"]
+        return str(text), int(encoded["count"])
+
+    text, count = rendered()
+    assert text == "Hello hi"
+    assert rendered(chat_template_kwargs={"greeting": "Bye"})[0] == "Bye hi"
+    counted = httpx.post(f"{server.url}/v1/messages/count_tokens", verify=server.verify,
+                         json={"model": MODEL_NAME,
+                               "messages": [{"role": "user", "content": "hi"}]}).json()
+    assert counted["input_tokens"] == count
+
+
+def test_certificate_file_is_checked_before_the_model_loads(tmp_path: Path) -> None:
+    from tests.test_cli import run_cli
+
+    result = run_cli("serve", "--ssl-certfile", str(tmp_path / "missing.pem"))
+    assert result.returncode == 2 and "not a readable file" in result.stderr
