@@ -496,11 +496,6 @@ class SamplingParams:
         return SamplingType.RANDOM
 
     @property
-    def num_completions(self) -> int:
-        """Sequences the request returns: `n` (beam search's is its width)."""
-        return self.n
-
-    @property
     def is_greedy(self) -> bool:
         return self.sampling_type == SamplingType.GREEDY
 
@@ -573,11 +568,6 @@ class BeamSearchParams:
         _flag("include_stop_str_in_output", self.include_stop_str_in_output)
         _flag("skip_special_tokens", self.skip_special_tokens)
         _top_count("logprobs", self.logprobs)
-
-    @property
-    def num_completions(self) -> int:
-        """Sequences the request returns (as `SamplingParams.num_completions`)."""
-        return self.beam_width
 
     def candidates(self, num_eos_tokens: int) -> int:
         """Continuations a step ranks: transformers' `max(2, 1 + #EOS) * num_beams`, so

@@ -61,13 +61,11 @@ class RequestStream:
     """
 
     def __init__(self, engine: AsyncLLMEngine, request_id: str, stream: _OutputStream,
-                 num_samples: int = 1,
                  kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
         self.engine = engine
         self.request_id = request_id
         self._stream = stream
         self._shaper = OutputShaper(kind)
-        self.num_samples = num_samples
         self.finished = False
 
     def __aiter__(self) -> RequestStream:
@@ -306,7 +304,7 @@ class AsyncLLMEngine:
             if self.is_running:
                 self._submit(abort_added)
             raise
-        return RequestStream(self, engine_id, stream, sampling_params.num_completions, kind)
+        return RequestStream(self, engine_id, stream, kind)
 
     async def generate(
         self,

@@ -89,10 +89,19 @@ class BeamSearches:
 
     def abort(self, request_id: str) -> None:
         """Ends a search now, with its step's requests."""
-        run = self._runs.pop(request_id)
+        self._end(self._runs[request_id], None)
+
+    def _end(self, run: _Run, reason: str | None) -> None:
+        """Ends a search unfinished (aborted, or failed: `reason` "error") and records it
+        as one request of `beam_width` completions, each with the steps it ran."""
+        del self._runs[run.request_id]
         for step_id in run.pending:
             if self._steps.pop(step_id, None) is not None:  # not yet collected
-                self._engine.abort_request(step_id)
+                self._engine._end_aborted(step_id, record=False)
+        run.metrics.finished_time = time.monotonic()
+        self._engine.latencies.observe(
+            run.metrics, [(len(run.metrics.token_times), reason)] * run.params.beam_width,
+            completed=reason is not None)
 
     def step_ids(self) -> list[tuple[str, str]]:
         """(step request id, its search's id) of every step request not yet collected."""
@@ -137,7 +146,7 @@ class BeamSearches:
             run, beam = owner
             if output.error is not None:
                 ended.update(run.pending)
-                self.abort(run.request_id)
+                self._end(run, "error")
                 kept.append(self._output(run, output.error))
                 continue
             if run.num_cached_tokens is None:  # the prompt's own step
@@ -162,6 +171,9 @@ class BeamSearches:
         if run.search.done:
             metrics.finished_time = now
             del self._runs[run.request_id]
+            self._engine.latencies.observe(
+                metrics, [(len(beam.token_ids), beam.finish_reason)
+                          for beam in run.search.finished], completed=True)
             kept.append(self._output(run))
         else:
             self._queue_step(run)

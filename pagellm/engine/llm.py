@@ -19,10 +19,9 @@ from pagellm.engine.config import (
     refuse_lora,
 )
 from pagellm.engine.llm_engine import LLMEngine, PromptInput, is_token_id
-from pagellm.engine.metrics import Metric, RequestLatencies, metrics_snapshot
+from pagellm.engine.metrics import Metric
 from pagellm.engine.outputs import CompletionOutput, RequestOutput
 from pagellm.logger import ensure_visible_logging
-from pagellm.model.resolve import served_model_name
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +58,6 @@ class LLM:
         ensure_visible_logging()
         self.llm_engine = LLMEngine(EngineConfig(model=model,
                                                  **engine_config_kwargs(kwargs, "LLM()")))
-        self._latencies = RequestLatencies()
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineConfig) -> LLM:
@@ -228,9 +226,9 @@ class LLM:
         """vLLM's snapshot of the engine's metrics: the counters and gauges the server's
         /metrics page shows (prefix-cache queries and hits, KV usage, tokens, ...), under
         PageLLM's names and again under vLLM's, and the latency histograms and
-        finish-reason counts of the requests `generate`, `chat` and `beam_search` ran."""
-        return metrics_snapshot(self.llm_engine.get_stats(), self._latencies,
-                                served_model_name(self.llm_engine.config.model))
+        finish-reason counts of every request the engine ended (finished, aborted or
+        failed; a beam search as one request)."""
+        return self.llm_engine.get_metrics()
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forgets every cached block; True, or False while requests added to
@@ -269,15 +267,12 @@ class LLM:
                 for output in engine.step():
                     if output.finished and output.request_id in positions:
                         results[positions[output.request_id]] = output
-                        self._latencies.observe_finished(output)
                         bar.update(1)
         finally:
             bar.close()
             for request_id, index in positions.items():
                 if results[index] is None:
-                    last = engine.abort_request(request_id)
-                    self._latencies.observe_aborted(last[0] if last else None,
-                                                    params[index].num_completions)
+                    engine.abort_request(request_id)
         unfinished = [index for index, result in enumerate(results) if result is None]
         if unfinished:  # aborted behind generate's back, through llm_engine
             raise RuntimeError(f"prompts {unfinished} ended without an output")

@@ -29,6 +29,7 @@ from pagellm.engine.beam_searches import BeamSearches
 from pagellm.engine.config import EngineConfig, refuse_lora, resolve_device
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.engine.generation_config import load_generation_defaults
+from pagellm.engine.metrics import Metric, RequestLatencies, metrics_snapshot
 from pagellm.engine.outputs import (
     CompletionOutput,
     Logprob,
@@ -41,7 +42,7 @@ from pagellm.engine.text import bad_words_token_ids, encode_text
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.loader import load_model, load_tokenizer
 from pagellm.model.model_config import load_model_config
-from pagellm.model.resolve import resolve_model_path
+from pagellm.model.resolve import resolve_model_path, served_model_name
 from pagellm.worker.cuda_graphs import CudaGraphRunner
 from pagellm.worker.input_batch import SequenceChunk
 from pagellm.worker.kv_cache import KVCache, num_blocks_for_budget
@@ -117,6 +118,11 @@ class _Group:
     def finished(self) -> bool:
         return all(s.request.is_finished for s in self.samples)
 
+    def completions(self) -> list[tuple[int, str | None]]:
+        """Each sample's (tokens generated, finish reason), as the latencies take them."""
+        return [(len(s.request.output_token_ids), s.request.status.finish_reason)
+                for s in self.samples]
+
 
 @dataclass
 class EngineStats:
@@ -135,6 +141,8 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     timings: dict[str, float]
+    # The ended requests' latencies and finish reasons (a copy, safe to read anywhere).
+    latencies: RequestLatencies = field(default_factory=RequestLatencies)
 
 
 def uses_cuda_graphs(device: torch.device, config: EngineConfig,
@@ -210,6 +218,8 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self._core_to_group: dict[str, _Group] = {}
         self._beams = BeamSearches(self)
+        # Every request's latencies as it ends (searches as a whole, not their steps).
+        self.latencies = RequestLatencies()
         self._ids = itertools.count()
         self._prompt_tokens = 0
         self._generation_tokens = 0
@@ -494,17 +504,25 @@ class LLMEngine:
                 continue
             if self._beams.owns(request_id):  # a search's step ends with the search only
                 continue
-            group = self._groups.pop(request_id, None)
-            if group is None:
-                continue
-            for sample in group.samples:
-                self.scheduler.finish(sample.request, RequestStatus.FINISHED_ABORTED)
-                self._core_to_group.pop(sample.request.request_id, None)
-            group.metrics.finished_time = time.monotonic()
-            output = self._output(group)
+            output = self._end_aborted(request_id, record=True)
             if output is not None:
                 outputs.append(output)
         return outputs
+
+    def _end_aborted(self, request_id: str, record: bool) -> RequestOutput | None:
+        """Ends one request's samples as aborted and frees their blocks; its last output,
+        or None for an id not running. `record`: count it in the latencies (a beam
+        search's step is not a request of its own: the search records itself)."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return None
+        for sample in group.samples:
+            self.scheduler.finish(sample.request, RequestStatus.FINISHED_ABORTED)
+            self._core_to_group.pop(sample.request.request_id, None)
+        group.metrics.finished_time = time.monotonic()
+        if record:
+            self.latencies.observe(group.metrics, group.completions(), completed=False)
+        return self._output(group)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups) or bool(self._beams)
@@ -681,6 +699,8 @@ class LLMEngine:
                 outputs.append(output)
             if group.finished:
                 group.metrics.finished_time = now
+                if not self._beams.owns(group.request_id):
+                    self.latencies.observe(group.metrics, group.completions(), completed=True)
                 self._forget(group)
         return outputs
 
@@ -757,6 +777,8 @@ class LLMEngine:
             for sample in group.samples:
                 self.scheduler.finish(sample.request, RequestStatus.FINISHED_ERROR)
             group.error = f"internal error while computing this request: {error}"
+            if not self._beams.owns(group.request_id):
+                self.latencies.observe(group.metrics, group.completions(), completed=True)
             output = self._output(group)
             assert output is not None  # a finished output is never held back
             outputs.append(output)
@@ -825,4 +847,9 @@ class LLMEngine:
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
             timings=timings,
+            latencies=self.latencies.copy(),
         )
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's snapshot of the engine's metrics (see `LLM.get_metrics`)."""
+        return metrics_snapshot(self.get_stats(), served_model_name(self.config.model))

@@ -4,8 +4,9 @@
 The record types are vLLM's (`vllm.v1.metrics.reader`: Counter, Gauge, Histogram, each
 with a name and labels), so code that walks `llm.get_metrics()` in vLLM walks PageLLM's.
 Counters and gauges come from the engine's stats when the snapshot is taken; the latency
-histograms and finish-reason counts are fed by whoever sees requests end (the offline
-`LLM`, the server's serving code), from the engine's own timestamps.
+histograms and finish-reason counts are recorded by the engine as it ends each request
+(finished, aborted or failed), from its own timestamps, so they count every request
+whoever asked for it and however it was read.
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from pagellm.engine.llm_engine import EngineStats
-from pagellm.engine.outputs import RequestOutput
+from pagellm.engine.outputs import RequestMetrics
+
+if TYPE_CHECKING:
+    from pagellm.engine.llm_engine import EngineStats
 
 FINISHED_ABORT = "abort"
 FINISH_REASONS = ("stop", "length", FINISHED_ABORT)
@@ -135,7 +139,8 @@ class LatencyHistogram:
 class RequestLatencies:
     """Latency histograms and finish-reason counts of ended requests, per completion (as
     vLLM counts an n > 1 request's samples), so every histogram's count agrees with the
-    finish-reason counter."""
+    finish-reason counter. The engine records every request it ends, on its own thread,
+    and hands out copies with its stats."""
 
     def __init__(self) -> None:
         self.time_to_first_token = LatencyHistogram("pagellm_time_to_first_token_seconds",
@@ -144,52 +149,43 @@ class RequestLatencies:
                                                     ITL_BUCKETS)
         self.e2e_request_latency = LatencyHistogram("pagellm_e2e_request_latency_seconds",
                                                     E2E_BUCKETS)
-        # Completions by how they ended: "stop", "length", or "abort" (unfinished).
+        # Completions by how they ended: "stop", "length", "abort" or "error".
         self.requests_finished: dict[str, int] = {}
 
-    def observe_finished(self, output: RequestOutput) -> None:
-        """A finished request, from its whole (not delta) output."""
-        metrics = output.metrics
-        end = None if metrics is None else metrics.finished_time or metrics.last_token_time
-        for completion in output.outputs:
-            self._observe_tokens(output, len(completion.token_ids))
-            if metrics is not None and end is not None:
+    def observe(self, metrics: RequestMetrics, completions: Sequence[tuple[int, str | None]],
+                completed: bool) -> None:
+        """A request that ended, with each completion's (tokens generated, finish
+        reason; None reads "abort"). The tokens of every completion count in the token
+        latencies (an aborted one's too); only a `completed` request's end-to-end time
+        is a completion's, so an aborted one adds none."""
+        end = metrics.finished_time or metrics.last_token_time
+        for num_tokens, reason in completions:
+            if metrics.first_token_time is not None and num_tokens:
+                self.time_to_first_token.observe(metrics.first_token_time
+                                                 - metrics.arrival_time)
+                times = metrics.token_times[:num_tokens]
+                for earlier, later in zip(times, times[1:], strict=False):
+                    self.inter_token_latency.observe(later - earlier)
+            if completed and end is not None:
                 self.e2e_request_latency.observe(end - metrics.arrival_time)
-            self._finished(completion.finish_reason or FINISHED_ABORT)
+            reason = reason or FINISHED_ABORT
+            self.requests_finished[reason] = self.requests_finished.get(reason, 0) + 1
 
-    def observe_aborted(self, output: RequestOutput | None, num_samples: int) -> None:
-        """A request that ended unfinished (its client left, the server shut down, the
-        engine failed it), from its latest output if it had one: the tokens it produced
-        count in the token latencies; its end-to-end time is not a completion's and does
-        not."""
-        if output is None:
-            for _ in range(num_samples):
-                self._finished(FINISHED_ABORT)
-            return
-        for completion in output.outputs:
-            self._observe_tokens(output, len(completion.token_ids))
-            self._finished(completion.finish_reason or FINISHED_ABORT)
-
-    def _observe_tokens(self, output: RequestOutput, num_tokens: int) -> None:
-        """One completion's time to first token and gaps between its `num_tokens` tokens
-        (the request's step times; samples of one request advance together)."""
-        metrics = output.metrics
-        if metrics is None or metrics.first_token_time is None or not num_tokens:
-            return
-        self.time_to_first_token.observe(metrics.first_token_time - metrics.arrival_time)
-        times = metrics.token_times[:num_tokens]
-        for earlier, later in zip(times, times[1:], strict=False):
-            self.inter_token_latency.observe(later - earlier)
-
-    def _finished(self, reason: str) -> None:
-        self.requests_finished[reason] = self.requests_finished.get(reason, 0) + 1
+    def copy(self) -> RequestLatencies:
+        copy = RequestLatencies()
+        for mine, theirs in ((self.time_to_first_token, copy.time_to_first_token),
+                             (self.inter_token_latency, copy.inter_token_latency),
+                             (self.e2e_request_latency, copy.e2e_request_latency)):
+            theirs.counts, theirs.sum = list(mine.counts), mine.sum
+        copy.requests_finished = dict(self.requests_finished)
+        return copy
 
 
-def metrics_snapshot(stats: EngineStats, latencies: RequestLatencies,
-                     model_name: str) -> list[Metric]:
-    """Every metric now, labelled with the model's name, in `HELP`'s order; then those
-    vLLM has, again under vLLM's names."""
+def metrics_snapshot(stats: EngineStats, model_name: str) -> list[Metric]:
+    """Every metric in `stats`, labelled with the model's name, in `HELP`'s order; then
+    those vLLM has, again under vLLM's names."""
     labels = {"model_name": model_name}
+    latencies = stats.latencies
     metrics: list[Metric] = [
         Counter("pagellm_prefix_cache_queries_total", labels, stats.prefix_cache_queries),
         Counter("pagellm_prefix_cache_hits_total", labels, stats.prefix_cache_hits),

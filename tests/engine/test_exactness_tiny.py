@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from pagellm import LLM, SamplingParams
+from pagellm import LLM, BeamSearchParams, SamplingParams
 from tests.engine.conftest import assert_greedy_equal, assert_idle, hf_greedy, make_tiny_model
 
 ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -284,6 +284,33 @@ def test_prompt_tokens_count_once_the_prompt_is_computed(tiny_models: dict[str, 
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.get_stats().prompt_tokens == 2 * len(prompt)
+    assert_idle(engine)
+
+
+def test_the_engine_records_every_request_it_ends(tiny_models: dict[str, Path]) -> None:
+    """The latency histograms and finish reasons are the engine's, so they count a
+    request aborted after its first token though nobody read an output of it (a client
+    that left at once), each completion of an n = 2 request, and a beam search once,
+    as a request of beam_width completions, not once per step of its beams."""
+    engine = _llm(tiny_models["llama-gqa-untied"]).llm_engine
+    prompt = _prompts(1, 20, [5])[0]
+    engine.add_request("left", {"prompt_token_ids": prompt}, _greedy(8))
+    engine.step()  # the prompt and the first token
+    (last,) = engine.abort_request("left")
+    assert last.finished and last.outputs[0].finish_reason == "abort"
+    engine.add_request("pair", {"prompt_token_ids": prompt}, SamplingParams(
+        n=2, temperature=1.0, seed=1, max_tokens=3, ignore_eos=True))
+    engine.add_request("search", {"prompt_token_ids": prompt},
+                       BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    latencies = engine.get_stats().latencies
+    assert latencies.requests_finished == {"abort": 1, "length": 2 + 2}
+    assert latencies.time_to_first_token.count == 1 + 2 + 2
+    assert latencies.inter_token_latency.count == 0 + 2 * 2 + 2 * 2
+    assert latencies.e2e_request_latency.count == 2 + 2  # none for the abort
+    metrics = {(m.name, m.labels.get("finished_reason")): m for m in engine.get_metrics()}
+    assert metrics[("vllm:request_success_total", "length")].value == 4  # type: ignore[attr-defined]
     assert_idle(engine)
 
 

@@ -121,11 +121,12 @@ def test_a_failing_model_run_fails_a_beam_search_and_only_it(
 def test_an_aborted_beam_search_frees_its_beams(engine: AsyncLLMEngine) -> None:
     from pagellm.core.sampling_params import BeamSearchParams
 
+    aborted_before = engine.stats().latencies.requests_finished.get("abort", 0)
+
     async def run() -> None:
         stream = await engine.add_request(
             "search", "Hello there", BeamSearchParams(beam_width=4, max_tokens=200,
                                                       ignore_eos=True))
-        assert stream.num_samples == 4
         await asyncio.sleep(0.3)  # a few steps in
         stream.abort()
         for _ in range(100):
@@ -136,6 +137,8 @@ def test_an_aborted_beam_search_frees_its_beams(engine: AsyncLLMEngine) -> None:
         assert engine.stats().kv_cache_usage == 0
 
     asyncio.run(run())
+    # Recorded once, as a request of four completions, not once per step of its beams.
+    assert engine.stats().latencies.requests_finished["abort"] == aborted_before + 4
 
 
 def test_a_failing_model_run_fails_the_stream_with_an_error_event(

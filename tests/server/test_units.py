@@ -10,7 +10,7 @@ import pytest
 
 from pagellm.core.sampling_params import SamplingParams
 from pagellm.engine.llm_engine import EngineStats
-from pagellm.engine.metrics import Counter, Gauge, LatencyHistogram
+from pagellm.engine.metrics import Counter, Gauge, LatencyHistogram, RequestLatencies
 from pagellm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagellm.entrypoints.openai.errors import APIError, validation_error
 from pagellm.entrypoints.openai.logprobs import (
@@ -97,28 +97,51 @@ def test_prometheus_families_group_their_samples() -> None:
         "vllm:kv_cache_usage_perc 0.25"]
 
 
-def test_finish_reasons_are_counted_per_completion(caplog: pytest.LogCaptureFixture) -> None:
-    """Every completion ends once in the counter; one aborted before any output (still
-    queued when its client left) counts as many aborts as it had samples. With
-    --enable-log-requests each request also gets a line as it arrives and as it ends."""
+def test_finish_reasons_are_counted_per_completion() -> None:
+    """Every completion ends once in the counter, an aborted one too (with the tokens it
+    produced in the token latencies, but no end-to-end time), and /metrics prints the
+    engine's counts."""
+    latencies = RequestLatencies()
+    timing = RequestMetrics(arrival_time=1.0, first_token_time=1.5, last_token_time=2.0,
+                            finished_time=2.0, token_times=[1.5, 2.0])
+    latencies.observe(timing, [(2, "stop"), (2, "length")], completed=True)
+    latencies.observe(timing, [(2, "stop"), (1, "abort")], completed=False)
+    latencies.observe(RequestMetrics(arrival_time=1.0), [(0, "abort")] * 3, completed=False)
+    assert latencies.requests_finished == {"stop": 2, "length": 1, "abort": 4}
+    # 2 finished and 2 aborted completions produced tokens: 2, 2, 2 and 1 of them.
+    assert latencies.time_to_first_token.count == 4
+    assert latencies.e2e_request_latency.count == 2
+    assert latencies.inter_token_latency.count == 1 + 1 + 1 + 0
+
     class Engine:
         def stats(self) -> EngineStats:
-            return stats()
+            return stats(latencies=latencies.copy())
 
-    metrics = ServerMetrics(Engine(), "m", log_requests=True)  # type: ignore[arg-type]
+    text = ServerMetrics(Engine(), "m").render()  # type: ignore[arg-type]
+    for reason, count in (("stop", 2), ("length", 1), ("abort", 4)):
+        assert (f'pagellm_request_finished_total{{model_name="m",finished_reason="{reason}"}} '
+                f"{count}") in text
+        assert (f'vllm:request_success_total{{model_name="m",finished_reason="{reason}"}} '
+                f"{count}") in text
+    assert 'pagellm_time_to_first_token_seconds_count{model_name="m"} 4' in text
+
+
+def test_request_log_lines(caplog: pytest.LogCaptureFixture) -> None:
+    """With --enable-log-requests each request gets a line as it arrives and as it ends,
+    saying what the prefix cache gave it."""
+    metrics = ServerMetrics(None, "m", log_requests=True)  # type: ignore[arg-type]
     caplog.set_level(logging.INFO, logger="pagellm.entrypoints.openai.metrics")
-    metrics.observe_received("r1", 1, "params")
+    metrics.log_received("r1", 1, "params")
     timing = RequestMetrics(arrival_time=1.0, first_token_time=1.5, last_token_time=2.0,
                             finished_time=2.0, token_times=[1.5, 2.0])
     done = [CompletionOutput(0, "a", [1, 2], finish_reason="stop"),
             CompletionOutput(1, "b", [1, 2], finish_reason="length")]
-    metrics.observe_finished(RequestOutput("r1", None, [1], done, True, metrics=timing,
-                                           num_cached_tokens=0))
+    metrics.log_finished(RequestOutput("r1", None, [1], done, True, metrics=timing,
+                                       num_cached_tokens=0))
     partial = [CompletionOutput(0, "a", [1, 2], finish_reason="stop"),
                CompletionOutput(1, "b", [1])]
-    metrics.observe_aborted("r2", RequestOutput("r2", None, [1], partial, False,
-                                                metrics=timing), 2)
-    metrics.observe_aborted("r3", None, 3)
+    metrics.log_aborted("r2", RequestOutput("r2", None, [1], partial, False, metrics=timing))
+    metrics.log_aborted("r3", None)
     assert [record.getMessage() for record in caplog.records] == [
         "request r1 received: 1 prompt tokens, 'params'",
         "request r1 finished (length, stop): 1 prompt tokens (0 from the prefix cache), 4 "
@@ -126,14 +149,6 @@ def test_finish_reasons_are_counted_per_completion(caplog: pytest.LogCaptureFixt
         "request r2 aborted: 1 prompt tokens (0 from the prefix cache), 3 generated, first "
         "token after 0.500 s, 1.000 s in all",
         "request r3 aborted: before its first token"]
-    text = metrics.render()
-    for reason, count in (("stop", 2), ("length", 1), ("abort", 4)):
-        assert (f'pagellm_request_finished_total{{model_name="m",finished_reason="{reason}"}} '
-                f"{count}") in text
-    # Per completion, as the counter: 2 finished and 2 aborted ones produced tokens.
-    assert metrics.latencies.time_to_first_token.count == 4
-    assert metrics.latencies.e2e_request_latency.count == 2
-    assert metrics.latencies.inter_token_latency.count == 1 + 1 + 1 + 0  # 2, 2, 2 and 1 tokens
 
 
 @pytest.mark.parametrize(("errors", "param", "message"), [

@@ -1,10 +1,8 @@
 """Prometheus metrics at /metrics, in the text exposition format (written by hand).
 
-The page prints the engine's metrics snapshot (engine/metrics.py: counters and gauges read
-from the engine's latest stats when scraped, so the engine keeps one source of truth and
-the server adds nothing to its hot loop). Latency histograms and finish-reason counts are
-fed by the serving code when a request ends, from the engine's own timestamps. Everything
-here runs on the event loop thread, so nothing needs a lock.
+The page prints the engine's metrics snapshot (engine/metrics.py), read from the stats the
+engine took after its latest step when scraped: the engine keeps one source of truth,
+latency histograms included, and the server adds nothing to its hot loop.
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ from pagellm.engine.metrics import (
     Gauge,
     Histogram,
     Metric,
-    RequestLatencies,
     metrics_snapshot,
 )
 from pagellm.engine.outputs import RequestOutput
@@ -104,39 +101,36 @@ def prometheus_text(metrics: Sequence[Metric]) -> str:
 
 
 class ServerMetrics:
-    """The server's metrics: the engine's snapshot with the latencies of the requests it
-    served; with `log_requests` (vLLM's --enable-log-requests), also a log line per
-    request as it arrives and as it ends, saying what the prefix cache gave it."""
+    """The server's /metrics page (the engine's snapshot, which records every request's
+    latencies itself) and, with `log_requests` (vLLM's --enable-log-requests), a log
+    line per request as it arrives and as it ends, saying what the prefix cache gave
+    it."""
 
     def __init__(self, engine: AsyncLLMEngine, model_name: str,
                  log_requests: bool = False) -> None:
         self.engine = engine
         self.model_name = model_name
         self.log_requests = log_requests
-        self.latencies = RequestLatencies()
 
-    def observe_received(self, request_id: str, num_prompt_tokens: int,
-                         params: object) -> None:
+    def log_received(self, request_id: str, num_prompt_tokens: int, params: object) -> None:
         if self.log_requests:
             logger.info("request %s received: %d prompt tokens, %s", request_id,
                         num_prompt_tokens, _brief(params))
 
-    def observe_finished(self, output: RequestOutput) -> None:
-        self.latencies.observe_finished(output)
+    def log_finished(self, output: RequestOutput) -> None:
         if self.log_requests:
             reasons = ", ".join(sorted({c.finish_reason or FINISHED_ABORT
                                         for c in output.outputs}))
             logger.info("request %s finished (%s): %s", output.request_id, reasons,
                         _request_summary(output))
 
-    def observe_aborted(self, request_id: str, output: RequestOutput | None,
-                        num_samples: int) -> None:
-        self.latencies.observe_aborted(output, num_samples)
+    def log_aborted(self, request_id: str, output: RequestOutput | None) -> None:
+        """A request that ended unfinished (its client left, the server shut down, the
+        engine failed it), with the latest output its handler saw, if any."""
         if self.log_requests:
             logger.info("request %s aborted: %s", request_id,
                         "before its first token" if output is None
                         else _request_summary(output))
 
     def render(self) -> str:
-        return prometheus_text(metrics_snapshot(self.engine.stats(), self.latencies,
-                                                self.model_name))
+        return prometheus_text(metrics_snapshot(self.engine.stats(), self.model_name))

@@ -264,12 +264,12 @@ async def start_requests(
             streams.append(await context.engine.add_request(
                 f"{base_id}-{index}", engine_prompt, sampling, arrival_time=arrival_time,
                 priority=priority, cache_salt=cache_salt))
-            context.metrics.observe_received(streams[-1].request_id, len(prompt.token_ids),
-                                             sampling)
+            context.metrics.log_received(streams[-1].request_id, len(prompt.token_ids),
+                                         sampling)
     except BaseException as error:
         for stream in streams:
             stream.abort()
-            context.metrics.observe_aborted(stream.request_id, None, stream.num_samples)
+            context.metrics.log_aborted(stream.request_id, None)
         if isinstance(error, ValueError):
             message = str(error)
             param = next((name for name in ("cache_salt", "priority", "allowed_token_ids",
@@ -315,7 +315,7 @@ async def merged(streams: list[RequestStream], metrics: ServerMetrics
                     continue
                 latest[index] = output
                 if output.finished:
-                    metrics.observe_finished(output)
+                    metrics.log_finished(output)
                     finished.add(index)
                 else:
                     pending[asyncio.ensure_future(streams[index].__anext__())] = index
@@ -327,8 +327,7 @@ async def merged(streams: list[RequestStream], metrics: ServerMetrics
             task.cancel()
         for index, stream in enumerate(streams):
             if index not in finished:
-                metrics.observe_aborted(stream.request_id, latest.get(index),
-                                        stream.num_samples)
+                metrics.log_aborted(stream.request_id, latest.get(index))
             stream.abort()
 
 
