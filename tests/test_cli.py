@@ -439,6 +439,11 @@ def test_server_options_reach_the_server_settings() -> None:
         ServerSettings(model_names=["m"], log_stats_interval=0)
     with pytest.raises(ValueError, match="HTTPS needs a certificate"):
         ServerSettings(model_names=["m"], ssl_keyfile="key.pem")
+    not_pem = Path(__file__)  # a readable file that is no certificate: refused at once
+    with pytest.raises(ValueError, match=f"cannot serve HTTPS with --ssl-certfile {not_pem}"):
+        ServerSettings(model_names=["m"], ssl_certfile=str(not_pem))
+    with pytest.raises(ValueError, match="default_chat_template_kwargs .* cannot set tools"):
+        ServerSettings(model_names=["m"], default_chat_template_kwargs={"tools": []})
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--ssl-certfile", "/nonexistent/cert.pem"])
 

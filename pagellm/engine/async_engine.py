@@ -357,10 +357,13 @@ class AsyncLLMEngine:
         abort by id, as vLLM callers send it), ends with the request's last output,
         finish_reason "abort", as vLLM's does (a beam search's just ends)."""
         stream = self._streams.pop(request_id, None)
-        last = self.engine.abort_request(request_id)
-        if stream is not None:
-            _post(stream.loop, functools.partial(stream.put, last[0] if last
-                                                 else StopAsyncIteration()))
+        last: list[RequestOutput] = []
+        try:
+            last = self.engine.abort_request(request_id)
+        finally:  # the reader ends even if the engine failed to abort
+            if stream is not None:
+                _post(stream.loop, functools.partial(stream.put, last[0] if last
+                                                     else StopAsyncIteration()))
 
     async def get_tokenizer(self) -> Any:
         """vLLM's coroutine; the tokenizer is also the `tokenizer` attribute (a copy for

@@ -99,9 +99,8 @@ class BeamSearches:
             if self._steps.pop(step_id, None) is not None:  # not yet collected
                 self._engine._end_aborted(step_id, record=False)
         run.metrics.finished_time = time.monotonic()
-        self._engine.latencies.observe(
-            run.metrics, [(len(run.metrics.token_times), reason)] * run.params.beam_width,
-            completed=reason is not None)
+        self._engine.latencies.ended(run.metrics, [reason] * run.params.beam_width,
+                                     completed=reason is not None)
 
     def step_ids(self) -> list[tuple[str, str]]:
         """(step request id, its search's id) of every step request not yet collected."""
@@ -161,19 +160,28 @@ class BeamSearches:
         return kept
 
     def _advance(self, run: _Run, kept: list[RequestOutput]) -> None:
+        """Takes a step's results: each running beam gained a token (the first step's
+        is the first token of all `beam_width` sequences the search returns)."""
+        extended = len(run.search.running)
         run.search.advance([top for top in run.tops if top is not None])
         now = time.monotonic()
         metrics = run.metrics
+        latencies = self._engine.latencies
         if metrics.first_token_time is None:
             metrics.first_token_time = now
+            for _ in range(run.params.beam_width):
+                latencies.first_token(now - metrics.arrival_time)
+        else:
+            assert metrics.last_token_time is not None
+            for _ in range(extended):
+                latencies.token_gap(now - metrics.last_token_time)
         metrics.last_token_time = now
         metrics.token_times.append(now)
         if run.search.done:
             metrics.finished_time = now
             del self._runs[run.request_id]
-            self._engine.latencies.observe(
-                metrics, [(len(beam.token_ids), beam.finish_reason)
-                          for beam in run.search.finished], completed=True)
+            latencies.ended(metrics, [beam.finish_reason for beam in run.search.finished],
+                            completed=True)
             kept.append(self._output(run))
         else:
             self._queue_step(run)

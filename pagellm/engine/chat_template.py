@@ -9,7 +9,7 @@ refuses what the server refuses.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,10 +105,15 @@ class ChatOptions:
         if self.continue_final_message and conversation[-1]["role"] != "assistant":
             raise ChatError("continue_final_message needs the last message to be the "
                             "assistant's", "continue_final_message")
-        reserved = sorted(_RESERVED_KWARGS & set(self.chat_template_kwargs or {}))
-        if reserved:
-            raise ChatError(f"chat_template_kwargs cannot set {', '.join(reserved)}",
-                            "chat_template_kwargs")
+        check_template_kwargs(self.chat_template_kwargs or {}, "chat_template_kwargs")
+
+
+def check_template_kwargs(kwargs: Mapping[str, Any], field: str) -> None:
+    """Template variables may not set what the renderer sets itself (the conversation,
+    the tools, add_generation_prompt, ...): a ChatError naming `field` and the keys."""
+    reserved = sorted(_RESERVED_KWARGS & set(kwargs))
+    if reserved:
+        raise ChatError(f"{field} cannot set {', '.join(reserved)}", field)
 
 
 def _content(index: int, content: Any) -> str:

@@ -96,6 +96,7 @@ class _Sample:
     logprobs: list[Logprob] | None
     matcher: FormatMatcher | None = None
     cumulative_logprob: float = 0.0
+    last_token_time: float | None = None  # time.monotonic() of its latest token
 
 
 @dataclass
@@ -118,10 +119,8 @@ class _Group:
     def finished(self) -> bool:
         return all(s.request.is_finished for s in self.samples)
 
-    def completions(self) -> list[tuple[int, str | None]]:
-        """Each sample's (tokens generated, finish reason), as the latencies take them."""
-        return [(len(s.request.output_token_ids), s.request.status.finish_reason)
-                for s in self.samples]
+    def finish_reasons(self) -> list[str | None]:
+        return [s.request.status.finish_reason for s in self.samples]
 
 
 @dataclass
@@ -521,7 +520,7 @@ class LLMEngine:
             self._core_to_group.pop(sample.request.request_id, None)
         group.metrics.finished_time = time.monotonic()
         if record:
-            self.latencies.observe(group.metrics, group.completions(), completed=False)
+            self.latencies.ended(group.metrics, group.finish_reasons(), completed=False)
         return self._output(group)
 
     def has_unfinished_requests(self) -> bool:
@@ -683,6 +682,12 @@ class LLMEngine:
                 continue
             sample = group.by_core_id[request.request_id]
             self._generation_tokens += 1
+            if not self._beams.owns(group.request_id):  # a search records its own
+                if sample.last_token_time is None:
+                    self.latencies.first_token(now - group.metrics.arrival_time)
+                else:
+                    self.latencies.token_gap(now - sample.last_token_time)
+            sample.last_token_time = now
             if group.metrics.first_token_time is None:
                 group.metrics.first_token_time = now
                 # Counted once the prompt is computed, as vLLM counts it: a stats line's
@@ -700,7 +705,7 @@ class LLMEngine:
             if group.finished:
                 group.metrics.finished_time = now
                 if not self._beams.owns(group.request_id):
-                    self.latencies.observe(group.metrics, group.completions(), completed=True)
+                    self.latencies.ended(group.metrics, group.finish_reasons(), completed=True)
                 self._forget(group)
         return outputs
 
@@ -778,7 +783,7 @@ class LLMEngine:
                 self.scheduler.finish(sample.request, RequestStatus.FINISHED_ERROR)
             group.error = f"internal error while computing this request: {error}"
             if not self._beams.owns(group.request_id):
-                self.latencies.observe(group.metrics, group.completions(), completed=True)
+                self.latencies.ended(group.metrics, group.finish_reasons(), completed=True)
             output = self._output(group)
             assert output is not None  # a finished output is never held back
             outputs.append(output)

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from pagellm.engine.llm_engine import EngineStats
 
 FINISHED_ABORT = "abort"
-FINISH_REASONS = ("stop", "length", FINISHED_ABORT)
+FINISH_REASONS = ("stop", "length", FINISHED_ABORT, "error")
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -34,20 +34,21 @@ E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
                50.0, 60.0, 120.0, 240.0, 480.0)
 
 # Each metric's one-line meaning (Prometheus' HELP), which also fixes the order they
-# are listed in.
+# are listed in. A counter is named without the `_total` its samples carry on the
+# /metrics page, as prometheus_client names it (and vLLM's get_metrics() records).
 HELP = {
-    "pagellm_prefix_cache_queries_total": "Prompt tokens looked up in the prefix cache.",
-    "pagellm_prefix_cache_hits_total": "Prompt tokens served from the prefix cache.",
-    "pagellm_prefix_cache_evictions_total": "Cached KV blocks evicted to make room.",
+    "pagellm_prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
+    "pagellm_prefix_cache_hits": "Prompt tokens served from the prefix cache.",
+    "pagellm_prefix_cache_evictions": "Cached KV blocks evicted to make room.",
     "pagellm_kv_cache_usage": "Fraction of KV cache blocks in use (0 when idle).",
     "pagellm_kv_cache_blocks": "KV cache blocks in the pool.",
     "pagellm_num_requests_running": "Requests scheduled in the running batch.",
     "pagellm_num_requests_waiting": "Requests waiting to be scheduled.",
-    "pagellm_num_preemptions_total": "Requests preempted (their KV freed) to make room.",
-    "pagellm_prompt_tokens_total": "Prompt tokens of requests whose prompt was computed "
+    "pagellm_num_preemptions": "Requests preempted (their KV freed) to make room.",
+    "pagellm_prompt_tokens": "Prompt tokens of requests whose prompt was computed "
                                    "(cached ones included).",
-    "pagellm_generation_tokens_total": "Tokens generated.",
-    "pagellm_request_finished_total": "Completions ended, by finish reason (abort: "
+    "pagellm_generation_tokens": "Tokens generated.",
+    "pagellm_request_finished": "Completions ended, by finish reason (abort: "
                                       "unfinished, e.g. the client left).",
     "pagellm_time_to_first_token_seconds": "Time from a request's arrival to its first "
                                            "generated token.",
@@ -60,15 +61,15 @@ HELP = {
 # The series vLLM has too, again under its names (same meaning, same model_name label),
 # so dashboards, alerts and autoscalers written against vLLM's read them.
 VLLM_NAMES = {
-    "pagellm_prefix_cache_queries_total": "vllm:prefix_cache_queries_total",
-    "pagellm_prefix_cache_hits_total": "vllm:prefix_cache_hits_total",
+    "pagellm_prefix_cache_queries": "vllm:prefix_cache_queries",
+    "pagellm_prefix_cache_hits": "vllm:prefix_cache_hits",
     "pagellm_kv_cache_usage": "vllm:kv_cache_usage_perc",
     "pagellm_num_requests_running": "vllm:num_requests_running",
     "pagellm_num_requests_waiting": "vllm:num_requests_waiting",
-    "pagellm_num_preemptions_total": "vllm:num_preemptions_total",
-    "pagellm_prompt_tokens_total": "vllm:prompt_tokens_total",
-    "pagellm_generation_tokens_total": "vllm:generation_tokens_total",
-    "pagellm_request_finished_total": "vllm:request_success_total",
+    "pagellm_num_preemptions": "vllm:num_preemptions",
+    "pagellm_prompt_tokens": "vllm:prompt_tokens",
+    "pagellm_generation_tokens": "vllm:generation_tokens",
+    "pagellm_request_finished": "vllm:request_success",
     "pagellm_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
     "pagellm_inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
     "pagellm_e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
@@ -77,6 +78,8 @@ VLLM_NAMES = {
 
 @dataclass
 class Metric:
+    """One series: its name and labels (a counter's name is without `_total`)."""
+
     name: str
     labels: dict[str, str]
 
@@ -128,6 +131,7 @@ class LatencyHistogram:
         return sum(self.counts)
 
     def snapshot(self, labels: dict[str, str]) -> Histogram:
+        """The record of it now, with cumulative buckets as Prometheus reads them."""
         buckets: dict[str, int] = {}
         cumulative = 0
         for bound, count in zip((*self.bounds, math.inf), self.counts, strict=True):
@@ -137,10 +141,9 @@ class LatencyHistogram:
 
 
 class RequestLatencies:
-    """Latency histograms and finish-reason counts of ended requests, per completion (as
-    vLLM counts an n > 1 request's samples), so every histogram's count agrees with the
-    finish-reason counter. The engine records every request it ends, on its own thread,
-    and hands out copies with its stats."""
+    """Latency histograms and finish-reason counts, per completion (as vLLM counts an
+    n > 1 request's samples). The engine records each token as it is generated and each
+    request as it ends, on its own thread, and hands out copies with its stats."""
 
     def __init__(self) -> None:
         self.time_to_first_token = LatencyHistogram("pagellm_time_to_first_token_seconds",
@@ -152,26 +155,29 @@ class RequestLatencies:
         # Completions by how they ended: "stop", "length", "abort" or "error".
         self.requests_finished: dict[str, int] = {}
 
-    def observe(self, metrics: RequestMetrics, completions: Sequence[tuple[int, str | None]],
-                completed: bool) -> None:
-        """A request that ended, with each completion's (tokens generated, finish
-        reason; None reads "abort"). The tokens of every completion count in the token
-        latencies (an aborted one's too); only a `completed` request's end-to-end time
-        is a completion's, so an aborted one adds none."""
+    def first_token(self, seconds: float) -> None:
+        """A completion's first token, `seconds` after its request arrived: recorded as
+        it is generated, as vLLM does, so a long answer is not missing until it ends."""
+        self.time_to_first_token.observe(seconds)
+
+    def token_gap(self, seconds: float) -> None:
+        """A completion's next token, `seconds` after its previous one."""
+        self.inter_token_latency.observe(seconds)
+
+    def ended(self, metrics: RequestMetrics, reasons: Sequence[str | None],
+              completed: bool) -> None:
+        """A request that ended, with each completion's finish reason (None reads
+        "abort"). Only a `completed` request (finished or failed, not aborted) has an
+        end-to-end time."""
         end = metrics.finished_time or metrics.last_token_time
-        for num_tokens, reason in completions:
-            if metrics.first_token_time is not None and num_tokens:
-                self.time_to_first_token.observe(metrics.first_token_time
-                                                 - metrics.arrival_time)
-                times = metrics.token_times[:num_tokens]
-                for earlier, later in zip(times, times[1:], strict=False):
-                    self.inter_token_latency.observe(later - earlier)
+        for reason in reasons:
             if completed and end is not None:
                 self.e2e_request_latency.observe(end - metrics.arrival_time)
             reason = reason or FINISHED_ABORT
             self.requests_finished[reason] = self.requests_finished.get(reason, 0) + 1
 
     def copy(self) -> RequestLatencies:
+        """A snapshot for other threads to read while the engine goes on."""
         copy = RequestLatencies()
         for mine, theirs in ((self.time_to_first_token, copy.time_to_first_token),
                              (self.inter_token_latency, copy.inter_token_latency),
@@ -187,25 +193,31 @@ def metrics_snapshot(stats: EngineStats, model_name: str) -> list[Metric]:
     labels = {"model_name": model_name}
     latencies = stats.latencies
     metrics: list[Metric] = [
-        Counter("pagellm_prefix_cache_queries_total", labels, stats.prefix_cache_queries),
-        Counter("pagellm_prefix_cache_hits_total", labels, stats.prefix_cache_hits),
-        Counter("pagellm_prefix_cache_evictions_total", labels, stats.num_evictions),
+        Counter("pagellm_prefix_cache_queries", labels, stats.prefix_cache_queries),
+        Counter("pagellm_prefix_cache_hits", labels, stats.prefix_cache_hits),
+        Counter("pagellm_prefix_cache_evictions", labels, stats.num_evictions),
         Gauge("pagellm_kv_cache_usage", labels, stats.kv_cache_usage),
         Gauge("pagellm_kv_cache_blocks", labels, stats.num_blocks),
         Gauge("pagellm_num_requests_running", labels, stats.num_running),
         Gauge("pagellm_num_requests_waiting", labels, stats.num_waiting),
-        Counter("pagellm_num_preemptions_total", labels, stats.num_preemptions),
-        Counter("pagellm_prompt_tokens_total", labels, stats.prompt_tokens),
-        Counter("pagellm_generation_tokens_total", labels, stats.generation_tokens),
-        *(Counter("pagellm_request_finished_total", {**labels, "finished_reason": reason},
+        Counter("pagellm_num_preemptions", labels, stats.num_preemptions),
+        Counter("pagellm_prompt_tokens", labels, stats.prompt_tokens),
+        Counter("pagellm_generation_tokens", labels, stats.generation_tokens),
+        *(Counter("pagellm_request_finished", {**labels, "finished_reason": reason},
                   latencies.requests_finished.get(reason, 0))
           for reason in sorted({*FINISH_REASONS, *latencies.requests_finished})),
         *(histogram.snapshot(labels) for histogram in (
             latencies.time_to_first_token, latencies.inter_token_latency,
             latencies.e2e_request_latency)),
     ]
-    # Each record gets its own labels, so a caller changing one changes no other.
-    return ([dataclasses.replace(metric, labels=dict(metric.labels)) for metric in metrics]
-            + [dataclasses.replace(metric, name=VLLM_NAMES[metric.name],
-                                   labels=dict(metric.labels))
-               for metric in metrics if metric.name in VLLM_NAMES])
+    return ([_copy(metric, metric.name) for metric in metrics]
+            + [_copy(metric, VLLM_NAMES[metric.name]) for metric in metrics
+               if metric.name in VLLM_NAMES])
+
+
+def _copy(metric: Metric, name: str) -> Metric:
+    """A record of its own (labels, buckets), so a caller changing one changes no other."""
+    copy = dataclasses.replace(metric, name=name, labels=dict(metric.labels))
+    if isinstance(copy, Histogram):
+        copy.buckets = dict(copy.buckets)
+    return copy

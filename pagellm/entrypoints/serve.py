@@ -94,7 +94,11 @@ def add_parser(subparsers: Any) -> None:
     group.add_argument("--ssl-certfile", type=_readable_file, default=None, metavar="FILE",
                        help="serve HTTPS with this certificate")
     group.add_argument("--ssl-ca-certs", type=_readable_file, default=None, metavar="FILE",
-                       help="CA certificates to check client certificates against")
+                       help="CA certificates to check client certificates against (with "
+                            "--ssl-cert-reqs)")
+    group.add_argument("--ssl-cert-reqs", type=int, default=0, choices=(0, 1, 2),
+                       help="ask clients for a certificate: 0 no, 1 optional, 2 required "
+                            "(Python's ssl.CERT_*; default: %(default)s)")
     group.add_argument("--log-level", default="info",
                        choices=("critical", "error", "warning", "info", "debug"),
                        help="server log level (default: %(default)s)")
@@ -260,7 +264,8 @@ def server_settings(args: argparse.Namespace, launch_time: float, address: str
         disable_uvicorn_access_log=args.disable_uvicorn_access_log,
         disable_fastapi_docs=args.disable_fastapi_docs, root_path=args.root_path,
         ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
-        ssl_ca_certs=args.ssl_ca_certs, launch_time=launch_time, address=address)
+        ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
+        launch_time=launch_time, address=address)
 
 
 def run(engine: AsyncLLMEngine, settings: ServerSettings, sock: socket.socket) -> int:

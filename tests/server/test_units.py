@@ -83,8 +83,8 @@ def test_prometheus_families_group_their_samples() -> None:
     """Records sharing a name print under one HELP/TYPE pair; vLLM's names take
     PageLLM's help text."""
     text = prometheus_text([
-        Counter("pagellm_request_finished_total", {"finished_reason": "stop"}, 2),
-        Counter("pagellm_request_finished_total", {"finished_reason": "length"}, 1),
+        Counter("pagellm_request_finished", {"finished_reason": "stop"}, 2),
+        Counter("pagellm_request_finished", {"finished_reason": "length"}, 1),
         Gauge("vllm:kv_cache_usage_perc", {}, 0.25)])
     assert text.splitlines() == [
         "# HELP pagellm_request_finished_total Completions ended, by finish reason (abort: "
@@ -98,20 +98,23 @@ def test_prometheus_families_group_their_samples() -> None:
 
 
 def test_finish_reasons_are_counted_per_completion() -> None:
-    """Every completion ends once in the counter, an aborted one too (with the tokens it
-    produced in the token latencies, but no end-to-end time), and /metrics prints the
-    engine's counts."""
+    """Every completion ends once in the counter, an aborted one too (but with no
+    end-to-end time), and /metrics prints the engine's counts."""
     latencies = RequestLatencies()
     timing = RequestMetrics(arrival_time=1.0, first_token_time=1.5, last_token_time=2.0,
-                            finished_time=2.0, token_times=[1.5, 2.0])
-    latencies.observe(timing, [(2, "stop"), (2, "length")], completed=True)
-    latencies.observe(timing, [(2, "stop"), (1, "abort")], completed=False)
-    latencies.observe(RequestMetrics(arrival_time=1.0), [(0, "abort")] * 3, completed=False)
+                            finished_time=2.0)
+    for _ in range(4):
+        latencies.first_token(0.5)
+    latencies.token_gap(0.5)
+    latencies.ended(timing, ["stop", "length"], completed=True)
+    latencies.ended(timing, ["stop", None], completed=False)
+    latencies.ended(RequestMetrics(arrival_time=1.0), ["abort"] * 3, completed=False)
     assert latencies.requests_finished == {"stop": 2, "length": 1, "abort": 4}
-    # 2 finished and 2 aborted completions produced tokens: 2, 2, 2 and 1 of them.
-    assert latencies.time_to_first_token.count == 4
     assert latencies.e2e_request_latency.count == 2
-    assert latencies.inter_token_latency.count == 1 + 1 + 1 + 0
+    assert latencies.e2e_request_latency.sum == 2.0
+    copy = latencies.copy()
+    latencies.first_token(0.1)
+    assert (copy.time_to_first_token.count, latencies.time_to_first_token.count) == (4, 5)
 
     class Engine:
         def stats(self) -> EngineStats:
@@ -123,7 +126,8 @@ def test_finish_reasons_are_counted_per_completion() -> None:
                 f"{count}") in text
         assert (f'vllm:request_success_total{{model_name="m",finished_reason="{reason}"}} '
                 f"{count}") in text
-    assert 'pagellm_time_to_first_token_seconds_count{model_name="m"} 4' in text
+    assert 'pagellm_time_to_first_token_seconds_count{model_name="m"} 5' in text
+    assert 'pagellm_request_finished_total{model_name="m",finished_reason="error"} 0' in text
 
 
 def test_request_log_lines(caplog: pytest.LogCaptureFixture) -> None:

@@ -29,7 +29,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
                     "-addext", "subjectAltName=IP:127.0.0.1"], check=True,
                    capture_output=True)
     server = start_server(
-        tmp, "--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--root-path", "/llm",
+        tmp, "--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--ssl-ca-certs",
+        str(cert), "--ssl-cert-reqs", "1", "--root-path", "/llm",
         "--disable-fastapi-docs", "--return-tokens-as-token-ids",
         "--enable-force-include-usage", "--enable-prompt-tokens-details",
         "--disable-log-requests", "--uvicorn-log-level", "warning",
@@ -70,7 +71,9 @@ def test_logprob_tokens_are_ids_unless_the_request_says(client: openai.OpenAI) -
     assert not any(token.startswith("token_id:") for token in as_text), as_text
     completion = client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2,
                                            logprobs=1, temperature=0)
-    assert completion.choices[0].logprobs.tokens[0].startswith("token_id:")  # type: ignore[union-attr, index]
+    logprobs = completion.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens is not None
+    assert logprobs.tokens[0].startswith("token_id:")
 
 
 def test_usage_in_every_stream_and_on_each_chunk(client: openai.OpenAI,

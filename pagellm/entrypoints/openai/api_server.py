@@ -9,6 +9,7 @@ import logging
 import math
 import signal
 import socket
+import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from fastapi.responses import PlainTextResponse, Response
 from starlette.middleware.cors import CORSMiddleware
 
 from pagellm.engine.async_engine import AsyncLLMEngine
+from pagellm.engine.chat_template import check_template_kwargs
 from pagellm.entrypoints.openai.errors import APIError, failure, install_error_handlers
 from pagellm.entrypoints.openai.json_text import JSONResponse
 from pagellm.entrypoints.openai.messages_protocol import (
@@ -111,6 +113,7 @@ class ServerSettings:
     ssl_keyfile: str | None = None
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = ssl.CERT_NONE  # ask clients for certificates (vLLM's option)
     launch_time: float = field(default_factory=time.perf_counter)
     # host:port as bound (the real port when --port 0 let the OS choose), for the log.
     address: str = ""
@@ -128,10 +131,30 @@ class ServerSettings:
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} "
                              f"or None, got {self.reasoning_parser!r}")
+        check_template_kwargs(self.default_chat_template_kwargs,
+                              "default_chat_template_kwargs (--default-chat-template-kwargs)")
         if (self.ssl_keyfile or self.ssl_ca_certs) and not self.ssl_certfile:
             raise ValueError("HTTPS needs a certificate: ssl_keyfile / ssl_ca_certs "
                              "(--ssl-keyfile / --ssl-ca-certs) were given without "
                              "ssl_certfile (--ssl-certfile)")
+        if self.ssl_certfile:
+            self._check_tls()
+
+    def _check_tls(self) -> None:
+        """Loads the certificate, key and CAs as uvicorn will, so that a bad file fails
+        before the model loads, not after."""
+        if self.ssl_cert_reqs not in (ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED):
+            raise ValueError(f"ssl_cert_reqs must be 0 (none), 1 (optional) or 2 "
+                             f"(required), got {self.ssl_cert_reqs!r}")
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            context.load_cert_chain(str(self.ssl_certfile), self.ssl_keyfile)
+            if self.ssl_ca_certs:
+                context.load_verify_locations(self.ssl_ca_certs)
+        except (ssl.SSLError, OSError) as error:
+            raise ValueError(f"cannot serve HTTPS with --ssl-certfile {self.ssl_certfile}"
+                             f"{f' --ssl-keyfile {self.ssl_keyfile}' if self.ssl_keyfile else ''}"
+                             f": {error}") from error
 
 
 def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
@@ -349,6 +372,7 @@ def run_server(engine: AsyncLLMEngine, settings: ServerSettings, sock: socket.so
         access_log=(settings.uvicorn_log_level or settings.log_level) in ("debug", "trace")
         and not settings.disable_uvicorn_access_log,
         root_path=settings.root_path, ssl_keyfile=settings.ssl_keyfile,
-        ssl_certfile=settings.ssl_certfile, ssl_ca_certs=settings.ssl_ca_certs)
+        ssl_certfile=settings.ssl_certfile, ssl_ca_certs=settings.ssl_ca_certs,
+        ssl_cert_reqs=settings.ssl_cert_reqs)
     with _signals_end_gracefully():
         _GracefulServer(config, engine, settings.shutdown_timeout).run(sockets=[sock])

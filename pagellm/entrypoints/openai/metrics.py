@@ -74,29 +74,31 @@ def _number(value: float) -> str:
     return repr(float(value)) if isinstance(value, float) else str(value)
 
 
-def _samples(metric: Metric) -> list[str]:
+def _samples(metric: Metric, name: str) -> list[str]:
+    """A record's sample lines under `name` (a counter's with `_total`)."""
     labels = _labels(metric.labels)
     if isinstance(metric, Histogram):
-        return [*(f"{metric.name}_bucket{_labels({**metric.labels, 'le': bound})} {count}"
+        return [*(f"{name}_bucket{_labels({**metric.labels, 'le': bound})} {count}"
                   for bound, count in metric.buckets.items()),
-                f"{metric.name}_sum{labels} {_number(metric.sum)}",
-                f"{metric.name}_count{labels} {metric.count}"]
+                f"{name}_sum{labels} {_number(metric.sum)}",
+                f"{name}_count{labels} {metric.count}"]
     assert isinstance(metric, Counter | Gauge)
-    return [f"{metric.name}{labels} {_number(metric.value)}"]
+    return [f"{name}{labels} {_number(metric.value)}"]
 
 
 def prometheus_text(metrics: Sequence[Metric]) -> str:
     """The metrics in Prometheus' text format: each family (the records sharing a name,
-    which come together) under its HELP and TYPE lines."""
+    which come together) under its HELP and TYPE lines, a counter's with `_total`."""
     vllm_names = {vllm: ours for ours, vllm in VLLM_NAMES.items()}
     lines: list[str] = []
     for index, metric in enumerate(metrics):
+        name = metric.name + "_total" if isinstance(metric, Counter) else metric.name
         if index == 0 or metrics[index - 1].name != metric.name:
             kind = ("histogram" if isinstance(metric, Histogram)
                     else "counter" if isinstance(metric, Counter) else "gauge")
-            lines += [f"# HELP {metric.name} {HELP[vllm_names.get(metric.name, metric.name)]}",
-                      f"# TYPE {metric.name} {kind}"]
-        lines += _samples(metric)
+            lines += [f"# HELP {name} {HELP[vllm_names.get(metric.name, metric.name)]}",
+                      f"# TYPE {name} {kind}"]
+        lines += _samples(metric, name)
     return "\n".join(lines) + "\n"
 
 

@@ -189,7 +189,8 @@ async def create_chat_completion(context: ServerContext, body: ChatCompletionReq
     context.check_model(body.model)
     run = await start_chat(context, body, arrival, f"chatcmpl-{uuid.uuid4().hex}")
     if body.stream:
-        events = _stream(context, body, run, UsageReport.of(body.stream_options, context.force_include_usage))
+        report = UsageReport.of(body.stream_options, context.force_include_usage)
+        events = _stream(context, body, run, report)
         return EventStreamResponse(streamed(events), run.streams)
     outputs = await unless_disconnected(raw, final_outputs(run.streams, context.metrics))
     return JSONResponse(_response(context, body, run, outputs[0]).model_dump(mode="json"))

@@ -148,9 +148,9 @@ async def create_completion(context: ServerContext, body: CompletionRequest,
     streams = await start_requests(context, request_id, prompts, run, body.cache_salt,
                                    arrival, "prompt", body.priority, request_format.field)
     if body.stream:
+        report = UsageReport.of(body.stream_options, context.force_include_usage)
         return EventStreamResponse(streamed(_stream(context, request_id, body, streams,
-                                                    UsageReport.of(body.stream_options, context.force_include_usage))),
-                                   streams)
+                                                    report)), streams)
     outputs = await unless_disconnected(raw, final_outputs(streams, context.metrics))
     if _prompt_only(body):
         outputs = [_without_completion(output) for output in outputs]
