@@ -400,8 +400,15 @@ def test_chat_template_option(tmp_path: Path) -> None:
     assert broken.returncode == 1 and "--chat-template" in broken.stderr, broken.stderr
 
 
-def test_server_options_reach_the_server_settings() -> None:
+def test_server_options_reach_the_server_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PAGELLM_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")  # a vLLM deployment's variable
+    assert server_settings(build_parser().parse_args(["serve"]), 0.0, "x").api_key == [
+        "from-vllm"]
+    monkeypatch.delenv("VLLM_API_KEY")
     parser = build_parser()
+    assert server_settings(parser.parse_args(["serve", "--api-key", "k1", "k2"]), 0.0,
+                           "x").api_key == ["k1", "k2"]
     settings = server_settings(parser.parse_args(["serve"]), 0.0, "127.0.0.1:8000")
     assert (settings.log_stats_interval, settings.shutdown_timeout) == (5.0, 10)
     settings = server_settings(parser.parse_args(

@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     for command_parser in subparsers.choices.values():
         # Errors found after parsing are reported with the subcommand's own usage line.
         command_parser.set_defaults(command_parser=command_parser)
+        # No prefixes of flags: vLLM's --tokenizer must not be read as --tokenizer-mode.
+        command_parser.allow_abbrev = False
     return parser
 
 

@@ -23,7 +23,6 @@ from pagellm.engine.config import (
     VLLM_ONLY_OPTIONS,
     EngineConfig,
     engine_config_kwargs,
-    vllm_only_hints,
 )
 
 # Every subcommand reads and writes text, so running without a tokenizer is not offered;
@@ -56,9 +55,14 @@ def unrecognized(tokens: list[str]) -> str:
     names = [name.removeprefix("no_") if name.removeprefix("no_") in VLLM_ONLY_OPTIONS
              else name for name in names]
     known = {f.name for f in dataclasses.fields(EngineConfig)} | set(VLLM_ONLY_OPTIONS)
-    hints = [re.sub(r"\b[a-z]+(?:_[a-z]+)+\b", lambda m: "--" + m.group().replace("_", "-")
-                    if m.group() in known else m.group(), hint)
-             for hint in vllm_only_hints(names)]
+
+    def flag(name: str) -> str:
+        return "--" + name.replace("_", "-")
+
+    hints = [flag(name) + " is vLLM's: " + re.sub(
+        r"\b[a-z]+(?:_[a-z]+)+\b",
+        lambda m: flag(m.group()) if m.group() in known else m.group(),
+        VLLM_ONLY_OPTIONS[name]) for name in names if name in VLLM_ONLY_OPTIONS]
     return "; ".join([f"unrecognized arguments: {' '.join(tokens)}", *hints])
 
 

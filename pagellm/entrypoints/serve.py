@@ -38,10 +38,13 @@ def add_parser(subparsers: Any) -> None:
     group.add_argument("--port", type=_port, default=8000, metavar="PORT",
                        help="port to bind (default: %(default)s)")
     add_answer_args(group)
-    group.add_argument("--api-key", default=os.environ.get("PAGELLM_API_KEY"), metavar="KEY",
+    environment_key = os.environ.get("PAGELLM_API_KEY") or os.environ.get("VLLM_API_KEY")
+    group.add_argument("--api-key", nargs="+", metavar="KEY",
+                       default=[environment_key] if environment_key else None,
                        help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on /v1 "
-                            "requests, /reset_prefix_cache and /kv_cache_events (default: "
-                            "$PAGELLM_API_KEY, else no key)")
+                            "requests and the endpoints that show or change the cache or "
+                            "the template, for one of these keys (default: "
+                            "$PAGELLM_API_KEY, else vLLM's $VLLM_API_KEY, else no key)")
     group.add_argument("--max-request-bytes", type=byte_size, default="8MiB", metavar="SIZE",
                        help="largest request body accepted, larger gets 413 "
                             "(default: %(default)s)")
@@ -252,7 +255,8 @@ def server_settings(args: argparse.Namespace, launch_time: float, address: str
 
     return ServerSettings(
         **answer_settings(args), host=args.host, port=args.port,
-        api_key=args.api_key or None, max_request_bytes=args.max_request_bytes,
+        api_key=[key for key in args.api_key or () if key] or None,
+        max_request_bytes=args.max_request_bytes,
         log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
         allowed_origins=args.allowed_origins, allow_credentials=args.allow_credentials,

@@ -39,7 +39,7 @@ def engine(llm_engine: LLMEngine) -> Iterator[AsyncLLMEngine]:
 
 
 def post_all(engine: AsyncLLMEngine, bodies: list[dict[str, Any]],
-             api_key: str | None = None, headers: dict[str, str] | None = None,
+             api_key: str | list[str] | None = None, headers: dict[str, str] | None = None,
              path: str = "/v1/completions") -> list[httpx.Response]:
     app = create_app(engine, ServerSettings(model_names=[MODEL_NAME], api_key=api_key))
 
@@ -196,6 +196,11 @@ def test_api_key_guards_the_api(engine: AsyncLLMEngine) -> None:
     right = post_all(engine, [body], api_key="s3cret",
                      headers={"Authorization": "Bearer s3cret"})[0]
     assert right.status_code == 200, right.text
+    # Several keys (vLLM's list, for rotating them): any one of them is let in.
+    for key, status in (("old", 200), ("new", 200), ("s3cret", 401)):
+        answer = post_all(engine, [body], api_key=["old", "new"],
+                          headers={"Authorization": f"Bearer {key}"})[0]
+        assert answer.status_code == status, key
 
 
 def test_anthropic_clients_may_send_the_key_as_x_api_key(engine: AsyncLLMEngine) -> None:

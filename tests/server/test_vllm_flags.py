@@ -16,6 +16,8 @@ import pytest
 from tests.server.conftest import MODEL_NAME, Server, start_server
 
 TEMPLATE = "{{ greeting }}{% for m in messages %} {{ m.content }}{% endfor %}"
+KEY = "s3cret"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +32,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
                    capture_output=True)
     server = start_server(
         tmp, "--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--ssl-ca-certs",
-        str(cert), "--ssl-cert-reqs", "1", "--root-path", "/llm",
+        str(cert), "--ssl-cert-reqs", "1", "--root-path", "/llm", "--api-key", KEY,
         "--disable-fastapi-docs", "--return-tokens-as-token-ids",
         "--enable-force-include-usage", "--enable-prompt-tokens-details",
         "--disable-log-requests", "--uvicorn-log-level", "warning",
@@ -43,7 +45,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0,
                          http_client=httpx.Client(verify=server.verify, timeout=120))
 
 
@@ -54,6 +56,22 @@ def test_https_and_no_docs(server: Server) -> None:
         assert httpx.get(server.url + page, verify=server.verify).status_code == 404
     with pytest.raises(httpx.ConnectError):  # the certificate is checked
         httpx.get(f"{server.url}/health")
+
+
+@pytest.mark.parametrize("prefix", ["", "/llm"])
+def test_the_root_path_keeps_the_key_and_routes_both_ways(server: Server, prefix: str) -> None:
+    """Behind a proxy that strips --root-path or one that passes it on, a route is
+    reached, and the API key is still asked for (it once was not, with a root path)."""
+    for path in ("/v1/models", "/reset_prefix_cache", "/tokenize"):
+        method = "GET" if path == "/v1/models" else "POST"
+        body = {"prompt": "hi"} if path == "/tokenize" else None
+        refused = httpx.request(method, server.url + prefix + path, json=body,
+                                verify=server.verify)
+        assert refused.status_code == 401, (path, refused.text)
+        allowed = httpx.request(method, server.url + prefix + path, json=body,
+                                verify=server.verify, headers=AUTH)
+        assert allowed.status_code == 200, (path, allowed.text)
+    assert httpx.get(f"{server.url}{prefix}/health", verify=server.verify).status_code == 200
 
 
 def test_logprob_tokens_are_ids_unless_the_request_says(client: openai.OpenAI) -> None:
@@ -100,15 +118,17 @@ def test_server_chat_template_kwargs_lie_under_the_requests(server: Server) -> N
     Messages API's token count."""
     def rendered(**extra: object) -> tuple[str, int]:
         body = {"messages": [{"role": "user", "content": "hi"}], **extra}
-        encoded = httpx.post(f"{server.url}/tokenize", json=body, verify=server.verify).json()
+        encoded = httpx.post(f"{server.url}/tokenize", json=body, verify=server.verify,
+                             headers=AUTH).json()
         text = httpx.post(f"{server.url}/detokenize", json={"tokens": encoded["tokens"]},
-                          verify=server.verify).json()["prompt"]
+                          verify=server.verify, headers=AUTH).json()["prompt"]
         return str(text), int(encoded["count"])
 
     text, count = rendered()
     assert text == "Hello hi"
     assert rendered(chat_template_kwargs={"greeting": "Bye"})[0] == "Bye hi"
     counted = httpx.post(f"{server.url}/v1/messages/count_tokens", verify=server.verify,
+                         headers=AUTH,
                          json={"model": MODEL_NAME,
                                "messages": [{"role": "user", "content": "hi"}]}).json()
     assert counted["input_tokens"] == count

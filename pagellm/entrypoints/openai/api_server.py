@@ -83,7 +83,7 @@ class ServerSettings:
     model_names: list[str]
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    api_key: str | list[str] | None = None  # one key or several (vLLM's list)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     log_stats_interval: float | None = 5.0  # None: no stats log lines
     shutdown_timeout: float = 10
@@ -178,8 +178,10 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
 
     docs: dict[str, Any] = {} if not settings.disable_fastapi_docs else {
         "docs_url": None, "redoc_url": None, "openapi_url": None}
+    # The root path is the app's (as vLLM sets it), so a request reaches its route with
+    # or without the prefix: through a proxy that strips it or one that does not.
     app = FastAPI(title="PageLLM OpenAI-compatible API", lifespan=lifespan,
-                  default_response_class=JSONResponse, **docs)
+                  default_response_class=JSONResponse, root_path=settings.root_path, **docs)
     context = ServerContext(engine, list(settings.model_names),
                             ServerMetrics(engine, settings.model_names[0],
                                           settings.enable_log_requests),
@@ -190,8 +192,9 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     stored = ResponseStore()
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
-    if settings.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    keys = [settings.api_key] if isinstance(settings.api_key, str) else settings.api_key
+    if keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=keys)
     if settings.allowed_origins:
         # Outermost: a browser's preflight is answered before the key is asked for (it
         # carries none), and the other answers, a 401 too, carry the CORS headers.
@@ -371,7 +374,7 @@ def run_server(engine: AsyncLLMEngine, settings: ServerSettings, sock: socket.so
         timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout) + _SHUTDOWN_BACKSTOP_S,
         access_log=(settings.uvicorn_log_level or settings.log_level) in ("debug", "trace")
         and not settings.disable_uvicorn_access_log,
-        root_path=settings.root_path, ssl_keyfile=settings.ssl_keyfile,
+        ssl_keyfile=settings.ssl_keyfile,
         ssl_certfile=settings.ssl_certfile, ssl_ca_certs=settings.ssl_ca_certs,
         ssl_cert_reqs=settings.ssl_cert_reqs)
     with _signals_end_gracefully():

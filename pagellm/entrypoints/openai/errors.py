@@ -73,10 +73,19 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                     503: "overloaded_error"}
 
 
+def route_path(scope: Scope) -> str:
+    """The path the app routes a request by: without the prefix a proxy mounts the app
+    under (--root-path), which the request's path may carry (as the router reads it)."""
+    path, root = str(scope.get("path", "")), str(scope.get("root_path", ""))
+    if root and (path == root or path.startswith(root + "/")):
+        return path[len(root):]
+    return path
+
+
 def is_anthropic(scope: Scope) -> bool:
     """Whether a request's errors are written Anthropic's way: those of its Messages
     API, whose SDK reads that shape."""
-    return str(scope.get("path", "")).startswith("/v1/messages")
+    return route_path(scope).startswith("/v1/messages")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

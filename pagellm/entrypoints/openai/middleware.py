@@ -8,10 +8,11 @@ the endpoint (not even that its body was malformed).
 from __future__ import annotations
 
 import hmac
+from collections.abc import Sequence
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagellm.entrypoints.openai.errors import APIError, is_anthropic
+from pagellm.entrypoints.openai.errors import APIError, is_anthropic, route_path
 
 # How much of an oversized body is read and dropped before answering 413. Answering while
 # the client is still sending makes many clients report a broken pipe instead of the
@@ -112,25 +113,28 @@ _GUARDED_PREFIXES = ("/v1", "/reset_prefix_cache", "/kv_cache_events", "/tokeniz
 
 class APIKeyMiddleware:
     """401 for any /v1 request (and the other guarded paths) without `Authorization:
-    Bearer <api key>` or, as Anthropic's clients send it, `x-api-key: <api key>`.
+    Bearer <api key>` or, as Anthropic's clients send it, `x-api-key: <api key>`, for
+    one of the keys (several, as vLLM takes them, let keys be rotated).
 
     /health and /metrics stay open: load balancers and Prometheus probe them without
     credentials, and they reveal no request data.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_keys: Sequence[str]) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-        self.key = api_key.encode()
+        self.keys = [key.encode() for key in api_keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # A CORS preflight (OPTIONS) carries no credentials and reads nothing, as vLLM
         # lets it through.
-        if (scope["type"] == "http" and scope["path"].startswith(_GUARDED_PREFIXES)
+        if (scope["type"] == "http" and route_path(scope).startswith(_GUARDED_PREFIXES)
                 and scope.get("method") != "OPTIONS"):
             headers = dict(scope.get("headers", ()))
-            if not (hmac.compare_digest(headers.get(b"authorization", b""), self.expected)
-                    or hmac.compare_digest(headers.get(b"x-api-key", b""), self.key)):
+            bearer = headers.get(b"authorization", b"")
+            given = headers.get(b"x-api-key", b"")
+            # Every key is compared, so the time taken tells nothing about which matched.
+            if not any([hmac.compare_digest(bearer, b"Bearer " + key)
+                        | hmac.compare_digest(given, key) for key in self.keys]):
                 error = APIError(401, "Incorrect API key provided.", code="invalid_api_key")
                 await error.response(anthropic=is_anthropic(scope))(scope, receive, send)
                 return
