@@ -61,6 +61,53 @@ def test_completion_stream_equals_non_stream(client: openai.OpenAI) -> None:
     assert chunks[-1].choices[0].finish_reason is not None
 
 
+def test_return_token_ids_gives_the_ids_beside_the_text(server: Server,
+                                                        client: openai.OpenAI) -> None:
+    """vLLM's return_token_ids, as RL rollouts read it: the prompt's ids (a stream's
+    first chunk) and each choice's generated ids (a stream's new ones), streamed and not,
+    in completions and chat; left out of answers that did not ask."""
+    prompt_ids = httpx.post(f"{server.url}/tokenize",
+                            json={"prompt": "Once upon a time"}).json()["tokens"]
+    kwargs: dict[str, Any] = dict(model=MODEL_NAME, prompt="Once upon a time", max_tokens=8,
+                                  temperature=1.0, seed=5, n=2,
+                                  extra_body={"return_token_ids": True})
+    whole = client.completions.create(**kwargs)
+    for choice in whole.choices:
+        extra = choice.model_extra or {}
+        assert extra["prompt_token_ids"] == prompt_ids and len(extra["token_ids"]) == 8
+        decoded = httpx.post(f"{server.url}/detokenize",
+                             json={"tokens": extra["token_ids"]}).json()["prompt"]
+        assert decoded == choice.text
+    streamed: dict[int, list[int]] = {}
+    prompts_sent: dict[int, list[int]] = {}
+    for chunk in client.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            extra = choice.model_extra or {}
+            streamed.setdefault(choice.index, []).extend(extra["token_ids"])
+            if "prompt_token_ids" in extra:
+                assert choice.index not in prompts_sent
+                prompts_sent[choice.index] = extra["prompt_token_ids"]
+    assert streamed == {c.index: (c.model_extra or {})["token_ids"] for c in whole.choices}
+    assert prompts_sent == {0: prompt_ids, 1: prompt_ids}
+
+    chat: dict[str, Any] = dict(model=MODEL_NAME, messages=[{"role": "user", "content": "Hi"}],
+                                max_tokens=6, temperature=0,
+                                extra_body={"return_token_ids": True})
+    answer = client.chat.completions.create(**chat)
+    ids = (answer.choices[0].model_extra or {})["token_ids"]
+    assert len(ids) == answer.usage.completion_tokens  # type: ignore[union-attr]
+    assert len((answer.model_extra or {})["prompt_token_ids"]) == \
+        answer.usage.prompt_tokens  # type: ignore[union-attr]
+    chunks = list(client.chat.completions.create(stream=True, **chat))
+    assert (chunks[0].model_extra or {})["prompt_token_ids"] == \
+        (answer.model_extra or {})["prompt_token_ids"]
+    assert [t for c in chunks for choice in c.choices
+            for t in (choice.model_extra or {})["token_ids"]] == ids
+    plain = client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2)
+    assert "token_ids" not in (plain.choices[0].model_extra or {})
+    server.wait_idle()
+
+
 def test_streamed_choices_come_one_a_chunk(client: openai.OpenAI) -> None:
     kwargs: dict[str, Any] = dict(model=MODEL_NAME, prompt=["Once upon a time", "Hello"],
                                   max_tokens=6, temperature=1.0, seed=3, n=2)

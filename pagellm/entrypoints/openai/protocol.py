@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, get_args
+from typing import Any, ClassVar, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -96,6 +96,8 @@ class SamplingFields(StrictModel):
     best_of: int | None = None
     truncate_prompt_tokens: int | None = None
     return_tokens_as_token_ids: bool | None = None  # None: the server's default
+    # vLLM's: the prompt's and each choice's token ids beside the text (RL rollouts).
+    return_token_ids: bool | None = None
     modalities: list[str] | None = None
     prompt_logprobs: int | None = None
     use_beam_search: bool = False  # vLLM's: n beams, the best n returned
@@ -186,13 +188,31 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class OmitsAbsent(BaseModel):
+    """Leaves out the fields in `absent_if_null` when they are null: extras only some
+    requests ask for, which the others' clients never see (some schemas reject null)."""
+
+    absent_if_null: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _without_absent(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items()
+                if value is not None or key not in self.absent_if_null}
+
+
+class CompletionChoice(OmitsAbsent):
+    absent_if_null = ("prompt_token_ids", "token_ids")
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
+    # With return_token_ids (vLLM's): the prompt's ids (a stream's first chunk of the
+    # choice) and the choice's generated ids (a stream's new ones).
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -229,7 +249,9 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-class ChatResponseMessage(BaseModel):
+class ChatResponseMessage(OmitsAbsent):
+    absent_if_null = ("tool_calls", "reasoning", "reasoning_content")
+
     role: str = "assistant"
     content: str | None = None
     # Left out unless the answer calls tools, as OpenAI's answers leave it out: a client
@@ -240,13 +262,6 @@ class ChatResponseMessage(BaseModel):
     # left out when there is none).
     reasoning: str | None = None
     reasoning_content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _without_absent_fields(self, handler: SerializerFunctionWrapHandler
-                               ) -> dict[str, Any]:
-        return {key: value for key, value in handler(self).items()
-                if value is not None or key not in ("tool_calls", "reasoning",
-                                                    "reasoning_content")}
 
 
 class WithoutNulls(BaseModel):
@@ -273,15 +288,20 @@ class DeltaToolCall(WithoutNulls):
     function: DeltaFunctionCall
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(OmitsAbsent):
+    absent_if_null = ("token_ids",)
+
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids (vLLM's)
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(OmitsAbsent):
+    absent_if_null = ("prompt_token_ids",)
+
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -289,6 +309,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
     prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids (vLLM's)
 
 
 class ChatDelta(WithoutNulls):
@@ -301,21 +322,27 @@ class ChatDelta(WithoutNulls):
     tool_calls: list[DeltaToolCall] | None = None
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(OmitsAbsent):
+    absent_if_null = ("token_ids",)
+
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # the new ones, with return_token_ids (vLLM's)
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(OmitsAbsent):
+    absent_if_null = ("prompt_token_ids",)
+
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # the first chunk's, with return_token_ids
 
 
 class ModelPermission(BaseModel):

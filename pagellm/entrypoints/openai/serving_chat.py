@@ -216,12 +216,14 @@ def _response(context: ServerContext, body: ChatCompletionRequest, run: ChatRun,
             logprobs=(chat_logprobs(c.logprobs, token_text)
                       if body.logprobs and c.logprobs is not None else None),
             finish_reason=_finish_reason(c.finish_reason, calls, reader),
-            stop_reason=c.stop_reason))
+            stop_reason=c.stop_reason,
+            token_ids=c.token_ids if body.return_token_ids else None))
     return ChatCompletionResponse(
         id=run.request_id, model=context.model_name, choices=choices, usage=usage([output]),
         prompt_logprobs=(prompt_logprobs_json(output.prompt_logprobs, token_text,
                                               body.prompt_logprobs or 0)
-                         if output.prompt_logprobs is not None else None))
+                         if output.prompt_logprobs is not None else None),
+        prompt_token_ids=output.prompt_token_ids if body.return_token_ids else None)
 
 
 def _finish_reason(reason: str | None, calls: list[ToolCall] | None,
@@ -267,15 +269,18 @@ async def _stream(context: ServerContext, body: ChatCompletionRequest, run: Chat
     created = int(time.time())
     request_id, reader, thinking = run.request_id, run.reader, run.thinking
 
-    def chunk(choices: list[ChatChunkChoice], so_far: UsageInfo | None) -> str:
+    def chunk(choices: list[ChatChunkChoice], so_far: UsageInfo | None,
+              prompt_token_ids: list[int] | None = None) -> str:
         """A chunk, with the usage so far where continuous usage is asked for."""
         return sse(ChatCompletionChunk(
             id=request_id, created=created, model=context.model_name, choices=choices,
-            usage=so_far).model_dump(mode="json", exclude=None if so_far else {"usage"}))
+            usage=so_far, prompt_token_ids=prompt_token_ids,
+        ).model_dump(mode="json", exclude=None if so_far else {"usage"}))
 
     sent_text: dict[int, int] = {}
     sent_reasoning: dict[int, int] = {}
     sent_logprobs: dict[int, int] = {}
+    sent_tokens: dict[int, int] = {}
     named = reader.function if isinstance(reader, ToolCallFormat) else None
     done: set[int] = set()
     final: RequestOutput | None = None
@@ -287,11 +292,15 @@ async def _stream(context: ServerContext, body: ChatCompletionRequest, run: Chat
                 # The role opens each choice once the prompt is computed, as vLLM sends
                 # it: a client timing its first chunk measures the prefill (one choice a
                 # chunk, as OpenAI and vLLM send them, for clients that read choices[0]).
+                # With return_token_ids the first chunk carries the prompt's ids (vLLM's).
                 for index in range(body.n):
                     yield chunk([ChatChunkChoice(
-                        index=index, delta=ChatDelta(role="assistant", content=""))],
+                        index=index, delta=ChatDelta(role="assistant", content=""),
+                        token_ids=[] if body.return_token_ids else None)],
                         usage([replace(output, outputs=[])])
-                        if report.on_every_chunk else None)
+                        if report.on_every_chunk else None,
+                        output.prompt_token_ids
+                        if body.return_token_ids and index == 0 else None)
             choices: list[tuple[ChatChunkChoice, CompletionOutput]] = []
             for completion in output.outputs:
                 index = completion.index
@@ -331,17 +340,22 @@ async def _stream(context: ServerContext, body: ChatCompletionRequest, run: Chat
                     logprobs = chat_logprobs(
                         completion.logprobs[sent_logprobs.get(index, 0):], token_text)
                     sent_logprobs[index] = len(completion.logprobs)
+                ids = None
+                if body.return_token_ids:  # the tokens since the last chunk of the choice
+                    ids = completion.token_ids[sent_tokens.get(index, 0):]
+                    sent_tokens[index] = len(completion.token_ids)
                 if finished and delta.tool_calls:
                     # The calls, then the reason in a chunk of its own, as OpenAI sends
                     # them: openai-node's stream helper marks a call done only when a
                     # later chunk finishes it.
                     choices.append((ChatChunkChoice(index=index, delta=delta,
-                                                    logprobs=logprobs), completion))
-                    delta, logprobs = ChatDelta(), None
+                                                    logprobs=logprobs, token_ids=ids),
+                                    completion))
+                    delta, logprobs, ids = ChatDelta(), None, [] if ids is not None else None
                 choices.append((ChatChunkChoice(
                     index=index, delta=delta, logprobs=logprobs,
                     finish_reason=_finish_reason(completion.finish_reason, calls, reader),
-                    stop_reason=completion.stop_reason), completion))
+                    stop_reason=completion.stop_reason, token_ids=ids), completion))
             if output.finished:
                 final = output
             for choice, completion in choices:

@@ -196,7 +196,9 @@ def _response(context: ServerContext, request_id: str, body: CompletionRequest,
                 text=echoed + completion.text,
                 logprobs=logprobs, finish_reason=completion.finish_reason,
                 stop_reason=completion.stop_reason,
-                prompt_logprobs=_prompt_scores(body, output, token_text)))
+                prompt_logprobs=_prompt_scores(body, output, token_text),
+                prompt_token_ids=output.prompt_token_ids if body.return_token_ids else None,
+                token_ids=completion.token_ids if body.return_token_ids else None))
     return CompletionResponse(id=request_id, model=context.model_name, choices=choices,
                               usage=usage(outputs))
 
@@ -210,6 +212,7 @@ async def _stream(context: ServerContext, request_id: str, body: CompletionReque
     token_text = context.token_text(body)
     sent_text: dict[int, int] = {}
     sent_logprobs: dict[int, int] = {}
+    sent_tokens: dict[int, int] = {}
     done: set[int] = set()
     finals: dict[int, RequestOutput] = {}
     created = int(time.time())
@@ -239,12 +242,18 @@ async def _stream(context: ServerContext, request_id: str, body: CompletionReque
                         completion_logprobs(new, token_text, len(completion.text)
                                             if completion.finish_reason is not None else None),
                         len(_echoed(body, output)))
+                ids = None
+                if body.return_token_ids:  # the tokens since the last chunk of the choice
+                    ids = completion.token_ids[sent_tokens.get(index, 0):]
+                    sent_tokens[index] = len(completion.token_ids)
                 choices.append((CompletionChoice(
                     index=index, text=delta, logprobs=logprobs,
                     finish_reason=completion.finish_reason,
                     stop_reason=completion.stop_reason,
-                    prompt_logprobs=_prompt_scores(body, output, token_text) if first else None),
-                    completion))
+                    prompt_logprobs=_prompt_scores(body, output, token_text) if first else None,
+                    prompt_token_ids=(output.prompt_token_ids
+                                      if body.return_token_ids and first else None),
+                    token_ids=ids), completion))
             if output.finished:
                 finals[prompt_index] = output
             for choice, completion in choices:
