@@ -38,6 +38,8 @@ def test_models_lists_the_served_name(client: openai.OpenAI) -> None:
 def test_health(server: Server) -> None:
     response = httpx.get(f"{server.url}/health")
     assert response.status_code == 200
+    for method in ("GET", "POST"):  # vLLM's /ping, which SageMaker probes
+        assert httpx.request(method, f"{server.url}/ping").json() == {"status": "ok"}
     assert f"serving {MODEL_NAME} on {server.url}" in server.log_text
 
 
@@ -919,6 +921,15 @@ def test_prompt_logprobs_field(client: openai.OpenAI) -> None:
         extra_body={"prompt_logprobs": 0})
     chat_scores = chat.model_extra["prompt_logprobs"]
     assert chat.usage is not None and len(chat_scores) == chat.usage.prompt_tokens
+    # return_tokens_as_token_ids names the logprobs' tokens, not decoded_token (vLLM's).
+    as_ids = client.completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=1, temperature=0, logprobs=1, echo=True,
+        extra_body={"prompt_logprobs": 0, "return_tokens_as_token_ids": True}).choices[0]
+    assert as_ids.logprobs is not None and as_ids.logprobs.tokens is not None
+    assert as_ids.logprobs.tokens[1] == f"token_id:{prompt[1]}"
+    entry = as_ids.model_extra["prompt_logprobs"][1][str(prompt[1])]
+    assert entry["decoded_token"] == scores[1][str(prompt[1])]["decoded_token"] == \
+        echo.tokens[1]  # type: ignore[index]
 
 
 def test_echo_logprobs_and_prompt_logprobs_each_show_their_own_count(client: openai.OpenAI

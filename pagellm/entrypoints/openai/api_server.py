@@ -277,7 +277,9 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     async def version() -> Response:
         return JSONResponse({"version": importlib.metadata.version("pagellm")})
 
-    @app.get("/health")
+    # /ping is vLLM's second name for it (SageMaker probes GET and POST /ping).
+    @app.api_route("/health", methods=["GET"])
+    @app.api_route("/ping", methods=["GET", "POST"])
     async def health() -> Response:
         if not engine.is_running:
             raise APIError(503, "The engine is not running.")

@@ -83,6 +83,11 @@ class TokenText:
             self._text[token_id] = text
         return text
 
+    def decoded(self, token_id: int) -> str:
+        """The token's text even with `as_token_ids`: vLLM's `decoded_token` in
+        prompt_logprobs, which that option leaves alone."""
+        return str(self.tokenizer.decode([token_id])) if self._as_ids else self(token_id)
+
     def bytes(self, token_id: int) -> list[int]:
         """The token's own UTF-8 bytes (see the class docstring)."""
         raw = self._bytes.get(token_id)
@@ -172,10 +177,10 @@ def prompt_logprobs_json(scores: list[Logprob | None], token_text: TokenText, nu
             result.append(None)
             continue
         ranked = {str(entry.token_id): {"logprob": _finite(entry.logprob), "rank": entry.rank,
-                                        "decoded_token": token_text(entry.token_id)}}
+                                        "decoded_token": token_text.decoded(entry.token_id)}}
         for rank, (t, lp) in enumerate(entry.top_logprobs[:num_top], 1):
             ranked.setdefault(str(t), {"logprob": _finite(lp), "rank": rank,
-                                       "decoded_token": token_text(t)})
+                                       "decoded_token": token_text.decoded(t)})
         result.append(ranked)
     return result
 
