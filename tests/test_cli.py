@@ -166,6 +166,15 @@ def test_vllm_only_options_say_what_to_use_instead(capsys: pytest.CaptureFixture
                                       "--kv-cache-dtype", "auto", "--max-logprobs", "20",
                                       "--tokenizer-mode", "auto", "--load-format", "auto"])
     assert EngineArgs.from_cli_args(args) == EngineArgs()
+    # vLLM's token counts: 4K = 4096, 2k = 2000, and auto for the model's context.
+    counts = EngineArgs.from_cli_args(build_parser().parse_args(
+        ["serve", "--max-model-len", "4K", "--max-num-batched-tokens", "2k"]))
+    assert (counts.max_model_len, counts.max_num_batched_tokens) == (4096, 2000)
+    assert EngineArgs.from_cli_args(build_parser().parse_args(
+        ["serve", "--max-model-len", "auto"])).max_model_len is None
+    with pytest.raises(SystemExit):
+        main(["serve", "--max-model-len", "1.5K"])
+    assert "not a number of tokens: '1.5K'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["serve", "--kv-cache-dtype=fp8"])
     assert ("argument --kv-cache-dtype: only auto is taken (vLLM's option; the KV cache is "

@@ -46,6 +46,24 @@ def byte_size(text: str) -> int:
     return value
 
 
+_TOKEN_COUNT = re.compile(r"(\d+(?:\.\d+)?)([kKmM]?)")
+_TOKEN_UNITS = {"": 1, "k": 10**3, "m": 10**6, "K": 2**10, "M": 2**20}
+
+
+def token_count(text: str) -> int:
+    """Tokens as vLLM's command line writes them: 4096, 4k (4,000), 4K (4,096), 1.5k."""
+    match = _TOKEN_COUNT.fullmatch(text.strip())
+    if not match or ("." in match.group(1) and not match.group(2).islower()):
+        raise argparse.ArgumentTypeError(f"not a number of tokens: {text!r} (examples: "
+                                         "4096, 4k = 4000, 4K = 4096, 1.5k)")
+    return int(float(match.group(1)) * _TOKEN_UNITS[match.group(2)])
+
+
+def context_length(text: str) -> int | None:
+    """--max-model-len: a number of tokens, or vLLM's "auto" / -1 for the default."""
+    return None if text.strip() in ("auto", "-1") else token_count(text)
+
+
 def unrecognized(tokens: list[str]) -> str:
     """The error for arguments no option takes; a vLLM option among them says what to do
     instead, in the command line's spelling."""
@@ -105,11 +123,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-memory-fraction", type=float,
                        default=_DEFAULTS["kv_cache_memory_fraction"], metavar="F",
                        help="KV pool as a fraction of free memory, in (0, 0.95]")
-    group.add_argument("--max-model-len", type=int, default=_DEFAULTS["max_model_len"],
-                       metavar="N",
-                       help="context length limit, prompt plus completion (default: the "
-                            "model's)")
-    group.add_argument("--max-num-batched-tokens", type=int,
+    group.add_argument("--max-model-len", type=context_length,
+                       default=_DEFAULTS["max_model_len"], metavar="N",
+                       help="context length limit, prompt plus completion, e.g. 4096 or 4K "
+                            "(default, or auto: the model's)")
+    group.add_argument("--max-num-batched-tokens", type=token_count,
                        default=_DEFAULTS["max_num_batched_tokens"], metavar="N",
                        help="token budget of one engine step (default: %(default)s)")
     group.add_argument("--max-num-seqs", type=int, default=_DEFAULTS["max_num_seqs"], metavar="N",
