@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from pagellm.engine.config import EngineConfig
-from pagellm.entrypoints.cli import build_parser, main
+from pagellm.entrypoints.cli import _option_strings, build_parser, main
+from pagellm.entrypoints.config_file import with_config_file
 from pagellm.entrypoints.engine_args import NOT_ON_CLI, EngineArgs, byte_size
 from pagellm.entrypoints.serve import served_model_names, server_settings, take_model_tag
 
@@ -407,6 +408,33 @@ def test_chat_template_option(tmp_path: Path) -> None:
     assert missing.returncode == 2 and "none.jinja" in missing.stderr
     broken = run_cli("generate", "--chat", "--chat-template", "{% if %}", "x", *SMALL_ENGINE)
     assert broken.returncode == 1 and "--chat-template" in broken.stderr, broken.stderr
+
+
+def test_options_from_a_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                    ) -> None:
+    """vLLM's --config FILE.yaml: its options, under the command line's; a list after a
+    model given first does not take the model; false is the --no- form where there is
+    one."""
+    config = tmp_path / "serve.yaml"
+    config.write_text("port: 9001\nmax_model_len: 4K\nenable-prefix-caching: false\n"
+                      "api-key: [k1, k2]\ndisable-log-stats: false\n"
+                      "override-generation-config: {temperature: 0.5}\n")
+    parser = build_parser()
+    argv = with_config_file(["serve", "model.gguf", "--config", str(config), "--port", "9002"],
+                            _option_strings(parser))
+    args = parser.parse_args(argv)
+    assert (args.model_tag, args.port, args.api_key) == ("model.gguf", 9002, ["k1", "k2"])
+    engine = EngineArgs.from_cli_args(args)
+    assert (engine.max_model_len, engine.enable_prefix_caching) == (4096, False)
+    assert engine.override_generation_config == {"temperature": 0.5}
+    for bad, message in ((tmp_path / "missing.yaml", "cannot read"),
+                         (tmp_path / "list.yaml", "must hold a mapping"),
+                         (tmp_path / "serve.json", "must be a .yaml or .yml file")):
+        if bad.name == "list.yaml":
+            bad.write_text("- port\n")
+        with pytest.raises(SystemExit):
+            main(["serve", f"--config={bad}"])
+        assert message in capsys.readouterr().err
 
 
 def test_server_options_reach_the_server_settings(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,9 +23,18 @@ from pagellm.engine.chat_template import load_chat_template, use_chat_template
 from pagellm.engine.config import EngineConfig
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.entrypoints import chat, generate, run_batch, serve
+from pagellm.entrypoints.config_file import with_config_file
 from pagellm.entrypoints.engine_args import EngineArgs, unrecognized
 from pagellm.entrypoints.sampling_args import sampling_params_from_args
 from pagellm.logger import LOG_FORMAT
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    """Every option string of every command (argparse keeps them in a private map)."""
+    commands = [action.choices for action in parser._actions
+                if isinstance(action, argparse._SubParsersAction)]
+    return {flag for choices in commands for command in choices.values()
+            for flag in command._option_string_actions}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
         command_parser.set_defaults(command_parser=command_parser)
         # No prefixes of flags: vLLM's --tokenizer must not be read as --tokenizer-mode.
         command_parser.allow_abbrev = False
+        # Read before parsing (see config_file.py); here for --help.
+        command_parser.add_argument("--config", metavar="FILE.yaml",
+                                    help="options from a YAML file (vLLM's), under those "
+                                         "given on the command line")
     return parser
 
 
@@ -96,6 +109,11 @@ def _start(args: argparse.Namespace, config: EngineConfig, chat_template: str | 
 def main(argv: Sequence[str] | None = None) -> int:
     launch_time = time.perf_counter()
     parser = build_parser()
+    try:  # vLLM's --config FILE.yaml: options kept in a file
+        argv = with_config_file(list(sys.argv[1:] if argv is None else argv),
+                                _option_strings(parser))
+    except ValueError as error:
+        parser.error(str(error))
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # reported with the subcommand's usage, as its bad values are
         args.command_parser.error(unrecognized(unknown))

@@ -1,0 +1,75 @@
+"""vLLM's `--config FILE.yaml`: a command's options kept in a YAML file, so a deployment
+written for `vllm serve --config` runs here too.
+
+Each key is an option's name (`max-model-len` or `max_model_len`); a value becomes the
+option's argument, a list its arguments, a nested mapping its JSON text, and a boolean
+the flag (true) or its `--no-` form where the command has one (false, else nothing).
+The file's options go right after the command (and its model, if given first), so
+options on the command line win over the file's, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Container
+from typing import Any
+
+import yaml
+
+
+def with_config_file(argv: list[str], flags: Container[str]) -> list[str]:
+    """`argv` with its `--config FILE` (or `--config=FILE`) replaced by the file's
+    options; `flags` are the command's option strings (for booleans' `--no-` forms).
+    Raises ValueError for a second --config, a missing path or a file that is not a
+    YAML mapping."""
+    positions = [i for i, arg in enumerate(argv)
+                 if arg == "--config" or arg.startswith("--config=")]
+    if not positions:
+        return argv
+    if len(positions) > 1:
+        raise ValueError("--config is given more than once")
+    index = positions[0]
+    if argv[index] == "--config":
+        if index + 1 == len(argv):
+            raise ValueError("--config needs a YAML file")
+        path, rest = argv[index + 1], argv[:index] + argv[index + 2:]
+    else:
+        path, rest = argv[index].split("=", 1)[1], argv[:index] + argv[index + 1:]
+    options = _options(path, flags)
+    # After the command, and after a model given right after it: a list-valued option
+    # of the file must not take the model as one of its values.
+    at = 2 if len(rest) > 1 and not rest[1].startswith("-") else 1
+    return rest[:at] + options + rest[at:]
+
+
+def _options(path: str, flags: Container[str]) -> list[str]:
+    if not path.endswith((".yaml", ".yml")):
+        raise ValueError(f"--config must be a .yaml or .yml file, got {path!r}")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            config = yaml.safe_load(handle)
+    except OSError as error:
+        raise ValueError(f"--config: cannot read {path}: {error.strerror}") from error
+    except yaml.YAMLError as error:
+        raise ValueError(f"--config: {path} is not YAML: {error}") from error
+    if config is None:
+        return []
+    if not isinstance(config, dict):
+        raise ValueError(f"--config: {path} must hold a mapping of options, got "
+                         f"{type(config).__name__}")
+    options: list[str] = []
+    for key, value in config.items():
+        flag = "--" + str(key).replace("_", "-")
+        options += _arguments(flag, value, flags)
+    return options
+
+
+def _arguments(flag: str, value: Any, flags: Container[str]) -> list[str]:
+    if isinstance(value, bool):
+        negative = "--no-" + flag[2:]
+        return [flag] if value else [negative] if negative in flags else []
+    if isinstance(value, list):
+        return [flag, *map(str, value)] if value else []
+    if isinstance(value, dict):
+        return [flag, json.dumps(value)]
+    return [flag, str(value)]
