@@ -82,6 +82,8 @@ def add_parser(subparsers: Any) -> None:
     group.add_argument("--enable-force-include-usage", action="store_true",
                        help="usage in every streamed answer, on each chunk too, whatever "
                             "the request's stream_options say")
+    group.add_argument("--enable-request-id-headers", action="store_true",
+                       help="every answer carries X-Request-Id: the client's, or a new one")
     group.add_argument("--uvicorn-log-level", default=None,
                        choices=("critical", "error", "warning", "info", "debug", "trace"),
                        help="uvicorn's log level (default: --log-level); at debug or trace "
@@ -264,6 +266,7 @@ def server_settings(args: argparse.Namespace, launch_time: float, address: str
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         enable_log_requests=args.enable_log_requests,
         enable_force_include_usage=args.enable_force_include_usage,
+        enable_request_id_headers=args.enable_request_id_headers,
         uvicorn_log_level=args.uvicorn_log_level,
         disable_uvicorn_access_log=args.disable_uvicorn_access_log,
         disable_fastapi_docs=args.disable_fastapi_docs, root_path=args.root_path,

@@ -36,6 +36,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         "--disable-fastapi-docs", "--return-tokens-as-token-ids",
         "--enable-force-include-usage", "--enable-prompt-tokens-details",
         "--disable-log-requests", "--uvicorn-log-level", "warning",
+        "--enable-request-id-headers",
         "--disable-uvicorn-access-log", "--chat-template", TEMPLATE,
         "--default-chat-template-kwargs", json.dumps({"greeting": "Hello"}), https_ca=cert)
     yield server
@@ -56,6 +57,16 @@ def test_https_and_no_docs(server: Server) -> None:
         assert httpx.get(server.url + page, verify=server.verify).status_code == 404
     with pytest.raises(httpx.ConnectError):  # the certificate is checked
         httpx.get(f"{server.url}/health")
+
+
+def test_every_answer_carries_a_request_id(server: Server) -> None:
+    """--enable-request-id-headers: the client's X-Request-Id back, else a new one, on
+    answers, errors and refusals alike."""
+    sent = httpx.get(f"{server.url}/health", verify=server.verify,
+                     headers={"X-Request-Id": "trace-42"})
+    assert sent.headers["x-request-id"] == "trace-42"
+    refused = httpx.get(f"{server.url}/v1/models", verify=server.verify)
+    assert refused.status_code == 401 and len(refused.headers["x-request-id"]) == 32
 
 
 @pytest.mark.parametrize("prefix", ["", "/llm"])

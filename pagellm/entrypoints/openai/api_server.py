@@ -30,7 +30,11 @@ from pagellm.entrypoints.openai.messages_protocol import (
     MessagesRequest,
 )
 from pagellm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
-from pagellm.entrypoints.openai.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from pagellm.entrypoints.openai.middleware import (
+    APIKeyMiddleware,
+    BodySizeLimitMiddleware,
+    RequestIdMiddleware,
+)
 from pagellm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -106,6 +110,7 @@ class ServerSettings:
     # vLLM's HTTP options: uvicorn's log level (else log_level), its access log
     # (on at debug unless disabled), FastAPI's /docs pages, the path a proxy mounts the
     # app under, and HTTPS.
+    enable_request_id_headers: bool = False  # X-Request-Id on every answer (vLLM's)
     uvicorn_log_level: str | None = None
     disable_uvicorn_access_log: bool = False
     disable_fastapi_docs: bool = False
@@ -202,6 +207,8 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
                            allow_credentials=settings.allow_credentials,
                            allow_methods=settings.allowed_methods,
                            allow_headers=settings.allowed_headers)
+    if settings.enable_request_id_headers:  # outermost: every answer carries it
+        app.add_middleware(RequestIdMiddleware)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -8,6 +8,7 @@ the endpoint (not even that its body was malformed).
 from __future__ import annotations
 
 import hmac
+import uuid
 from collections.abc import Sequence
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -139,3 +140,28 @@ class APIKeyMiddleware:
                 await error.response(anthropic=is_anthropic(scope))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class RequestIdMiddleware:
+    """vLLM's --enable-request-id-headers: every answer carries `X-Request-Id`, the one
+    the client sent or a new one, so that a request can be followed from a proxy's or a
+    client's log to the server's."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = dict(scope.get("headers", ())).get(b"x-request-id") \
+            or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()),
+                                                  (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
