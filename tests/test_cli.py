@@ -486,8 +486,19 @@ def test_server_options_reach_the_server_settings(monkeypatch: pytest.MonkeyPatc
     not_pem = Path(__file__)  # a readable file that is no certificate: refused at once
     with pytest.raises(ValueError, match=f"cannot serve HTTPS with --ssl-certfile {not_pem}"):
         ServerSettings(model_names=["m"], ssl_certfile=str(not_pem))
-    with pytest.raises(ValueError, match="default_chat_template_kwargs .* cannot set tools"):
-        ServerSettings(model_names=["m"], default_chat_template_kwargs={"tools": []})
+    for reserved in ("tools", "messages"):  # what the renderer passes the template itself
+        with pytest.raises(ValueError, match=f"default_chat_template_kwargs .* cannot set "
+                                             f"{reserved}"):
+            ServerSettings(model_names=["m"], default_chat_template_kwargs={reserved: []})
+    with pytest.raises(ValueError, match="HTTPS needs a certificate"):
+        ServerSettings(model_names=["m"], ssl_cert_reqs=2)  # else plain HTTP, no checks
+    with pytest.raises(ValueError, match="need ssl_ca_certs"):
+        ServerSettings(model_names=["m"], ssl_certfile="c.pem", ssl_cert_reqs=1)
+    with pytest.raises(ValueError, match="--api-key is given, but empty"):
+        server_settings(parser.parse_args(["serve", "--api-key", ""]), 0.0, "x")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--default-chat-template-kwargs",
+                           '{"a":' + "[" * 30000 + "]" * 30000 + "}"])
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--ssl-certfile", "/nonexistent/cert.pem"])
 

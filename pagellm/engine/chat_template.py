@@ -26,9 +26,11 @@ TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text",
 # tools render an assistant's tool calls and a tool result's call id.
 _PASSED_FIELDS: dict[str, type] = {"name": str, "tool_calls": list, "tool_call_id": str}
 _KIND_NAMES: dict[type, str] = {str: "a string", list: "a list of objects"}
-# Arguments of apply_chat_template that the renderer sets itself.
-_RESERVED_KWARGS = frozenset({"conversation", "tokenize", "add_generation_prompt",
-                              "continue_final_message", "tools", "chat_template",
+# Arguments of apply_chat_template that the renderer sets itself, and the names the
+# template is rendered with besides them (messages; self, Jinja's render's own).
+_RESERVED_KWARGS = frozenset({"conversation", "messages", "self", "tokenize",
+                              "add_generation_prompt", "continue_final_message", "tools",
+                              "chat_template",
                               "return_dict", "return_tensors", "padding", "truncation",
                               "max_length", "tokenizer_kwargs", "documents"})
 

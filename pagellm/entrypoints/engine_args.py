@@ -90,6 +90,8 @@ def json_object(text: str) -> dict[str, Any]:
         value = json.loads(text)
     except json.JSONDecodeError as error:
         raise argparse.ArgumentTypeError(f"not JSON: {text!r} ({error})") from error
+    except RecursionError as error:
+        raise argparse.ArgumentTypeError("JSON nested too deeply") from error
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}")
     return value

@@ -171,12 +171,24 @@ def _json_strings(text: str) -> list[str]:
     """A JSON list of strings, as vLLM takes its CORS options."""
     try:
         value = json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         value = None
     if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
-        raise argparse.ArgumentTypeError(f'not a JSON list of strings: {text!r} (example: '
+        raise argparse.ArgumentTypeError(f'not a JSON list of strings: {text[:100]!r} (example: '
                                          '\'["https://app.example"]\')')
     return value
+
+
+def _api_keys(given: list[str] | None) -> list[str] | None:
+    """The keys to ask for, without empty ones; `--api-key ""` alone (an unset variable
+    in `--api-key "$KEY"`) is refused rather than leaving the server open."""
+    if given is None:
+        return None
+    keys = [key for key in given if key]
+    if not keys:
+        raise ValueError("--api-key is given, but empty: give a key, or leave the option "
+                         "out to serve without one")
+    return keys
 
 
 def _readable_file(text: str) -> str:
@@ -257,7 +269,7 @@ def server_settings(args: argparse.Namespace, launch_time: float, address: str
 
     return ServerSettings(
         **answer_settings(args), host=args.host, port=args.port,
-        api_key=[key for key in args.api_key or () if key] or None,
+        api_key=_api_keys(args.api_key),
         max_request_bytes=args.max_request_bytes,
         log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,

@@ -196,11 +196,30 @@ def test_api_key_guards_the_api(engine: AsyncLLMEngine) -> None:
     right = post_all(engine, [body], api_key="s3cret",
                      headers={"Authorization": "Bearer s3cret"})[0]
     assert right.status_code == 200, right.text
+    # The scheme's case does not matter (RFC 7235, as vLLM reads it); of a repeated
+    # header the first counts, as Starlette reads it.
+    for value in ("bearer s3cret", "BEARER s3cret"):
+        assert post_all(engine, [body], api_key="s3cret",
+                        headers={"Authorization": value})[0].status_code == 200, value
+    for pair, status in (([("Authorization", "Bearer s3cret"), ("Authorization", "Bearer x")],
+                          200),
+                         ([("Authorization", "Bearer x"), ("Authorization", "Bearer s3cret")],
+                          401)):
+        app = create_app(engine, ServerSettings(model_names=[MODEL_NAME], api_key="s3cret"))
+        answer = asyncio.run(_raw_post(app, "/v1/completions", body, pair))
+        assert answer.status_code == status, pair
     # Several keys (vLLM's list, for rotating them): any one of them is let in.
     for key, status in (("old", 200), ("new", 200), ("s3cret", 401)):
         answer = post_all(engine, [body], api_key=["old", "new"],
                           headers={"Authorization": f"Bearer {key}"})[0]
         assert answer.status_code == status, key
+
+
+async def _raw_post(app: Any, path: str, body: dict[str, Any],
+                    headers: list[tuple[str, str]]) -> httpx.Response:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://test", timeout=60) as client:
+        return await client.post(path, json=body, headers=httpx.Headers(headers))
 
 
 def test_anthropic_clients_may_send_the_key_as_x_api_key(engine: AsyncLLMEngine) -> None:

@@ -927,6 +927,7 @@ def test_prompt_logprobs_field(client: openai.OpenAI) -> None:
         extra_body={"prompt_logprobs": 0, "return_tokens_as_token_ids": True}).choices[0]
     assert as_ids.logprobs is not None and as_ids.logprobs.tokens is not None
     assert as_ids.logprobs.tokens[1] == f"token_id:{prompt[1]}"
+    assert as_ids.logprobs.text_offset == echo.text_offset  # into the text, as without ids
     entry = as_ids.model_extra["prompt_logprobs"][1][str(prompt[1])]
     assert entry["decoded_token"] == scores[1][str(prompt[1])]["decoded_token"] == \
         echo.tokens[1]  # type: ignore[index]

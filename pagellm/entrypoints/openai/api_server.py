@@ -138,10 +138,15 @@ class ServerSettings:
                              f"or None, got {self.reasoning_parser!r}")
         check_template_kwargs(self.default_chat_template_kwargs,
                               "default_chat_template_kwargs (--default-chat-template-kwargs)")
-        if (self.ssl_keyfile or self.ssl_ca_certs) and not self.ssl_certfile:
-            raise ValueError("HTTPS needs a certificate: ssl_keyfile / ssl_ca_certs "
-                             "(--ssl-keyfile / --ssl-ca-certs) were given without "
-                             "ssl_certfile (--ssl-certfile)")
+        asks_client = self.ssl_cert_reqs != ssl.CERT_NONE
+        if (self.ssl_keyfile or self.ssl_ca_certs or asks_client) and not self.ssl_certfile:
+            raise ValueError("HTTPS needs a certificate: ssl_keyfile / ssl_ca_certs / "
+                             "ssl_cert_reqs (--ssl-keyfile / --ssl-ca-certs / "
+                             "--ssl-cert-reqs) were given without ssl_certfile "
+                             "(--ssl-certfile)")
+        if asks_client and not self.ssl_ca_certs:
+            raise ValueError("ssl_cert_reqs (--ssl-cert-reqs) asks clients for certificates, "
+                             "which need ssl_ca_certs (--ssl-ca-certs) to be checked against")
         if self.ssl_certfile:
             self._check_tls()
 
@@ -183,10 +188,12 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
 
     docs: dict[str, Any] = {} if not settings.disable_fastapi_docs else {
         "docs_url": None, "redoc_url": None, "openapi_url": None}
-    # The root path is the app's (as vLLM sets it), so a request reaches its route with
-    # or without the prefix: through a proxy that strips it or one that does not.
     app = FastAPI(title="PageLLM OpenAI-compatible API", lifespan=lifespan,
-                  default_response_class=JSONResponse, root_path=settings.root_path, **docs)
+                  default_response_class=JSONResponse, **docs)
+    # The root path is the app's, set as vLLM sets it (FastAPI's argument for it is
+    # deprecated), so a request reaches its route with or without the prefix: through
+    # a proxy that strips it or one that does not.
+    app.root_path = settings.root_path
     context = ServerContext(engine, list(settings.model_names),
                             ServerMetrics(engine, settings.model_names[0],
                                           settings.enable_log_requests),
@@ -285,8 +292,9 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
         return JSONResponse({"version": importlib.metadata.version("pagellm")})
 
     # /ping is vLLM's second name for it (SageMaker probes GET and POST /ping).
-    @app.api_route("/health", methods=["GET"])
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.get("/health")
+    @app.get("/ping")
+    @app.post("/ping")
     async def health() -> Response:
         if not engine.is_running:
             raise APIError(503, "The engine is not running.")

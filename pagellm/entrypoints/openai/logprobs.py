@@ -142,7 +142,8 @@ def echoed_prompt_logprobs(prompt_token_ids: list[int], scores: list[Logprob | N
                            ) -> CompletionLogprobs:
     """The completions-API block of an echoed prompt (`echo` with `logprobs` = `num_top`):
     its first token has no logprob, as in OpenAI's and vLLM's answers. Offsets add up the
-    tokens' texts, capped at the echoed text's length."""
+    tokens' texts (their own, also where they are named `token_id:N`), capped at the
+    echoed text's length."""
     block = CompletionLogprobs()
     offset = 0
     for token_id, entry in zip(prompt_token_ids, scores, strict=True):
@@ -152,7 +153,7 @@ def echoed_prompt_logprobs(prompt_token_ids: list[int], scores: list[Logprob | N
         block.top_logprobs.append(None if entry is None
                                   else _top(entry, token, token_text, num_top))
         block.text_offset.append(min(offset, text_length))
-        offset += len(token)
+        offset += len(token_text.decoded(token_id))
     return block
 
 

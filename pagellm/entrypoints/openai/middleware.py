@@ -108,8 +108,8 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 # the chat template (which may hold an operator's private system prompt): /tokenizer_info,
 # and /tokenize with /detokenize, which render it and read it back. vLLM leaves the
 # last three open.
-_GUARDED_PREFIXES = ("/v1", "/reset_prefix_cache", "/kv_cache_events", "/tokenize",
-                     "/detokenize")
+_GUARDED_PREFIXES = ("/v1", "/reset_prefix_cache", "/kv_cache_events", "/tokenizer_info",
+                     "/tokenize", "/detokenize")
 
 
 class APIKeyMiddleware:
@@ -122,6 +122,8 @@ class APIKeyMiddleware:
     """
 
     def __init__(self, app: ASGIApp, api_keys: Sequence[str]) -> None:
+        if not api_keys or not all(api_keys):
+            raise ValueError("API keys must be non-empty strings")
         self.app = app
         self.keys = [key.encode() for key in api_keys]
 
@@ -130,12 +132,15 @@ class APIKeyMiddleware:
         # lets it through.
         if (scope["type"] == "http" and route_path(scope).startswith(_GUARDED_PREFIXES)
                 and scope.get("method") != "OPTIONS"):
-            headers = dict(scope.get("headers", ()))
-            bearer = headers.get(b"authorization", b"")
+            # The first of a repeated header counts, as Starlette's Headers.get reads it.
+            headers = dict(reversed(scope.get("headers", ())))
+            scheme, _, bearer = headers.get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer":  # the scheme's case does not matter (RFC 7235)
+                bearer = b""
             given = headers.get(b"x-api-key", b"")
             # Every key is compared, so the time taken tells nothing about which matched.
-            if not any([hmac.compare_digest(bearer, b"Bearer " + key)
-                        | hmac.compare_digest(given, key) for key in self.keys]):
+            if not any([hmac.compare_digest(bearer, key) | hmac.compare_digest(given, key)
+                        for key in self.keys]):
                 error = APIError(401, "Incorrect API key provided.", code="invalid_api_key")
                 await error.response(anthropic=is_anthropic(scope))(scope, receive, send)
                 return
