@@ -427,7 +427,23 @@ def test_options_from_a_config_file(tmp_path: Path, capsys: pytest.CaptureFixtur
     engine = EngineArgs.from_cli_args(args)
     assert (engine.max_model_len, engine.enable_prefix_caching) == (4096, False)
     assert engine.override_generation_config == {"temperature": 0.5}
+    # The file's options go right after other commands (their positionals are prompts),
+    # and a model named on the command line wins over the file's.
+    (tmp_path / "gen.yaml").write_text("max-tokens: 5\n")
+    generate_args = parser.parse_args(with_config_file(
+        ["generate", "p1", "p2", "--config", str(tmp_path / "gen.yaml")],
+        _option_strings(parser)))
+    assert (generate_args.prompt, generate_args.max_tokens) == (["p1", "p2"], 5)
+    (tmp_path / "model.yaml").write_text("model: file.gguf\nport: 9003\n")
+    chosen = parser.parse_args(with_config_file(
+        ["serve", "cli.gguf", "--config", str(tmp_path / "model.yaml")],
+        _option_strings(parser)))
+    assert (chosen.model_tag, chosen.model, chosen.port) == ("cli.gguf", None, 9003)
+    (tmp_path / "dated.yaml").write_text("override-generation-config: {d: 2024-01-01}\n")
+    (tmp_path / "empty.yaml").write_text("max-model-len:\n")
     for bad, message in ((tmp_path / "missing.yaml", "cannot read"),
+                         (tmp_path / "dated.yaml", "override-generation-config"),
+                         (tmp_path / "empty.yaml", "max-model-len has no value"),
                          (tmp_path / "list.yaml", "must hold a mapping"),
                          (tmp_path / "serve.json", "must be a .yaml or .yml file")):
         if bad.name == "list.yaml":
@@ -494,6 +510,9 @@ def test_server_options_reach_the_server_settings(monkeypatch: pytest.MonkeyPatc
         ServerSettings(model_names=["m"], ssl_cert_reqs=2)  # else plain HTTP, no checks
     with pytest.raises(ValueError, match="need ssl_ca_certs"):
         ServerSettings(model_names=["m"], ssl_certfile="c.pem", ssl_cert_reqs=1)
+    model_as_key = parser.parse_args(["serve", "--api-key", "secret", "my-model.gguf"])
+    with pytest.raises(ValueError, match="give the model first"):
+        server_settings(model_as_key, 0.0, "x")
     with pytest.raises(ValueError, match="--api-key is given, but empty"):
         server_settings(parser.parse_args(["serve", "--api-key", ""]), 0.0, "x")
     with pytest.raises(SystemExit):

@@ -7,6 +7,7 @@ deeper changes behaviour behind the caller's back.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
@@ -86,9 +87,10 @@ def refuse_lora(lora_request: object) -> None:
                          "the adapter into the weights and load those)")
 
 
-def vllm_only_hints(names: list[str]) -> list[str]:
-    """'name is vLLM's: what to do instead', for those of `names` in VLLM_ONLY_OPTIONS."""
-    return [f"{name} is vLLM's: {VLLM_ONLY_OPTIONS[name]}" for name in names
+def vllm_only_hints(names: list[str], spell: Callable[[str], str] = str) -> list[str]:
+    """'name is vLLM's: what to do instead', for those of `names` in VLLM_ONLY_OPTIONS,
+    each name written by `spell` (the command line's `--flag`, say)."""
+    return [f"{spell(name)} is vLLM's: {VLLM_ONLY_OPTIONS[name]}" for name in names
             if name in VLLM_ONLY_OPTIONS]
 
 

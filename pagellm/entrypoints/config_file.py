@@ -36,9 +36,14 @@ def with_config_file(argv: list[str], flags: Container[str]) -> list[str]:
     else:
         path, rest = argv[index].split("=", 1)[1], argv[:index] + argv[index + 1:]
     options = _options(path, flags)
-    # After the command, and after a model given right after it: a list-valued option
-    # of the file must not take the model as one of its values.
-    at = 2 if len(rest) > 1 and not rest[1].startswith("-") else 1
+    # After the command, and after the model `serve` is given right after it (as vLLM
+    # places them): a list-valued option of the file must not take the model as one of
+    # its values, and that model wins over the file's.
+    model_given = rest[0] == "serve" and len(rest) > 1 and not rest[1].startswith("-")
+    if model_given and "--model" in options:
+        at = options.index("--model")
+        options = options[:at] + options[at + 2:]
+    at = 2 if model_given else 1
     return rest[:at] + options + rest[at:]
 
 
@@ -50,8 +55,8 @@ def _options(path: str, flags: Container[str]) -> list[str]:
             config = yaml.safe_load(handle)
     except OSError as error:
         raise ValueError(f"--config: cannot read {path}: {error.strerror}") from error
-    except yaml.YAMLError as error:
-        raise ValueError(f"--config: {path} is not YAML: {error}") from error
+    except (yaml.YAMLError, RecursionError) as error:
+        raise ValueError(f"--config: {path} is not YAML that can be read: {error}") from error
     if config is None:
         return []
     if not isinstance(config, dict):
@@ -60,7 +65,14 @@ def _options(path: str, flags: Container[str]) -> list[str]:
     options: list[str] = []
     for key, value in config.items():
         flag = "--" + str(key).replace("_", "-")
-        options += _arguments(flag, value, flags)
+        if flag == "--config":
+            raise ValueError(f"--config: {path} names another config file")
+        if value is None:
+            raise ValueError(f"--config: {path}: {key} has no value")
+        try:
+            options += _arguments(flag, value, flags)
+        except (TypeError, ValueError) as error:  # a value JSON cannot hold (a date)
+            raise ValueError(f"--config: {path}: {key}: {error}") from error
     return options
 
 

@@ -23,6 +23,7 @@ from pagellm.engine.config import (
     VLLM_ONLY_OPTIONS,
     EngineConfig,
     engine_config_kwargs,
+    vllm_only_hints,
 )
 
 # Every subcommand reads and writes text, so running without a tokenizer is not offered;
@@ -56,12 +57,15 @@ def token_count(text: str) -> int:
     if not match or ("." in match.group(1) and not match.group(2).islower()):
         raise argparse.ArgumentTypeError(f"not a number of tokens: {text!r} (examples: "
                                          "4096, 4k = 4000, 4K = 4096, 1.5k)")
-    return int(float(match.group(1)) * _TOKEN_UNITS[match.group(2)])
+    number, unit = match.groups()
+    if "." not in number:  # exact, however large
+        return int(number) * _TOKEN_UNITS[unit]
+    return int(float(number) * _TOKEN_UNITS[unit])
 
 
 def context_length(text: str) -> int | None:
     """--max-model-len: a number of tokens, or vLLM's "auto" / -1 for the default."""
-    return None if text.strip() in ("auto", "-1") else token_count(text)
+    return None if text.strip().lower() in ("auto", "-1") else token_count(text)
 
 
 def unrecognized(tokens: list[str]) -> str:
@@ -77,10 +81,10 @@ def unrecognized(tokens: list[str]) -> str:
     def flag(name: str) -> str:
         return "--" + name.replace("_", "-")
 
-    hints = [flag(name) + " is vLLM's: " + re.sub(
-        r"\b[a-z]+(?:_[a-z]+)+\b",
-        lambda m: flag(m.group()) if m.group() in known else m.group(),
-        VLLM_ONLY_OPTIONS[name]) for name in names if name in VLLM_ONLY_OPTIONS]
+    # Option names in a hint's text are spelled as flags too.
+    hints = [re.sub(r"\b[a-z]+(?:_[a-z]+)+\b",
+                    lambda m: flag(m.group()) if m.group() in known else m.group(), hint)
+             for hint in vllm_only_hints(names, spell=flag)]
     return "; ".join([f"unrecognized arguments: {' '.join(tokens)}", *hints])
 
 

@@ -17,7 +17,7 @@ from pagellm.entrypoints.engine_args import (
     byte_size,
     json_object,
 )
-from pagellm.model.resolve import served_model_name
+from pagellm.model.resolve import looks_like_model, served_model_name
 
 if TYPE_CHECKING:
     from pagellm.entrypoints.openai.api_server import ServerSettings
@@ -179,11 +179,16 @@ def _json_strings(text: str) -> list[str]:
     return value
 
 
-def _api_keys(given: list[str] | None) -> list[str] | None:
+def _api_keys(given: list[str] | None, model: str | None) -> list[str] | None:
     """The keys to ask for, without empty ones; `--api-key ""` alone (an unset variable
-    in `--api-key "$KEY"`) is refused rather than leaving the server open."""
+    in `--api-key "$KEY"`) is refused rather than leaving the server open, and so is a
+    model taken for a key (`--api-key KEY MODEL`: the keys run to the next option, as in
+    vLLM), which would serve the default model instead."""
     if given is None:
         return None
+    if model is None and len(given) > 1 and looks_like_model(given[-1]):
+        raise ValueError(f"--api-key takes every word after it as a key, {given[-1]!r} "
+                         "too: give the model first (pagellm serve MODEL --api-key KEY)")
     keys = [key for key in given if key]
     if not keys:
         raise ValueError("--api-key is given, but empty: give a key, or leave the option "
@@ -269,7 +274,7 @@ def server_settings(args: argparse.Namespace, launch_time: float, address: str
 
     return ServerSettings(
         **answer_settings(args), host=args.host, port=args.port,
-        api_key=_api_keys(args.api_key),
+        api_key=_api_keys(args.api_key, args.model),
         max_request_bytes=args.max_request_bytes,
         log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,

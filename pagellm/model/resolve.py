@@ -62,6 +62,12 @@ def is_hub_id(model: str) -> bool:
     return bool(_HUB_ID.match(model)) and not Path(model).exists()
 
 
+def looks_like_model(text: str) -> bool:
+    """Whether `text` names a model rather than, say, a secret: a path that exists, a
+    GGUF file name, or a hub id."""
+    return Path(text).exists() or text.lower().endswith(".gguf") or is_hub_id(text)
+
+
 def served_model_name(model: str | None) -> str:
     """The name a model is served and labelled under when none is given, as vLLM names
     it: a hub id is itself, a path its last part."""

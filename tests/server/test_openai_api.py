@@ -104,7 +104,8 @@ def test_return_token_ids_gives_the_ids_beside_the_text(server: Server,
     assert (chunks[0].model_extra or {})["prompt_token_ids"] == \
         (answer.model_extra or {})["prompt_token_ids"]
     assert [t for c in chunks for choice in c.choices
-            for t in (choice.model_extra or {})["token_ids"]] == ids
+            for t in (choice.model_extra or {}).get("token_ids", [])] == ids
+    assert "token_ids" not in (chunks[0].choices[0].model_extra or {})  # the role chunk
     plain = client.completions.create(model=MODEL_NAME, prompt="Hi", max_tokens=2)
     assert "token_ids" not in (plain.choices[0].model_extra or {})
     server.wait_idle()

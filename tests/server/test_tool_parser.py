@@ -210,16 +210,23 @@ def test_chat_reads_reasoning_with_the_reasoning_parser(engine: AsyncLLMEngine,
                                          timeout=60) as client:
                 body = {"messages": [{"role": "user", "content": "What is 2+2?"}],
                         "max_tokens": 16, "temperature": 0, "stream": stream,
-                        "include_reasoning": include}
+                        "include_reasoning": include, "logprobs": True,
+                        "return_token_ids": True}
                 reply = await client.post("/v1/chat/completions", json=body)
             if not stream:
-                message = reply.json()["choices"][0]["message"]
+                choice = reply.json()["choices"][0]
+                message = choice["message"]
                 assert message.get("reasoning") == message.get("reasoning_content")
+                # Hidden reasoning is not spelled out by token ids or logprobs (vLLM's).
+                assert ("token_ids" in choice) == (choice["logprobs"] is not None) == \
+                    (include or parser is None)
                 return message.get("reasoning") or "", message["content"] or ""
             thought, said = "", ""
             for line in reply.text.splitlines():
                 if line.startswith("data: {"):
                     for choice in json.loads(line[6:])["choices"]:
+                        assert include or parser is None or (
+                            "token_ids" not in choice and choice.get("logprobs") is None)
                         delta = choice["delta"]
                         assert delta.get("reasoning") == delta.get("reasoning_content")
                         thought += delta.get("reasoning") or ""

@@ -87,7 +87,7 @@ class ServerSettings:
     model_names: list[str]
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | list[str] | None = None  # one key or several (vLLM's list)
+    api_key: str | list[str] | None = None  # one key or several (vLLM's list), non-empty
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     log_stats_interval: float | None = 5.0  # None: no stats log lines
     shutdown_timeout: float = 10
@@ -107,10 +107,10 @@ class ServerSettings:
     return_tokens_as_token_ids: bool = False
     enable_force_include_usage: bool = False
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    enable_request_id_headers: bool = False  # X-Request-Id on every answer (vLLM's)
     # vLLM's HTTP options: uvicorn's log level (else log_level), its access log
     # (on at debug unless disabled), FastAPI's /docs pages, the path a proxy mounts the
     # app under, and HTTPS.
-    enable_request_id_headers: bool = False  # X-Request-Id on every answer (vLLM's)
     uvicorn_log_level: str | None = None
     disable_uvicorn_access_log: bool = False
     disable_fastapi_docs: bool = False
@@ -136,6 +136,10 @@ class ServerSettings:
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} "
                              f"or None, got {self.reasoning_parser!r}")
+        keys = [self.api_key] if isinstance(self.api_key, str) else self.api_key
+        if keys is not None and (not keys or not all(keys)):
+            raise ValueError("api_key must be a non-empty key or a list of them, or None to "
+                             "serve without one")
         check_template_kwargs(self.default_chat_template_kwargs,
                               "default_chat_template_kwargs (--default-chat-template-kwargs)")
         asks_client = self.ssl_cert_reqs != ssl.CERT_NONE
@@ -204,12 +208,13 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     stored = ResponseStore()
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
-    keys = [settings.api_key] if isinstance(settings.api_key, str) else settings.api_key
-    if keys:
-        app.add_middleware(APIKeyMiddleware, api_keys=keys)
+    if settings.api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_keys=[settings.api_key]
+                           if isinstance(settings.api_key, str) else settings.api_key)
     if settings.allowed_origins:
-        # Outermost: a browser's preflight is answered before the key is asked for (it
-        # carries none), and the other answers, a 401 too, carry the CORS headers.
+        # Outside the key guard: a browser's preflight is answered before the key is
+        # asked for (it carries none), and the other answers, a 401 too, carry the CORS
+        # headers.
         app.add_middleware(CORSMiddleware, allow_origins=settings.allowed_origins,
                            allow_credentials=settings.allow_credentials,
                            allow_methods=settings.allowed_methods,

@@ -73,6 +73,7 @@ class TokenText:
         self._as_ids = as_token_ids
         self._kinds: tuple[bool, bool] | None = None  # read on the first `bytes` call
         self._text: dict[int, str] = {}
+        self._decoded: dict[int, str] = {}
         self._bytes: dict[int, list[int]] = {}
 
     def __call__(self, token_id: int) -> str:
@@ -86,7 +87,12 @@ class TokenText:
     def decoded(self, token_id: int) -> str:
         """The token's text even with `as_token_ids`: vLLM's `decoded_token` in
         prompt_logprobs, which that option leaves alone."""
-        return str(self.tokenizer.decode([token_id])) if self._as_ids else self(token_id)
+        if not self._as_ids:
+            return self(token_id)
+        text = self._decoded.get(token_id)
+        if text is None:
+            text = self._decoded[token_id] = str(self.tokenizer.decode([token_id]))
+        return text
 
     def bytes(self, token_id: int) -> list[int]:
         """The token's own UTF-8 bytes (see the class docstring)."""

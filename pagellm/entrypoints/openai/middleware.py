@@ -88,6 +88,12 @@ def _content_length(scope: Scope) -> int | None:
     return None
 
 
+def _first_headers(scope: Scope) -> dict[bytes, bytes]:
+    """The request's headers by (lower-case) name; of a repeated one the first counts,
+    as Starlette's Headers.get reads it."""
+    return dict(reversed(list(scope.get("headers", ()))))
+
+
 def _replay(body: bytes, receive: Receive) -> Receive:
     """A `receive` that gives the buffered body once, then the client's later messages
     (a streaming response listens on them for the client's disconnect)."""
@@ -122,8 +128,6 @@ class APIKeyMiddleware:
     """
 
     def __init__(self, app: ASGIApp, api_keys: Sequence[str]) -> None:
-        if not api_keys or not all(api_keys):
-            raise ValueError("API keys must be non-empty strings")
         self.app = app
         self.keys = [key.encode() for key in api_keys]
 
@@ -132,8 +136,7 @@ class APIKeyMiddleware:
         # lets it through.
         if (scope["type"] == "http" and route_path(scope).startswith(_GUARDED_PREFIXES)
                 and scope.get("method") != "OPTIONS"):
-            # The first of a repeated header counts, as Starlette's Headers.get reads it.
-            headers = dict(reversed(scope.get("headers", ())))
+            headers = _first_headers(scope)
             scheme, _, bearer = headers.get(b"authorization", b"").partition(b" ")
             if scheme.lower() != b"bearer":  # the scheme's case does not matter (RFC 7235)
                 bearer = b""
@@ -148,9 +151,9 @@ class APIKeyMiddleware:
 
 
 class RequestIdMiddleware:
-    """vLLM's --enable-request-id-headers: every answer carries `X-Request-Id`, the one
-    the client sent or a new one, so that a request can be followed from a proxy's or a
-    client's log to the server's."""
+    """vLLM's --enable-request-id-headers: every answer of the app (an unexpected 500,
+    written outside it, aside) carries `X-Request-Id`, the one the client sent or a new
+    one, for a client or proxy to match answers to requests in its logs."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -159,8 +162,7 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = dict(scope.get("headers", ())).get(b"x-request-id") \
-            or uuid.uuid4().hex.encode()
+        request_id = _first_headers(scope).get(b"x-request-id") or uuid.uuid4().hex.encode()
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":

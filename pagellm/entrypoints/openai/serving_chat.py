@@ -196,10 +196,17 @@ async def create_chat_completion(context: ServerContext, body: ChatCompletionReq
     return JSONResponse(_response(context, body, run, outputs[0]).model_dump(mode="json"))
 
 
+def _shows_tokens(body: ChatCompletionRequest, run: ChatRun) -> bool:
+    """Whether an answer's logprobs and token ids may be shown: not when the reasoning
+    they would spell out is hidden (`include_reasoning: false`), as vLLM hides them."""
+    return run.thinking is None or body.include_reasoning
+
+
 def _response(context: ServerContext, body: ChatCompletionRequest, run: ChatRun,
               output: RequestOutput) -> ChatCompletionResponse:
     token_text = context.token_text(body)
     reader = run.reader
+    shows_tokens = _shows_tokens(body, run)
     choices = []
     for c in output.outputs:
         reasoning, text = run.thinking.split(c.text) if run.thinking else (None, c.text)
@@ -214,10 +221,10 @@ def _response(context: ServerContext, body: ChatCompletionRequest, run: ChatRun,
                 content=content, tool_calls=calls, reasoning=reasoning,
                 reasoning_content=reasoning),
             logprobs=(chat_logprobs(c.logprobs, token_text)
-                      if body.logprobs and c.logprobs is not None else None),
+                      if body.logprobs and c.logprobs is not None and shows_tokens else None),
             finish_reason=_finish_reason(c.finish_reason, calls, reader),
             stop_reason=c.stop_reason,
-            token_ids=c.token_ids if body.return_token_ids else None))
+            token_ids=c.token_ids if body.return_token_ids and shows_tokens else None))
     return ChatCompletionResponse(
         id=run.request_id, model=context.model_name, choices=choices, usage=usage([output]),
         prompt_logprobs=(prompt_logprobs_json(output.prompt_logprobs, token_text,
@@ -268,6 +275,7 @@ async def _stream(context: ServerContext, body: ChatCompletionRequest, run: Chat
     token_text = context.token_text(body)
     created = int(time.time())
     request_id, reader, thinking = run.request_id, run.reader, run.thinking
+    shows_tokens = _shows_tokens(body, run)
 
     def chunk(choices: list[ChatChunkChoice], so_far: UsageInfo | None,
               prompt_token_ids: list[int] | None = None) -> str:
@@ -292,15 +300,13 @@ async def _stream(context: ServerContext, body: ChatCompletionRequest, run: Chat
                 # The role opens each choice once the prompt is computed, as vLLM sends
                 # it: a client timing its first chunk measures the prefill (one choice a
                 # chunk, as OpenAI and vLLM send them, for clients that read choices[0]).
-                # With return_token_ids the first chunk carries the prompt's ids (vLLM's).
+                # With return_token_ids each role chunk carries the prompt's ids (vLLM's).
                 for index in range(body.n):
                     yield chunk([ChatChunkChoice(
-                        index=index, delta=ChatDelta(role="assistant", content=""),
-                        token_ids=[] if body.return_token_ids else None)],
+                        index=index, delta=ChatDelta(role="assistant", content=""))],
                         usage([replace(output, outputs=[])])
                         if report.on_every_chunk else None,
-                        output.prompt_token_ids
-                        if body.return_token_ids and index == 0 else None)
+                        output.prompt_token_ids if body.return_token_ids else None)
             choices: list[tuple[ChatChunkChoice, CompletionOutput]] = []
             for completion in output.outputs:
                 index = completion.index
@@ -336,12 +342,12 @@ async def _stream(context: ServerContext, body: ChatCompletionRequest, run: Chat
                 if finished:
                     done.add(index)
                 logprobs = None
-                if body.logprobs and completion.logprobs is not None:
+                if body.logprobs and completion.logprobs is not None and shows_tokens:
                     logprobs = chat_logprobs(
                         completion.logprobs[sent_logprobs.get(index, 0):], token_text)
                     sent_logprobs[index] = len(completion.logprobs)
                 ids = None
-                if body.return_token_ids:  # the tokens since the last chunk of the choice
+                if body.return_token_ids and shows_tokens:  # those since its last chunk
                     ids = completion.token_ids[sent_tokens.get(index, 0):]
                     sent_tokens[index] = len(completion.token_ids)
                 if finished and delta.tool_calls:
@@ -351,7 +357,7 @@ async def _stream(context: ServerContext, body: ChatCompletionRequest, run: Chat
                     choices.append((ChatChunkChoice(index=index, delta=delta,
                                                     logprobs=logprobs, token_ids=ids),
                                     completion))
-                    delta, logprobs, ids = ChatDelta(), None, [] if ids is not None else None
+                    delta, logprobs, ids = ChatDelta(), None, None
                 choices.append((ChatChunkChoice(
                     index=index, delta=delta, logprobs=logprobs,
                     finish_reason=_finish_reason(completion.finish_reason, calls, reader),
