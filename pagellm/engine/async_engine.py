@@ -445,7 +445,8 @@ class AsyncLLMEngine:
                     break
                 if self.engine.has_unfinished_requests():
                     self._step()
-                self._stats = self.engine.get_stats()
+                else:  # what the commands changed (an abort, a reset)
+                    self._stats = self.engine.get_stats()
                 if self.kv_events is not None:
                     self.kv_events.publish(self.engine.take_kv_cache_events())
         except BaseException as error:
@@ -484,7 +485,10 @@ class AsyncLLMEngine:
         except Exception as error:  # noqa: BLE001 - one bad step fails its requests, not us
             logger.exception("engine step failed; failing the requests in flight")
             self._fail_all(RequestFailedError(f"internal error: {error}"))
-            return
+            outputs = []
+        # Taken before the outputs are handed out: a client reading /metrics as soon as
+        # its answer came finds its request counted.
+        self._stats = self.engine.get_stats()
         for output in outputs:
             stream = (self._streams.pop(output.request_id, None) if output.finished
                       else self._streams.get(output.request_id))
