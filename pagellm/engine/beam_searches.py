@@ -93,7 +93,7 @@ class BeamSearches:
 
     def _end(self, run: _Run, reason: str | None) -> None:
         """Ends a search unfinished (aborted, or failed: `reason` "error") and records it
-        as one request of `beam_width` completions, each with the steps it ran."""
+        as one request of `beam_width` completions."""
         del self._runs[run.request_id]
         for step_id in run.pending:
             if self._steps.pop(step_id, None) is not None:  # not yet collected

@@ -140,7 +140,7 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     timings: dict[str, float]
-    # The ended requests' latencies and finish reasons (a copy, safe to read anywhere).
+    # The latency histograms and finish-reason counts (a copy, safe to read anywhere).
     latencies: RequestLatencies = field(default_factory=RequestLatencies)
 
 
@@ -217,7 +217,8 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self._core_to_group: dict[str, _Group] = {}
         self._beams = BeamSearches(self)
-        # Every request's latencies as it ends (searches as a whole, not their steps).
+        # Each request's token latencies as they come and its finish as it ends (a beam
+        # search as a whole, not its steps' requests).
         self.latencies = RequestLatencies()
         self._ids = itertools.count()
         self._prompt_tokens = 0

@@ -4,9 +4,9 @@
 The record types are vLLM's (`vllm.v1.metrics.reader`: Counter, Gauge, Histogram, each
 with a name and labels), so code that walks `llm.get_metrics()` in vLLM walks PageLLM's.
 Counters and gauges come from the engine's stats when the snapshot is taken; the latency
-histograms and finish-reason counts are recorded by the engine as it ends each request
-(finished, aborted or failed), from its own timestamps, so they count every request
-whoever asked for it and however it was read.
+histograms and finish-reason counts are recorded by the engine itself, each token as it
+is generated and each request as it ends (finished, aborted or failed), so they count
+every request whoever asked for it and however it was read.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ written for `vllm serve --config` runs here too.
 Each key is an option's name (`max-model-len` or `max_model_len`); a value becomes the
 option's argument, a list its arguments, a nested mapping its JSON text, and a boolean
 the flag (true) or its `--no-` form where the command has one (false, else nothing).
-The file's options go right after the command (and its model, if given first), so
-options on the command line win over the file's, as in vLLM.
+The file's options go right after the command (and after `serve`'s model, if given
+first), so options on the command line win over the file's, as in vLLM.
 """
 
 from __future__ import annotations
@@ -39,11 +39,11 @@ def with_config_file(argv: list[str], flags: Container[str]) -> list[str]:
     # After the command, and after the model `serve` is given right after it (as vLLM
     # places them): a list-valued option of the file must not take the model as one of
     # its values, and that model wins over the file's.
-    model_given = rest[0] == "serve" and len(rest) > 1 and not rest[1].startswith("-")
+    model_given = rest[:1] == ["serve"] and len(rest) > 1 and not rest[1].startswith("-")
     if model_given and "--model" in options:
         at = options.index("--model")
         options = options[:at] + options[at + 2:]
-    at = 2 if model_given else 1
+    at = 2 if model_given else min(1, len(rest))
     return rest[:at] + options + rest[at:]
 
 

@@ -22,6 +22,7 @@ from pagellm.model.resolve import looks_like_model, served_model_name
 if TYPE_CHECKING:
     from pagellm.entrypoints.openai.api_server import ServerSettings
 
+
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "serve", help="run the OpenAI-compatible HTTP server",
