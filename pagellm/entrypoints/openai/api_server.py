@@ -136,7 +136,7 @@ class ServerSettings:
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} "
                              f"or None, got {self.reasoning_parser!r}")
-        keys = [self.api_key] if isinstance(self.api_key, str) else self.api_key
+        keys = self.api_keys
         if keys is not None and (not keys or not all(keys)):
             raise ValueError("api_key must be a non-empty key or a list of them, or None to "
                              "serve without one")
@@ -153,6 +153,11 @@ class ServerSettings:
                              "which need ssl_ca_certs (--ssl-ca-certs) to be checked against")
         if self.ssl_certfile:
             self._check_tls()
+
+    @property
+    def api_keys(self) -> list[str] | None:
+        """The keys asked for, as a list (api_key may be one)."""
+        return [self.api_key] if isinstance(self.api_key, str) else self.api_key
 
     def _check_tls(self) -> None:
         """Loads the certificate, key and CAs as uvicorn will, so that a bad file fails
@@ -208,9 +213,8 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     stored = ResponseStore()
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
-    if settings.api_key is not None:
-        app.add_middleware(APIKeyMiddleware, api_keys=[settings.api_key]
-                           if isinstance(settings.api_key, str) else settings.api_key)
+    if settings.api_keys is not None:
+        app.add_middleware(APIKeyMiddleware, api_keys=settings.api_keys)
     if settings.allowed_origins:
         # Outside the key guard: a browser's preflight is answered before the key is
         # asked for (it carries none), and the other answers, a 401 too, carry the CORS
