@@ -20,7 +20,13 @@ from pagellm.engine.config import EngineConfig
 from pagellm.entrypoints.cli import _option_strings, build_parser, main
 from pagellm.entrypoints.config_file import with_config_file
 from pagellm.entrypoints.engine_args import NOT_ON_CLI, EngineArgs, byte_size
-from pagellm.entrypoints.serve import served_model_names, server_settings, take_model_tag
+from pagellm.entrypoints.serve import (
+    address_of,
+    bind,
+    served_model_names,
+    server_settings,
+    take_model_tag,
+)
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 SMALL_ENGINE = ["--kv-cache-memory-bytes", "32MiB", "--max-model-len", "512"]
@@ -140,6 +146,10 @@ def test_byte_size_rejects(text: str) -> None:
     ["run-batch", "-i", "/nonexistent/batch.jsonl", "-o", "/tmp/out.jsonl"],
     ["run-batch", "-i", "/dev/null", "-o", "/nonexistent/dir/out.jsonl"],
     ["run-batch", "-i", "/dev/null", "-o", "/tmp/o.jsonl", "--tool-call-parser", "mistral"],
+    ["serve", "--max-log-len", "-1"],
+    ["serve", "--disable-access-log-for-endpoints", "health,/metrics"],
+    ["serve", "--task", "embed"],
+    ["serve", "--runner", "pooling"],
 ])
 def test_bad_options_fail_before_loading_the_model(argv: list[str],
                                                    capsys: pytest.CaptureFixture[str]) -> None:
@@ -184,10 +194,42 @@ def test_vllm_only_options_say_what_to_use_instead(capsys: pytest.CaptureFixture
         main(["serve", "--no-enable-chunked-prefill"])
     assert ("--enable-chunked-prefill is vLLM's: prompts are always computed in chunks"
             in capsys.readouterr().err)
+    # vLLM's task and runner for a generative model; LoRA is refused with a hint.
+    args = build_parser().parse_args(["serve", "--task", "generate", "--runner", "generate",
+                                      "--convert", "none"])
+    assert EngineArgs.from_cli_args(args) == EngineArgs()
+    assert EngineArgs(task="auto", runner="auto") == EngineArgs()
+    with pytest.raises(TypeError, match="task is vLLM's: models are run to generate text"):
+        EngineArgs(task="embed")
+    with pytest.raises(SystemExit):
+        main(["serve", "--enable-lora"])
+    assert ("--enable-lora is vLLM's: no LoRA adapters are served; merge the adapter"
+            in capsys.readouterr().err)
     with pytest.raises(SystemExit):
         main(["serve", "--tensor-parallel-size=2"])
     assert ("argument --tensor-parallel-size: only 1 is taken (vLLM's option; one engine "
             "runs on one device), got '2'") in capsys.readouterr().err
+
+
+def test_serve_unix_socket_problems_fail_before_loading_the_model(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A socket path another server listens on, or a file that is no socket, is left
+    alone; a socket file left by a server that is gone is replaced."""
+    live, other = tmp_path / "live.sock", tmp_path / "notes.txt"
+    other.write_text("keep me")
+    with socket.socket(socket.AF_UNIX) as listening:
+        listening.bind(str(live))
+        listening.listen()
+        assert main(["serve", "--uds", str(live)]) == 1
+        assert f"cannot listen on {live}: another server is listening on it" in (
+            capsys.readouterr().err)
+    assert main(["serve", "--uds", str(other)]) == 1
+    assert f"cannot listen on {other}: it exists and is not a socket" in (
+        capsys.readouterr().err)
+    assert other.read_text() == "keep me"
+    stale = bind(build_parser().parse_args(["serve", "--uds", str(live)]))
+    with stale:
+        assert address_of(stale) == f"unix:{live}"
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "999.1.1.1"])
@@ -492,6 +534,14 @@ def test_server_options_reach_the_server_settings(monkeypatch: pytest.MonkeyPatc
     assert vllm_style.default_chat_template_kwargs == {"enable_thinking": False}
     assert (vllm_style.uvicorn_log_level, vllm_style.root_path) == ("warning", "/llm")
     assert vllm_style.disable_uvicorn_access_log and vllm_style.disable_fastapi_docs
+    logged = server_settings(parser.parse_args([
+        "serve", "--enable-log-outputs", "--max-log-len", "100", "--response-role", "bot",
+        "--disable-access-log-for-endpoints", "/health, /metrics",
+        "--enable-server-load-tracking", "--exclude-tools-when-tool-choice-none"]), 0.0, "x")
+    assert (logged.enable_log_outputs, logged.max_log_len) == (True, 100)
+    assert logged.disable_access_log_for_endpoints == ["/health", "/metrics"]
+    assert logged.response_role == "bot" and settings.response_role == "assistant"
+    assert logged.enable_server_load_tracking and logged.exclude_tools_when_tool_choice_none
     assert not settings.return_tokens_as_token_ids and settings.root_path == ""
     from pagellm.entrypoints.openai.api_server import ServerSettings
 

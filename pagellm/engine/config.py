@@ -26,6 +26,7 @@ DTYPE_ALIASES = {"float": "float32", "half": "float16"}
 _ONE_DEVICE = "one engine runs on one device"
 _LOCAL = ("nothing is downloaded: give a local directory or GGUF file, or a hub id "
           "already in the local Hugging Face cache")
+_GENERATE_ONLY = "models are run to generate text only (no pooling, embedding or scoring)"
 # vLLM options users bring along that PageLLM does not take, and what to do instead: an
 # unknown option is refused, never ignored, and these refusals say why.
 VLLM_ONLY_OPTIONS: dict[str, str] = {
@@ -49,6 +50,11 @@ VLLM_ONLY_OPTIONS: dict[str, str] = {
     "revision": _LOCAL,
     "download_dir": _LOCAL,
     "speculative_config": "speculative decoding is not implemented",
+    "task": _GENERATE_ONLY,
+    "runner": _GENERATE_ONLY,
+    "convert": _GENERATE_ONLY,
+    "enable_lora": "no LoRA adapters are served; merge the adapter into the weights and "
+                   "load those",
 }
 
 
@@ -61,6 +67,7 @@ VLLM_NEUTRAL_VALUES: dict[str, tuple[object, ...]] = {
     "disable_log_stats": (False, True),  # stats are always kept (LLM.get_metrics)
     "kv_cache_dtype": ("auto",), "tokenizer_mode": ("auto",), "load_format": ("auto",),
     "max_logprobs": (20,),
+    "task": ("auto", "generate"), "runner": ("auto", "generate"), "convert": ("auto", "none"),
 }
 
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import socket
+import stat
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +40,8 @@ def add_parser(subparsers: Any) -> None:
                        help="address to bind (default: %(default)s)")
     group.add_argument("--port", type=_port, default=8000, metavar="PORT",
                        help="port to bind (default: %(default)s)")
+    group.add_argument("--uds", default=None, metavar="PATH",
+                       help="listen on this Unix domain socket instead of --host and --port")
     add_answer_args(group)
     environment_key = os.environ.get("PAGELLM_API_KEY") or os.environ.get("VLLM_API_KEY")
     group.add_argument("--api-key", nargs="+", metavar="KEY",
@@ -78,6 +82,12 @@ def add_parser(subparsers: Any) -> None:
                        help="log each request as it arrives (prompt tokens, sampling) and "
                             "as it ends (prompt tokens from the prefix cache, tokens "
                             "generated, first-token and total time)")
+    group.add_argument("--enable-log-outputs", action="store_true",
+                       help="--enable-log-requests, and the log line of a request's end "
+                            "holds the text it generated")
+    group.add_argument("--max-log-len", type=_log_length, default=None, metavar="N",
+                       help="characters of generated text a log line holds at most "
+                            "(default: all)")
     # vLLM's older flag for what is now the default (no request log lines).
     group.add_argument("--disable-log-requests", action="store_true", help=argparse.SUPPRESS)
     group.add_argument("--enable-force-include-usage", action="store_true",
@@ -91,6 +101,13 @@ def add_parser(subparsers: Any) -> None:
                             "it logs every request line")
     group.add_argument("--disable-uvicorn-access-log", action="store_true",
                        help="no request lines, whatever the log level")
+    group.add_argument("--disable-access-log-for-endpoints", type=_paths, default=[],
+                       metavar="PATHS",
+                       help="no request lines for these comma-separated paths, e.g. "
+                            "/health,/metrics,/ping")
+    group.add_argument("--enable-server-load-tracking", action="store_true",
+                       help="serve GET /load: the generation requests in flight (vLLM's "
+                            "server_load, which load balancers poll)")
     group.add_argument("--disable-fastapi-docs", action="store_true",
                        help="no /docs, /redoc or /openapi.json pages")
     group.add_argument("--root-path", default="", metavar="PATH",
@@ -127,6 +144,12 @@ def add_answer_args(group: Any) -> None:
     group.add_argument("--reasoning-parser", default=None, metavar="NAME",
                        help="the model's reasoning syntax, read into chat's `reasoning`: "
                             "deepseek_r1 (<think> ... </think>: DeepSeek R1 and its distills)")
+    group.add_argument("--response-role", default="assistant", metavar="ROLE",
+                       help="the role of chat answers to a conversation ending with the "
+                            "generation prompt (default: %(default)s)")
+    group.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                       help='with tool_choice "none", the tools are left out of the prompt '
+                            "(by default the template still shows them)")
     group.add_argument("--return-tokens-as-token-ids", action="store_true",
                        help="logprobs name each token `token_id:N` (requests may say "
                             "otherwise with the field of that name)")
@@ -197,6 +220,25 @@ def _api_keys(given: list[str] | None, model: str | None) -> list[str] | None:
     return keys
 
 
+def _log_length(text: str) -> int:
+    try:
+        length = int(text)
+    except ValueError:
+        length = -1
+    if length < 0:
+        raise argparse.ArgumentTypeError(f"not a number of characters (>= 0): {text!r}")
+    return length
+
+
+def _paths(text: str) -> list[str]:
+    """vLLM's comma-separated list of URL paths, each starting with '/'."""
+    paths = [path.strip() for path in text.split(",") if path.strip()]
+    bad = [path for path in paths if not path.startswith("/")]
+    if bad:
+        raise argparse.ArgumentTypeError(f"paths must start with '/': {', '.join(bad)}")
+    return paths
+
+
 def _readable_file(text: str) -> str:
     """A file checked before the model loads, not after."""
     if not os.path.isfile(text) or not os.access(text, os.R_OK):
@@ -232,6 +274,8 @@ def bind(args: argparse.Namespace) -> socket.socket:
     """The server's socket, bound before the model loads (as vLLM does): a taken port or
     an address this machine does not have fails at once instead of after the load, and
     no other process can take the port meanwhile. Raises OSError naming the address."""
+    if args.uds is not None:
+        return _bind_unix(args.uds)
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
             args.host, args.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
@@ -247,7 +291,31 @@ def bind(args: argparse.Namespace) -> socket.socket:
     return sock
 
 
+def _bind_unix(path: str) -> socket.socket:
+    """A Unix domain socket at `path`. A socket file left by a server that is gone is
+    replaced; one a server still listens on, or a file of another kind, is not."""
+    if os.path.exists(path):
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            raise OSError(f"cannot listen on {path}: it exists and is not a socket")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(path)
+            except ConnectionRefusedError:
+                os.unlink(path)
+            else:
+                raise OSError(f"cannot listen on {path}: another server is listening on it")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+    except OSError as error:
+        sock.close()
+        raise OSError(f"cannot listen on {path}: {error}") from error
+    return sock
+
+
 def address_of(sock: socket.socket) -> str:
+    if sock.family == socket.AF_UNIX:
+        return f"unix:{sock.getsockname()}"
     host, port = sock.getsockname()[:2]
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -264,6 +332,8 @@ def answer_settings(args: argparse.Namespace) -> dict[str, Any]:
     return {"model_names": served_model_names(args),
             "tool_call_parser": args.tool_call_parser if args.enable_auto_tool_choice else None,
             "reasoning_parser": args.reasoning_parser,
+            "response_role": args.response_role,
+            "exclude_tools_when_tool_choice_none": args.exclude_tools_when_tool_choice_none,
             "return_tokens_as_token_ids": args.return_tokens_as_token_ids,
             "default_chat_template_kwargs": args.default_chat_template_kwargs}
 
@@ -283,10 +353,13 @@ def server_settings(args: argparse.Namespace, launch_time: float, address: str
         allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         enable_log_requests=args.enable_log_requests,
+        enable_log_outputs=args.enable_log_outputs, max_log_len=args.max_log_len,
+        enable_server_load_tracking=args.enable_server_load_tracking,
         enable_force_include_usage=args.enable_force_include_usage,
         enable_request_id_headers=args.enable_request_id_headers,
         uvicorn_log_level=args.uvicorn_log_level,
         disable_uvicorn_access_log=args.disable_uvicorn_access_log,
+        disable_access_log_for_endpoints=args.disable_access_log_for_endpoints,
         disable_fastapi_docs=args.disable_fastapi_docs, root_path=args.root_path,
         ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
         ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
@@ -296,5 +369,11 @@ def server_settings(args: argparse.Namespace, launch_time: float, address: str
 def run(engine: AsyncLLMEngine, settings: ServerSettings, sock: socket.socket) -> int:
     from pagellm.entrypoints.openai.api_server import run_server
 
-    run_server(engine, settings, sock)
+    unix_path = sock.getsockname() if sock.family == socket.AF_UNIX else None
+    try:
+        run_server(engine, settings, sock)
+    finally:
+        if unix_path is not None:  # uvicorn closes the socket but leaves its file
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(unix_path)
     return 0

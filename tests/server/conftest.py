@@ -48,6 +48,12 @@ class Server:
     log: Path
     # How the server's certificate is checked (its CA, for an HTTPS test server).
     verify: ssl.SSLContext | bool = True
+    uds: Path | None = None  # the Unix socket it listens on instead of a port (--uds)
+
+    def http(self, timeout: float = 10) -> httpx.Client:
+        """An HTTP client that reaches the server, however it listens."""
+        transport = None if self.uds is None else httpx.HTTPTransport(uds=str(self.uds))
+        return httpx.Client(verify=self.verify, transport=transport, timeout=timeout)
 
     @property
     def log_text(self) -> str:
@@ -56,7 +62,8 @@ class Server:
     def metrics(self) -> dict[str, float]:
         """The /metrics samples by name, without the model_name label every sample has;
         other labels stay in the key: 'pagellm_request_finished_total{finished_reason="stop"}'."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10, verify=self.verify).text
+        with self.http() as http:
+            text = http.get(f"{self.url}/metrics").text
         values: dict[str, float] = {}
         for line in text.splitlines():
             if line.startswith("#") or "_bucket" in line or not line.strip():
@@ -89,26 +96,30 @@ class Server:
 
 
 def start_server(tmp: Path, *extra: str, env: dict[str, str] | None = None,
-                 startup_timeout: float = 180.0, https_ca: Path | None = None) -> Server:
+                 startup_timeout: float = 180.0, https_ca: Path | None = None,
+                 uds: Path | None = None) -> Server:
     """A server with SERVER_ARGS and `extra`; `https_ca`: it serves HTTPS (give it
-    --ssl-keyfile and --ssl-certfile) with a certificate this CA file vouches for."""
+    --ssl-keyfile and --ssl-certfile) with a certificate this CA file vouches for;
+    `uds`: it listens on that Unix socket instead of a port."""
     port = free_port()
     log = tmp / f"server-{port}.log"
-    command = [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", "--port", str(port),
+    address = ["--port", str(port)] if uds is None else ["--uds", str(uds)]
+    command = [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", *address,
                *SERVER_ARGS, *extra]
     with log.open("wb") as sink:
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT,
                                    env={**os.environ, **(env or {})})
     server = Server(process, f"{'https' if https_ca else 'http'}://127.0.0.1:{port}", log,
-                    ssl.create_default_context(cafile=str(https_ca)) if https_ca else True)
+                    ssl.create_default_context(cafile=str(https_ca)) if https_ca else True,
+                    uds)
     deadline = time.monotonic() + startup_timeout
     while True:
         if process.poll() is not None:
             raise RuntimeError(f"server exited with {process.returncode}:\n{server.log_text}")
         try:
-            if httpx.get(f"{server.url}/health", timeout=2,
-                         verify=server.verify).status_code == 200:
-                return server
+            with server.http(timeout=2) as http:
+                if http.get(f"{server.url}/health").status_code == 200:
+                    return server
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:

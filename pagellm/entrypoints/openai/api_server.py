@@ -33,7 +33,9 @@ from pagellm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from pagellm.entrypoints.openai.middleware import (
     APIKeyMiddleware,
     BodySizeLimitMiddleware,
+    LoadTrackingMiddleware,
     RequestIdMiddleware,
+    ServerLoad,
 )
 from pagellm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -94,13 +96,22 @@ class ServerSettings:
     log_level: str = "info"
     tool_call_parser: str | None = None  # --enable-auto-tool-choice --tool-call-parser
     reasoning_parser: str | None = None  # --reasoning-parser
+    response_role: str = "assistant"  # chat answers' role (vLLM's --response-role)
+    # vLLM's: tool_choice "none" leaves the tools out of the prompt, not only uncalled.
+    exclude_tools_when_tool_choice_none: bool = False
     # vLLM's CORS options: no origin allowed by default (no cross-origin browser access).
     allowed_origins: list[str] = field(default_factory=list)
     allow_credentials: bool = False
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (vLLM's option)
-    enable_log_requests: bool = False  # a log line per request (vLLM's option)
+    # vLLM's request log: a line per request as it arrives and ends, the end's with the
+    # generated text (at most max_log_len characters of it) if enable_log_outputs, which
+    # turns the log on too.
+    enable_log_requests: bool = False
+    enable_log_outputs: bool = False
+    max_log_len: int | None = None
+    enable_server_load_tracking: bool = False  # GET /load (vLLM's option)
     # vLLM's answer defaults: logprobs' tokens as `token_id:N` unless a request says,
     # usage in every stream (on each chunk too), chat template variables under a
     # request's own.
@@ -113,6 +124,7 @@ class ServerSettings:
     # app under, and HTTPS.
     uvicorn_log_level: str | None = None
     disable_uvicorn_access_log: bool = False
+    disable_access_log_for_endpoints: list[str] = field(default_factory=list)
     disable_fastapi_docs: bool = False
     root_path: str = ""
     ssl_keyfile: str | None = None
@@ -203,13 +215,14 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     # deprecated), so a request reaches its route with or without the prefix: through
     # a proxy that strips it or one that does not.
     app.root_path = settings.root_path
-    context = ServerContext(engine, list(settings.model_names),
-                            ServerMetrics(engine, settings.model_names[0],
-                                          settings.enable_log_requests),
-                            settings.tool_call_parser, settings.reasoning_parser,
-                            settings.return_tokens_as_token_ids,
-                            settings.enable_force_include_usage,
-                            dict(settings.default_chat_template_kwargs))
+    context = ServerContext(
+        engine, list(settings.model_names),
+        ServerMetrics(engine, settings.model_names[0], settings.enable_log_requests,
+                      settings.enable_log_outputs, settings.max_log_len),
+        settings.tool_call_parser, settings.reasoning_parser,
+        settings.return_tokens_as_token_ids, settings.enable_force_include_usage,
+        dict(settings.default_chat_template_kwargs), settings.response_role,
+        settings.exclude_tools_when_tool_choice_none)
     stored = ResponseStore()
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
@@ -223,6 +236,14 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
                            allow_credentials=settings.allow_credentials,
                            allow_methods=settings.allowed_methods,
                            allow_headers=settings.allowed_headers)
+    load = ServerLoad()
+    if settings.enable_server_load_tracking:
+        app.add_middleware(LoadTrackingMiddleware, load=load)
+
+        @app.get("/load")
+        async def server_load() -> Response:
+            return JSONResponse({"server_load": load.requests})
+
     if settings.enable_request_id_headers:  # outermost: every answer carries it
         app.add_middleware(RequestIdMiddleware)
 
@@ -389,6 +410,21 @@ class _GracefulServer(uvicorn.Server):
         await self.lifespan.shutdown()
 
 
+class _AccessLogFilter(logging.Filter):
+    """Drops uvicorn's request lines for some paths (health probes, say), whatever their
+    query string."""
+
+    def __init__(self, paths: list[str]) -> None:
+        super().__init__()
+        self.paths = frozenset(paths)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3:
+            return str(args[2]).split("?", 1)[0] not in self.paths
+        return True
+
+
 def run_server(engine: AsyncLLMEngine, settings: ServerSettings, sock: socket.socket
                ) -> None:
     """Serves until SIGINT/SIGTERM: uvicorn stops accepting, running requests get
@@ -403,5 +439,9 @@ def run_server(engine: AsyncLLMEngine, settings: ServerSettings, sock: socket.so
         ssl_keyfile=settings.ssl_keyfile,
         ssl_certfile=settings.ssl_certfile, ssl_ca_certs=settings.ssl_ca_certs,
         ssl_cert_reqs=settings.ssl_cert_reqs)
+    if settings.disable_access_log_for_endpoints:
+        # After the Config, whose logging set-up would otherwise replace the filter.
+        logging.getLogger("uvicorn.access").addFilter(
+            _AccessLogFilter(settings.disable_access_log_for_endpoints))
     with _signals_end_gracefully():
         _GracefulServer(config, engine, settings.shutdown_timeout).run(sockets=[sock])

@@ -106,13 +106,15 @@ class ServerMetrics:
     """The server's /metrics page (the engine's snapshot, which records every request's
     latencies itself) and, with `log_requests` (vLLM's --enable-log-requests), a log
     line per request as it arrives and as it ends, saying what the prefix cache gave
-    it."""
+    it, and with `log_outputs` what it generated."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str,
-                 log_requests: bool = False) -> None:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, log_requests: bool = False,
+                 log_outputs: bool = False, max_log_len: int | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
-        self.log_requests = log_requests
+        self.log_requests = log_requests or log_outputs
+        self.log_outputs = log_outputs
+        self.max_log_len = max_log_len
 
     def log_received(self, request_id: str, num_prompt_tokens: int, params: object) -> None:
         if self.log_requests:
@@ -123,8 +125,8 @@ class ServerMetrics:
         if self.log_requests:
             reasons = ", ".join(sorted({c.finish_reason or FINISHED_ABORT
                                         for c in output.outputs}))
-            logger.info("request %s finished (%s): %s", output.request_id, reasons,
-                        _request_summary(output))
+            logger.info("request %s finished (%s): %s%s", output.request_id, reasons,
+                        _request_summary(output), self._outputs(output))
 
     def log_aborted(self, request_id: str, output: RequestOutput | None) -> None:
         """A request that ended unfinished (its client left, the server shut down, the
@@ -132,7 +134,14 @@ class ServerMetrics:
         if self.log_requests:
             logger.info("request %s aborted: %s", request_id,
                         "before its first token" if output is None
-                        else _request_summary(output))
+                        else _request_summary(output) + self._outputs(output))
+
+    def _outputs(self, output: RequestOutput) -> str:
+        """The generated texts for the log, each cut to max_log_len characters."""
+        if not self.log_outputs:
+            return ""
+        return "".join(f", output {c.index}: {c.text[:self.max_log_len]!r}"
+                       for c in output.outputs)
 
     def render(self) -> str:
         return prometheus_text(metrics_snapshot(self.engine.stats(), self.model_name))

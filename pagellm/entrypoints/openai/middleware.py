@@ -1,8 +1,9 @@
-"""ASGI middleware that turns requests away before any handler sees them.
+"""ASGI middleware: what happens to every request before and after its handler.
 
-Both run ahead of FastAPI's body parsing: a body over the size limit must be refused
-without buffering it whole, and a request without the API key must learn nothing about
-the endpoint (not even that its body was malformed).
+The guards run ahead of FastAPI's body parsing: a body over the size limit must be
+refused without buffering it whole, and a request without the API key must learn nothing
+about the endpoint (not even that its body was malformed). The others see a request
+whole, a stream's last byte included.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import hmac
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -172,3 +174,35 @@ class RequestIdMiddleware:
 
         await self.app(scope, receive, send_with_id)
 
+
+
+# The endpoints that run the model, whose requests vLLM's server_load counts.
+_GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses",
+                               "/v1/messages"})
+
+
+@dataclass
+class ServerLoad:
+    """vLLM's server_load: the generation requests in flight, from arrival to their last
+    byte (a stream's too), which load balancers poll at GET /load to pick a server."""
+
+    requests: int = 0
+
+
+class LoadTrackingMiddleware:
+    """Counts a POST to a generation endpoint in `load` while the app handles it."""
+
+    def __init__(self, app: ASGIApp, load: ServerLoad) -> None:
+        self.app = app
+        self.load = load
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] != "http" or scope.get("method") != "POST"
+                or route_path(scope) not in _GENERATION_PATHS):
+            await self.app(scope, receive, send)
+            return
+        self.load.requests += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.load.requests -= 1

@@ -130,10 +130,12 @@ class ServerContext:
     tool_call_parser: str | None = None  # for tool_choice "auto" (see tool_calls.py)
     reasoning_parser: str | None = None  # chat's reasoning (see reasoning.py)
     # vLLM's server-wide answer defaults (--return-tokens-as-token-ids,
-    # --enable-force-include-usage, --default-chat-template-kwargs).
+    # --enable-force-include-usage, --default-chat-template-kwargs, and the two below).
     return_tokens_as_token_ids: bool = False
     force_include_usage: bool = False
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    response_role: str = "assistant"  # --response-role
+    exclude_tools_when_tool_choice_none: bool = False  # --exclude-tools-when-tool-choice-none
     tokenizer_thread: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenizer"))
 

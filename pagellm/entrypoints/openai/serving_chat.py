@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, replace
-from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -72,18 +71,24 @@ from pagellm.entrypoints.openai.transport import (
 )
 
 
-def render_messages(tokenizer: Any, body: ChatCompletionRequest | TokenizeRequest,
-                    default_kwargs: Mapping[str, Any]) -> list[int]:
+def render_messages(context: ServerContext, body: ChatCompletionRequest | TokenizeRequest
+                    ) -> list[int]:
     """The prompt token ids of the request's conversation, rendered with its options by
     the engine's one renderer; a conversation or option it refuses is the client's error,
     a 400 naming the field. The request's `chat_template_kwargs` are laid over the
-    server's `default_kwargs` (--default-chat-template-kwargs)."""
+    server's defaults (--default-chat-template-kwargs), and its tools are left out for
+    tool_choice "none" where the server says so (--exclude-tools-when-tool-choice-none)."""
     assert body.messages is not None
-    options = ChatOptions(body.add_generation_prompt, body.continue_final_message,
-                          body.tools, None, {**default_kwargs, **(body.chat_template_kwargs or {})})
+    tools = body.tools
+    if (context.exclude_tools_when_tool_choice_none
+            and isinstance(body, ChatCompletionRequest) and body.tool_choice == "none"):
+        tools = None
+    options = ChatOptions(body.add_generation_prompt, body.continue_final_message, tools, None,
+                          {**context.default_chat_template_kwargs,
+                           **(body.chat_template_kwargs or {})})
     try:
-        return render_chat(tokenizer, [m.model_dump(exclude_none=True) for m in body.messages],
-                           options)
+        return render_chat(context.engine.tokenizer,
+                           [m.model_dump(exclude_none=True) for m in body.messages], options)
     except ChatError as error:
         raise bad_request(str(error), param=error.param) from error
 
@@ -101,9 +106,7 @@ def check_rendering(body: ChatCompletionRequest | TokenizeRequest) -> None:
 
 def _chat_prompt(context: ServerContext, body: ChatCompletionRequest, params: SamplingParams
                  ) -> list[int]:
-    return truncated(params, render_messages(context.engine.tokenizer, body,
-                                             context.default_chat_template_kwargs),
-                     context.engine.max_model_len)
+    return truncated(params, render_messages(context, body), context.engine.max_model_len)
 
 
 def _check_chat_options(body: ChatCompletionRequest) -> None:
@@ -218,7 +221,7 @@ def _response(context: ServerContext, body: ChatCompletionRequest, run: ChatRun,
             calls = []  # a cut "required" array: no call, as a list (vLLM's; clients index it)
         choices.append(ChatChoice(
             index=c.index, message=ChatResponseMessage(
-                content=content, tool_calls=calls, reasoning=reasoning,
+                role=_role(context, body), content=content, tool_calls=calls, reasoning=reasoning,
                 reasoning_content=reasoning),
             logprobs=(chat_logprobs(c.logprobs, token_text)
                       if body.logprobs and c.logprobs is not None and shows_tokens else None),
@@ -231,6 +234,13 @@ def _response(context: ServerContext, body: ChatCompletionRequest, run: ChatRun,
                                               body.prompt_logprobs or 0)
                          if output.prompt_logprobs is not None else None),
         prompt_token_ids=output.prompt_token_ids if body.return_token_ids else None)
+
+
+def _role(context: ServerContext, body: ChatCompletionRequest) -> str:
+    """The answer's role, as vLLM names it: the server's response role after the
+    generation prompt, else that of the message the answer continues."""
+    assert body.messages is not None
+    return context.response_role if body.add_generation_prompt else body.messages[-1].role
 
 
 def _finish_reason(reason: str | None, calls: list[ToolCall] | None,
@@ -276,6 +286,7 @@ async def _stream(context: ServerContext, body: ChatCompletionRequest, run: Chat
     created = int(time.time())
     request_id, reader, thinking = run.request_id, run.reader, run.thinking
     shows_tokens = _shows_tokens(body, run)
+    role = _role(context, body)
 
     def chunk(choices: list[ChatChunkChoice], so_far: UsageInfo | None,
               prompt_token_ids: list[int] | None = None) -> str:
@@ -303,7 +314,7 @@ async def _stream(context: ServerContext, body: ChatCompletionRequest, run: Chat
                 # With return_token_ids each role chunk carries the prompt's ids (vLLM's).
                 for index in range(body.n):
                     yield chunk([ChatChunkChoice(
-                        index=index, delta=ChatDelta(role="assistant", content=""))],
+                        index=index, delta=ChatDelta(role=role, content=""))],
                         usage([replace(output, outputs=[])])
                         if report.on_every_chunk else None,
                         output.prompt_token_ids if body.return_token_ids else None)

@@ -84,8 +84,7 @@ async def count_tokens(context: ServerContext, body: CountTokensRequest) -> Coun
         chat = count_request(conversation, body.tools)
         if chat.tools:
             function_schemas(chat.tools)  # the tools checked as a message checks them
-        tokens = await context.off_loop(render_messages, context.engine.tokenizer, chat,
-                                        context.default_chat_template_kwargs)
+        tokens = await context.off_loop(render_messages, context, chat)
     except APIError as error:
         raise renamed(error, conversation) from error
     return CountTokensResponse(input_tokens=len(tokens))

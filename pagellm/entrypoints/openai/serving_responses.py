@@ -125,9 +125,7 @@ async def _fitting(context: ServerContext, body: ResponsesRequest, conversation:
     async def length(start: int) -> int:
         if start not in lengths:
             lengths[start] = len(await context.off_loop(
-                render_messages, context.engine.tokenizer,
-                chat_request(body, conversation.tail(start)),
-                context.default_chat_template_kwargs))
+                render_messages, context, chat_request(body, conversation.tail(start))))
         return lengths[start]
 
     async def earliest(budget: int | None) -> int | None:

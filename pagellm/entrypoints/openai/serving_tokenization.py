@@ -23,11 +23,10 @@ from pagellm.entrypoints.openai.serving_chat import check_rendering, render_mess
 
 def _token_ids(context: ServerContext, body: TokenizeRequest) -> list[int]:
     """Runs on the tokenizer thread: a long prompt takes as long as it would to serve."""
-    tokenizer = context.engine.tokenizer
     if body.prompt is not None:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
-        return encode(tokenizer, body.prompt, "prompt", add_special)
-    return render_messages(tokenizer, body, context.default_chat_template_kwargs)
+        return encode(context.engine.tokenizer, body.prompt, "prompt", add_special)
+    return render_messages(context, body)
 
 
 def _check(body: TokenizeRequest) -> None:
