@@ -265,8 +265,6 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
      {"messages": USER, "modalities": ["text", "audio"]}, 400, "modalities", "text"),
     ("audio options", "/v1/chat/completions", {"messages": USER, "audio": {"voice": "x"}},
      400, "audio", "not supported"),
-    ("chat echo", "/v1/chat/completions", {"messages": USER, "echo": True}, 400, "echo",
-     "chat"),
     ("chat best_of", "/v1/chat/completions", {"messages": USER, "best_of": 2}, 400,
      "best_of", "not supported"),
     ("chat suffix", "/v1/chat/completions", {"messages": USER, "suffix": "y"}, 400, "suffix",

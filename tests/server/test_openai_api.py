@@ -491,6 +491,26 @@ def test_continue_final_message_continues_the_assistant(client: openai.OpenAI) -
     assert result.usage is not None and result.usage.prompt_tokens == len(ids)
     same = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=6, temperature=0)
     assert result.choices[0].message.content == same.choices[0].text
+    # vLLM's echo: the answer starts with the message it continues, streamed first.
+    echo = {"continue_final_message": True, "add_generation_prompt": False, "echo": True}
+    echoed = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=6,
+                                            temperature=0, extra_body=echo)
+    assert echoed.choices[0].message.content == "The answer is" + same.choices[0].text
+    chunks = list(client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body=echo))
+    assert chunks[1].choices[0].delta.content == "The answer is"
+    assert chunks[1].usage is not None and chunks[1].usage.completion_tokens == 0
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (
+        echoed.choices[0].message.content)
+    # After the generation prompt the answer starts a new message: nothing to echo.
+    question = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages[:1], max_tokens=6, temperature=0,
+        extra_body={"echo": True})
+    plain = client.chat.completions.create(model=MODEL_NAME, messages=messages[:1],
+                                           max_tokens=6, temperature=0)
+    assert question.choices[0].message.content == plain.choices[0].message.content
 
 
 def test_tools_with_tool_choice_none_and_earlier_tool_calls(client: openai.OpenAI) -> None:

@@ -13,7 +13,7 @@ from fastapi.responses import Response
 
 from pagellm.core.sampling_params import SamplingParams
 from pagellm.engine.async_engine import RequestStream
-from pagellm.engine.chat_template import ChatError, ChatOptions, render_chat
+from pagellm.engine.chat_template import ChatError, ChatOptions, check_messages, render_chat
 from pagellm.engine.outputs import CompletionOutput, RequestOutput
 from pagellm.entrypoints.openai.errors import bad_request
 from pagellm.entrypoints.openai.json_text import JSONResponse
@@ -110,9 +110,6 @@ def _chat_prompt(context: ServerContext, body: ChatCompletionRequest, params: Sa
 
 
 def _check_chat_options(body: ChatCompletionRequest) -> None:
-    if body.echo:
-        raise bad_request("echo is not supported for chat (use continue_final_message to "
-                          "continue an assistant message)", param="echo")
     if body.stream and body.prompt_logprobs is not None:
         raise bad_request("prompt_logprobs is not supported for streamed chat; ask without "
                           "stream", param="prompt_logprobs")
@@ -210,6 +207,7 @@ def _response(context: ServerContext, body: ChatCompletionRequest, run: ChatRun,
     token_text = context.token_text(body)
     reader = run.reader
     shows_tokens = _shows_tokens(body, run)
+    echoed = _echoed(context, body)
     choices = []
     for c in output.outputs:
         reasoning, text = run.thinking.split(c.text) if run.thinking else (None, c.text)
@@ -221,7 +219,8 @@ def _response(context: ServerContext, body: ChatCompletionRequest, run: ChatRun,
             calls = []  # a cut "required" array: no call, as a list (vLLM's; clients index it)
         choices.append(ChatChoice(
             index=c.index, message=ChatResponseMessage(
-                role=_role(context, body), content=content, tool_calls=calls, reasoning=reasoning,
+                role=_role(context, body), content=echoed + (content or "") if echoed
+                else content, tool_calls=calls, reasoning=reasoning,
                 reasoning_content=reasoning),
             logprobs=(chat_logprobs(c.logprobs, token_text)
                       if body.logprobs and c.logprobs is not None and shows_tokens else None),
@@ -241,6 +240,15 @@ def _role(context: ServerContext, body: ChatCompletionRequest) -> str:
     generation prompt, else that of the message the answer continues."""
     assert body.messages is not None
     return context.response_role if body.add_generation_prompt else body.messages[-1].role
+
+
+def _echoed(context: ServerContext, body: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: the last message's text, which the answer starts with when
+    the answer continues it (the last message has the answer's role)."""
+    last = body.messages[-1]
+    if not body.echo or last.role != _role(context, body):
+        return ""
+    return str(check_messages([last.model_dump(exclude_none=True)])[0]["content"])
 
 
 def _finish_reason(reason: str | None, calls: list[ToolCall] | None,
@@ -287,6 +295,7 @@ async def _stream(context: ServerContext, body: ChatCompletionRequest, run: Chat
     request_id, reader, thinking = run.request_id, run.reader, run.thinking
     shows_tokens = _shows_tokens(body, run)
     role = _role(context, body)
+    echoed = _echoed(context, body)
 
     def chunk(choices: list[ChatChunkChoice], so_far: UsageInfo | None,
               prompt_token_ids: list[int] | None = None) -> str:
@@ -312,12 +321,16 @@ async def _stream(context: ServerContext, body: ChatCompletionRequest, run: Chat
                 # it: a client timing its first chunk measures the prefill (one choice a
                 # chunk, as OpenAI and vLLM send them, for clients that read choices[0]).
                 # With return_token_ids each role chunk carries the prompt's ids (vLLM's).
+                # An echo follows, in a chunk of its own.
+                so_far = usage([replace(output, outputs=[])]) if report.on_every_chunk \
+                    else None
                 for index in range(body.n):
                     yield chunk([ChatChunkChoice(
-                        index=index, delta=ChatDelta(role=role, content=""))],
-                        usage([replace(output, outputs=[])])
-                        if report.on_every_chunk else None,
+                        index=index, delta=ChatDelta(role=role, content=""))], so_far,
                         output.prompt_token_ids if body.return_token_ids else None)
+                for index in range(body.n if echoed else 0):
+                    yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(
+                        content=echoed))], so_far)
             choices: list[tuple[ChatChunkChoice, CompletionOutput]] = []
             for completion in output.outputs:
                 index = completion.index
