@@ -93,6 +93,11 @@ def add_parser(subparsers: Any) -> None:
     group.add_argument("--enable-force-include-usage", action="store_true",
                        help="usage in every streamed answer, on each chunk too, whatever "
                             "the request's stream_options say")
+    group.add_argument("--sse-keep-alive-interval", type=_seconds(positive=False), default=0,
+                       metavar="S",
+                       help="send an SSE comment on a stream silent this many seconds "
+                            "(queued, in a long prefill, between slow tokens), so proxies "
+                            "with read timeouts keep it open (default: 0, never)")
     group.add_argument("--enable-request-id-headers", action="store_true",
                        help="every answer carries X-Request-Id: the client's, or a new one")
     group.add_argument("--uvicorn-log-level", default=None,
@@ -355,6 +360,7 @@ def server_settings(args: argparse.Namespace, launch_time: float, address: str
         enable_log_requests=args.enable_log_requests,
         enable_log_outputs=args.enable_log_outputs, max_log_len=args.max_log_len,
         enable_server_load_tracking=args.enable_server_load_tracking,
+        sse_keep_alive_interval=args.sse_keep_alive_interval or None,
         enable_force_include_usage=args.enable_force_include_usage,
         enable_request_id_headers=args.enable_request_id_headers,
         uvicorn_log_level=args.uvicorn_log_level,

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
 
 import pytest
 
@@ -36,6 +39,7 @@ from pagellm.entrypoints.openai.serving_chat import ChatRun
 from pagellm.entrypoints.openai.serving_responses import ResponseAnswer
 from pagellm.entrypoints.openai.stats_logger import describe
 from pagellm.entrypoints.openai.tool_calls import ToolCallFormat
+from pagellm.entrypoints.openai.transport import KEEP_ALIVE, kept_alive
 
 
 class FakeTokenizer:
@@ -153,6 +157,44 @@ def test_request_log_lines(caplog: pytest.LogCaptureFixture) -> None:
         "request r2 aborted: 1 prompt tokens (0 from the prefix cache), 3 generated, first "
         "token after 0.500 s, 1.000 s in all",
         "request r3 aborted: before its first token"]
+    caplog.clear()
+    outputs = ServerMetrics(None, "m", log_outputs=True, max_log_len=3)  # type: ignore[arg-type]
+    outputs.log_finished(RequestOutput("r4", None, [1], [
+        CompletionOutput(0, "Hello", [1, 2], finish_reason="stop"),
+        CompletionOutput(1, "it's", [1, 2], finish_reason="stop")], True, metrics=timing,
+        num_cached_tokens=0))
+    assert caplog.records[0].getMessage().endswith(
+        "1.000 s in all, output 0: 'Hel', output 1: \"it'\"")
+
+
+def test_keep_alive_comments_fill_the_silences() -> None:
+    """An SSE comment for each `interval` a stream stays silent, the events themselves
+    unchanged, and the stream beneath closed with the wrapper."""
+    closed: list[bool] = []
+
+    async def events() -> AsyncGenerator[str, None]:
+        try:
+            yield "data: 1\n\n"
+            await asyncio.sleep(0.35)
+            yield "data: 2\n\n"
+            await asyncio.sleep(3600)
+            yield "never"
+        finally:
+            closed.append(True)
+
+    async def read() -> list[str]:
+        seen: list[str] = []
+        async with aclosing(kept_alive(events(), 0.1)) as stream:
+            async for event in stream:
+                seen.append(event)
+                if event == "data: 2\n\n":
+                    break
+        return seen
+
+    seen = asyncio.run(read())
+    assert seen[0] == "data: 1\n\n" and seen[-1] == "data: 2\n\n"
+    assert set(seen[1:-1]) == {KEEP_ALIVE} and 2 <= len(seen[1:-1]) <= 4
+    assert closed == [True]
 
 
 @pytest.mark.parametrize(("errors", "param", "message"), [

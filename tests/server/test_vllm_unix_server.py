@@ -5,6 +5,7 @@ and tools left out of the prompt when they may not be called."""
 from __future__ import annotations
 
 import re
+import uuid
 from collections.abc import Iterator
 
 import httpx
@@ -14,6 +15,7 @@ import pytest
 from tests.server.conftest import MODEL_NAME, Server, start_server
 
 MAX_LOG_LEN = 8
+KEEP_ALIVE_S = 0.05
 # SmolLM2's own template shows no tools; this one does.
 TEMPLATE = ("{% if tools %}Tools: {{ tools | tojson }}\n{% endif %}"
             "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
@@ -34,6 +36,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         "--uvicorn-log-level", "debug", "--disable-access-log-for-endpoints",
         "/health,/metrics", "--exclude-tools-when-tool-choice-none",
         "--task", "generate", "--runner", "auto", "--chat-template", TEMPLATE,
+        "--sse-keep-alive-interval", str(KEEP_ALIVE_S),
         uds=socket_path)
     yield server
     assert server.stop() == 0
@@ -138,3 +141,24 @@ def test_load_is_not_counted_for_a_refused_request(server: Server) -> None:
         assert http.post(f"{server.url}/v1/completions", json={
             "model": "other", "prompt": "x"}).status_code == 404
         assert http.get(f"{server.url}/load").json() == {"server_load": 0}
+
+
+def test_keep_alive_comments_while_a_long_prompt_is_computed(
+        server: Server, client: openai.OpenAI) -> None:
+    """A stream's first event comes after the prefill, which for ~450 new tokens takes
+    several keep-alive intervals here; clients skip the comments."""
+    prompt = " ".join(f"w{uuid.uuid4().hex[:6]}" for _ in range(75))
+    with server.http(timeout=120) as http:
+        assert http.post(f"{server.url}/tokenize", json={"prompt": prompt}).json()[
+            "count"] > 400
+        with http.stream("POST", f"{server.url}/v1/completions", json={
+                "model": MODEL_NAME, "prompt": prompt, "max_tokens": 3,
+                "stream": True}) as response:
+            lines = [line for line in response.iter_lines() if line]
+    assert lines[0] == ": keep-alive"
+    data = [line for line in lines if not line.startswith(":")]
+    assert len(data) == 4 and data[-1] == "data: [DONE]"
+    # The SDK reads such a stream as if the comments were not there.
+    streamed = list(client.completions.create(model=MODEL_NAME, prompt=prompt + " again",
+                                              max_tokens=3, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices)

@@ -112,6 +112,8 @@ class ServerSettings:
     enable_log_outputs: bool = False
     max_log_len: int | None = None
     enable_server_load_tracking: bool = False  # GET /load (vLLM's option)
+    # Seconds a stream may be silent before an SSE comment keeps proxies from closing it.
+    sse_keep_alive_interval: float | None = None
     # vLLM's answer defaults: logprobs' tokens as `token_id:N` unless a request says,
     # usage in every stream (on each chunk too), chat template variables under a
     # request's own.
@@ -140,6 +142,9 @@ class ServerSettings:
         if self.log_stats_interval is not None and not self.log_stats_interval > 0:
             raise ValueError(f"log_stats_interval must be > 0 or None, got "
                              f"{self.log_stats_interval!r}")
+        if self.sse_keep_alive_interval is not None and not self.sse_keep_alive_interval > 0:
+            raise ValueError(f"sse_keep_alive_interval must be > 0 or None, got "
+                             f"{self.sse_keep_alive_interval!r}")
         if not self.shutdown_timeout >= 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout!r}")
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
@@ -219,10 +224,14 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
         engine, list(settings.model_names),
         ServerMetrics(engine, settings.model_names[0], settings.enable_log_requests,
                       settings.enable_log_outputs, settings.max_log_len),
-        settings.tool_call_parser, settings.reasoning_parser,
-        settings.return_tokens_as_token_ids, settings.enable_force_include_usage,
-        dict(settings.default_chat_template_kwargs), settings.response_role,
-        settings.exclude_tools_when_tool_choice_none)
+        tool_call_parser=settings.tool_call_parser,
+        reasoning_parser=settings.reasoning_parser,
+        return_tokens_as_token_ids=settings.return_tokens_as_token_ids,
+        force_include_usage=settings.enable_force_include_usage,
+        default_chat_template_kwargs=dict(settings.default_chat_template_kwargs),
+        response_role=settings.response_role,
+        exclude_tools_when_tool_choice_none=settings.exclude_tools_when_tool_choice_none,
+        sse_keep_alive=settings.sse_keep_alive_interval)
     stored = ResponseStore()
     install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)

@@ -136,6 +136,7 @@ class ServerContext:
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     response_role: str = "assistant"  # --response-role
     exclude_tools_when_tool_choice_none: bool = False  # --exclude-tools-when-tool-choice-none
+    sse_keep_alive: float | None = None  # seconds (--sse-keep-alive-interval); None: never
     tokenizer_thread: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenizer"))
 

@@ -191,7 +191,7 @@ async def create_chat_completion(context: ServerContext, body: ChatCompletionReq
     if body.stream:
         report = UsageReport.of(body.stream_options, context.force_include_usage)
         events = _stream(context, body, run, report)
-        return EventStreamResponse(streamed(events), run.streams)
+        return EventStreamResponse(streamed(events), run.streams, context.sse_keep_alive)
     outputs = await unless_disconnected(raw, final_outputs(run.streams, context.metrics))
     return JSONResponse(_response(context, body, run, outputs[0]).model_dump(mode="json"))
 

@@ -150,7 +150,7 @@ async def create_completion(context: ServerContext, body: CompletionRequest,
     if body.stream:
         report = UsageReport.of(body.stream_options, context.force_include_usage)
         return EventStreamResponse(streamed(_stream(context, request_id, body, streams,
-                                                    report)), streams)
+                                                    report)), streams, context.sse_keep_alive)
     outputs = await unless_disconnected(raw, final_outputs(streams, context.metrics))
     if _prompt_only(body):
         outputs = [_without_completion(output) for output in outputs]

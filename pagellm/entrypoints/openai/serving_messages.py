@@ -69,7 +69,8 @@ async def create_message(context: ServerContext, body: MessagesRequest, raw: Req
     except APIError as error:
         raise renamed(error, conversation) from error
     if body.stream:
-        return EventStreamResponse(_events(context, run, message_id), run.streams)
+        return EventStreamResponse(_events(context, run, message_id), run.streams,
+                                   context.sse_keep_alive)
     outputs = await unless_disconnected(raw, final_outputs(run.streams, context.metrics))
     return JSONResponse(_answer(context.model_name, message_id, run, outputs[0])
                         .model_dump(mode="json"))

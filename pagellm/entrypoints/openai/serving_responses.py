@@ -105,7 +105,8 @@ async def create_response(context: ServerContext, store: ResponseStore,
                             TokenText(context.engine.tokenizer) if wants_logprobs(body)
                             else None)
     if body.stream:
-        return EventStreamResponse(answer.events(context), run.streams)
+        return EventStreamResponse(answer.events(context), run.streams,
+                                   context.sse_keep_alive)
     outputs = await unless_disconnected(raw, final_outputs(run.streams, context.metrics))
     return JSONResponse((await answer.finished(context, outputs[0])).model_dump(mode="json"))
 

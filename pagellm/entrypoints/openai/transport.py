@@ -25,6 +25,7 @@ from pagellm.entrypoints.openai.json_text import dumps
 T = TypeVar("T")
 
 DONE = "data: [DONE]\n\n"
+KEEP_ALIVE = ": keep-alive\n\n"  # an SSE comment: clients skip it, proxies see bytes
 
 
 def sse(payload: dict[str, Any], event: str | None = None) -> str:
@@ -46,6 +47,33 @@ async def streamed(events: AsyncGenerator[str, None]) -> AsyncGenerator[str, Non
     yield DONE
 
 
+async def kept_alive(events: AsyncGenerator[str, None], interval: float
+                     ) -> AsyncGenerator[str, None]:
+    """`events`, with an SSE comment whenever none came for `interval` seconds (vLLM's
+    --sse-keep-alive-interval): a proxy with a read timeout (nginx's 60 s, a load
+    balancer's idle timeout) would otherwise cut a stream that is still queued, in a
+    long prefill, or between slow tokens. One task advances `events` at a time, and a
+    timeout leaves it running rather than cancelling it mid-step."""
+    pending = asyncio.ensure_future(anext(events))
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=interval)
+            if not done:
+                yield KEEP_ALIVE
+                continue
+            try:
+                event = pending.result()
+            except StopAsyncIteration:
+                return
+            yield event
+            pending = asyncio.ensure_future(anext(events))
+    finally:
+        pending.cancel()
+        with contextlib.suppress(BaseException):  # its outcome was already taken
+            await pending
+        await events.aclose()
+
+
 class EventStreamResponse(StreamingResponse):
     """An SSE response that stops generating as soon as the client disconnects.
 
@@ -59,7 +87,10 @@ class EventStreamResponse(StreamingResponse):
     """
 
     def __init__(self, events: AsyncGenerator[str, None],
-                 streams: Sequence[RequestStream] = ()) -> None:
+                 streams: Sequence[RequestStream] = (), keep_alive: float | None = None
+                 ) -> None:
+        if keep_alive:
+            events = kept_alive(events, keep_alive)
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.events = events
