@@ -230,6 +230,9 @@ def test_max_tokens_default_fills_the_context_and_a_larger_one_is_cut() -> None:
     assert prompt_too_long.value.param == "messages"
     assert "101 tokens (100 in the prompt, 1 for the completion)" in \
         prompt_too_long.value.message
+    with pytest.raises(APIError) as asked:  # the completion's tokens as asked
+        resolve_max_tokens(100, 120, 3, 0, "prompt")
+    assert "123 tokens (120 in the prompt, 3 for the completion)" in asked.value.message
     with pytest.raises(APIError) as too_many_at_least:
         resolve_max_tokens(100, 30, 100, 71, "prompt")
     assert too_many_at_least.value.param == "min_tokens"

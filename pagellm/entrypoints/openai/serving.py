@@ -226,11 +226,12 @@ def resolve_max_tokens(max_model_len: int, prompt_len: int, max_tokens: int | No
     """
     room = max_model_len - prompt_len
     if room < 1:
+        completion = max(max_tokens or 1, 1)
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {prompt_len + 1} tokens ({prompt_len} in the prompt, 1 for the "
-            f"completion). Please reduce the length of the prompt.", param=prompt_param,
-            code=CONTEXT_LENGTH_EXCEEDED)
+            f"requested {prompt_len + completion} tokens ({prompt_len} in the prompt, "
+            f"{completion} for the completion). Please reduce the length of the prompt.",
+            param=prompt_param, code=CONTEXT_LENGTH_EXCEEDED)
     if min_tokens > room:
         raise bad_request(
             f"min_tokens is {min_tokens}, but the context of {max_model_len} tokens leaves "
