@@ -21,6 +21,8 @@ the best running beam, scored at its current length, cannot beat the worst of th
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 from pagellm.core.sampling_params import BeamSearchParams
@@ -112,7 +114,7 @@ class BeamSearch:
                             top[:self.num_candidates])],
                         candidate.cum_logprob)
             if ends:
-                beam.score = beam.cum_logprob / length ** self.length_penalty
+                beam.score = length_score(beam.cum_logprob, length, self.length_penalty)
                 beam.finish_reason = ("stop" if candidate.token_id in self.stop_tokens
                                       else "length")
                 self.finished.append(beam)
@@ -124,5 +126,18 @@ class BeamSearch:
         self.running = going_on  # empty only at the limit, where every candidate ends
         self.done = at_limit or (
             len(self.finished) == self.width
-            and going_on[0].cum_logprob / length ** self.length_penalty
+            and length_score(going_on[0].cum_logprob, length, self.length_penalty)
             <= self.finished[-1].score)
+
+
+def length_score(cum_logprob: float, length: int, penalty: float) -> float:
+    """`cum_logprob / length ** penalty`, transformers' score of a finished beam, for
+    any finite penalty: a divisor past the floats' range scores 0, and one that
+    underflows to 0 scores -inf (0 for a certain beam). Raised inside the engine's step,
+    the arithmetic errors would fail every request in it, not only this one."""
+    try:
+        return cum_logprob / length ** penalty
+    except OverflowError:
+        return -0.0 if cum_logprob < 0 else 0.0
+    except ZeroDivisionError:
+        return -math.inf if cum_logprob < 0 else 0.0

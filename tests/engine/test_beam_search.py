@@ -5,6 +5,7 @@ abort or an error leaves no block held."""
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from pagellm import LLM, BeamSearchOutput, BeamSearchParams, SamplingParams
-from pagellm.engine.beam_search import BeamSearch
+from pagellm.engine.beam_search import BeamSearch, length_score
 from tests.engine.conftest import assert_idle, make_tiny_model
 
 EOS = 1  # the tiny models' EOS
@@ -245,6 +246,25 @@ def test_several_eos_tokens_widen_each_step(tmp_path: Path) -> None:
     assert len(llm.beam_search([[5, 6]], BeamSearchParams(
         beam_width=6, max_tokens=4, ignore_eos=True))[0].sequences) == 6
     assert_idle(llm.llm_engine)
+
+
+def test_extreme_length_penalties_rank_without_failing_the_step(tiny: Path) -> None:
+    """A length_penalty whose power leaves the floats' range scores every finished beam
+    alike instead of raising inside the step, which would fail every request in it."""
+    assert length_score(-3.0, 6, 1000.0) == 0.0 and length_score(-3.0, 6, -1000.0) == -math.inf
+    assert length_score(0.0, 6, -1000.0) == 0.0 and length_score(-3.0, 6, 1.0) == -0.5
+    llm = LLM(str(tiny), skip_tokenizer_init=True, kv_cache_memory_bytes=4 << 20)
+    engine = llm.llm_engine
+    engine.add_request("bystander", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
+    for penalty in (1000.0, -1000.0):
+        engine.add_request(f"beam{penalty}", [5, 6], BeamSearchParams(
+            beam_width=2, max_tokens=6, length_penalty=penalty))
+    outputs = [o for _ in iter(engine.has_unfinished_requests, False) for o in engine.step()]
+    finals = {o.request_id: o for o in outputs if o.finished}
+    assert set(finals) == {"bystander", "beam1000.0", "beam-1000.0"}
+    assert len(finals["bystander"].outputs[0].token_ids) == 8
+    assert all(len(finals[f"beam{p}"].outputs) == 2 for p in (1000.0, -1000.0))
+    assert_idle(engine)
 
 
 def test_the_search_stops_once_no_beam_can_win() -> None:
