@@ -22,7 +22,6 @@ the best running beam, scored at its current length, cannot beat the worst of th
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 
 from pagellm.core.sampling_params import BeamSearchParams
@@ -136,7 +135,7 @@ def length_score(cum_logprob: float, length: int, penalty: float) -> float:
     underflows to 0 scores -inf (0 for a certain beam). Raised inside the engine's step,
     the arithmetic errors would fail every request in it, not only this one."""
     try:
-        return cum_logprob / length ** penalty
+        return cum_logprob / math.pow(length, penalty)
     except OverflowError:
         return -0.0 if cum_logprob < 0 else 0.0
     except ZeroDivisionError:

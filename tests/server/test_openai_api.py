@@ -970,6 +970,8 @@ def test_models_retrieve(client: openai.OpenAI) -> None:
     assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4")
+    with pytest.raises(openai.NotFoundError):  # an empty name names no model
+        client.get("/models/", cast_to=object)
 
 
 def test_tokenize_gives_the_tokens_each_endpoint_sends(server: Server,

@@ -330,6 +330,7 @@ def test_logprobs_when_included(client: openai.OpenAI) -> None:
                                         "schema": {"type": "object", "minProperties": "x"}}}},
      400, "text.format"),
     ({"input": "x", "text": {"format": {"type": "xml"}}}, 400, "text.format"),
+    ({"input": "x", "text": {"format": "json_object"}}, 400, "text.format"),
     ({"input": "x", "background": True}, 400, "background"),
     ({"input": "x", "temperature": -1}, 400, "temperature"),
     ({"input": "x", "top_logprobs": 50}, 400, "top_logprobs"),

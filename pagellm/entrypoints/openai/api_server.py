@@ -297,7 +297,7 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str) -> ModelCard:
-        context.check_model(name)
+        context.check_model(name, named=True)
         return ModelCard(id=name, root=engine.engine.model_root,
                          max_model_len=engine.max_model_len)
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from pagellm.entrypoints.openai.chat_bridge import (
     Conversation,
+    as_chat_request,
     json_schema_format,
     renamed_error,
     required_string,
@@ -243,13 +244,13 @@ def chat_request(body: MessagesRequest, conversation: Conversation, parser: str 
                   stop=body.stop_sequences, tools=tools, tool_choice=choice,
                   parallel_tool_calls=parallel, response_format=_response_format(body),
                   **_prefill(conversation))
-    return ChatCompletionRequest.model_validate(fields)
+    return as_chat_request(fields)
 
 
 def count_request(conversation: Conversation, tools: list[dict[str, Any]] | None
                   ) -> ChatCompletionRequest:
     """The chat request whose rendered prompt count_tokens counts: the conversation and
     the tools, as a message would render them."""
-    return ChatCompletionRequest.model_validate({
+    return as_chat_request({
         "messages": conversation.messages, "tools": _chat_tools(tools),
         **_prefill(conversation)})

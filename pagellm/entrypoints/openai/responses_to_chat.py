@@ -18,6 +18,7 @@ from pagellm.core.sampling_params import MAX_LOGPROBS
 from pagellm.engine.chat_template import json_object
 from pagellm.entrypoints.openai.chat_bridge import (
     Conversation,
+    as_chat_request,
     json_schema_format,
     renamed_error,
     required_string,
@@ -271,7 +272,7 @@ def chat_request(body: ResponsesRequest, conversation: Conversation) -> ChatComp
         tools=_chat_tools(body.tools) or None,
         tool_choice=_chat_tool_choice(body.tool_choice, body.tools),
         response_format=_response_format(body.text))
-    return ChatCompletionRequest.model_validate(fields)
+    return as_chat_request(fields)
 
 
 # Chat's field names in errors, and the Responses fields they stand for.

@@ -163,10 +163,10 @@ class ServerContext:
         return TokenText(self.engine.tokenizer,
                          self.return_tokens_as_token_ids if as_ids is None else as_ids)
 
-    def check_model(self, requested: str | None) -> None:
+    def check_model(self, requested: str | None, named: bool = False) -> None:
         """404 for a model this server does not serve; an omitted or empty model means
-        ours (as in vLLM)."""
-        if requested and requested not in self.model_names:
+        ours (as in vLLM), unless the model must be `named` (GET /v1/models/NAME)."""
+        if (requested or named) and requested not in self.model_names:
             raise APIError(404, f"The model `{requested}` does not exist.", param="model",
                            code="model_not_found")
 

@@ -307,7 +307,8 @@ _NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": Fal
 def _named_function(choice: Any) -> str:
     """The function a `{"type": "function", "function": {"name": ...}}` choice names."""
     if isinstance(choice, dict) and choice.get("type") == "function":
-        name = (choice.get("function") or {}).get("name")
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
         if isinstance(name, str):
             return name
     raise bad_request('tool_choice must be "none", "auto", "required" or {"type": '
