@@ -851,6 +851,21 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(client: openai.OpenAI) -> 
         messages=[{"role": "user", "content": "Hi"}], extra_body={"truncate_prompt_tokens": 5},
         **kwargs)
     assert chat.usage is not None and chat.usage.prompt_tokens == 5
+    # vLLM's truncation_side "right" keeps the first tokens instead.
+    first = client.completions.create(prompt=ids, extra_body={
+        "truncate_prompt_tokens": 3, "truncation_side": "right", "return_token_ids": True},
+        **kwargs)
+    assert first.choices[0].model_extra is not None
+    assert first.choices[0].model_extra["prompt_token_ids"] == ids[:3]
+    assert first.choices[0].text == client.completions.create(prompt=ids[:3],
+                                                              **kwargs).choices[0].text
+    chat_first = client.chat.completions.create(
+        messages=[{"role": "user", "content": "Hi"}], extra_body={
+            "truncate_prompt_tokens": 5, "truncation_side": "right", "return_token_ids": True},
+        **kwargs)
+    assert chat_first.model_extra is not None
+    assert chat_first.model_extra["prompt_token_ids"][:1] == [1]  # <|im_start|> kept
+    assert len(chat_first.model_extra["prompt_token_ids"]) == 5
 
 
 def test_add_special_tokens_and_tokens_as_ids(client: openai.OpenAI) -> None:

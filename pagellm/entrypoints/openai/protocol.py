@@ -95,6 +95,9 @@ class SamplingFields(StrictModel):
     echo: bool = False
     best_of: int | None = None
     truncate_prompt_tokens: int | None = None
+    # vLLM's: which end truncate_prompt_tokens cuts, "left" (the default: the prompt's
+    # last tokens are kept) or "right" (its first).
+    truncation_side: Literal["left", "right"] | None = None
     return_tokens_as_token_ids: bool | None = None  # None: the server's default
     # vLLM's: the prompt's and each choice's token ids beside the text (RL rollouts).
     return_token_ids: bool | None = None

@@ -204,13 +204,16 @@ def fits_context(max_model_len: int, prompt_len: int, max_tokens: int | None) ->
     return prompt_len < max_model_len and prompt_len + budget <= max_model_len
 
 
-def truncated(params: SamplingParams, token_ids: list[int], max_model_len: int) -> list[int]:
-    """The prompt as `truncate_prompt_tokens` keeps it; a setting that cannot keep any is
-    a 400 naming it."""
+def truncated(params: SamplingParams, token_ids: list[int], max_model_len: int,
+              side: str | None) -> list[int]:
+    """The prompt as `truncate_prompt_tokens` keeps it, from its end, or from its start
+    for vLLM's `truncation_side` "right"; a setting that cannot keep any is a 400
+    naming it."""
     try:
-        return params.truncate(token_ids, max_model_len)
+        kept = params.truncate(token_ids, max_model_len)
     except ValueError as error:
         raise bad_request(str(error), param="truncate_prompt_tokens") from error
+    return token_ids[:len(kept)] if side == "right" else kept
 
 
 def resolve_max_tokens(max_model_len: int, prompt_len: int, max_tokens: int | None,

@@ -106,7 +106,8 @@ def check_rendering(body: ChatCompletionRequest | TokenizeRequest) -> None:
 
 def _chat_prompt(context: ServerContext, body: ChatCompletionRequest, params: SamplingParams
                  ) -> list[int]:
-    return truncated(params, render_messages(context, body), context.engine.max_model_len)
+    return truncated(params, render_messages(context, body), context.engine.max_model_len,
+                     body.truncation_side)
 
 
 def _check_chat_options(body: ChatCompletionRequest) -> None:

@@ -84,7 +84,8 @@ def _prompts(context: ServerContext, body: CompletionRequest, params: SamplingPa
     max_model_len = context.engine.max_model_len
     return [p if len(kept) == len(p.token_ids)
             else Prompt(_decoded(tokenizer, kept) if echo else None, kept)
-            for p in prompts for kept in [truncated(params, p.token_ids, max_model_len)]]
+            for p in prompts
+            for kept in [truncated(params, p.token_ids, max_model_len, body.truncation_side)]]
 
 
 def _decoded(tokenizer: Any, token_ids: list[int]) -> str:
