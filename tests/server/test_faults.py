@@ -180,9 +180,9 @@ def test_a_failing_model_run_ends_a_messages_stream_with_an_error_event(
 
 
 def test_api_key_guards_the_api(engine: AsyncLLMEngine) -> None:
-    """/v1, and /tokenize and /detokenize, which would read the chat template (and a
-    system prompt an operator put in it) back to anyone."""
-    for path in ("/tokenize", "/detokenize"):
+    """/v1 and SageMaker's /invocations, and /tokenize and /detokenize, which would read
+    the chat template (and a system prompt an operator put in it) back to anyone."""
+    for path in ("/tokenize", "/detokenize", "/invocations"):
         refused = post_all(engine, [{"prompt": "Hi", "tokens": [1]}], api_key="s3cret",
                            path=path)[0]
         assert refused.status_code == 401, path

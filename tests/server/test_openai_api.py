@@ -981,6 +981,36 @@ def test_echo_logprobs_and_prompt_logprobs_each_show_their_own_count(client: ope
     assert all(len(entry) >= 4 for entry in scores[1:])
 
 
+def test_sagemaker_invocations_route_chat_and_completions(server: Server,
+                                                          client: openai.OpenAI) -> None:
+    """vLLM's /invocations: a body with messages is answered as chat, one with a prompt
+    as a completion, streamed or not."""
+    chat_body = {"model": MODEL_NAME, "messages": chat(SYSTEM_PROMPT, "What is a cat?"),
+                 "max_tokens": 5, "temperature": 0}
+    plain_body = {"model": MODEL_NAME, "prompt": "The capital of France is", "max_tokens": 5,
+                  "temperature": 0}
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        routed = http.post("/invocations", json=chat_body).json()
+        assert routed["object"] == "chat.completion"
+        assert routed["choices"][0]["message"]["content"] == client.chat.completions.create(
+            **chat_body).choices[0].message.content
+        completed = http.post("/invocations", json=plain_body).json()
+        assert completed["object"] == "text_completion"
+        assert completed["choices"][0]["text"] == client.completions.create(
+            **plain_body).choices[0].text
+        streamed = http.post("/invocations", json={**plain_body, "stream": True}).text
+        assert streamed.rstrip().endswith("data: [DONE]")
+        for body, param in (({"input": "x"}, None), ({"messages": "Hi"}, "messages"),
+                            ({"prompt": "x", "max_tokens": "many"}, "max_tokens")):
+            refused = http.post("/invocations", json=body)
+            assert refused.status_code == 400, body
+            assert refused.json()["error"]["param"] == param
+        garbled = http.post("/invocations", content=b'{"prompt": ',
+                            headers={"Content-Type": "application/json"})
+        assert garbled.status_code == 400 and "parse the JSON" in garbled.text
+    server.wait_idle()
+
+
 def test_models_retrieve(client: openai.OpenAI) -> None:
     assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
     with pytest.raises(openai.NotFoundError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.metadata
+import json
 import logging
 import math
 import signal
@@ -13,16 +14,23 @@ import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
+from pydantic import BaseModel, ValidationError
 from starlette.middleware.cors import CORSMiddleware
 
 from pagellm.engine.async_engine import AsyncLLMEngine
 from pagellm.engine.chat_template import check_template_kwargs
-from pagellm.entrypoints.openai.errors import APIError, failure, install_error_handlers
+from pagellm.entrypoints.openai.errors import (
+    APIError,
+    bad_request,
+    failure,
+    install_error_handlers,
+    validation_error,
+)
 from pagellm.entrypoints.openai.json_text import JSONResponse
 from pagellm.entrypoints.openai.messages_protocol import (
     CountTokensRequest,
@@ -75,6 +83,7 @@ from pagellm.entrypoints.openai.stats_logger import log_stats_forever
 from pagellm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("pagellm.server")
+RequestModel = TypeVar("RequestModel", bound=BaseModel)
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 # How long after aborting the unfinished requests uvicorn waits for their handlers to
@@ -264,6 +273,20 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await _guarded(create_chat_completion(context, body, request))
 
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        """SageMaker's inference route, as vLLM serves it: a body with messages is a
+        chat request, one with a prompt a completion request."""
+        body = await _json_body(request)
+        if isinstance(body, dict) and "messages" in body:
+            return await _guarded(create_chat_completion(
+                context, _validated(ChatCompletionRequest, body), request))
+        if isinstance(body, dict) and "prompt" in body:
+            return await _guarded(create_completion(
+                context, _validated(CompletionRequest, body), request))
+        raise bad_request("/invocations takes a chat completion request (with messages) "
+                          "or a completion request (with prompt)")
+
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         return await _guarded(create_response(context, stored, body, request))
@@ -344,6 +367,22 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
         return PlainTextResponse(context.metrics.render(), media_type=CONTENT_TYPE)
 
     return app
+
+
+async def _json_body(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except (ValueError, RecursionError) as error:  # UnicodeDecodeError is a ValueError
+        raise bad_request(f"We could not parse the JSON body of your request: {error}.",
+                          code="invalid_json") from error
+
+
+def _validated(model: type[RequestModel], body: Any) -> RequestModel:
+    """`body` read as FastAPI reads a route's body, its errors the same 400s."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as error:
+        raise validation_error(error.errors()) from error
 
 
 async def _guarded(handler: Awaitable[Response]) -> Response:

@@ -111,13 +111,13 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-# Paths that need the API key: the API, the one endpoint outside it that changes the
-# server's state, the one that shows the tokens of cached prompts, and those that show
-# the chat template (which may hold an operator's private system prompt): /tokenizer_info,
-# and /tokenize with /detokenize, which render it and read it back. vLLM leaves the
-# last three open.
-_GUARDED_PREFIXES = ("/v1", "/reset_prefix_cache", "/kv_cache_events", "/tokenizer_info",
-                     "/tokenize", "/detokenize")
+# Paths that need the API key: the API and SageMaker's route into it (/invocations),
+# the one endpoint outside it that changes the server's state, the one that shows the
+# tokens of cached prompts, and those that show the chat template (which may hold an
+# operator's private system prompt): /tokenizer_info, and /tokenize with /detokenize,
+# which render it and read it back. vLLM leaves /invocations and the last three open.
+_GUARDED_PREFIXES = ("/v1", "/invocations", "/reset_prefix_cache", "/kv_cache_events",
+                     "/tokenizer_info", "/tokenize", "/detokenize")
 
 
 class APIKeyMiddleware:
@@ -178,7 +178,7 @@ class RequestIdMiddleware:
 
 # The endpoints that run the model, whose requests vLLM's server_load counts.
 _GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses",
-                               "/v1/messages"})
+                               "/v1/messages", "/invocations"})
 
 
 @dataclass
