@@ -1062,7 +1062,9 @@ def test_serve_renders_chat_with_the_chat_template_option(
         info = httpx.get(f"{templated.url}/tokenizer_info").json()
         assert info["chat_template"] == (folder / "plain.jinja").read_text()
         assert info["eos_token"] == "<|im_end|>" and info["tokenizer_class"]
-        assert info["added_tokens_decoder"]["0"] == "<|endoftext|>"
+        assert info["added_tokens_decoder"]["0"] == {  # as tokenizer_config.json has it
+            "content": "<|endoftext|>", "single_word": False, "lstrip": False,
+            "rstrip": False, "normalized": False, "special": True}
         assert not any(key.endswith("_file") or key == "name_or_path" for key in info)
         messages = [{"role": "user", "content": "What is a cat?"}]
         rendered = httpx.post(f"{templated.url}/tokenize", json={"messages": messages}).json()

@@ -58,10 +58,23 @@ def tokenizer_info(tokenizer: Any) -> dict[str, Any]:
     itself. Paths on the server mean nothing to a client and are left out."""
     config = {key: _json_value(value) for key, value in tokenizer.init_kwargs.items()
               if not key.endswith("_file") and key != "name_or_path"}
+    # The added tokens as tokenizer_config.json writes them, id: {"content", "special",
+    # ...}, which vLLM's tests of this endpoint read.
+    added = tokenizer.init_kwargs.get("added_tokens_decoder")
+    if isinstance(added, dict):
+        config["added_tokens_decoder"] = {str(index): _added_token(token)
+                                          for index, token in added.items()}
     config["tokenizer_class"] = type(tokenizer).__name__
     if getattr(tokenizer, "chat_template", None):
         config["chat_template"] = tokenizer.chat_template
     return config
+
+
+def _added_token(token: Any) -> dict[str, Any]:
+    if isinstance(token, dict):
+        return token
+    return {field: getattr(token, field) for field in
+            ("content", "single_word", "lstrip", "rstrip", "normalized", "special")}
 
 
 def _json_value(value: Any) -> Any:
