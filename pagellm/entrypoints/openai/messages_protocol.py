@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from pagellm.entrypoints.openai.protocol import StrictModel, WithoutNulls
+from pagellm.entrypoints.openai.protocol import Seed, StrictModel, WithoutNulls
 
 
 class AnthropicMessage(StrictModel):
@@ -39,7 +39,7 @@ class MessagesRequest(StrictModel):
     ignore_eos: bool = False
     cache_salt: str | None = None
     priority: int = 0
-    seed: int | None = None
+    seed: Seed | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     structured_outputs: dict[str, Any] | None = None

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, ClassVar, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -26,6 +26,9 @@ from pydantic import (
 )
 
 TokenIds = list[int]
+# A request's seed, within 64 bits as vLLM's API takes it: a larger one would be reduced
+# modulo 2**64 by the sampler, 2**64 drawing as seed 0 does.
+Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 
 
 def _takes_null(annotation: Any) -> bool:
@@ -63,7 +66,7 @@ class SamplingFields(StrictModel):
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     stream: bool = False

@@ -13,7 +13,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from pagellm.entrypoints.openai.protocol import ChatTokenLogprob, StrictModel, WithoutNulls
+from pagellm.entrypoints.openai.protocol import (
+    ChatTokenLogprob,
+    Seed,
+    StrictModel,
+    WithoutNulls,
+)
 
 
 class ResponsesRequest(StrictModel):
@@ -49,7 +54,7 @@ class ResponsesRequest(StrictModel):
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     min_tokens: int = 0
