@@ -216,8 +216,10 @@ def _response(context: ServerContext, body: ChatCompletionRequest, run: ChatRun,
             reasoning = None
         content, calls = reader.split(text) if reader is not None and text is not None \
             else (text, None)
-        if calls is None and isinstance(reader, ToolCallFormat) and reader.function is None:
-            calls = []  # a cut "required" array: no call, as a list (vLLM's; clients index it)
+        if isinstance(reader, ToolCallFormat):
+            content = content or ""  # vLLM's for a forced call, where OpenAI's is null
+            if calls is None and reader.function is None:
+                calls = []  # a cut "required" array: no call, as a list (vLLM's; clients index it)
         choices.append(ChatChoice(
             index=c.index, message=ChatResponseMessage(
                 role=_role(context, body), content=echoed + (content or "") if echoed
