@@ -29,7 +29,7 @@ from pagellm.engine.beam_searches import BeamSearches
 from pagellm.engine.config import EngineConfig, refuse_lora, resolve_device
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.engine.generation_config import load_generation_defaults
-from pagellm.engine.metrics import Metric, RequestLatencies, metrics_snapshot
+from pagellm.engine.metrics import Metric, RequestEnd, RequestLatencies, metrics_snapshot
 from pagellm.engine.outputs import (
     CompletionOutput,
     Logprob,
@@ -119,8 +119,12 @@ class _Group:
     def finished(self) -> bool:
         return all(s.request.is_finished for s in self.samples)
 
-    def finish_reasons(self) -> list[str | None]:
-        return [s.request.status.finish_reason for s in self.samples]
+    def end(self, completed: bool) -> RequestEnd:
+        """What the metrics record of the request as it ends."""
+        return RequestEnd(self.metrics, [s.request.status.finish_reason for s in self.samples],
+                          [s.request.num_output_tokens for s in self.samples],
+                          len(self.prompt_token_ids),
+                          self.samples[0].request.sampling_params.max_tokens, completed)
 
 
 @dataclass
@@ -142,6 +146,8 @@ class EngineStats:
     timings: dict[str, float]
     # The latency histograms and finish-reason counts (a copy, safe to read anywhere).
     latencies: RequestLatencies = field(default_factory=RequestLatencies)
+    # The KV cache's configuration, as vLLM's cache_config_info labels name it.
+    cache_config: dict[str, str] = field(default_factory=dict)
 
 
 def uses_cuda_graphs(device: torch.device, config: EngineConfig,
@@ -218,8 +224,8 @@ class LLMEngine:
         self._core_to_group: dict[str, _Group] = {}
         self._beams = BeamSearches(self)
         # Each request's token latencies as they come and its finish as it ends (a beam
-        # search as a whole, not its steps' requests).
-        self.latencies = RequestLatencies()
+        # search as a whole, not its steps' requests), and each step's tokens.
+        self.latencies = RequestLatencies(self.max_model_len)
         self._ids = itertools.count()
         self._prompt_tokens = 0
         self._generation_tokens = 0
@@ -521,7 +527,7 @@ class LLMEngine:
             self._core_to_group.pop(sample.request.request_id, None)
         group.metrics.finished_time = time.monotonic()
         if record:
-            self.latencies.ended(group.metrics, group.finish_reasons(), completed=False)
+            self.latencies.ended(group.end(completed=False))
         return self._output(group)
 
     def has_unfinished_requests(self) -> bool:
@@ -542,6 +548,7 @@ class LLMEngine:
         self._schedule_time += scheduled_at - begin
         if scheduled.is_empty:
             return []
+        self.latencies.step(scheduled.num_batched_tokens)
         now = time.monotonic()
         for item in scheduled.scheduled:
             group = self._core_to_group[item.request.request_id]
@@ -706,7 +713,7 @@ class LLMEngine:
             if group.finished:
                 group.metrics.finished_time = now
                 if not self._beams.owns(group.request_id):
-                    self.latencies.ended(group.metrics, group.finish_reasons(), completed=True)
+                    self.latencies.ended(group.end(completed=True))
                 self._forget(group)
         return outputs
 
@@ -784,7 +791,7 @@ class LLMEngine:
                 self.scheduler.finish(sample.request, RequestStatus.FINISHED_ERROR)
             group.error = f"internal error while computing this request: {error}"
             if not self._beams.owns(group.request_id):
-                self.latencies.ended(group.metrics, group.finish_reasons(), completed=True)
+                self.latencies.ended(group.end(completed=True))
             output = self._output(group)
             assert output is not None  # a finished output is never held back
             outputs.append(output)
@@ -854,6 +861,11 @@ class LLMEngine:
             generation_tokens=self._generation_tokens,
             timings=timings,
             latencies=self.latencies.copy(),
+            cache_config={"block_size": str(self.config.block_size),
+                          "num_gpu_blocks": str(cache.num_blocks),
+                          "enable_prefix_caching": str(self.config.enable_prefix_caching),
+                          "prefix_caching_hash_algo": self.config.prefix_caching_hash_algo,
+                          "cache_dtype": "auto"},
         )
 
     def get_metrics(self) -> list[Metric]:

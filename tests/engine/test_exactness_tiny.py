@@ -313,6 +313,20 @@ def test_the_engine_records_every_request_it_ends(tiny_models: dict[str, Path]) 
     assert latencies.e2e_request_latency.count == 2 + 2  # none for the abort
     metrics = {(m.name, m.labels.get("finished_reason")): m for m in engine.get_metrics()}
     assert metrics[("vllm:request_success", "length")].value == 4  # type: ignore[attr-defined]
+    # vLLM's sizes and phases of the finished ones: per completion, n per request.
+    sizes = {name: (h.count, h.sum) for name, h in (
+        ("prompt", latencies.prompt_tokens), ("generated", latencies.generation_tokens),
+        ("n", latencies.params_n), ("most", latencies.max_num_generation_tokens),
+        ("max_tokens", latencies.params_max_tokens))}
+    assert sizes == {"prompt": (4, 4 * len(prompt)), "generated": (4, 12), "n": (2, 4),
+                     "most": (2, 6), "max_tokens": (4, 12)}
+    assert all(h.count == 4 for h in (latencies.queue_time, latencies.prefill_time,
+                                      latencies.decode_time, latencies.inference_time))
+    steps = latencies.iteration_tokens
+    assert steps.count >= 4 and steps.sum >= len(prompt)
+    info = metrics[("vllm:cache_config_info", None)]
+    assert info.labels["block_size"] == str(engine.config.block_size)
+    assert info.labels["enable_prefix_caching"] == "True"
     assert_idle(engine)
 
 

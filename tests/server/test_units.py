@@ -13,7 +13,13 @@ import pytest
 
 from pagellm.core.sampling_params import SamplingParams
 from pagellm.engine.llm_engine import EngineStats
-from pagellm.engine.metrics import Counter, Gauge, LatencyHistogram, RequestLatencies
+from pagellm.engine.metrics import (
+    Counter,
+    Gauge,
+    LatencyHistogram,
+    RequestEnd,
+    RequestLatencies,
+)
 from pagellm.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagellm.entrypoints.openai.errors import APIError, validation_error
 from pagellm.entrypoints.openai.logprobs import (
@@ -104,18 +110,29 @@ def test_prometheus_families_group_their_samples() -> None:
 def test_finish_reasons_are_counted_per_completion() -> None:
     """Every completion ends once in the counter, an aborted one too (but with no
     end-to-end time), and /metrics prints the engine's counts."""
-    latencies = RequestLatencies()
-    timing = RequestMetrics(arrival_time=1.0, first_token_time=1.5, last_token_time=2.0,
-                            finished_time=2.0)
+    latencies = RequestLatencies(max_model_len=100)
+    timing = RequestMetrics(arrival_time=1.0, first_scheduled_time=1.25, first_token_time=1.5,
+                            last_token_time=2.0, finished_time=2.0)
     for _ in range(4):
         latencies.first_token(0.5)
     latencies.token_gap(0.5)
-    latencies.ended(timing, ["stop", "length"], completed=True)
-    latencies.ended(timing, ["stop", None], completed=False)
-    latencies.ended(RequestMetrics(arrival_time=1.0), ["abort"] * 3, completed=False)
+    latencies.ended(RequestEnd(timing, ["stop", "length"], [3, 7], 40, 7, completed=True))
+    latencies.ended(RequestEnd(timing, ["stop", None], [3, 1], 40, 7, completed=False))
+    latencies.ended(RequestEnd(RequestMetrics(arrival_time=1.0), ["abort"] * 3, [0] * 3, 9,
+                               None, completed=False))
+    latencies.step(64)
     assert latencies.requests_finished == {"stop": 2, "length": 1, "abort": 4}
     assert latencies.e2e_request_latency.count == 2
     assert latencies.e2e_request_latency.sum == 2.0
+    # vLLM's phases and sizes, of the finished request's two completions.
+    assert [(h.count, h.sum) for h in (
+        latencies.queue_time, latencies.prefill_time, latencies.decode_time,
+        latencies.inference_time, latencies.prompt_tokens, latencies.generation_tokens,
+        latencies.params_max_tokens)] == [
+        (2, 0.5), (2, 0.5), (2, 1.0), (2, 1.5), (2, 80), (2, 10), (2, 14)]
+    assert [(h.count, h.sum) for h in (latencies.params_n, latencies.max_num_generation_tokens,
+                                       latencies.iteration_tokens)] == [(1, 2), (1, 7), (1, 64)]
+    assert latencies.prompt_tokens.bounds == (1, 2, 5, 10, 20, 50, 100)
     copy = latencies.copy()
     latencies.first_token(0.1)
     assert (copy.time_to_first_token.count, latencies.time_to_first_token.count) == (4, 5)
@@ -132,6 +149,13 @@ def test_finish_reasons_are_counted_per_completion() -> None:
                 f"{count}") in text
     assert 'pagellm_time_to_first_token_seconds_count{model_name="m"} 5' in text
     assert 'pagellm_request_finished_total{model_name="m",finished_reason="error"} 0' in text
+    for name in ("request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_inference_time_seconds",
+                 "request_prompt_tokens", "request_generation_tokens",
+                 "request_max_num_generation_tokens", "request_params_n",
+                 "request_params_max_tokens", "iteration_tokens_total"):
+        assert f"# TYPE vllm:{name} histogram" in text
+    assert 'vllm:iteration_tokens_total_sum{model_name="m"} 64.0' in text
 
 
 def test_request_log_lines(caplog: pytest.LogCaptureFixture) -> None:
