@@ -130,6 +130,7 @@ def test_finish_reasons_are_counted_per_completion() -> None:
         latencies.inference_time, latencies.prompt_tokens, latencies.generation_tokens,
         latencies.params_max_tokens)] == [
         (2, 0.5), (2, 0.5), (2, 1.0), (2, 1.5), (2, 80), (2, 10), (2, 14)]
+    assert latencies.time_per_output_token.sum == 0.5 / 2 + 0.5 / 6
     assert [(h.count, h.sum) for h in (latencies.params_n, latencies.max_num_generation_tokens,
                                        latencies.iteration_tokens)] == [(1, 2), (1, 7), (1, 64)]
     assert latencies.prompt_tokens.bounds == (1, 2, 5, 10, 20, 50, 100)
@@ -151,6 +152,7 @@ def test_finish_reasons_are_counted_per_completion() -> None:
     assert 'pagellm_request_finished_total{model_name="m",finished_reason="error"} 0' in text
     for name in ("request_queue_time_seconds", "request_prefill_time_seconds",
                  "request_decode_time_seconds", "request_inference_time_seconds",
+                 "request_time_per_output_token_seconds",
                  "request_prompt_tokens", "request_generation_tokens",
                  "request_max_num_generation_tokens", "request_params_n",
                  "request_params_max_tokens", "iteration_tokens_total"):
