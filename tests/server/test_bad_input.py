@@ -3,6 +3,7 @@ server goes on serving everyone else with no KV block left behind."""
 
 from __future__ import annotations
 
+import gzip
 import json
 from typing import Any
 
@@ -303,6 +304,13 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
     ("detokenize a negative token", "/detokenize", {"tokens": [-1]}, 400, "tokens",
      "token ids"),
     ("detokenize text", "/detokenize", {"tokens": "hello"}, 400, "tokens", "tokens"),
+    ("body not UTF-8", "/v1/completions", b'{"prompt": "caf\xe9"}', 400, None,
+     "not UTF-8 text (byte 15)"),
+    ("body gzipped", "/v1/chat/completions", gzip.compress(b'{"messages": []}'), 400, None,
+     "compressed body"),
+    ("body nested too deeply", "/v1/completions",
+     b'{"prompt": "x", "logit_bias": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None,
+     "nested too deeply"),
     ("body over the limit", "/v1/completions",
      json.dumps({"prompt": "a" * (MAX_REQUEST_BYTES + 10)}).encode(), 413, None, "too large"),
 ]

@@ -157,9 +157,24 @@ async def _on_validation_error(request: Request, error: Exception) -> JSONRespon
 async def _on_http_error(request: Request, error: Exception) -> JSONResponse:
     assert isinstance(error, StarletteHTTPException)
     message = error.detail if isinstance(error.detail, str) else str(error.detail)
+    cause = error.__cause__
+    if error.status_code == 400 and cause is not None:  # FastAPI could not read the body
+        message = _unreadable_body(cause) or message
     return APIError(error.status_code, message).response(
         headers=dict(error.headers) if error.headers else None,
         anthropic=is_anthropic(request.scope))
+
+
+def _unreadable_body(cause: BaseException) -> str | None:
+    """What FastAPI's "There was an error parsing the body" was, in words a client can
+    act on."""
+    if isinstance(cause, UnicodeDecodeError):
+        return (f"We could not parse the JSON body of your request: it is not UTF-8 text "
+                f"(byte {cause.start}); a compressed body (Content-Encoding) is not "
+                "supported.")
+    if isinstance(cause, RecursionError):
+        return "We could not parse the JSON body of your request: it is nested too deeply."
+    return None
 
 
 async def _on_unexpected(request: Request, error: Exception) -> JSONResponse:
