@@ -548,7 +548,11 @@ class LLMEngine:
         self._schedule_time += scheduled_at - begin
         if scheduled.is_empty:
             return []
-        self.latencies.step(scheduled.num_batched_tokens)
+        # vLLM's count: tokens computed and generated, so a prompt's last chunk counts
+        # the first token sampled from it too.
+        self.latencies.step(scheduled.num_batched_tokens + sum(
+            1 + len(item.forks) for item in scheduled.scheduled
+            if item.samples and item.request.num_computed_tokens < item.request.num_prompt_tokens))
         now = time.monotonic()
         for item in scheduled.scheduled:
             group = self._core_to_group[item.request.request_id]

@@ -26,16 +26,15 @@ if TYPE_CHECKING:
 FINISHED_ABORT = "abort"
 FINISH_REASONS = ("stop", "length", FINISHED_ABORT, "error")
 
+# vLLM's bucket bounds (vllm/v1/metrics/buckets.py), so quantiles, heatmaps and alert
+# thresholds written against vLLM read the same: first tokens, gaps between tokens, a
+# request's end-to-end time and its phases, tokens per step, and the n parameter.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-               1.0, 2.5, 5.0, 10.0, 20.0)
-E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
-               50.0, 60.0, 120.0, 240.0, 480.0)
-# vLLM's for the phases of a request (queued, prefill, decode, inference), tokens per
-# step, and the n parameter.
-PHASE_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                   50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 N_BUCKETS = (1, 2, 5, 10, 20)
 
@@ -219,15 +218,15 @@ class RequestLatencies:
         self.inter_token_latency = LatencyHistogram("pagellm_inter_token_latency_seconds",
                                                     ITL_BUCKETS)
         self.e2e_request_latency = LatencyHistogram("pagellm_e2e_request_latency_seconds",
-                                                    E2E_BUCKETS)
+                                                    REQUEST_BUCKETS)
         self.queue_time = LatencyHistogram("pagellm_request_queue_time_seconds",
-                                           PHASE_BUCKETS)
+                                           REQUEST_BUCKETS)
         self.prefill_time = LatencyHistogram("pagellm_request_prefill_time_seconds",
-                                             PHASE_BUCKETS)
+                                             REQUEST_BUCKETS)
         self.decode_time = LatencyHistogram("pagellm_request_decode_time_seconds",
-                                            PHASE_BUCKETS)
+                                            REQUEST_BUCKETS)
         self.inference_time = LatencyHistogram("pagellm_request_inference_time_seconds",
-                                               PHASE_BUCKETS)
+                                               REQUEST_BUCKETS)
         self.time_per_output_token = LatencyHistogram(
             "pagellm_request_time_per_output_token_seconds", ITL_BUCKETS)
         self.prompt_tokens = LatencyHistogram("pagellm_request_prompt_tokens", tokens)
@@ -246,8 +245,9 @@ class RequestLatencies:
         """Every histogram, in HELP's order."""
         return (self.time_to_first_token, self.inter_token_latency, self.e2e_request_latency,
                 self.queue_time, self.prefill_time, self.decode_time, self.inference_time,
-                self.time_per_output_token, self.prompt_tokens, self.generation_tokens, self.max_num_generation_tokens,
-                self.params_n, self.params_max_tokens, self.iteration_tokens)
+                self.time_per_output_token, self.prompt_tokens, self.generation_tokens,
+                self.max_num_generation_tokens, self.params_n, self.params_max_tokens,
+                self.iteration_tokens)
 
     def first_token(self, seconds: float) -> None:
         """A completion's first token, `seconds` after its request arrived: recorded as
@@ -325,9 +325,27 @@ def metrics_snapshot(stats: EngineStats, model_name: str) -> list[Metric]:
         *(histogram.snapshot(labels) for histogram in latencies.histograms),
         Gauge("pagellm_cache_config_info", {**labels, **stats.cache_config}, 1.0),
     ]
-    return ([_copy(metric, metric.name) for metric in metrics]
-            + [_copy(metric, VLLM_NAMES[metric.name]) for metric in metrics
-               if metric.name in VLLM_NAMES])
+    return [_copy(metric, metric.name) for metric in metrics] + _vllm_series(metrics)
+
+
+def _vllm_series(metrics: list[Metric]) -> list[Metric]:
+    """The series vLLM has, under its names and with its `engine` label (one engine,
+    index 0). Its request_success counts no client aborts (every PageLLM abort comes from
+    outside the engine: a client that left, an abort by id, a shutdown) and has vLLM's
+    fifth reason, "repetition", which PageLLM never ends a request with."""
+    series: list[Metric] = []
+    for metric in metrics:
+        if metric.name in VLLM_NAMES:
+            copy = _copy(metric, VLLM_NAMES[metric.name])
+            copy.labels["engine"] = "0"
+            if isinstance(copy, Counter) and copy.labels.get("finished_reason") == FINISHED_ABORT:
+                copy.value = 0
+            series.append(copy)
+    last = max(index for index, metric in enumerate(series)
+               if metric.name == "vllm:request_success")
+    series.insert(last + 1, Counter("vllm:request_success", {
+        **series[last].labels, "finished_reason": "repetition"}, 0))
+    return series
 
 
 def _copy(metric: Metric, name: str) -> Metric:

@@ -269,11 +269,15 @@ def test_get_metrics_snapshots_the_engine_and_the_requests_run() -> None:
     model = ("model_name", "SmolLM2-135M-Instruct")
 
     def value(name: str, **labels: str) -> Any:
-        return metrics[(name, tuple(sorted({**dict([model]), **labels}.items())))]
+        engine = {"engine": "0"} if name.startswith("vllm:") else {}  # vLLM's label too
+        return metrics[(name, tuple(sorted({**dict([model]), **engine, **labels}.items())))]
 
+    assert value("pagellm_request_finished", finished_reason="length") == Counter(
+        "pagellm_request_finished", {"model_name": model[1], "finished_reason": "length"}, 3)
+    assert value("vllm:request_success", finished_reason="length") == Counter(
+        "vllm:request_success",
+        {"model_name": model[1], "finished_reason": "length", "engine": "0"}, 3)
     for finished in ("pagellm_request_finished", "vllm:request_success"):
-        assert value(finished, finished_reason="length") == Counter(
-            finished, {"model_name": model[1], "finished_reason": "length"}, 3)
         assert value(finished, finished_reason="abort").value == 0
     assert value("vllm:generation_tokens").value == 15
     assert value("vllm:prefix_cache_hits").value > 0

@@ -378,17 +378,19 @@ def test_metrics_exposes_the_required_families(server: Server, path: str,
     assert 'le="+Inf"' in text
     # The same series under vLLM's names, for dashboards and autoscalers written for it.
     assert "# TYPE vllm:time_to_first_token_seconds histogram" in text
-    assert 'vllm:time_to_first_token_seconds_bucket{model_name="SmolLM2-135M-Instruct",le=' \
-        in text
+    assert ('vllm:time_to_first_token_seconds_bucket{model_name="SmolLM2-135M-Instruct",'
+            'engine="0",le=') in text
     metrics = server.metrics()
-    for ours, theirs in (("pagellm_num_requests_running", "vllm:num_requests_running"),
-                         ("pagellm_kv_cache_usage", "vllm:kv_cache_usage_perc"),
-                         ("pagellm_prefix_cache_hits_total", "vllm:prefix_cache_hits_total"),
-                         ("pagellm_prompt_tokens_total", "vllm:prompt_tokens_total"),
+    for ours, theirs in (("pagellm_num_requests_running",
+                          'vllm:num_requests_running{engine="0"}'),
+                         ("pagellm_kv_cache_usage", 'vllm:kv_cache_usage_perc{engine="0"}'),
+                         ("pagellm_prefix_cache_hits_total",
+                          'vllm:prefix_cache_hits_total{engine="0"}'),
+                         ("pagellm_prompt_tokens_total", 'vllm:prompt_tokens_total{engine="0"}'),
                          ("pagellm_e2e_request_latency_seconds_count",
-                          "vllm:e2e_request_latency_seconds_count"),
+                          'vllm:e2e_request_latency_seconds_count{engine="0"}'),
                          ('pagellm_request_finished_total{finished_reason="length"}',
-                          'vllm:request_success_total{finished_reason="length"}')):
+                          'vllm:request_success_total{finished_reason="length",engine="0"}')):
         assert metrics[theirs] == metrics[ours], theirs
 
 

@@ -143,11 +143,14 @@ def test_finish_reasons_are_counted_per_completion() -> None:
             return stats(latencies=latencies.copy())
 
     text = ServerMetrics(Engine(), "m").render()  # type: ignore[arg-type]
-    for reason, count in (("stop", 2), ("length", 1), ("abort", 4)):
-        assert (f'pagellm_request_finished_total{{model_name="m",finished_reason="{reason}"}} '
-                f"{count}") in text
-        assert (f'vllm:request_success_total{{model_name="m",finished_reason="{reason}"}} '
-                f"{count}") in text
+    # vLLM's series carry its engine label, and count no client aborts (vLLM's do not).
+    for reason, count, vllm_count in (("stop", 2, 2), ("length", 1, 1), ("abort", 4, 0),
+                                      ("repetition", None, 0)):
+        if count is not None:
+            assert ('pagellm_request_finished_total{model_name="m",finished_reason='
+                    f'"{reason}"}} {count}') in text
+        assert ('vllm:request_success_total{model_name="m",finished_reason='
+                f'"{reason}",engine="0"}} {vllm_count}') in text
     assert 'pagellm_time_to_first_token_seconds_count{model_name="m"} 5' in text
     assert 'pagellm_request_finished_total{model_name="m",finished_reason="error"} 0' in text
     for name in ("request_queue_time_seconds", "request_prefill_time_seconds",
@@ -157,7 +160,7 @@ def test_finish_reasons_are_counted_per_completion() -> None:
                  "request_max_num_generation_tokens", "request_params_n",
                  "request_params_max_tokens", "iteration_tokens_total"):
         assert f"# TYPE vllm:{name} histogram" in text
-    assert 'vllm:iteration_tokens_total_sum{model_name="m"} 64.0' in text
+    assert 'vllm:iteration_tokens_total_sum{model_name="m",engine="0"} 64.0' in text
 
 
 def test_request_log_lines(caplog: pytest.LogCaptureFixture) -> None:
