@@ -122,9 +122,9 @@ class Metric:
 
 @dataclass
 class Counter(Metric):
-    """A count that only grows."""
+    """A count that only grows (or a total, as of a process's CPU seconds)."""
 
-    value: int
+    value: float
 
 
 @dataclass

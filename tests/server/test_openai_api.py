@@ -394,6 +394,40 @@ def test_metrics_exposes_the_required_families(server: Server, path: str,
         assert metrics[theirs] == metrics[ours], theirs
 
 
+def test_metrics_count_http_requests_and_the_process_as_vllm_does(server: Server) -> None:
+    """vLLM's instrumentator series (by route template, method and status class) and
+    prometheus_client's process series; probes and /metrics itself are left out."""
+    key = 'http_requests_total{method="POST",status="%s",handler="%s"}'
+    before = server.metrics()
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}
+                         ).status_code == 200
+        assert http.post("/v1/completions", json={"prompt": 5}).status_code == 400
+        assert http.post("/no/such/route", json={}).status_code == 404
+        assert http.get("/health").status_code == 200
+        assert http.get("/v1/models/" + MODEL_NAME).status_code == 200
+    after = server.metrics()
+
+    def grew(name: str) -> float:
+        return after.get(name, 0) - before.get(name, 0)
+
+    assert grew(key % ("2xx", "/v1/completions")) == 1
+    assert grew(key % ("4xx", "/v1/completions")) == 1
+    assert grew(key % ("4xx", "none")) == 1  # a path no route matches
+    assert grew('http_requests_total{method="GET",status="2xx",handler="/v1/models/{name:path}"}'
+                ) == 1
+    assert not any("/health" in name or '"/metrics"' in name for name in after)
+    assert grew('http_request_duration_seconds_count{method="POST",handler="/v1/completions"}'
+                ) == 2
+    assert grew("http_request_duration_highr_seconds_count") == 4
+    assert after["process_resident_memory_bytes"] > 10 << 20
+    assert after["process_cpu_seconds_total"] > 0 and after["process_open_fds"] > 0
+    # Each family once, under one HELP and TYPE: the text is valid for strict parsers.
+    text = httpx.get(f"{server.url}/metrics").text
+    families = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")]
+    assert len(families) == len(set(families))
+
+
 def test_echo_with_max_tokens_0_scores_the_prompt_alone(client: openai.OpenAI) -> None:
     """vLLM's way for scoring harnesses to ask a prompt's likelihood: the prompt back,
     its tokens' logprobs (the first without one), and no completion."""

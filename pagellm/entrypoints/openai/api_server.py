@@ -31,6 +31,7 @@ from pagellm.entrypoints.openai.errors import (
     install_error_handlers,
     validation_error,
 )
+from pagellm.entrypoints.openai.http_metrics import HttpMetricsMiddleware
 from pagellm.entrypoints.openai.json_text import JSONResponse
 from pagellm.entrypoints.openai.messages_protocol import (
     CountTokensRequest,
@@ -246,6 +247,8 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
     if settings.api_keys is not None:
         app.add_middleware(APIKeyMiddleware, api_keys=settings.api_keys)
+    # Outside the guards, so their 401s and 413s are counted too (vLLM's instrumentator).
+    app.add_middleware(HttpMetricsMiddleware, metrics=context.metrics.http)
     if settings.allowed_origins:
         # Outside the key guard: a browser's preflight is answered before the key is
         # asked for (it carries none), and the other answers, a 401 too, carry the CORS

@@ -24,6 +24,7 @@ from pagellm.engine.metrics import (
     metrics_snapshot,
 )
 from pagellm.engine.outputs import RequestOutput
+from pagellm.entrypoints.openai.http_metrics import HTTP_HELP, HttpMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -90,13 +91,14 @@ def prometheus_text(metrics: Sequence[Metric]) -> str:
     """The metrics in Prometheus' text format: each family (the records sharing a name,
     which come together) under its HELP and TYPE lines, a counter's with `_total`."""
     vllm_names = {vllm: ours for ours, vllm in VLLM_NAMES.items()}
+    help_texts = {**HELP, **HTTP_HELP}
     lines: list[str] = []
     for index, metric in enumerate(metrics):
         name = metric.name + "_total" if isinstance(metric, Counter) else metric.name
         if index == 0 or metrics[index - 1].name != metric.name:
             kind = ("histogram" if isinstance(metric, Histogram)
                     else "counter" if isinstance(metric, Counter) else "gauge")
-            lines += [f"# HELP {name} {HELP[vllm_names.get(metric.name, metric.name)]}",
+            lines += [f"# HELP {name} {help_texts[vllm_names.get(metric.name, metric.name)]}",
                       f"# TYPE {name} {kind}"]
         lines += _samples(metric, name)
     return "\n".join(lines) + "\n"
@@ -112,6 +114,7 @@ class ServerMetrics:
                  log_outputs: bool = False, max_log_len: int | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.http = HttpMetrics()  # filled by the app's HttpMetricsMiddleware
         self.log_requests = log_requests or log_outputs
         self.log_outputs = log_outputs
         self.max_log_len = max_log_len
@@ -144,4 +147,5 @@ class ServerMetrics:
                        for c in output.outputs)
 
     def render(self) -> str:
-        return prometheus_text(metrics_snapshot(self.engine.stats(), self.model_name))
+        return prometheus_text(metrics_snapshot(self.engine.stats(), self.model_name)
+                               + self.http.snapshot())
