@@ -20,6 +20,7 @@ masks and copies stay on the engine's thread.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -47,6 +48,11 @@ logger = logging.getLogger(__name__)
 _CACHED_FORMATS = 64
 # Characters of llguidance's error kept in the request's error and the log.
 _MAX_REASON = 500
+# llguidance's parser gives up on a row of more than 2,000 items by default, which an
+# object of ~500 optional properties or an enum of 2,000 objects reaches after its first
+# token (the request then fails mid-answer). Rows ten times that long are allowed; the
+# work of one token stays bounded by llguidance's own per-step item cap.
+_LIMITS = llguidance.LLParserLimits(max_items_in_row=20_000)
 
 _KIND_NAMES = {
     "json": "JSON schema",
@@ -130,7 +136,7 @@ class GrammarCompiler:
             if compiled is not None:
                 self._compiled.move_to_end(spec)
                 return compiled
-        compiled = llguidance.LLMatcher(self.tokenizer, spec, log_level=0)
+        compiled = llguidance.LLMatcher(self.tokenizer, spec, log_level=0, limits=_LIMITS)
         if compiled.is_error():
             raise ValueError(f"structured_outputs.{params.kind} is not a valid "
                              f"{_KIND_NAMES[params.kind]}: {compiled.get_error().strip()}")
@@ -158,7 +164,7 @@ def grammar_spec(params: StructuredOutputsParams) -> str:
                 raise ValueError("a JSON schema must be a JSON object")
             if nesting(schema) > MAX_SCHEMA_NESTING:  # given as text, unchecked so far
                 raise ValueError(f"it is nested more than {MAX_SCHEMA_NESTING} levels deep")
-            schema = _closed_objects(schema)
+            schema = _closed_objects(_without_unknown_formats(schema))
             # As vLLM's default backend (xgrammar) reads JSON: a oneOf whose branches
             # llguidance cannot prove disjoint is an anyOf instead of refused, and a
             # string may write any character as a \u escape (Python's json.dumps does).
@@ -184,6 +190,34 @@ def grammar_spec(params: StructuredOutputsParams) -> str:
     except (ValueError, TypeError, RecursionError) as error:  # json.loads of deep text
         raise ValueError(f"structured_outputs.{kind} is not a valid {_KIND_NAMES[kind]}: "
                          f"{error}") from error
+
+
+def _without_unknown_formats(node: Any) -> Any:
+    """A copy of the schema without the `format`s llguidance does not know, which JSON
+    Schema reads as annotations that constrain nothing (pydantic writes `binary` for
+    bytes, `password` for SecretStr): llguidance would refuse the whole schema."""
+    if not isinstance(node, dict):
+        return node
+    kept: dict[str, Any] = {}
+    for key, value in node.items():
+        if key == "format" and isinstance(value, str) and not _known_format(value):
+            continue
+        if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            value = {name: _without_unknown_formats(item) for name, item in value.items()}
+        elif isinstance(value, list) and key in (*_BRANCHES, "prefixItems", "items"):
+            value = [_without_unknown_formats(item) for item in value]
+        elif key in _SUBSCHEMA:
+            value = _without_unknown_formats(value)
+        kept[key] = value
+    return kept
+
+
+@functools.cache
+def _known_format(name: str) -> bool:
+    """Whether llguidance enforces the string format `name` (asked of llguidance itself,
+    so a newer version's formats are used)."""
+    spec = llguidance.LLMatcher.grammar_from_json_schema({"type": "string", "format": name})
+    return not llguidance.LLMatcher.validate_grammar(spec, None).startswith("Unknown format")
 
 
 def _choice_grammar(choices: list[str]) -> str:
@@ -372,7 +406,8 @@ def format_error(params: StructuredOutputsParams) -> str | None:
     asked before a request reaches the engine (the engine compiles it again, against
     the tokenizer, and refuses what fails there)."""
     try:
-        error: str = llguidance.LLMatcher.validate_grammar(grammar_spec(params), None)
+        error: str = llguidance.LLMatcher.validate_grammar(grammar_spec(params), None,
+                                                           limits=_LIMITS)
     except ValueError as bad:
         return str(bad)
     if not error:

@@ -18,6 +18,7 @@ from pagellm import SamplingParams
 from pagellm.core.sampling_params import StructuredOutputsParams
 from pagellm.engine.structured_output import (
     FormatMatcher,
+    _without_unknown_formats,
     allowed_tokens,
     grammar_spec,
     unpack_bitmask,
@@ -427,12 +428,12 @@ def test_after_the_format_only_eos_follows(default_llm: Any) -> None:
 
 
 def test_a_failed_matcher_ends_its_request_with_an_error(default_llm: Any) -> None:
-    """A grammar past llguidance's parser limits (2,001 alternatives in one rule) compiles
-    but fails after its first token: the completion ends with finish_reason "error" and
-    the output's error set, instead of passing a cut text off as formatted; the other
-    request of the step goes on."""
+    """A grammar past llguidance's parser limits (20,001 alternatives in one rule)
+    compiles but fails after its first token: the completion ends with finish_reason
+    "error" and the output's error set, instead of passing a cut text off as formatted;
+    the other request of the step goes on."""
     llm = default_llm
-    rule = " | ".join(f'"item {i}"' for i in range(2001))
+    rule = " | ".join(f'"item {i}"' for i in range(20_001))
     failed, free = llm.generate(
         [_prompt(llm, "Pick an item."), "The sky is"],
         [_greedy(StructuredOutputsParams(grammar=f"start: {rule}")),
@@ -442,6 +443,45 @@ def test_a_failed_matcher_ends_its_request_with_an_error(default_llm: Any) -> No
     assert len(failed.error) < 600  # llguidance's message quotes the grammar: cut short
     assert free.error is None and len(free.outputs[0].token_ids) == 5
     assert_idle(llm.llm_engine)
+
+
+def test_wide_schemas_and_grammars_are_followed(default_llm: Any) -> None:
+    """Past llguidance's default of 2,000 items in a parser row, which these reach after
+    their first token: an object of 600 optional properties, an enum of 2,100 objects, a
+    rule of 2,100 alternatives."""
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(600)}}
+    objects = {"enum": [{"k": i} for i in range(2100)]}
+    rule = "start: " + " | ".join(f'"w{i}x"' for i in range(2100))
+    outputs = default_llm.generate(
+        [_prompt(default_llm, "Answer in the format asked.")] * 3,
+        [_greedy(StructuredOutputsParams(json=wide), max_tokens=24),
+         _greedy(StructuredOutputsParams(json=objects)),
+         _greedy(StructuredOutputsParams(grammar=rule))], use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in outputs] == ["length", "stop", "stop"]
+    assert json.loads(outputs[1].outputs[0].text) in objects["enum"]
+    assert re.fullmatch(r"w\d+x", outputs[2].outputs[0].text)
+    assert_idle(default_llm.llm_engine)
+
+
+def test_unknown_string_formats_are_annotations(default_llm: Any) -> None:
+    """JSON Schema reads a format it does not know as an annotation: pydantic's bytes
+    ("binary") or SecretStr ("password") constrain nothing, where llguidance would refuse
+    the schema; known formats stay enforced, and a property named "format" is kept."""
+    schema = {"type": "object", "properties": {
+        "blob": {"type": "string", "format": "binary"},
+        "format": {"type": "string", "format": "email"},
+        "items": {"type": "array", "items": {"type": "string", "format": "password"}}},
+        "required": ["blob", "format", "items"], "$defs": {"x": {"format": "int64"}}}
+    assert _without_unknown_formats(schema) == {"type": "object", "properties": {
+        "blob": {"type": "string"}, "format": {"type": "string", "format": "email"},
+        "items": {"type": "array", "items": {"type": "string"}}},
+        "required": ["blob", "format", "items"], "$defs": {"x": {}}}
+    (output,) = default_llm.generate(
+        _prompt(default_llm, "Answer in JSON."),
+        _greedy(StructuredOutputsParams(json=schema), max_tokens=60), use_tqdm=False)
+    assert output.outputs[0].finish_reason in ("stop", "length")
+    if output.outputs[0].finish_reason == "stop":
+        assert "@" in json.loads(output.outputs[0].text)["format"]
 
 
 def test_thousands_of_choices(default_llm: Any) -> None:

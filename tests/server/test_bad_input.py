@@ -205,6 +205,10 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
      {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
          "name": "deep", "schema": DEEP_SCHEMA}}}, 400, "response_format",
      "nested more than 64 levels deep"),
+    ("forced tool parameters nested too deeply", "/v1/chat/completions",
+     {"messages": USER, "tools": [{"type": "function", "function": {
+         "name": "f", "parameters": DEEP_SCHEMA}}], "tool_choice": "required"}, 400,
+     "tools[0].function.parameters", "nested more than 64 levels deep"),
     ("tool parameters that do not compile", "/v1/chat/completions",
      {"messages": USER, "tool_choice": {"type": "function", "function": {"name": "f"}},
       "tools": [{"type": "function", "function": {"name": "f", "parameters": {

@@ -293,7 +293,10 @@ def _compiled(functions: dict[str, dict[str, Any]], names: list[str]) -> None:
     for index, (name, parameters) in enumerate(functions.items()):
         if name not in names:
             continue
-        error = format_error(StructuredOutputsParams(json=parameters))
+        try:
+            error = format_error(StructuredOutputsParams(json=parameters))
+        except ValueError as refused:  # checked as it is built (nested too deeply, ...)
+            error = str(refused)
         if error is not None:
             raise bad_request(error.replace("structured_outputs.json",
                                             f"tools[{index}].function.parameters", 1),
