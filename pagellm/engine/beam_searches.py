@@ -219,9 +219,10 @@ class BeamSearches:
 
 def _end(run: _Run, reasons: list[str | None], completed: bool) -> RequestEnd:
     """A search as the metrics record it: one request of `beam_width` completions, the
-    finished beams' lengths first, then the running ones' (none before its first step)."""
+    finished beams' lengths first, then the running ones' (none before its first step).
+    Its steps' requests are each preempted or not; the search counts none."""
     search = run.search
     lengths = [len(beam.token_ids) for beam in [*search.finished, *search.running]]
     lengths = (lengths + [0] * len(reasons))[:len(reasons)]
-    return RequestEnd(run.metrics, reasons, lengths, len(run.prompt_token_ids),
-                      run.params.max_tokens, completed)
+    return RequestEnd(run.metrics, reasons, lengths, [0] * len(reasons),
+                      len(run.prompt_token_ids), run.params.max_tokens, completed)

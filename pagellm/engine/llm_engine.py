@@ -123,6 +123,7 @@ class _Group:
         """What the metrics record of the request as it ends."""
         return RequestEnd(self.metrics, [s.request.status.finish_reason for s in self.samples],
                           [s.request.num_output_tokens for s in self.samples],
+                          [s.request.num_preemptions for s in self.samples],
                           len(self.prompt_token_ids),
                           self.samples[0].request.sampling_params.max_tokens, completed)
 
@@ -867,6 +868,9 @@ class LLMEngine:
             latencies=self.latencies.copy(),
             cache_config={"block_size": str(self.config.block_size),
                           "num_gpu_blocks": str(cache.num_blocks),
+                          "kv_cache_size_tokens": str(cache.num_blocks * self.config.block_size),
+                          "kv_cache_max_concurrency": str(
+                              cache.num_blocks * self.config.block_size / self.max_model_len),
                           "enable_prefix_caching": str(self.config.enable_prefix_caching),
                           "prefix_caching_hash_algo": self.config.prefix_caching_hash_algo,
                           "cache_dtype": "auto"},

@@ -36,6 +36,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 N_BUCKETS = (1, 2, 5, 10, 20)
 
 # Each metric's one-line meaning (Prometheus' HELP), which also fixes the order they
@@ -49,6 +50,9 @@ HELP = {
     "pagellm_kv_cache_blocks": "KV cache blocks in the pool.",
     "pagellm_num_requests_running": "Requests scheduled in the running batch.",
     "pagellm_num_requests_waiting": "Requests waiting to be scheduled.",
+    "pagellm_num_requests_waiting_by_reason": "Requests waiting, by reason: capacity (the "
+                                              "step's budget or KV blocks) or deferred "
+                                              "(never, here).",
     "pagellm_num_preemptions": "Requests preempted (their KV freed) to make room.",
     "pagellm_prompt_tokens": "Prompt tokens of requests whose prompt was computed "
                                    "(cached ones included).",
@@ -77,6 +81,7 @@ HELP = {
                                                  "of each finished request.",
     "pagellm_request_params_n": "The n (completions) of each finished request.",
     "pagellm_request_params_max_tokens": "The max_tokens of each finished completion.",
+    "pagellm_request_num_preemptions": "Times each finished completion was preempted.",
     "pagellm_iteration_tokens": "Tokens computed by each engine step (prompt and generated).",
     "pagellm_cache_config_info": "The KV cache's configuration, in the labels.",
 }
@@ -89,6 +94,7 @@ VLLM_NAMES = {
     "pagellm_kv_cache_usage": "vllm:kv_cache_usage_perc",
     "pagellm_num_requests_running": "vllm:num_requests_running",
     "pagellm_num_requests_waiting": "vllm:num_requests_waiting",
+    "pagellm_num_requests_waiting_by_reason": "vllm:num_requests_waiting_by_reason",
     "pagellm_num_preemptions": "vllm:num_preemptions",
     "pagellm_prompt_tokens": "vllm:prompt_tokens",
     "pagellm_generation_tokens": "vllm:generation_tokens",
@@ -107,6 +113,7 @@ VLLM_NAMES = {
     "pagellm_request_max_num_generation_tokens": "vllm:request_max_num_generation_tokens",
     "pagellm_request_params_n": "vllm:request_params_n",
     "pagellm_request_params_max_tokens": "vllm:request_params_max_tokens",
+    "pagellm_request_num_preemptions": "vllm:request_num_preemptions",
     "pagellm_iteration_tokens": "vllm:iteration_tokens_total",  # a histogram, so named
     "pagellm_cache_config_info": "vllm:cache_config_info",
 }
@@ -179,13 +186,14 @@ class LatencyHistogram:
 @dataclass(frozen=True)
 class RequestEnd:
     """A request as it ends: its times, each completion's finish reason (None reads
-    "abort") and tokens generated, its prompt's tokens and the max_tokens it asked for.
-    Only a `completed` request (finished or failed, not aborted) has its times and sizes
-    recorded, as vLLM records its finished requests'."""
+    "abort"), tokens generated and preemptions, its prompt's tokens and the max_tokens it
+    asked for. Only a `completed` request (finished or failed, not aborted) has its times
+    and sizes recorded, as vLLM records its finished requests'."""
 
     metrics: RequestMetrics
     finish_reasons: Sequence[str | None]
     generated_tokens: Sequence[int]
+    preemptions: Sequence[int]
     prompt_tokens: int
     max_tokens: int | None
     completed: bool
@@ -235,6 +243,8 @@ class RequestLatencies:
             "pagellm_request_max_num_generation_tokens", tokens)
         self.params_n = LatencyHistogram("pagellm_request_params_n", N_BUCKETS)
         self.params_max_tokens = LatencyHistogram("pagellm_request_params_max_tokens", tokens)
+        self.num_preemptions = LatencyHistogram("pagellm_request_num_preemptions",
+                                                PREEMPTION_BUCKETS)
         self.iteration_tokens = LatencyHistogram("pagellm_iteration_tokens",
                                                  STEP_TOKEN_BUCKETS)
         # Completions by how they ended: "stop", "length", "abort" or "error".
@@ -247,7 +257,7 @@ class RequestLatencies:
                 self.queue_time, self.prefill_time, self.decode_time, self.inference_time,
                 self.time_per_output_token, self.prompt_tokens, self.generation_tokens,
                 self.max_num_generation_tokens, self.params_n, self.params_max_tokens,
-                self.iteration_tokens)
+                self.num_preemptions, self.iteration_tokens)
 
     def first_token(self, seconds: float) -> None:
         """A completion's first token, `seconds` after its request arrived: recorded as
@@ -273,7 +283,7 @@ class RequestLatencies:
         times = end.metrics
         last = times.finished_time or times.last_token_time
         scheduled, first = times.first_scheduled_time, times.first_token_time
-        for generated in end.generated_tokens:
+        for generated, preemptions in zip(end.generated_tokens, end.preemptions, strict=True):
             if last is not None:
                 self.e2e_request_latency.observe(last - times.arrival_time)
             if scheduled is not None:
@@ -291,6 +301,7 @@ class RequestLatencies:
             self.generation_tokens.observe(generated)
             if end.max_tokens:
                 self.params_max_tokens.observe(end.max_tokens)
+            self.num_preemptions.observe(preemptions)
         self.params_n.observe(len(end.generated_tokens))
         self.max_num_generation_tokens.observe(max(end.generated_tokens, default=0))
 
@@ -316,6 +327,9 @@ def metrics_snapshot(stats: EngineStats, model_name: str) -> list[Metric]:
         Gauge("pagellm_kv_cache_blocks", labels, stats.num_blocks),
         Gauge("pagellm_num_requests_running", labels, stats.num_running),
         Gauge("pagellm_num_requests_waiting", labels, stats.num_waiting),
+        Gauge("pagellm_num_requests_waiting_by_reason", {**labels, "reason": "capacity"},
+              stats.num_waiting),
+        Gauge("pagellm_num_requests_waiting_by_reason", {**labels, "reason": "deferred"}, 0),
         Counter("pagellm_num_preemptions", labels, stats.num_preemptions),
         Counter("pagellm_prompt_tokens", labels, stats.prompt_tokens),
         Counter("pagellm_generation_tokens", labels, stats.generation_tokens),

@@ -116,10 +116,11 @@ def test_finish_reasons_are_counted_per_completion() -> None:
     for _ in range(4):
         latencies.first_token(0.5)
     latencies.token_gap(0.5)
-    latencies.ended(RequestEnd(timing, ["stop", "length"], [3, 7], 40, 7, completed=True))
-    latencies.ended(RequestEnd(timing, ["stop", None], [3, 1], 40, 7, completed=False))
-    latencies.ended(RequestEnd(RequestMetrics(arrival_time=1.0), ["abort"] * 3, [0] * 3, 9,
-                               None, completed=False))
+    latencies.ended(RequestEnd(timing, ["stop", "length"], [3, 7], [0, 2], 40, 7,
+                               completed=True))
+    latencies.ended(RequestEnd(timing, ["stop", None], [3, 1], [0, 0], 40, 7, completed=False))
+    latencies.ended(RequestEnd(RequestMetrics(arrival_time=1.0), ["abort"] * 3, [0] * 3,
+                               [0] * 3, 9, None, completed=False))
     latencies.step(64)
     assert latencies.requests_finished == {"stop": 2, "length": 1, "abort": 4}
     assert latencies.e2e_request_latency.count == 2
@@ -131,8 +132,9 @@ def test_finish_reasons_are_counted_per_completion() -> None:
         latencies.params_max_tokens)] == [
         (2, 0.5), (2, 0.5), (2, 1.0), (2, 1.5), (2, 80), (2, 10), (2, 14)]
     assert latencies.time_per_output_token.sum == 0.5 / 2 + 0.5 / 6
-    assert [(h.count, h.sum) for h in (latencies.params_n, latencies.max_num_generation_tokens,
-                                       latencies.iteration_tokens)] == [(1, 2), (1, 7), (1, 64)]
+    assert [(h.count, h.sum) for h in (
+        latencies.params_n, latencies.max_num_generation_tokens, latencies.num_preemptions,
+        latencies.iteration_tokens)] == [(1, 2), (1, 7), (2, 2), (1, 64)]
     assert latencies.prompt_tokens.bounds == (1, 2, 5, 10, 20, 50, 100)
     copy = latencies.copy()
     latencies.first_token(0.1)
@@ -158,7 +160,8 @@ def test_finish_reasons_are_counted_per_completion() -> None:
                  "request_time_per_output_token_seconds",
                  "request_prompt_tokens", "request_generation_tokens",
                  "request_max_num_generation_tokens", "request_params_n",
-                 "request_params_max_tokens", "iteration_tokens_total"):
+                 "request_params_max_tokens", "request_num_preemptions",
+                 "iteration_tokens_total"):
         assert f"# TYPE vllm:{name} histogram" in text
     assert 'vllm:iteration_tokens_total_sum{model_name="m",engine="0"} 64.0' in text
 
