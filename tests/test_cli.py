@@ -23,9 +23,11 @@ from pagellm.entrypoints.engine_args import NOT_ON_CLI, EngineArgs, byte_size
 from pagellm.entrypoints.serve import (
     address_of,
     bind,
+    remove_unix_file,
     served_model_names,
     server_settings,
     take_model_tag,
+    unix_file,
 )
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -228,9 +230,20 @@ def test_serve_unix_socket_problems_fail_before_loading_the_model(
     assert f"cannot listen on {other}: it exists and is not a socket" in (
         capsys.readouterr().err)
     assert other.read_text() == "keep me"
-    stale = bind(build_parser().parse_args(["serve", "--uds", str(live)]))
-    with stale:
-        assert address_of(stale) == f"unix:{live}"
+    ours = bind(build_parser().parse_args(["serve", "--uds", str(live)]))  # the stale one
+    with ours:
+        assert address_of(ours) == f"unix:{live}"
+        # Listening from the bind on: a second server, started while this one loads its
+        # model, finds the socket taken instead of replacing it.
+        assert main(["serve", "--uds", str(live)]) == 1
+        assert "another server is listening on it" in capsys.readouterr().err
+        file = unix_file(ours)
+    live.unlink()  # another server's socket now at the path: left alone
+    with socket.socket(socket.AF_UNIX) as theirs:
+        theirs.bind(str(live))
+        remove_unix_file(file)
+        assert live.is_socket()
+    assert file is not None and file[0] == str(live)
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "999.1.1.1"])

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from pagellm.core.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
 from pagellm.engine.beam_search import BeamSearch
 from pagellm.engine.detokenizer import IncrementalDetokenizer
-from pagellm.engine.metrics import RequestEnd
+from pagellm.engine.metrics import CompletionEnd, RequestEnd
 from pagellm.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 if TYPE_CHECKING:
@@ -100,8 +100,8 @@ class BeamSearches:
             if self._steps.pop(step_id, None) is not None:  # not yet collected
                 self._engine._end_aborted(step_id, record=False)
         run.metrics.finished_time = time.monotonic()
-        self._engine.latencies.ended(_end(run, [reason] * run.params.beam_width,
-                                          completed=reason is not None))
+        self._engine.latencies.ended(_request_end(run, [reason] * run.params.beam_width,
+                                                  completed=reason is not None))
 
     def step_ids(self) -> list[tuple[str, str]]:
         """(step request id, its search's id) of every step request not yet collected."""
@@ -181,8 +181,8 @@ class BeamSearches:
         if run.search.done:
             metrics.finished_time = now
             del self._runs[run.request_id]
-            latencies.ended(_end(run, [beam.finish_reason for beam in run.search.finished],
-                                 completed=True))
+            latencies.ended(_request_end(
+                run, [beam.finish_reason for beam in run.search.finished], completed=True))
             kept.append(self._output(run))
         else:
             self._queue_step(run)
@@ -217,12 +217,14 @@ class BeamSearches:
                              error=error)
 
 
-def _end(run: _Run, reasons: list[str | None], completed: bool) -> RequestEnd:
+def _request_end(run: _Run, reasons: list[str | None], completed: bool) -> RequestEnd:
     """A search as the metrics record it: one request of `beam_width` completions, the
-    finished beams' lengths first, then the running ones' (none before its first step).
-    Its steps' requests are each preempted or not; the search counts none."""
+    finished beams' lengths first, then the running ones' (none before its first step),
+    all ending at the search's last token. Its steps' requests are each preempted or
+    not; the search counts none."""
     search = run.search
     lengths = [len(beam.token_ids) for beam in [*search.finished, *search.running]]
     lengths = (lengths + [0] * len(reasons))[:len(reasons)]
-    return RequestEnd(run.metrics, reasons, lengths, [0] * len(reasons),
+    return RequestEnd(run.metrics, [CompletionEnd(reason, length)
+                                    for reason, length in zip(reasons, lengths, strict=True)],
                       len(run.prompt_token_ids), run.params.max_tokens, completed)

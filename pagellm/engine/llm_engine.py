@@ -29,7 +29,13 @@ from pagellm.engine.beam_searches import BeamSearches
 from pagellm.engine.config import EngineConfig, refuse_lora, resolve_device
 from pagellm.engine.detokenizer import IncrementalDetokenizer
 from pagellm.engine.generation_config import load_generation_defaults
-from pagellm.engine.metrics import Metric, RequestEnd, RequestLatencies, metrics_snapshot
+from pagellm.engine.metrics import (
+    CompletionEnd,
+    Metric,
+    RequestEnd,
+    RequestLatencies,
+    metrics_snapshot,
+)
 from pagellm.engine.outputs import (
     CompletionOutput,
     Logprob,
@@ -121,11 +127,11 @@ class _Group:
 
     def end(self, completed: bool) -> RequestEnd:
         """What the metrics record of the request as it ends."""
-        return RequestEnd(self.metrics, [s.request.status.finish_reason for s in self.samples],
-                          [s.request.num_output_tokens for s in self.samples],
-                          [s.request.num_preemptions for s in self.samples],
-                          len(self.prompt_token_ids),
-                          self.samples[0].request.sampling_params.max_tokens, completed)
+        return RequestEnd(self.metrics, [CompletionEnd(
+            s.request.status.finish_reason, s.request.num_output_tokens,
+            s.request.num_preemptions, s.last_token_time) for s in self.samples],
+            len(self.prompt_token_ids), self.samples[0].request.sampling_params.max_tokens,
+            completed)
 
 
 @dataclass

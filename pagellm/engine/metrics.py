@@ -184,16 +184,25 @@ class LatencyHistogram:
 
 
 @dataclass(frozen=True)
+class CompletionEnd:
+    """One completion of a request as it ends: how (None reads "abort"), the tokens it
+    generated, the times it was preempted, and when its last token came (None: the
+    request's), which an n > 1 request's completions each have their own of."""
+
+    finish_reason: str | None
+    generated_tokens: int
+    preemptions: int = 0
+    last_token_time: float | None = None
+
+
+@dataclass(frozen=True)
 class RequestEnd:
-    """A request as it ends: its times, each completion's finish reason (None reads
-    "abort"), tokens generated and preemptions, its prompt's tokens and the max_tokens it
-    asked for. Only a `completed` request (finished or failed, not aborted) has its times
-    and sizes recorded, as vLLM records its finished requests'."""
+    """A request as it ends: its times, its completions, its prompt's tokens and the
+    max_tokens it asked for. Only a `completed` request (finished or failed, not
+    aborted) has its times and sizes recorded, as vLLM records its finished requests'."""
 
     metrics: RequestMetrics
-    finish_reasons: Sequence[str | None]
-    generated_tokens: Sequence[int]
-    preemptions: Sequence[int]
+    completions: Sequence[CompletionEnd]
     prompt_tokens: int
     max_tokens: int | None
     completed: bool
@@ -275,35 +284,38 @@ class RequestLatencies:
     def ended(self, end: RequestEnd) -> None:
         """A request that ended: counted by finish reason, and if completed its times
         and sizes recorded, once per completion."""
-        for reason in end.finish_reasons:
-            reason = reason or FINISHED_ABORT
+        for completion in end.completions:
+            reason = completion.finish_reason or FINISHED_ABORT
             self.requests_finished[reason] = self.requests_finished.get(reason, 0) + 1
         if not end.completed:
             return
         times = end.metrics
-        last = times.finished_time or times.last_token_time
         scheduled, first = times.first_scheduled_time, times.first_token_time
-        for generated, preemptions in zip(end.generated_tokens, end.preemptions, strict=True):
-            if last is not None:
-                self.e2e_request_latency.observe(last - times.arrival_time)
+        for completion in end.completions:
+            last = completion.last_token_time or times.last_token_time
+            finish = completion.last_token_time or times.finished_time or last
+            if finish is not None:
+                self.e2e_request_latency.observe(finish - times.arrival_time)
             if scheduled is not None:
                 self.queue_time.observe(scheduled - times.arrival_time)
                 if first is not None:
                     self.prefill_time.observe(first - scheduled)
-                if times.last_token_time is not None:
-                    self.inference_time.observe(times.last_token_time - scheduled)
-            if first is not None and times.last_token_time is not None:
-                decode = times.last_token_time - first
+                if last is not None:
+                    self.inference_time.observe(last - scheduled)
+            if first is not None and last is not None:
+                decode = last - first
+                generated = completion.generated_tokens
                 self.decode_time.observe(decode)
                 self.time_per_output_token.observe(decode / (generated - 1)
                                                    if generated > 1 else 0.0)
             self.prompt_tokens.observe(end.prompt_tokens)
-            self.generation_tokens.observe(generated)
+            self.generation_tokens.observe(completion.generated_tokens)
             if end.max_tokens:
                 self.params_max_tokens.observe(end.max_tokens)
-            self.num_preemptions.observe(preemptions)
-        self.params_n.observe(len(end.generated_tokens))
-        self.max_num_generation_tokens.observe(max(end.generated_tokens, default=0))
+            self.num_preemptions.observe(completion.preemptions)
+        self.params_n.observe(len(end.completions))
+        self.max_num_generation_tokens.observe(
+            max((c.generated_tokens for c in end.completions), default=0))
 
     def copy(self) -> RequestLatencies:
         """A snapshot for other threads to read while the engine goes on."""

@@ -68,7 +68,9 @@ def _runner(args: argparse.Namespace, launch_time: float) -> Callable[[Any], int
         try:  # the settings are checked before the model loads, not after
             settings = serve.server_settings(args, launch_time, serve.address_of(sock))
         except ValueError:
+            file = serve.unix_file(sock)
             sock.close()
+            serve.remove_unix_file(file)
             raise
         return lambda engine: serve.run(engine, settings, sock)
     if args.command == "run-batch":

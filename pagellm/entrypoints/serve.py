@@ -297,25 +297,56 @@ def bind(args: argparse.Namespace) -> socket.socket:
 
 
 def _bind_unix(path: str) -> socket.socket:
-    """A Unix domain socket at `path`. A socket file left by a server that is gone is
-    replaced; one a server still listens on, or a file of another kind, is not."""
-    if os.path.exists(path):
-        if not stat.S_ISSOCK(os.stat(path).st_mode):
-            raise OSError(f"cannot listen on {path}: it exists and is not a socket")
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-            try:
-                probe.connect(path)
-            except ConnectionRefusedError:
-                os.unlink(path)
-            else:
-                raise OSError(f"cannot listen on {path}: another server is listening on it")
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    """A Unix domain socket at `path`, listening at once (connections wait in its
+    backlog until the model has loaded), so another server started meanwhile finds it
+    taken. A socket file left by a server that is gone is replaced; one a server listens
+    on, or a file of another kind, is not."""
     try:
-        sock.bind(path)
+        if os.path.exists(path):
+            if not stat.S_ISSOCK(os.stat(path).st_mode):
+                raise OSError("it exists and is not a socket")
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                try:
+                    probe.connect(path)
+                except ConnectionRefusedError:
+                    os.unlink(path)
+                else:
+                    raise OSError("another server is listening on it")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(path)
+            sock.listen()
+        except OSError:
+            sock.close()
+            raise
     except OSError as error:
-        sock.close()
         raise OSError(f"cannot listen on {path}: {error}") from error
     return sock
+
+
+def unix_file(sock: socket.socket) -> tuple[str, tuple[int, int]] | None:
+    """A Unix socket's file as bound: its path, and its inode and creation time (an
+    inode number is reused at once by the next file) to know it again; None for TCP."""
+    if sock.family != socket.AF_UNIX:
+        return None
+    path = sock.getsockname()
+    return path, _identity(path)
+
+
+def remove_unix_file(file: tuple[str, tuple[int, int]] | None) -> None:
+    """Removes the socket file the server bound, unless it is gone or another server's
+    has replaced it since."""
+    if file is None:
+        return
+    path, identity = file
+    with contextlib.suppress(FileNotFoundError):
+        if _identity(path) == identity:
+            os.unlink(path)
+
+
+def _identity(path: str) -> tuple[int, int]:
+    status = os.stat(path)
+    return status.st_ino, status.st_ctime_ns
 
 
 def address_of(sock: socket.socket) -> str:
@@ -375,11 +406,9 @@ def server_settings(args: argparse.Namespace, launch_time: float, address: str
 def run(engine: AsyncLLMEngine, settings: ServerSettings, sock: socket.socket) -> int:
     from pagellm.entrypoints.openai.api_server import run_server
 
-    unix_path = sock.getsockname() if sock.family == socket.AF_UNIX else None
+    file = unix_file(sock)
     try:
         run_server(engine, settings, sock)
     finally:
-        if unix_path is not None:  # uvicorn closes the socket but leaves its file
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(unix_path)
+        remove_unix_file(file)  # uvicorn closes the socket but leaves its file
     return 0

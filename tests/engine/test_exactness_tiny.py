@@ -330,8 +330,8 @@ def test_the_engine_records_every_request_it_ends(tiny_models: dict[str, Path]) 
     blocks = engine.get_stats().num_blocks
     assert info.labels["kv_cache_size_tokens"] == str(blocks * engine.config.block_size)
     assert latencies.num_preemptions.count == 4 and latencies.num_preemptions.sum == 0
-    waiting = {m.labels.get("reason"): m.value for m in engine.get_metrics()  # type: ignore[attr-defined]
-               if m.name == "vllm:num_requests_waiting_by_reason"}
+    waiting = {m.labels.get("reason"): m.value  # type: ignore[attr-defined]
+               for m in engine.get_metrics() if m.name == "vllm:num_requests_waiting_by_reason"}
     assert waiting == {"capacity": 0, "deferred": 0}
     assert_idle(engine)
 

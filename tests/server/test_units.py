@@ -14,6 +14,7 @@ import pytest
 from pagellm.core.sampling_params import SamplingParams
 from pagellm.engine.llm_engine import EngineStats
 from pagellm.engine.metrics import (
+    CompletionEnd,
     Counter,
     Gauge,
     LatencyHistogram,
@@ -116,22 +117,25 @@ def test_finish_reasons_are_counted_per_completion() -> None:
     for _ in range(4):
         latencies.first_token(0.5)
     latencies.token_gap(0.5)
-    latencies.ended(RequestEnd(timing, ["stop", "length"], [3, 7], [0, 2], 40, 7,
+    # Two completions of one request: the first stopped early, at its own last token.
+    latencies.ended(RequestEnd(timing, [CompletionEnd("stop", 3, 0, 1.75),
+                                        CompletionEnd("length", 7, 2, 2.0)], 40, 7,
                                completed=True))
-    latencies.ended(RequestEnd(timing, ["stop", None], [3, 1], [0, 0], 40, 7, completed=False))
-    latencies.ended(RequestEnd(RequestMetrics(arrival_time=1.0), ["abort"] * 3, [0] * 3,
-                               [0] * 3, 9, None, completed=False))
+    latencies.ended(RequestEnd(timing, [CompletionEnd("stop", 3), CompletionEnd(None, 1)],
+                               40, 7, completed=False))
+    latencies.ended(RequestEnd(RequestMetrics(arrival_time=1.0),
+                               [CompletionEnd("abort", 0)] * 3, 9, None, completed=False))
     latencies.step(64)
     assert latencies.requests_finished == {"stop": 2, "length": 1, "abort": 4}
     assert latencies.e2e_request_latency.count == 2
-    assert latencies.e2e_request_latency.sum == 2.0
+    assert latencies.e2e_request_latency.sum == 0.75 + 1.0
     # vLLM's phases and sizes, of the finished request's two completions.
     assert [(h.count, h.sum) for h in (
         latencies.queue_time, latencies.prefill_time, latencies.decode_time,
         latencies.inference_time, latencies.prompt_tokens, latencies.generation_tokens,
         latencies.params_max_tokens)] == [
-        (2, 0.5), (2, 0.5), (2, 1.0), (2, 1.5), (2, 80), (2, 10), (2, 14)]
-    assert latencies.time_per_output_token.sum == 0.5 / 2 + 0.5 / 6
+        (2, 0.5), (2, 0.5), (2, 0.25 + 0.5), (2, 0.5 + 0.75), (2, 80), (2, 10), (2, 14)]
+    assert latencies.time_per_output_token.sum == 0.25 / 2 + 0.5 / 6
     assert [(h.count, h.sum) for h in (
         latencies.params_n, latencies.max_num_generation_tokens, latencies.num_preemptions,
         latencies.iteration_tokens)] == [(1, 2), (1, 7), (2, 2), (1, 64)]
