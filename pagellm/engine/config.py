@@ -27,6 +27,7 @@ _ONE_DEVICE = "one engine runs on one device"
 _LOCAL = ("nothing is downloaded: give a local directory or GGUF file, or a hub id "
           "already in the local Hugging Face cache")
 _GENERATE_ONLY = "models are run to generate text only (no pooling, embedding or scoring)"
+_NO_LORA = "no LoRA adapters are served; merge the adapter into the weights and load those"
 # vLLM options users bring along that PageLLM does not take, and what to do instead: an
 # unknown option is refused, never ignored, and these refusals say why.
 VLLM_ONLY_OPTIONS: dict[str, str] = {
@@ -53,8 +54,7 @@ VLLM_ONLY_OPTIONS: dict[str, str] = {
     "task": _GENERATE_ONLY,
     "runner": _GENERATE_ONLY,
     "convert": _GENERATE_ONLY,
-    "enable_lora": "no LoRA adapters are served; merge the adapter into the weights and "
-                   "load those",
+    "enable_lora": _NO_LORA,
 }
 
 
@@ -90,8 +90,7 @@ def engine_config_kwargs(kwargs: dict[str, Any], caller: str) -> dict[str, Any]:
 def refuse_lora(lora_request: object) -> None:
     """vLLM's `lora_request` argument, there for code that passes None through."""
     if lora_request is not None:
-        raise ValueError("lora_request must be None: PageLLM serves no LoRA adapters (merge "
-                         "the adapter into the weights and load those)")
+        raise ValueError(f"lora_request must be None: {_NO_LORA}")
 
 
 def vllm_only_hints(names: list[str], spell: Callable[[str], str] = str) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import operator
 import time
 from collections.abc import Callable, Sequence
@@ -875,8 +876,8 @@ class LLMEngine:
             cache_config={"block_size": str(self.config.block_size),
                           "num_gpu_blocks": str(cache.num_blocks),
                           "kv_cache_size_tokens": str(cache.num_blocks * self.config.block_size),
-                          "kv_cache_max_concurrency": str(
-                              cache.num_blocks * self.config.block_size / self.max_model_len),
+                          "kv_cache_max_concurrency": str(cache.num_blocks / math.ceil(
+                              self.max_model_len / self.config.block_size)),
                           "enable_prefix_caching": str(self.config.enable_prefix_caching),
                           "prefix_caching_hash_algo": self.config.prefix_caching_hash_algo,
                           "cache_dtype": "auto"},

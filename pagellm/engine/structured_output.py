@@ -200,7 +200,7 @@ def _without_unknown_formats(node: Any) -> Any:
         return node
     kept: dict[str, Any] = {}
     for key, value in node.items():
-        if key == "format" and isinstance(value, str) and not _known_format(value):
+        if key == "format" and isinstance(value, str) and value not in _enforced_formats():
             continue
         if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
             value = {name: _without_unknown_formats(item) for name, item in value.items()}
@@ -212,12 +212,24 @@ def _without_unknown_formats(node: Any) -> Any:
     return kept
 
 
+# JSON Schema's own formats (draft 2020-12); llguidance enforces some of them.
+_STANDARD_FORMATS = ("date-time", "date", "time", "duration", "email", "idn-email",
+                     "hostname", "idn-hostname", "ipv4", "ipv6", "uri", "uri-reference",
+                     "iri", "iri-reference", "uuid", "uri-template", "json-pointer",
+                     "relative-json-pointer", "regex")
+
+
 @functools.cache
-def _known_format(name: str) -> bool:
-    """Whether llguidance enforces the string format `name` (asked of llguidance itself,
-    so a newer version's formats are used)."""
-    spec = llguidance.LLMatcher.grammar_from_json_schema({"type": "string", "format": name})
-    return not llguidance.LLMatcher.validate_grammar(spec, None).startswith("Unknown format")
+def _enforced_formats() -> frozenset[str]:
+    """The standard formats llguidance enforces, asked of llguidance itself once (so a
+    newer version's are used); a request's own names are never compiled to find out."""
+    known = []
+    for name in _STANDARD_FORMATS:
+        spec = llguidance.LLMatcher.grammar_from_json_schema({"type": "string",
+                                                              "format": name})
+        if not llguidance.LLMatcher.validate_grammar(spec, None).startswith("Unknown format"):
+            known.append(name)
+    return frozenset(known)
 
 
 def _choice_grammar(choices: list[str]) -> str:

@@ -468,20 +468,24 @@ def test_unknown_string_formats_are_annotations(default_llm: Any) -> None:
     ("binary") or SecretStr ("password") constrain nothing, where llguidance would refuse
     the schema; known formats stay enforced, and a property named "format" is kept."""
     schema = {"type": "object", "properties": {
-        "blob": {"type": "string", "format": "binary"},
-        "format": {"type": "string", "format": "email"},
-        "items": {"type": "array", "items": {"type": "string", "format": "password"}}},
-        "required": ["blob", "format", "items"], "$defs": {"x": {"format": "int64"}}}
+        "blob": {"type": "string", "format": "binary", "maxLength": 4},
+        "format": {"type": "string", "format": "date"},
+        "items": {"type": "array", "maxItems": 1,
+                  "items": {"type": "string", "format": "password", "maxLength": 4}}},
+        "required": ["blob", "format", "items"], "$defs": {"x": {"format": "int64"}},
+        "default": {"format": "binary"}}
     assert _without_unknown_formats(schema) == {"type": "object", "properties": {
-        "blob": {"type": "string"}, "format": {"type": "string", "format": "email"},
-        "items": {"type": "array", "items": {"type": "string"}}},
-        "required": ["blob", "format", "items"], "$defs": {"x": {}}}
+        "blob": {"type": "string", "maxLength": 4},
+        "format": {"type": "string", "format": "date"},
+        "items": {"type": "array", "maxItems": 1, "items": {"type": "string", "maxLength": 4}}},
+        "required": ["blob", "format", "items"], "$defs": {"x": {}},
+        "default": {"format": "binary"}}  # data, not a schema: untouched
     (output,) = default_llm.generate(
         _prompt(default_llm, "Answer in JSON."),
-        _greedy(StructuredOutputsParams(json=schema), max_tokens=60), use_tqdm=False)
-    assert output.outputs[0].finish_reason in ("stop", "length")
-    if output.outputs[0].finish_reason == "stop":
-        assert "@" in json.loads(output.outputs[0].text)["format"]
+        _greedy(StructuredOutputsParams(json=schema, disable_any_whitespace=True),
+                max_tokens=80), use_tqdm=False)
+    assert output.outputs[0].finish_reason == "stop", output.outputs[0].text
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", json.loads(output.outputs[0].text)["format"])
 
 
 def test_thousands_of_choices(default_llm: Any) -> None:

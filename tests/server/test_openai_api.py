@@ -406,6 +406,8 @@ def test_metrics_count_http_requests_and_the_process_as_vllm_does(server: Server
         assert http.post("/no/such/route", json={}).status_code == 404
         assert http.get("/health").status_code == 200
         assert http.get("/v1/models/" + MODEL_NAME).status_code == 200
+        assert http.get("/v1/completions").status_code == 405
+        assert http.request("BREW", "/v1/models").status_code == 405
     after = server.metrics()
 
     def grew(name: str) -> float:
@@ -416,10 +418,12 @@ def test_metrics_count_http_requests_and_the_process_as_vllm_does(server: Server
     assert grew(key % ("4xx", "none")) == 1  # a path no route matches
     assert grew('http_requests_total{method="GET",status="2xx",handler="/v1/models/{name:path}"}'
                 ) == 1
+    assert grew('http_requests_total{method="GET",status="4xx",handler="/v1/completions"}') == 1
+    assert grew('http_requests_total{method="other",status="4xx",handler="/v1/models"}') == 1
     assert not any("/health" in name or '"/metrics"' in name for name in after)
     assert grew('http_request_duration_seconds_count{method="POST",handler="/v1/completions"}'
                 ) == 2
-    assert grew("http_request_duration_highr_seconds_count") == 4
+    assert grew("http_request_duration_highr_seconds_count") == 6
     assert after["process_resident_memory_bytes"] > 10 << 20
     assert after["process_cpu_seconds_total"] > 0 and after["process_open_fds"] > 0
     # Each family once, under one HELP and TYPE: the text is valid for strict parsers.
@@ -1041,9 +1045,12 @@ def test_sagemaker_invocations_route_chat_and_completions(server: Server,
             refused = http.post("/invocations", json=body)
             assert refused.status_code == 400, body
             assert refused.json()["error"]["param"] == param
-        garbled = http.post("/invocations", content=b'{"prompt": ',
-                            headers={"Content-Type": "application/json"})
-        assert garbled.status_code == 400 and "parse the JSON" in garbled.text
+        # A body it cannot read is the 400 a route's body gets, in the same words.
+        for body, words in ((b'{"prompt": ', "parse the JSON"), (b"", "body is empty"),
+                            (b'{"prompt": "caf\xe9"}', "not UTF-8 text (byte 15)")):
+            garbled = http.post("/invocations", content=body,
+                                headers={"Content-Type": "application/json"})
+            assert garbled.status_code == 400 and words in garbled.text, garbled.text
     server.wait_idle()
 
 

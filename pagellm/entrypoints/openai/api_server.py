@@ -14,12 +14,11 @@ import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
-from pydantic import BaseModel, ValidationError
 from starlette.middleware.cors import CORSMiddleware
 
 from pagellm.engine.async_engine import AsyncLLMEngine
@@ -29,6 +28,8 @@ from pagellm.entrypoints.openai.errors import (
     bad_request,
     failure,
     install_error_handlers,
+    unreadable_body,
+    validated,
     validation_error,
 )
 from pagellm.entrypoints.openai.http_metrics import HttpMetricsMiddleware
@@ -84,7 +85,6 @@ from pagellm.entrypoints.openai.stats_logger import log_stats_forever
 from pagellm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("pagellm.server")
-RequestModel = TypeVar("RequestModel", bound=BaseModel)
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 # How long after aborting the unfinished requests uvicorn waits for their handlers to
@@ -152,6 +152,8 @@ class ServerSettings:
         if self.log_stats_interval is not None and not self.log_stats_interval > 0:
             raise ValueError(f"log_stats_interval must be > 0 or None, got "
                              f"{self.log_stats_interval!r}")
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ValueError(f"max_log_len must be >= 0 or None, got {self.max_log_len!r}")
         if self.sse_keep_alive_interval is not None and not self.sse_keep_alive_interval > 0:
             raise ValueError(f"sse_keep_alive_interval must be > 0 or None, got "
                              f"{self.sse_keep_alive_interval!r}")
@@ -244,6 +246,14 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
         sse_keep_alive=settings.sse_keep_alive_interval)
     stored = ResponseStore()
     install_error_handlers(app)
+    load = ServerLoad()
+    if settings.enable_server_load_tracking:  # inside the guards: what they refuse is no load
+        app.add_middleware(LoadTrackingMiddleware, load=load)
+
+        @app.get("/load")
+        async def server_load() -> Response:
+            return JSONResponse({"server_load": load.requests})
+
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
     if settings.api_keys is not None:
         app.add_middleware(APIKeyMiddleware, api_keys=settings.api_keys)
@@ -257,14 +267,6 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
                            allow_credentials=settings.allow_credentials,
                            allow_methods=settings.allowed_methods,
                            allow_headers=settings.allowed_headers)
-    load = ServerLoad()
-    if settings.enable_server_load_tracking:
-        app.add_middleware(LoadTrackingMiddleware, load=load)
-
-        @app.get("/load")
-        async def server_load() -> Response:
-            return JSONResponse({"server_load": load.requests})
-
     if settings.enable_request_id_headers:  # outermost: every answer carries it
         app.add_middleware(RequestIdMiddleware)
 
@@ -283,10 +285,10 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
         body = await _json_body(request)
         if isinstance(body, dict) and "messages" in body:
             return await _guarded(create_chat_completion(
-                context, _validated(ChatCompletionRequest, body), request))
+                context, validated(ChatCompletionRequest, body), request))
         if isinstance(body, dict) and "prompt" in body:
             return await _guarded(create_completion(
-                context, _validated(CompletionRequest, body), request))
+                context, validated(CompletionRequest, body), request))
         raise bad_request("/invocations takes a chat completion request (with messages) "
                           "or a completion request (with prompt)")
 
@@ -373,19 +375,17 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
 
 
 async def _json_body(request: Request) -> Any:
+    """The request's JSON, with the 400s FastAPI's routes give a body they cannot read."""
+    body = await request.body()
+    if not body:
+        raise validation_error([{"type": "missing", "loc": ("body",)}])
     try:
-        return json.loads(await request.body())
-    except (ValueError, RecursionError) as error:  # UnicodeDecodeError is a ValueError
-        raise bad_request(f"We could not parse the JSON body of your request: {error}.",
-                          code="invalid_json") from error
-
-
-def _validated(model: type[RequestModel], body: Any) -> RequestModel:
-    """`body` read as FastAPI reads a route's body, its errors the same 400s."""
-    try:
-        return model.model_validate(body)
-    except ValidationError as error:
-        raise validation_error(error.errors()) from error
+        return json.loads(body)
+    except json.JSONDecodeError as error:
+        raise validation_error([{"type": "json_invalid", "loc": ("body", error.pos),
+                                 "ctx": {"error": error.msg}}]) from error
+    except (UnicodeDecodeError, RecursionError) as error:
+        raise bad_request(unreadable_body(error) or str(error)) from error
 
 
 async def _guarded(handler: Awaitable[Response]) -> Response:

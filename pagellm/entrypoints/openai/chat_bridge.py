@@ -9,10 +9,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import ValidationError
-
 from pagellm.engine.chat_template import json_object
-from pagellm.entrypoints.openai.errors import APIError, bad_request, validation_error
+from pagellm.entrypoints.openai.errors import APIError, bad_request, validated
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, ToolCall
 from pagellm.entrypoints.openai.tool_calls import ToolCallReader
 
@@ -21,10 +19,7 @@ def as_chat_request(fields: dict[str, Any]) -> ChatCompletionRequest:
     """The chat request of fields translated from another API's request; a value chat
     cannot take (one the other API's schema left open) is a 400 naming chat's field,
     which the caller puts back in its client's terms."""
-    try:
-        return ChatCompletionRequest.model_validate(fields)
-    except ValidationError as error:
-        raise validation_error(error.errors()) from error
+    return validated(ChatCompletionRequest, fields)
 
 
 @dataclass(frozen=True)

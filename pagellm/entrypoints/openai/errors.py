@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Scope
 
 from pagellm.engine.async_engine import EngineDeadError, RequestFailedError
 from pagellm.entrypoints.openai.json_text import JSONResponse
 from pagellm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+
+Body = TypeVar("Body", bound=BaseModel)
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +135,15 @@ def validation_error(errors: Sequence[Any]) -> APIError:
                        code="invalid_value")
 
 
+def validated(model: type[Body], data: Any) -> Body:
+    """`data` read as the request body `model`, as FastAPI reads a route's: what it
+    cannot take is the same 400 naming the field."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        raise validation_error(error.errors()) from error
+
+
 def failure(error: BaseException) -> APIError:
     """The API error for a request that failed after it was queued."""
     if isinstance(error, APIError):
@@ -159,13 +171,13 @@ async def _on_http_error(request: Request, error: Exception) -> JSONResponse:
     message = error.detail if isinstance(error.detail, str) else str(error.detail)
     cause = error.__cause__
     if error.status_code == 400 and cause is not None:  # FastAPI could not read the body
-        message = _unreadable_body(cause) or message
+        message = unreadable_body(cause) or message
     return APIError(error.status_code, message).response(
         headers=dict(error.headers) if error.headers else None,
         anthropic=is_anthropic(request.scope))
 
 
-def _unreadable_body(cause: BaseException) -> str | None:
+def unreadable_body(cause: BaseException) -> str | None:
     """What FastAPI's "There was an error parsing the body" was, in words a client can
     act on."""
     if isinstance(cause, UnicodeDecodeError):

@@ -23,6 +23,9 @@ DURATION_HIGHR_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 1
                           3.0, 3.5, 4.0, 4.5, 5.0, 7.5, 10.0, 30.0, 60.0)
 # The routes vLLM leaves out: probes and the metrics page itself.
 EXCLUDED_HANDLERS = frozenset({"/metrics", "/health", "/load", "/ping", "/version"})
+# Methods kept as labels; any other a client sends counts as "other", so a client
+# cannot add series at will.
+METHODS = frozenset({"GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"})
 
 # HELP lines, by record name (a counter's without `_total`).
 HTTP_HELP = {
@@ -118,15 +121,20 @@ class HttpMetricsMiddleware:
         try:
             await self.app(scope, receive, send_status)
         finally:
-            self.metrics.record(handler, str(scope.get("method", "")), status,
+            method = str(scope.get("method", ""))
+            self.metrics.record(handler, method if method in METHODS else "other", status,
                                 time.perf_counter() - start)
 
 
 def _handler(scope: Scope) -> str:
-    """The template of the route `scope` reaches ("/v1/models/{name:path}"), or "none"."""
+    """The template of the route `scope` reaches ("/v1/models/{name:path}"), that of a
+    route on its path for another method (a 405), or "none"."""
     app = scope.get("app")
+    partial = "none"
     for route in getattr(getattr(app, "router", None), "routes", ()):
         match, _ = route.matches(scope)
         if match == Match.FULL:
             return str(getattr(route, "path", "none"))
-    return "none"
+        if match == Match.PARTIAL and partial == "none":
+            partial = str(getattr(route, "path", "none"))
+    return partial
