@@ -640,7 +640,7 @@ def test_json_object_and_guided_choice(client: openai.OpenAI) -> None:
     result = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8,
                                        temperature=0, extra_body={"structured_outputs": vllm_style})
     assert result.choices[0].text in (" yes", " no")
-    rule = " | ".join(f'"item {i}"' for i in range(2001))  # past llguidance's parser limit
+    rule = " | ".join(f'"item {i}"' for i in range(20_001))  # past llguidance's parser limit
     with pytest.raises(openai.InternalServerError, match="structured output failed"):
         client.completions.create(model=MODEL_NAME, prompt="Pick:", max_tokens=8,
                                   extra_body={"guided_grammar": f"start: {rule}"})
@@ -817,7 +817,7 @@ def test_forced_tool_calls_with_n_cuts_and_none(client: openai.OpenAI) -> None:
 
 
 def test_a_stream_whose_format_fails_ends_with_an_error_event(client: openai.OpenAI) -> None:
-    rule = " | ".join(f'"item {i}"' for i in range(2001))  # past llguidance's parser limit
+    rule = " | ".join(f'"item {i}"' for i in range(20_001))  # past llguidance's parser limit
     stream = client.chat.completions.create(
         model=MODEL_NAME, max_tokens=8, stream=True,
         messages=[{"role": "user", "content": "Pick one."}],
