@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server.conftest import MAX_MODEL_LEN, MAX_REQUEST_BYTES, Server
+from tests.server.conftest import MAX_MODEL_LEN, MAX_REQUEST_BYTES, MODEL_NAME, Server
 
 USER = [{"role": "user", "content": "Hi"}]
 DEEP_SCHEMA: dict[str, object] = {"type": "object"}
@@ -344,10 +344,11 @@ def test_bad_request(server: Server, name: str, path: str, body: Any, status: in
 
 
 def test_a_budget_beyond_the_context_is_cut_to_fit(server: Server) -> None:
-    """As vLLM does: max_tokens past the context leaves the completion what is left,
-    and it ends with "length"; only a prompt that leaves no room is refused."""
+    """As vLLM does: max_tokens past what the prompt leaves of the context is cut to
+    what is left, and the completion ends with "length"; only a budget past the whole
+    context (or a prompt that leaves no room) is refused."""
     prompt = [7] * (MAX_MODEL_LEN - 3)
-    cut = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 600,
+    cut = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": MAX_MODEL_LEN,
                                            "ignore_eos": True})
     assert cut.status_code == 200, cut.text
     assert cut.json()["usage"]["completion_tokens"] == 3
@@ -355,10 +356,23 @@ def test_a_budget_beyond_the_context_is_cut_to_fit(server: Server) -> None:
     default = post(server, "/v1/completions", {"prompt": prompt, "ignore_eos": True})
     assert default.json()["usage"]["completion_tokens"] == 3  # of the default 16
     chat = post(server, "/v1/chat/completions", {"messages": USER, "ignore_eos": True,
-                                                 "max_completion_tokens": 10**6})
+                                                 "max_completion_tokens": MAX_MODEL_LEN})
     assert chat.status_code == 200, chat.text
     assert sum(chat.json()["usage"][k] for k in ("prompt_tokens", "completion_tokens")) \
         == MAX_MODEL_LEN
+    for path, body, param in (
+            ("/v1/completions", {"prompt": "x", "max_tokens": MAX_MODEL_LEN + 1}, "max_tokens"),
+            ("/v1/chat/completions", {"messages": USER, "max_completion_tokens": 10**6},
+             "max_completion_tokens"),
+            ("/v1/chat/completions", {"messages": USER, "max_tokens": 10**6}, "max_tokens"),
+            ("/v1/responses", {"input": "x", "max_output_tokens": 10**6},
+             "max_output_tokens")):
+        assert_error_body(post(server, path, body), 400, param,
+                          f"cannot be greater than max_model_len={MAX_MODEL_LEN}")
+    # Anthropic's clients send their own large max_tokens (Claude Code's 32,000): cut.
+    message = post(server, "/v1/messages", {"messages": USER, "max_tokens": 32_000,
+                                            "model": MODEL_NAME})
+    assert message.status_code == 200, message.text
 
 
 def test_what_vllm_accepts_is_accepted(server: Server) -> None:

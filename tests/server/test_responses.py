@@ -395,7 +395,7 @@ def test_truncation_auto_drops_the_oldest_turns(server: Server, client: openai.O
     # A budget no tail leaves room for: the turns are dropped until the rest fits at
     # all, and the budget is cut, as always.
     unlimited = client.responses.create(truncation="auto",
-                                        **{**kwargs, "max_output_tokens": 10**6})
+                                        **{**kwargs, "max_output_tokens": MAX_MODEL_LEN})
     assert unlimited.usage is not None
     assert cut.usage.input_tokens <= unlimited.usage.input_tokens < MAX_MODEL_LEN
     too_long = {**kwargs, "input": "the sea is blue. " * 400, "truncation": "auto"}

@@ -216,6 +216,15 @@ def truncated(params: SamplingParams, token_ids: list[int], max_model_len: int,
     return token_ids[:len(kept)] if side == "right" else kept
 
 
+def check_max_tokens(requested: int | None, max_model_len: int, param: str) -> None:
+    """vLLM's 400 for a completion budget past the whole context; one that only the
+    prompt leaves no room for is cut to fit (see resolve_max_tokens), as vLLM cuts it."""
+    if requested is not None and requested > max_model_len:
+        raise bad_request(f"{param}={requested} cannot be greater than max_model_len="
+                          f"{max_model_len}. Please request fewer output tokens.",
+                          param=param, code="invalid_value")
+
+
 def resolve_max_tokens(max_model_len: int, prompt_len: int, max_tokens: int | None,
                        min_tokens: int, prompt_param: str, limit: int | None = None) -> int:
     """The completion budget of a prompt: as asked but no more than the context leaves

@@ -46,6 +46,7 @@ from pagellm.entrypoints.openai.serving import (
     ServerContext,
     UsageReport,
     beam_search_params,
+    check_max_tokens,
     check_supported,
     choice_usage,
     final_outputs,
@@ -188,6 +189,11 @@ async def create_chat_completion(context: ServerContext, body: ChatCompletionReq
                                  raw: Request) -> Response:
     arrival = time.monotonic()
     context.check_model(body.model)
+    if body.max_completion_tokens is not None:
+        check_max_tokens(body.max_completion_tokens, context.engine.max_model_len,
+                         "max_completion_tokens")
+    else:
+        check_max_tokens(body.max_tokens, context.engine.max_model_len, "max_tokens")
     run = await start_chat(context, body, arrival, f"chatcmpl-{uuid.uuid4().hex}")
     if body.stream:
         report = UsageReport.of(body.stream_options, context.force_include_usage)

@@ -37,6 +37,7 @@ from pagellm.entrypoints.openai.serving import (
     UsageReport,
     beam_search_params,
     check_choices,
+    check_max_tokens,
     check_supported,
     choice_usage,
     encode,
@@ -128,6 +129,7 @@ async def create_completion(context: ServerContext, body: CompletionRequest,
     context.check_model(body.model)
     check_supported(body)
     engine = context.engine
+    check_max_tokens(body.max_tokens, engine.max_model_len, "max_tokens")
     request_format = structured_outputs_of(body)
     base = build_sampling_params(body, max_tokens=1 if _prompt_only(body) else body.max_tokens,
                                  logprobs=body.logprobs,

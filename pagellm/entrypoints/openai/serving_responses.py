@@ -58,6 +58,7 @@ from pagellm.entrypoints.openai.responses_to_chat import (
 from pagellm.entrypoints.openai.serving import (
     CONTEXT_LENGTH_EXCEEDED,
     ServerContext,
+    check_max_tokens,
     final_outputs,
     fits_context,
     merged,
@@ -73,6 +74,7 @@ async def create_response(context: ServerContext, store: ResponseStore,
                           body: ResponsesRequest, raw: Request) -> Response:
     arrival = time.monotonic()
     context.check_model(body.model)
+    check_max_tokens(body.max_output_tokens, context.engine.max_model_len, "max_output_tokens")
     body = body.model_copy(update={"input": resolve_references(body.input, store.item)})
     check_options(body)
     history: list[dict[str, Any]] = []
