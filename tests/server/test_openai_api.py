@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import re
 import uuid
@@ -1051,6 +1052,33 @@ def test_sagemaker_invocations_route_chat_and_completions(server: Server,
             garbled = http.post("/invocations", content=body,
                                 headers={"Content-Type": "application/json"})
             assert garbled.status_code == 400 and words in garbled.text, garbled.text
+    server.wait_idle()
+
+
+def test_answer_ids_come_from_x_request_id_as_in_vllm(server: Server,
+                                                     client: openai.OpenAI) -> None:
+    """vLLM's ids: the client's X-Request-Id (a gateway's trace id), else the body's
+    request_id, after the endpoint's prefix; two requests sent with one id at once (a
+    gateway's retry) both run."""
+    messages = [{"role": "user", "content": "Hi"}]
+    traced = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=2,
+                                            extra_headers={"X-Request-Id": "trace-7"})
+    assert traced.id == "chatcmpl-trace-7"
+    chunks = list(client.completions.create(
+        model=MODEL_NAME, prompt="Hi", max_tokens=2, stream=True,
+        extra_body={"request_id": "mine"}))
+    assert {chunk.id for chunk in chunks} == {"cmpl-mine"}
+    header_wins = client.completions.create(
+        model=MODEL_NAME, prompt="Hi", max_tokens=2, extra_body={"request_id": "mine"},
+        extra_headers={"X-Request-Id": "gateway"})
+    assert header_wins.id == "cmpl-gateway"
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        twins = list(pool.map(lambda _: client.chat.completions.create(
+            model=MODEL_NAME, messages=messages, max_tokens=16, temperature=0,
+            extra_body={"ignore_eos": True}, extra_headers={"X-Request-Id": "twin"}),
+            range(2)))
+    assert [twin.id for twin in twins] == ["chatcmpl-twin"] * 2
+    assert twins[0].choices[0].message.content == twins[1].choices[0].message.content
     server.wait_idle()
 
 

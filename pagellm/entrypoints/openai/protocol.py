@@ -98,6 +98,7 @@ class SamplingFields(StrictModel):
     echo: bool = False
     best_of: int | None = None
     truncate_prompt_tokens: int | None = None
+    request_id: str | None = None  # vLLM's: the answer's id (after the X-Request-Id header)
     # vLLM's: which end truncate_prompt_tokens cuts, "left" (the default: the prompt's
     # last tokens are kept) or "right" (its first).
     truncation_side: Literal["left", "right"] | None = None

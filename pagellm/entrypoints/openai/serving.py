@@ -7,11 +7,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import uuid
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+
+from fastapi import Request
 
 from pagellm.core.sampling_params import BeamSearchParams, SamplingParams
 from pagellm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
@@ -214,6 +217,19 @@ def truncated(params: SamplingParams, token_ids: list[int], max_model_len: int,
     except ValueError as error:
         raise bad_request(str(error), param="truncate_prompt_tokens") from error
     return token_ids[:len(kept)] if side == "right" else kept
+
+
+def request_ids(prefix: str, raw: Request, chosen: str | None) -> tuple[str, str]:
+    """The answer's id and the name its engine requests take (`-0`, `-1`, ...), as vLLM
+    builds them: `prefix` and the client's X-Request-Id, else the body's request_id,
+    else a new id. A client's may be sent by two requests at once (a gateway's retry),
+    so their engine requests then get a part of their own."""
+    given = raw.headers.get("x-request-id") or chosen
+    if not given:
+        fresh = f"{prefix}{uuid.uuid4().hex}"
+        return fresh, fresh
+    answer = f"{prefix}{given}"
+    return answer, f"{answer}-{uuid.uuid4().hex[:8]}"
 
 
 def check_max_tokens(requested: int | None, max_model_len: int, param: str) -> None:

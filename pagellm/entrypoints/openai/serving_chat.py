@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, replace
@@ -53,6 +52,7 @@ from pagellm.entrypoints.openai.serving import (
     is_set,
     merged,
     request_defaults,
+    request_ids,
     resolve_max_tokens,
     start_requests,
     truncated,
@@ -140,7 +140,7 @@ class ChatRun:
 
 
 async def start_chat(context: ServerContext, body: ChatCompletionRequest, arrival: float,
-                     request_id: str) -> ChatRun:
+                     request_id: str, engine_id: str | None = None) -> ChatRun:
     """Checks a chat request, renders its conversation and queues it: what chat and the
     APIs answered through it (Responses, Messages) share. A request the server cannot
     take is a 400 naming the chat field (the other APIs rename it, see chat_bridge).
@@ -179,9 +179,9 @@ async def start_chat(context: ServerContext, body: ChatCompletionRequest, arriva
         "messages", engine.generation_defaults.max_tokens_limit))
     run = (beam_search_params(body, params, request_format.field) if body.use_beam_search
            else params)
-    streams = await start_requests(context, request_id, [prompt], [run], body.cache_salt,
-                                   arrival, "messages", body.priority, request_format.field,
-                                   logprobs_param="top_logprobs")
+    streams = await start_requests(context, engine_id or request_id, [prompt], [run],
+                                   body.cache_salt, arrival, "messages", body.priority,
+                                   request_format.field, logprobs_param="top_logprobs")
     return ChatRun(request_id, streams, reader, params, thinking)
 
 
@@ -194,7 +194,8 @@ async def create_chat_completion(context: ServerContext, body: ChatCompletionReq
                          "max_completion_tokens")
     else:
         check_max_tokens(body.max_tokens, context.engine.max_model_len, "max_tokens")
-    run = await start_chat(context, body, arrival, f"chatcmpl-{uuid.uuid4().hex}")
+    run = await start_chat(context, body, arrival,
+                           *request_ids("chatcmpl-", raw, body.request_id))
     if body.stream:
         report = UsageReport.of(body.stream_options, context.force_include_usage)
         events = _stream(context, body, run, report)

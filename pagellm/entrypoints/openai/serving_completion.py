@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import uuid
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from typing import Any
@@ -44,6 +43,7 @@ from pagellm.entrypoints.openai.serving import (
     final_outputs,
     merged,
     request_defaults,
+    request_ids,
     resolve_max_tokens,
     start_requests,
     truncated,
@@ -147,8 +147,8 @@ async def create_completion(context: ServerContext, body: CompletionRequest,
     run: Sequence[SamplingParams | BeamSearchParams] = params
     if body.use_beam_search:
         run = [beam_search_params(body, p, request_format.field) for p in params]
-    request_id = f"cmpl-{uuid.uuid4().hex}"
-    streams = await start_requests(context, request_id, prompts, run, body.cache_salt,
+    request_id, engine_id = request_ids("cmpl-", raw, body.request_id)
+    streams = await start_requests(context, engine_id, prompts, run, body.cache_salt,
                                    arrival, "prompt", body.priority, request_format.field)
     if body.stream:
         report = UsageReport.of(body.stream_options, context.force_include_usage)
