@@ -233,6 +233,7 @@ def test_serve_unix_socket_problems_fail_before_loading_the_model(
     ours = bind(build_parser().parse_args(["serve", "--uds", str(live)]))  # the stale one
     with ours:
         assert address_of(ours) == f"unix:{live}"
+        assert live.stat().st_mode & 0o777 == 0o666  # a proxy running as nobody connects
         # Listening from the bind on: a second server, started while this one loads its
         # model, finds the socket taken instead of replacing it.
         assert main(["serve", "--uds", str(live)]) == 1

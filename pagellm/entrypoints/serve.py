@@ -299,7 +299,7 @@ def bind(args: argparse.Namespace) -> socket.socket:
 def _bind_unix(path: str) -> socket.socket:
     """A Unix domain socket at `path`, listening at once (connections wait in its
     backlog until the model has loaded), so another server started meanwhile finds it
-    taken. A socket file left by a server that is gone is replaced; one a server listens
+    taken; any local user may connect (use --api-key to ask for a key). A socket file left by a server that is gone is replaced; one a server listens
     on, or a file of another kind, is not."""
     try:
         if os.path.exists(path):
@@ -315,6 +315,9 @@ def _bind_unix(path: str) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.bind(path)
+            # Open to every local user, as uvicorn's own --uds leaves it and as a port on
+            # 127.0.0.1 is: a proxy's workers (nginx's run as nobody) must connect.
+            os.chmod(path, 0o666)
             sock.listen()
         except OSError:
             sock.close()
