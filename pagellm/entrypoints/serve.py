@@ -299,8 +299,9 @@ def bind(args: argparse.Namespace) -> socket.socket:
 def _bind_unix(path: str) -> socket.socket:
     """A Unix domain socket at `path`, listening at once (connections wait in its
     backlog until the model has loaded), so another server started meanwhile finds it
-    taken; any local user may connect (use --api-key to ask for a key). A socket file left by a server that is gone is replaced; one a server listens
-    on, or a file of another kind, is not."""
+    taken; any local user may connect (use --api-key to ask for a key). A socket file
+    left by a server that is gone is replaced; one a server listens on, or a file of
+    another kind, is not."""
     try:
         if os.path.exists(path):
             if not stat.S_ISSOCK(os.stat(path).st_mode):

@@ -572,7 +572,6 @@ def test_tools_with_tool_choice_none_and_earlier_tool_calls(client: openai.OpenA
     assert text.choices[0].finish_reason is not None
 
 
-
 CITY_SCHEMA = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 24},
@@ -648,7 +647,6 @@ def test_json_object_and_guided_choice(client: openai.OpenAI) -> None:
     digits = client.completions.create(model=MODEL_NAME, prompt="My PIN is", max_tokens=8,
                                        temperature=0, extra_body={"guided_regex": r" \d{4}"})
     assert re.fullmatch(r" [0-9]{4}", digits.choices[0].text)
-
 
 
 WEATHER_TOOL = {"type": "function", "function": {

@@ -175,7 +175,6 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
-
 # The endpoints that run the model, whose requests vLLM's server_load counts.
 _GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses",
                                "/v1/messages", "/invocations"})
