@@ -1080,6 +1080,23 @@ def test_answer_ids_come_from_x_request_id_as_in_vllm(server: Server,
     server.wait_idle()
 
 
+def test_openapi_document_says_what_errors_look_like(server: Server) -> None:
+    """A request the server cannot take is documented as the 400 it answers, in OpenAI's
+    error shape, not FastAPI's 422, which it never sends."""
+    document = httpx.get(f"{server.url}/openapi.json").json()
+    operations = [op for path in document["paths"].values() for op in path.values()]
+    assert not any("422" in op["responses"] for op in operations)
+    chat = document["paths"]["/v1/chat/completions"]["post"]["responses"]["400"]
+    assert chat["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/ErrorResponse"}
+    schemas = document["components"]["schemas"]
+    assert set(schemas["ErrorResponse"]["properties"]) == {"error"}
+    assert set(schemas["ErrorInfo"]["properties"]) == {"message", "type", "param", "code"}
+    refused = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": 5}).json()
+    assert set(refused) == {"error"} and set(refused["error"]) == {
+        "message", "type", "param", "code"}
+
+
 def test_models_retrieve(client: openai.OpenAI) -> None:
     assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
     with pytest.raises(openai.NotFoundError):

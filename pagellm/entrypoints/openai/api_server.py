@@ -52,6 +52,7 @@ from pagellm.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    ErrorResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -232,6 +233,7 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     # deprecated), so a request reaches its route with or without the prefix: through
     # a proxy that strips it or one that does not.
     app.root_path = settings.root_path
+    _document_errors(app)
     context = ServerContext(
         engine, list(settings.model_names),
         ServerMetrics(engine, settings.model_names[0], settings.enable_log_requests,
@@ -372,6 +374,32 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
         return PlainTextResponse(context.metrics.render(), media_type=CONTENT_TYPE)
 
     return app
+
+
+def _document_errors(app: FastAPI) -> None:
+    """The OpenAPI document as the server answers: a request it cannot take is a 400 in
+    OpenAI's error shape (ErrorResponse), not FastAPI's 422, which it never sends."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            error = {"description": "Bad Request", "content": {"application/json": {
+                "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+            for operation in (op for path in schema.get("paths", {}).values()
+                              for op in path.values()):
+                responses = operation.get("responses", {})
+                if responses.pop("422", None) is not None:
+                    responses["400"] = error
+            schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+            for unused in ("HTTPValidationError", "ValidationError"):
+                schemas.pop(unused, None)
+            described = ErrorResponse.model_json_schema(
+                ref_template="#/components/schemas/{model}")
+            schemas.update(described.pop("$defs", {}), ErrorResponse=described)
+        return app.openapi_schema or {}
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 async def _json_body(request: Request) -> Any:
