@@ -19,6 +19,7 @@ from pagellm.entrypoints.openai.protocol import (
 )
 from pagellm.entrypoints.openai.serving import ServerContext, encode
 from pagellm.entrypoints.openai.serving_chat import check_rendering, render_messages
+from pagellm.entrypoints.openai.tool_calls import function_schemas
 
 
 def _token_ids(context: ServerContext, body: TokenizeRequest) -> list[int]:
@@ -36,6 +37,8 @@ def _check(body: TokenizeRequest) -> None:
                           param="prompt" if body.messages is None else "messages")
     if body.messages is not None:
         check_rendering(body)
+    if body.tools:
+        function_schemas(body.tools)  # checked as chat checks them: the same 400s
 
 
 async def tokenize(context: ServerContext, body: TokenizeRequest) -> TokenizeResponse:
