@@ -38,7 +38,7 @@ def add_parser(subparsers: Any) -> None:
     group = parser.add_argument_group("server options")
     group.add_argument("--host", default="127.0.0.1", metavar="ADDR",
                        help="address to bind (default: %(default)s)")
-    group.add_argument("--port", type=_port, default=8000, metavar="PORT",
+    group.add_argument("--port", type=_whole_number("a port number (0-65535)", 0, 65535), default=8000, metavar="PORT",
                        help="port to bind (default: %(default)s)")
     group.add_argument("--uds", default=None, metavar="PATH",
                        help="listen on this Unix domain socket instead of --host and --port")
@@ -85,7 +85,7 @@ def add_parser(subparsers: Any) -> None:
     group.add_argument("--enable-log-outputs", action="store_true",
                        help="--enable-log-requests, and the log line of a request's end "
                             "holds the text it generated")
-    group.add_argument("--max-log-len", type=_log_length, default=None, metavar="N",
+    group.add_argument("--max-log-len", type=_whole_number("a number of characters (>= 0)", 0), default=None, metavar="N",
                        help="characters of generated text a log line holds at most "
                             "(default: all)")
     # vLLM's older flag for what is now the default (no request log lines).
@@ -225,14 +225,17 @@ def _api_keys(given: list[str] | None, model: str | None) -> list[str] | None:
     return keys
 
 
-def _log_length(text: str) -> int:
-    try:
-        length = int(text)
-    except ValueError:
-        length = -1
-    if length < 0:
-        raise argparse.ArgumentTypeError(f"not a number of characters (>= 0): {text!r}")
-    return length
+def _whole_number(what: str, low: int, high: int | None = None) -> Callable[[str], int]:
+    """An integer option in [low, high], refused as "not `what`" otherwise."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low or high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"not {what}: {text!r}")
+        return value
+    return parse
 
 
 def _paths(text: str) -> list[str]:
@@ -249,16 +252,6 @@ def _readable_file(text: str) -> str:
     if not os.path.isfile(text) or not os.access(text, os.R_OK):
         raise argparse.ArgumentTypeError(f"not a readable file: {text!r}")
     return text
-
-
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"not a port number (0-65535): {text!r}")
-    return port
 
 
 def _seconds(positive: bool) -> Callable[[str], float]:

@@ -136,6 +136,14 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
+
+    @property
+    def completion_budget(self) -> tuple[int | None, str]:
+        """The tokens asked for and the field that asked: max_completion_tokens, OpenAI's
+        newer name, over max_tokens."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
     logprobs: bool = False
     top_logprobs: int | None = None
     add_special_tokens: bool = False

@@ -158,10 +158,7 @@ async def start_chat(context: ServerContext, body: ChatCompletionRequest, arriva
                 and request_format.params is None and not body.continue_final_message
                 else None)
     engine = context.engine
-    max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None \
-        else "max_tokens"
-    requested = body.max_completion_tokens if body.max_completion_tokens is not None \
-        else body.max_tokens
+    requested, max_tokens_param = body.completion_budget
     base = build_sampling_params(
         body, max_tokens=requested, logprobs=_logprobs_setting(body),
         prompt_logprobs=body.prompt_logprobs, vocab_size=engine.vocab_size,
@@ -189,11 +186,8 @@ async def create_chat_completion(context: ServerContext, body: ChatCompletionReq
                                  raw: Request) -> Response:
     arrival = time.monotonic()
     context.check_model(body.model)
-    if body.max_completion_tokens is not None:
-        check_max_tokens(body.max_completion_tokens, context.engine.max_model_len,
-                         "max_completion_tokens")
-    else:
-        check_max_tokens(body.max_tokens, context.engine.max_model_len, "max_tokens")
+    requested, param = body.completion_budget
+    check_max_tokens(requested, context.engine.max_model_len, param)
     run = await start_chat(context, body, arrival,
                            *request_ids("chatcmpl-", raw, body.request_id))
     if body.stream:
