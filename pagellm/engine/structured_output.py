@@ -186,6 +186,11 @@ def grammar_spec(params: StructuredOutputsParams) -> str:
             return llguidance.LLMatcher.grammar_from_lark(
                 f"start: /{llguidance.regex_to_lark(params.regex, 'd')}/")
         assert params.grammar is not None
+        # vLLM's rule: a grammar with no `::=` is Lark. llguidance's own guess takes
+        # Lark only where a line begins `start:`, and would read Lark's inlined
+        # `?start:` (outlines' grammars begin so) as broken GBNF.
+        if "::=" not in params.grammar:
+            return llguidance.LLMatcher.grammar_from_lark(params.grammar)
         return llguidance.grammar_from("grammar", params.grammar)
     except (ValueError, TypeError, RecursionError) as error:  # json.loads of deep text
         raise ValueError(f"structured_outputs.{kind} is not a valid {_KIND_NAMES[kind]}: "

@@ -181,6 +181,7 @@ def test_a_preempted_request_keeps_its_format() -> None:
     (dict(json="{not json"), "structured_outputs.json is not a valid JSON schema"),
     (dict(json="[1, 2]"), "must be a JSON object"),
     (dict(grammar="root ::= ("), "structured_outputs.grammar is not a valid grammar"),
+    (dict(grammar="?start: ("), "structured_outputs.grammar is not a valid grammar"),
     (dict(json={"type": "object"}, whitespace_pattern="[ "), "not a valid JSON schema"),
 ])
 def test_a_format_that_does_not_compile_is_refused(default_llm: Any, fmt: dict[str, Any],

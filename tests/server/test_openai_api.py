@@ -640,6 +640,14 @@ def test_json_object_and_guided_choice(client: openai.OpenAI) -> None:
     result = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=8,
                                        temperature=0, extra_body={"structured_outputs": vllm_style})
     assert result.choices[0].text in (" yes", " no")
+    # guidance's vLLM client sends its grammar twice, as guided_grammar and in
+    # structured_outputs; outlines' Lark grammars begin with an inlined `?start:`.
+    grammar = '?start: answer\nanswer: " yes" | " no"'
+    both = client.completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=0,
+        extra_body={"guided_decoding_backend": "guidance", "guided_grammar": grammar,
+                    "structured_outputs": {"grammar": grammar}})
+    assert both.choices[0].text in (" yes", " no")
     rule = " | ".join(f'"item {i}"' for i in range(20_001))  # past llguidance's parser limit
     with pytest.raises(openai.InternalServerError, match="structured output failed"):
         client.completions.create(model=MODEL_NAME, prompt="Pick:", max_tokens=8,

@@ -106,14 +106,17 @@ def structured_outputs_of(request: SamplingFields, tool_schema: dict[str, Any] |
     (OpenAI: json_object, or json_schema with its `schema`), `structured_outputs`
     (vLLM's dict), vLLM's older `guided_*` fields, or a forced tool call's schema
     (`tool_schema`, see tool_calls.py), which replaces any other. They may be combined (a
-    schema with structured_outputs' whitespace options), but one format given twice is a
-    400, as is a response_format type other than text, json_object and json_schema."""
+    schema with structured_outputs' whitespace options), but two formats are a 400, as
+    is a response_format type other than text, json_object and json_schema. One format
+    given twice with the same value is taken once."""
     fields: dict[str, Any] = {}
     origin: dict[str, str] = {}
 
     def put(key: str, value: Any, source: str) -> None:
         if tool_schema is not None and key in FORMAT_KINDS and source != "tool_choice":
             return  # a forced call's schema replaces every other format (see below)
+        if fields.get(key, object()) == value:
+            return  # the same format twice (guidance sends guided_* and structured_outputs)
         clash = key if key in fields else next(
             (other for other in fields if other in FORMAT_KINDS and key in FORMAT_KINDS
              and origin[other] != source), None)
