@@ -106,6 +106,15 @@ class KVCacheManager:
         return ((bool(params.skip_reading_prefix_cache) or params.prompt_logprobs is not None)
                 and request.num_output_tokens == 0)
 
+    def _counts_lookup(self, request: Request) -> bool:
+        """Whether this lookup goes into the hit rate: a request's first only, as vLLM
+        counts (it keeps resumed ones apart). A request resumed after preemption, or a
+        sibling that waited for a seat instead of forking, looks its prompt up again, and
+        counting that would make the same request's hit rate depend on the pool's size
+        and `max_num_seqs`."""
+        return (request.num_output_tokens == 0 and request.num_preemptions == 0
+                and not self._skips_reading(request))
+
     def find_cached_prefix(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest run of the request's leading blocks found in the cache, within
         `max_hit_blocks`. The hit stops at the first missing block (chaining makes later
@@ -175,7 +184,7 @@ class KVCacheManager:
         if held is None:
             held = self.req_to_blocks[request.request_id] = []
             self._num_cached_blocks[request.request_id] = len(cached_blocks)
-            if not self._skips_reading(request):
+            if self._counts_lookup(request):
                 self._queries += request.num_tokens
                 self._hits += len(cached_blocks) * self.block_size
         self.pool.touch(cached_blocks)
@@ -203,12 +212,22 @@ class KVCacheManager:
         # A block computed by two requests at once is published once, and the other copy
         # stays a twin without a hash. When the published copy is evicted while the twin's
         # request goes on, the twin is published in its place before a new block goes
-        # under it (a block under an ancestor nobody can find is unreachable). Only
-        # requests holding a twin look, one lookup per earlier block.
-        lost = ([index for index in range(first)
-                 if request.block_hashes[index] not in self.pool.cached]
-                if rid in self._with_twins else [])
-        for index in [*lost, *range(first, num_full)]:
+        # under it (a block under an ancestor nobody can find is unreachable), and at the
+        # latest when its request frees it.
+        self._publish(request, blocks, [*self._lost_twins(request), *range(first, num_full)])
+        self._num_cached_blocks[rid] = num_full
+
+    def _lost_twins(self, request: Request) -> list[int]:
+        """The indices of the request's published-range blocks whose hash no block holds
+        any more: its twins whose published copy was evicted (a block the request holds
+        cannot be). Only requests holding a twin look, one lookup per block."""
+        if request.request_id not in self._with_twins:
+            return []
+        return [index for index in range(self._num_cached_blocks[request.request_id])
+                if request.block_hashes[index] not in self.pool.cached]
+
+    def _publish(self, request: Request, blocks: list[KVBlock], indices: list[int]) -> None:
+        for index in indices:
             published = self.pool.cache_block(
                 blocks[index],
                 request.block_hashes[index],
@@ -218,15 +237,18 @@ class KVCacheManager:
                 request.root_hash,
             )
             if not published and blocks[index].block_hash is None:
-                self._with_twins.add(rid)
-        self._num_cached_blocks[rid] = num_full
+                self._with_twins.add(request.request_id)
 
     def free(self, request: Request) -> None:
-        """Drops the request's references; its cached blocks stay findable until evicted.
+        """Drops the request's references; its cached blocks stay findable until evicted,
+        its twins too where their published copy was evicted first.
 
         Freed deepest block first, so that among them the deepest are evicted first.
         """
-        blocks = self.req_to_blocks.pop(request.request_id, None)
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks:
+            self._publish(request, blocks, self._lost_twins(request))
+        self.req_to_blocks.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         self._with_twins.discard(request.request_id)
         if blocks:

@@ -585,6 +585,27 @@ def test_prompt_logprobs_request_reads_the_cache_only_once_scored(manager, make_
     assert manager.find_cached_prefix(scoring)[1] == 3 * BS
 
 
+def test_only_a_requests_first_lookup_counts_in_the_hit_rate(manager, make_request,
+                                                             run_prompt) -> None:
+    """A request resumed after preemption, or a sibling that waited for a seat (it has its
+    first token), looks its prompt up again; vLLM keeps those lookups out of the hit rate,
+    which would otherwise depend on the pool's size and max_num_seqs."""
+    prompt = list(range(3 * BS + 1))
+    run_prompt(manager, make_request(prompt))
+    before = manager.stats()
+    resumed = make_request(prompt)
+    resumed.num_preemptions = 1
+    waited = make_request(prompt)
+    waited.append_output_token(7)
+    for request in (resumed, waited):
+        assert run_prompt(manager, request) == 3 * BS  # they still hit
+        manager.free(request)
+    after = manager.stats()
+    assert (after.queries, after.hits) == (before.queries, before.hits)
+    run_prompt(manager, make_request(prompt))
+    assert manager.stats().hits == before.hits + 3 * BS
+
+
 def test_departure_says_where_a_prompt_leaves_the_closest_cached_one(
         make_request, run_prompt, check_pool) -> None:
     """PITFALLS: a hit rate that is silently low (a template that renders an earlier turn
@@ -612,6 +633,16 @@ def test_departure_says_where_a_prompt_leaves_the_closest_cached_one(
     check_pool(manager.pool)
 
 
+def compute_in_one_step(manager: KVCacheManager, admit, *requests: Request) -> None:
+    """The requests are admitted, then all computed: none finds what another computes,
+    and a block each of them computes is published once, the others' copies twins."""
+    for request in requests:
+        admit(manager, request)
+    for request in requests:
+        request.num_computed_tokens = request.num_tokens
+        manager.cache_full_blocks(request)
+
+
 def test_a_block_computed_twice_is_published_again_when_its_twin_is_evicted(
         make_request, admit, check_pool) -> None:
     """Two requests compute the same first block in one step; only a's copy is cached.
@@ -621,11 +652,7 @@ def test_a_block_computed_twice_is_published_again_when_its_twin_is_evicted(
     manager = KVCacheManager(num_blocks=6, block_size=BS, enable_events=True)
     prompt = [1, 2, 3, 4, 5, 6]
     a, b = make_request(prompt), make_request(prompt)
-    admit(manager, a)
-    admit(manager, b)  # nothing cached yet: b computes block 0 too
-    for request in (a, b):
-        request.num_computed_tokens = request.num_tokens
-        manager.cache_full_blocks(request)
+    compute_in_one_step(manager, admit, a, b)  # nothing cached yet: b computes block 0 too
     assert manager.pool.cached[a.block_hashes[0]].block_id == manager.get_block_ids(a)[0]
     manager.free(a)
     hog = make_request([9] * 16)
@@ -649,11 +676,7 @@ def test_a_lost_grandparent_is_published_again_too(make_request, admit, check_po
     third block is published, not only a missing parent."""
     manager = KVCacheManager(num_blocks=8, block_size=BS, enable_events=True)
     a, b = make_request([1, 2, 3, 4, 50]), make_request([1, 2, 3, 4, 5, 6, 7, 8, 9])
-    admit(manager, a)
-    admit(manager, b)
-    for request in (a, b):
-        request.num_computed_tokens = request.num_tokens
-        manager.cache_full_blocks(request)
+    compute_in_one_step(manager, admit, a, b)
     manager.free(a)
     hog = make_request([9] * 20)
     assert manager.allocate(hog, 20) is not None  # every free block: a's copy of block 0
@@ -669,3 +692,29 @@ def test_a_lost_grandparent_is_published_again_too(make_request, admit, check_po
     manager.free(b)
     assert manager.find_cached_prefix(again)[1] == 3 * BS
     check_pool(manager.pool)
+
+
+def test_a_twin_outliving_its_published_copy_is_published_when_freed(
+        make_request, admit, check_pool) -> None:
+    """As above, but b fills no new block after a's copy is evicted (it stops within its
+    partly filled block): its twin is published when b is freed, not dropped with it
+    (found by an outside exactness sweep: a prompt_logprobs request computes the prompt
+    beside a plain one)."""
+    manager = KVCacheManager(num_blocks=6, block_size=BS, enable_events=True)
+    prompt = [1, 2, 3, 4, 5, 6]
+    a, b = make_request(prompt), make_request(prompt)
+    compute_in_one_step(manager, admit, a, b)
+    manager.free(a)
+    hog = make_request([9] * 16)
+    assert manager.allocate(hog, 16) is not None  # a's copy of block 0 is evicted
+    manager.free(hog)
+    b.append_output_token(7)
+    b.num_computed_tokens = b.num_tokens
+    manager.cache_full_blocks(b)  # still within its second block: nothing new
+    assert a.block_hashes[0] not in manager.pool.cached
+    manager.take_events()
+    b_first = manager.get_block_ids(b)[0]
+    manager.free(b)
+    assert [e.block_id for e in manager.take_events()] == [b_first]  # type: ignore[union-attr]
+    assert manager.find_cached_prefix(make_request(prompt))[1] == BS
+    assert_idle_and_clean(manager, check_pool)
