@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from pagellm.engine.config import EngineConfig
-from pagellm.entrypoints.cli import _option_strings, build_parser, main
+from pagellm.entrypoints.cli import _option_actions, build_parser, main
 from pagellm.entrypoints.config_file import with_config_file
 from pagellm.entrypoints.engine_args import NOT_ON_CLI, EngineArgs, byte_size
 from pagellm.entrypoints.serve import (
@@ -478,7 +478,7 @@ def test_options_from_a_config_file(tmp_path: Path, capsys: pytest.CaptureFixtur
                       "override-generation-config: {temperature: 0.5}\n")
     parser = build_parser()
     argv = with_config_file(["serve", "model.gguf", "--config", str(config), "--port", "9002"],
-                            _option_strings(parser))
+                            _option_actions(parser))
     args = parser.parse_args(argv)
     assert (args.model_tag, args.port, args.api_key) == ("model.gguf", 9002, ["k1", "k2"])
     engine = EngineArgs.from_cli_args(args)
@@ -489,12 +489,22 @@ def test_options_from_a_config_file(tmp_path: Path, capsys: pytest.CaptureFixtur
     (tmp_path / "gen.yaml").write_text("max-tokens: 5\n")
     generate_args = parser.parse_args(with_config_file(
         ["generate", "p1", "p2", "--config", str(tmp_path / "gen.yaml")],
-        _option_strings(parser)))
+        _option_actions(parser)))
     assert (generate_args.prompt, generate_args.max_tokens) == (["p1", "p2"], 5)
+    # A list as the command line gives it: an option given once per value is repeated
+    # (a prompt written after it stays a prompt), one that takes a JSON list gets JSON.
+    (tmp_path / "stops.yaml").write_text('stop: ["party", "zzz"]\n')
+    listed = parser.parse_args(with_config_file(
+        ["generate", "Hi", "--config", str(tmp_path / "stops.yaml")], _option_actions(parser)))
+    assert (listed.prompt, listed.stop) == (["Hi"], ["party", "zzz"])
+    (tmp_path / "cors.yaml").write_text('allowed-origins: ["https://a.example"]\n')
+    served = parser.parse_args(with_config_file(
+        ["serve", "--config", str(tmp_path / "cors.yaml")], _option_actions(parser)))
+    assert served.allowed_origins == ["https://a.example"]
     (tmp_path / "model.yaml").write_text("model: file.gguf\nport: 9003\n")
     chosen = parser.parse_args(with_config_file(
         ["serve", "cli.gguf", "--config", str(tmp_path / "model.yaml")],
-        _option_strings(parser)))
+        _option_actions(parser)))
     assert (chosen.model_tag, chosen.model, chosen.port) == ("cli.gguf", None, 9003)
     (tmp_path / "dated.yaml").write_text("override-generation-config: {d: 2024-01-01}\n")
     (tmp_path / "empty.yaml").write_text("max-model-len:\n")

@@ -169,7 +169,8 @@ class StructuredOutputsParams:
     that lists its properties allows no other unless it says so (`additionalProperties`),
     as vLLM's default backend (xgrammar, strict) reads schemas: a model left free adds
     keys until its budget runs out. disable_additional_properties, which asks vLLM's
-    guidance backend for that reading, is accepted and changes nothing. Only the shape
+    guidance backend for that reading, is accepted and changes nothing; vLLM's
+    structural_tag is a field so that None is accepted, and refused when set. Only the shape
     is checked here; the engine
     compiles the format and refuses one that does not compile. Frozen, and its lists and
     dicts are copied, so a request's format cannot change under it.
@@ -183,8 +184,12 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
+        if self.structural_tag is not None:
+            raise ValueError("structured_outputs.structural_tag is not supported; the format "
+                             f"must be one of {', '.join(FORMAT_KINDS)}")
         given = [name for name in FORMAT_KINDS if getattr(self, name) is not None]
         if len(given) != 1:
             raise ValueError(
@@ -227,9 +232,6 @@ class StructuredOutputsParams:
         silently dropped."""
         given = {key: value for key, value in fields.items()
                  if value is not None and not key.startswith("_") and key not in _IGNORED_KEYS}
-        if "structural_tag" in given:
-            raise ValueError("structured_outputs.structural_tag is not supported; the format "
-                             f"must be one of {', '.join(FORMAT_KINDS)}")
         names = {field.name for field in dataclasses.fields(cls)}
         unknown = sorted(set(given) - names)
         if unknown:

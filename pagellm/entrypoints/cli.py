@@ -29,12 +29,13 @@ from pagellm.entrypoints.sampling_args import sampling_params_from_args
 from pagellm.logger import LOG_FORMAT
 
 
-def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
-    """Every option string of every command (argparse keeps them in a private map)."""
+def _option_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """Every option string of every command, with its action (argparse keeps them in a
+    private map)."""
     commands = [action.choices for action in parser._actions
                 if isinstance(action, argparse._SubParsersAction)]
-    return {flag for choices in commands for command in choices.values()
-            for flag in command._option_string_actions}
+    return {flag: action for choices in commands for command in choices.values()
+            for flag, action in command._option_string_actions.items()}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:  # vLLM's --config FILE.yaml: options kept in a file
         argv = with_config_file(list(sys.argv[1:] if argv is None else argv),
-                                _option_strings(parser))
+                                _option_actions(parser))
     except ValueError as error:
         parser.error(str(error))
     args, unknown = parser.parse_known_args(argv)

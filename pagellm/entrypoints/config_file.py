@@ -2,24 +2,29 @@
 written for `vllm serve --config` runs here too.
 
 Each key is an option's name (`max-model-len` or `max_model_len`); a value becomes the
-option's argument, a list its arguments, a nested mapping its JSON text, and a boolean
-the flag (true) or its `--no-` form where the command has one (false, else nothing).
+option's argument, a nested mapping its JSON text, and a boolean the flag (true) or its
+`--no-` form where the command has one (false, else nothing). A list becomes the values
+of an option that takes several (`api-key: [k1, k2]`), the option once per item where it
+is given once per value (`stop: [a, b]`), and its JSON text for an option that takes a
+JSON list (`allowed-origins`): each as the command line would write it.
 The file's options go right after the command (and after `serve`'s model, if given
 first), so options on the command line win over the file's, as in vLLM.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-from collections.abc import Container
+from collections.abc import Mapping
 from typing import Any
 
 import yaml
 
 
-def with_config_file(argv: list[str], flags: Container[str]) -> list[str]:
+def with_config_file(argv: list[str], flags: Mapping[str, argparse.Action]) -> list[str]:
     """`argv` with its `--config FILE` (or `--config=FILE`) replaced by the file's
-    options; `flags` are the command's option strings (for booleans' `--no-` forms).
+    options; `flags` maps the commands' option strings to their actions (for booleans'
+    `--no-` forms and how a list is given).
     Raises ValueError for a second --config, a missing path or a file that is not a
     YAML mapping."""
     positions = [i for i, arg in enumerate(argv)
@@ -47,7 +52,7 @@ def with_config_file(argv: list[str], flags: Container[str]) -> list[str]:
     return rest[:at] + options + rest[at:]
 
 
-def _options(path: str, flags: Container[str]) -> list[str]:
+def _options(path: str, flags: Mapping[str, argparse.Action]) -> list[str]:
     if not path.endswith((".yaml", ".yml")):
         raise ValueError(f"--config must be a .yaml or .yml file, got {path!r}")
     try:
@@ -76,12 +81,19 @@ def _options(path: str, flags: Container[str]) -> list[str]:
     return options
 
 
-def _arguments(flag: str, value: Any, flags: Container[str]) -> list[str]:
+def _arguments(flag: str, value: Any, flags: Mapping[str, argparse.Action]) -> list[str]:
     if isinstance(value, bool):
         negative = "--no-" + flag[2:]
         return [flag] if value else [negative] if negative in flags else []
     if isinstance(value, list):
-        return [flag, *map(str, value)] if value else []
+        action = flags.get(flag)
+        if not value:
+            return []
+        if isinstance(action, argparse._AppendAction):
+            return [part for item in value for part in (flag, str(item))]
+        if action is not None and action.nargs is None:
+            return [flag, json.dumps(value)]
+        return [flag, *map(str, value)]
     if isinstance(value, dict):
         return [flag, json.dumps(value)]
     return [flag, str(value)]

@@ -44,6 +44,10 @@ def test_normalisation() -> None:
     vllm = {"json": None, "regex": "a+", "structural_tag": None, "_backend": None,
             "_backend_was_auto": False, "disable_fallback": False}
     assert StructuredOutputsParams.from_dict(vllm) == StructuredOutputsParams(regex="a+")
+    # vLLM's keyword: None is accepted as in vLLM, a tag is refused by name, not a TypeError.
+    assert StructuredOutputsParams(regex="a+", structural_tag=None).kind == "regex"
+    with pytest.raises(ValueError, match="structural_tag is not supported"):
+        StructuredOutputsParams(structural_tag="{}")
 
 
 def test_sampling_type() -> None:
