@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from pagellm.engine.config import EngineConfig
 from pagellm.entrypoints.cli import _option_actions, build_parser, main
@@ -631,6 +632,7 @@ def test_vllm_spellings_and_wrong_arguments_of_the_python_api() -> None:
     from pagellm import LLM
 
     assert EngineConfig(dtype="half").dtype == "float16"
+    assert EngineConfig(dtype=torch.bfloat16).dtype == "bfloat16"  # vLLM takes torch dtypes
     # help(LLM) lists EngineConfig's fields as its arguments, with their defaults.
     signature = inspect.signature(LLM)
     assert list(signature.parameters) == [f.name for f in dataclasses.fields(EngineConfig)]

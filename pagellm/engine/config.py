@@ -202,6 +202,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
             raise ValueError(f"model must be a path or a hub id, got {self.model!r}")
+        if not isinstance(self.dtype, str) and str(self.dtype).startswith("torch."):
+            self.dtype = str(self.dtype).removeprefix("torch.")  # a torch dtype, as vLLM takes
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES + tuple(DTYPE_ALIASES)}, got "

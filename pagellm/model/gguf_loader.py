@@ -120,7 +120,24 @@ def convert_gguf(gguf_path: str | Path, cache_root: str | Path) -> Path:
             # Another process finished the same conversion first; theirs is as good.
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    _remove_stale_conversions(source.resolve(), target)
     return target
+
+
+def _remove_stale_conversions(source: Path, target: Path) -> None:
+    """Delete earlier conversions of the same file (changed since, or converted by an
+    older converter): nothing will ask for them again, and each is the model's size in
+    float32, so replacing a GGUF a few times would otherwise fill the disk."""
+    for other in target.parent.glob(f"{source.stem}-*"):
+        if other == target:
+            continue
+        try:
+            converted_from = json.loads((other / "config.json").read_text()).get(
+                "pagellm_gguf_source")
+        except (OSError, ValueError, AttributeError):
+            continue  # not a conversion of ours, or one being removed
+        if converted_from == str(source):
+            shutil.rmtree(other, ignore_errors=True)
 
 
 def _remove_abandoned_tmp_dirs(target: Path) -> None:
@@ -253,12 +270,15 @@ def _rope_scaling(
     if freq_tensor is None:
         return None
     # llama.cpp divides each frequency by rope_freqs[i]; accept it only if it is exactly
-    # the Llama 3 scheme, rather than silently running with different positions.
+    # the Llama 3 scheme, rather than silently running with different positions. Its
+    # factor is the divisor of the longest wavelengths: 8 for Llama 3.1, 32 for 3.2.
     divisors = torch.from_numpy(np.asarray(freq_tensor.data, dtype=np.float32).copy())
     plain = rope_inverse_frequencies(head_dim, theta, None)
-    scaled = rope_inverse_frequencies(head_dim, theta, _LLAMA3_ROPE)
-    if divisors.shape == plain.shape and torch.allclose(plain / divisors, scaled, rtol=1e-4):
-        return dict(_LLAMA3_ROPE)
+    if divisors.shape == plain.shape:
+        rope = {**_LLAMA3_ROPE, "factor": round(float(divisors.max()), 4)}
+        scaled = rope_inverse_frequencies(head_dim, theta, rope)
+        if torch.allclose(plain / divisors, scaled, rtol=1e-4):
+            return rope
     raise UnsupportedArchitectureError(
         "GGUF rope_freqs do not match the Llama 3 rope scaling; this rope variant is not supported"
     )

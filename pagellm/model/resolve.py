@@ -9,6 +9,7 @@ engine decides where it comes from (a flag, an env var) in one place.
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 from pathlib import Path
 
@@ -70,10 +71,21 @@ def looks_like_model(text: str) -> bool:
 
 def served_model_name(model: str | None) -> str:
     """The name a model is served and labelled under when none is given, as vLLM names
-    it: a hub id is itself, a path its last part."""
+    it: a hub id is itself, a path its last part (`.` or `dir/..` the folder's name)."""
     if not model:
         return DEFAULT_MODEL_NAME
-    return model if is_hub_id(model) else Path(model).name
+    if is_hub_id(_without_tag(model)[0]):
+        return model
+    return Path(os.path.abspath(os.path.expanduser(model))).name or model
+
+
+def _without_tag(model: str) -> tuple[str, str | None]:
+    """A hub id and the GGUF it names by quantization, as vLLM and llama.cpp write it
+    (`org/name-GGUF:Q8_0`), or `model` as it is and None."""
+    repo, _, tag = model.rpartition(":")
+    if tag and is_hub_id(repo) and not Path(model).exists():
+        return repo, tag
+    return model, None
 
 
 def _hub_cache_snapshot(model: str, path: Path) -> Path:
@@ -103,9 +115,10 @@ def resolve_model_path(model: str | Path | None, cache_dir: str | Path | None = 
     cache_root = resolve_cache_dir(cache_dir)
     if model is None:
         return convert_gguf(default_model_file(), cache_root)
-    path = Path(model).expanduser()
+    name, tag = _without_tag(str(model))
+    path = Path(name).expanduser()
     if not path.exists():
-        path = _hub_cache_snapshot(str(model), path)
+        path = _hub_cache_snapshot(name, path)
     if path.is_file():
         if is_gguf_file(path):
             return convert_gguf(path, cache_root)
@@ -113,12 +126,21 @@ def resolve_model_path(model: str | Path | None, cache_dir: str | Path | None = 
             f"{path} is neither a GGUF file nor a model directory (expected a directory "
             "with config.json and *.safetensors, or a .gguf file)"
         )
-    if (path / "config.json").is_file():
+    if (path / "config.json").is_file() and tag is None:
         return path
     ggufs = sorted(p for p in path.glob("*.gguf") if p.is_file())
-    if len(ggufs) == 1:
-        return convert_gguf(ggufs[0], cache_root)
-    hint = f"; it holds several GGUF files, name one: {', '.join(g.name for g in ggufs)}"
+    chosen = [g for g in ggufs if tag is None or tag.lower() in g.stem.lower()]
+    if len(chosen) == 1:
+        return convert_gguf(chosen[0], cache_root)
+    if tag is not None:
+        raise ModelNotFoundError(
+            f"{model}: {len(chosen)} of the GGUF files in {path} have {tag!r} in their name "
+            f"({', '.join(g.name for g in ggufs) or 'it holds none'}); give a tag that "
+            "names one")
+    if not ggufs:
+        raise ModelNotFoundError(f"{path} has no config.json and no GGUF file")
+    example = (f"{name}:{re.split(r'[.-]', ggufs[0].stem)[-1]}" if is_hub_id(name)
+               else path / ggufs[0].name)
     raise ModelNotFoundError(
-        f"{path} has no config.json" + (hint if ggufs else " and no GGUF file")
-    )
+        f"{path} has no config.json; it holds several GGUF files "
+        f"({', '.join(g.name for g in ggufs)}): name one, e.g. {example}")

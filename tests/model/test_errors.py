@@ -70,6 +70,26 @@ def test_hub_id_found_in_the_local_hub_cache(tiny_dir: Path, tmp_path: Path,
     assert resolve_model_path("org/tiny", tmp_path / "cache") == repo / "snapshots" / "abc123"
 
 
+def test_a_hub_repos_gguf_is_named_by_its_quantization(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's and llama.cpp's `org/name:Q8_0` for a repo of several GGUF files; without
+    a tag the error says how to name one."""
+    snapshot = tmp_path / "hub" / "models--org--tiny-GGUF" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("abc123")
+    for name in ("tiny-Q4_0.gguf", "tiny-Q8_0.gguf"):
+        (snapshot / name).write_bytes(b"GGUF")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(resolve_module, "convert_gguf", lambda path, cache: path)
+    assert resolve_model_path("org/tiny-GGUF:q8_0", tmp_path) == snapshot / "tiny-Q8_0.gguf"
+    assert resolve_module.served_model_name("org/tiny-GGUF:Q8_0") == "org/tiny-GGUF:Q8_0"
+    with pytest.raises(ModelNotFoundError, match="name one, e.g. org/tiny-GGUF:Q4_0"):
+        resolve_model_path("org/tiny-GGUF", tmp_path)
+    with pytest.raises(ModelNotFoundError, match="0 of the GGUF files .* have 'Q5_K'"):
+        resolve_model_path("org/tiny-GGUF:Q5_K", tmp_path)
+
+
 def test_directory_without_model(tmp_path: Path) -> None:
     with pytest.raises(ModelNotFoundError, match="no config.json"):
         resolve_model_path(tmp_path, tmp_path / "cache")
@@ -91,6 +111,29 @@ def test_default_model_missing_says_how_to_install(
 
 def test_hf_directory_resolves_to_itself(tiny_dir: Path, tmp_path: Path) -> None:
     assert resolve_model_path(str(tiny_dir), tmp_path / "cache") == tiny_dir
+
+
+def test_served_name_is_the_folders_own(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+                                        ) -> None:
+    monkeypatch.chdir(tiny_dir)
+    assert [resolve_module.served_model_name(path) for path in (
+        ".", f"{tiny_dir}/", "../tiny/x.gguf", "/", None)] == [
+        "tiny", "tiny", "x.gguf", "/", "SmolLM2-135M-Instruct"]
+
+
+def test_only_the_checkpoints_weight_files_are_read(tiny_dir: Path) -> None:
+    """As transformers reads a directory: model.safetensors, not other safetensors files
+    beside it (a LoRA adapter's, Mistral's consolidated.safetensors); a lone file of
+    another name is the checkpoint."""
+    from safetensors.torch import save_file
+
+    save_file({"base_model.lora_A.weight": torch.zeros(2, 2)},
+              str(tiny_dir / "adapter_model.safetensors"))
+    expected = load_model(tiny_dir).state_dict()
+    (tiny_dir / "adapter_model.safetensors").unlink()
+    (tiny_dir / "model.safetensors").rename(tiny_dir / "weights.safetensors")
+    loaded = load_model(tiny_dir).state_dict()
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in expected.items())
 
 
 def test_unsupported_architecture(tiny_dir: Path) -> None:

@@ -20,6 +20,7 @@ from gguf import GGMLQuantizationType as Q
 from paged_sim import PagedSim
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from pagellm.model import (
     CorruptModelError,
@@ -124,6 +125,11 @@ def write_tiny_gguf(path: Path, arch: str, hf_config: Any) -> dict[str, torch.Te
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    if cfg.rope_parameters.get("rope_type") == "llama3":  # llama.cpp keeps the divisors
+        theta = float(cfg.rope_parameters["rope_theta"])
+        plain = 1.0 / theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim)
+        scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+        writer.add_tensor("rope_freqs.weight", (plain / scaled).numpy().astype(np.float32))
     expected: dict[str, torch.Tensor] = {}
     for i, (name, param) in enumerate(hf_model.state_dict().items()):
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -174,6 +180,10 @@ SMALL = dict(
 
 ARCHS = {
     "llama": lambda: LlamaConfig(**SMALL, rms_norm_eps=1e-5),
+    # Llama 3.2's rope (3.1's has factor 8), which llama.cpp stores as rope_freqs only.
+    "llama_rope32": lambda: LlamaConfig(**SMALL, rms_norm_eps=1e-5, rope_scaling={
+        "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
     "llama_tied": lambda: LlamaConfig(**SMALL, rms_norm_eps=1e-5, tie_word_embeddings=True),
     "qwen3": lambda: Qwen3Config(**SMALL, head_dim=32, rms_norm_eps=1e-6),
 }
@@ -192,6 +202,9 @@ def test_conversion_restores_hf_weights_and_logits(tmp_path: Path, variant: str)
     config = load_model_config(converted)
     assert config.tie_word_embeddings == variant.endswith("tied")
     assert config.qk_norm == (arch == "qwen3")
+    rope = config.rope_scaling or {}
+    assert (rope.get("rope_type"), rope.get("factor")) == (
+        ("llama3", 32.0) if variant == "llama_rope32" else (None, None))
     # transformers reads the converted directory too, and agrees with us on it.
     reference = AutoModelForCausalLM.from_pretrained(str(converted), dtype=torch.float32).eval()
     tokens = list(range(3, 40))
@@ -212,6 +225,14 @@ def test_conversion_is_cached_by_file_identity(tmp_path: Path) -> None:
     os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     second = resolve_model_path(source, tmp_path / "cache")
     assert second != first and (second / "config.json").is_file()
+    # The conversion of the file as it was is gone (each is the model in float32); one of
+    # another file of the same name stays.
+    other = tmp_path / "elsewhere" / "tiny.gguf"
+    other.parent.mkdir()
+    other.write_bytes(source.read_bytes())
+    third = resolve_model_path(other, tmp_path / "cache")
+    assert sorted(p.name for p in (tmp_path / "cache" / "gguf").iterdir()) == sorted(
+        [second.name, third.name])
 
 
 def test_failed_conversion_leaves_no_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
