@@ -498,10 +498,12 @@ def test_options_from_a_config_file(tmp_path: Path, capsys: pytest.CaptureFixtur
     listed = parser.parse_args(with_config_file(
         ["generate", "Hi", "--config", str(tmp_path / "stops.yaml")], _option_actions(parser)))
     assert (listed.prompt, listed.stop) == (["Hi"], ["party", "zzz"])
-    (tmp_path / "cors.yaml").write_text('allowed-origins: ["https://a.example"]\n')
+    (tmp_path / "cors.yaml").write_text('allowed-origins: ["https://a.example"]\n'
+                                        "disable-access-log-for-endpoints: [/health, /ping]\n")
     served = parser.parse_args(with_config_file(
         ["serve", "--config", str(tmp_path / "cors.yaml")], _option_actions(parser)))
     assert served.allowed_origins == ["https://a.example"]
+    assert served.disable_access_log_for_endpoints == ["/health", "/ping"]
     (tmp_path / "model.yaml").write_text("model: file.gguf\nport: 9003\n")
     chosen = parser.parse_args(with_config_file(
         ["serve", "cli.gguf", "--config", str(tmp_path / "model.yaml")],

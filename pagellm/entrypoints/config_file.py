@@ -5,8 +5,9 @@ Each key is an option's name (`max-model-len` or `max_model_len`); a value becom
 option's argument, a nested mapping its JSON text, and a boolean the flag (true) or its
 `--no-` form where the command has one (false, else nothing). A list becomes the values
 of an option that takes several (`api-key: [k1, k2]`), the option once per item where it
-is given once per value (`stop: [a, b]`), and its JSON text for an option that takes a
-JSON list (`allowed-origins`): each as the command line would write it.
+is given once per value (`stop: [a, b]`), its JSON text for an option that takes a
+JSON list (`allowed-origins`), and its items joined by commas for one that takes them so
+(`disable-access-log-for-endpoints`): each as the command line would write it.
 The file's options go right after the command (and after `serve`'s model, if given
 first), so options on the command line win over the file's, as in vLLM.
 """
@@ -91,8 +92,9 @@ def _arguments(flag: str, value: Any, flags: Mapping[str, argparse.Action]) -> l
             return []
         if isinstance(action, argparse._AppendAction):
             return [part for item in value for part in (flag, str(item))]
-        if action is not None and action.nargs is None:
-            return [flag, json.dumps(value)]
+        if action is not None and action.nargs is None:  # one argument holds the list
+            joined = json.dumps(value) if action.metavar == "JSON" else ",".join(map(str, value))
+            return [flag, joined]
         return [flag, *map(str, value)]
     if isinstance(value, dict):
         return [flag, json.dumps(value)]

@@ -18,6 +18,7 @@ quant_kernels).
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -128,7 +129,8 @@ def _remove_stale_conversions(source: Path, target: Path) -> None:
     """Delete earlier conversions of the same file (changed since, or converted by an
     older converter): nothing will ask for them again, and each is the model's size in
     float32, so replacing a GGUF a few times would otherwise fill the disk."""
-    for other in target.parent.glob(f"{source.stem}-*"):
+    stem = target.name.rsplit("-", 1)[0]  # the name as given: a link's, not its target's
+    for other in target.parent.glob(f"{glob.escape(stem)}-*"):
         if other == target:
             continue
         try:

@@ -65,10 +65,12 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def safetensors_files(path: Path) -> list[Path]:
-    """The weight files of an HF directory, as transformers picks them: the index's if
-    there is one, else `model.safetensors`; other files beside them (a LoRA adapter's
-    `adapter_model.safetensors`, Mistral's `consolidated.safetensors`) are not the
-    checkpoint. A directory with neither takes all of its *.safetensors."""
+    """The weight files of an HF directory, as transformers picks them:
+    `model.safetensors`, else the files its index lists; other files beside them (a
+    LoRA adapter's `adapter_model.safetensors`, Mistral's `consolidated.safetensors`) are
+    not the checkpoint. A directory with neither takes all of its *.safetensors."""
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -80,8 +82,6 @@ def safetensors_files(path: Path) -> list[Path]:
         if missing:
             raise ModelNotFoundError(f"{index} lists missing files: {', '.join(missing)}")
         return files
-    if (path / "model.safetensors").is_file():
-        return [path / "model.safetensors"]
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"no *.safetensors weight files in {path}")

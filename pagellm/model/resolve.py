@@ -66,7 +66,8 @@ def is_hub_id(model: str) -> bool:
 def looks_like_model(text: str) -> bool:
     """Whether `text` names a model rather than, say, a secret: a path that exists, a
     GGUF file name, or a hub id."""
-    return Path(text).exists() or text.lower().endswith(".gguf") or is_hub_id(text)
+    return (Path(text).exists() or text.lower().endswith(".gguf")
+            or is_hub_id(_without_tag(text)[0]))
 
 
 def served_model_name(model: str | None) -> str:
@@ -129,7 +130,7 @@ def resolve_model_path(model: str | Path | None, cache_dir: str | Path | None = 
     if (path / "config.json").is_file() and tag is None:
         return path
     ggufs = sorted(p for p in path.glob("*.gguf") if p.is_file())
-    chosen = [g for g in ggufs if tag is None or tag.lower() in g.stem.lower()]
+    chosen = ggufs if tag is None else _named_by(tag, ggufs)
     if len(chosen) == 1:
         return convert_gguf(chosen[0], cache_root)
     if tag is not None:
@@ -139,8 +140,22 @@ def resolve_model_path(model: str | Path | None, cache_dir: str | Path | None = 
             "names one")
     if not ggufs:
         raise ModelNotFoundError(f"{path} has no config.json and no GGUF file")
-    example = (f"{name}:{re.split(r'[.-]', ggufs[0].stem)[-1]}" if is_hub_id(name)
+    example = (f"{name}:{_name_parts(ggufs[0])[-1]}" if is_hub_id(name)
                else path / ggufs[0].name)
     raise ModelNotFoundError(
         f"{path} has no config.json; it holds several GGUF files "
         f"({', '.join(g.name for g in ggufs)}): name one, e.g. {example}")
+
+
+def _name_parts(gguf: Path) -> list[str]:
+    """A GGUF file name's parts (`Qwen3-0.6B-Q4_K_M`: ..., `Q4_K_M`); the quantization
+    is usually the last."""
+    return re.split(r"[.-]", gguf.stem)
+
+
+def _named_by(tag: str, ggufs: list[Path]) -> list[Path]:
+    """The files whose name has `tag` as a whole part (so F16 is not BF16's, nor Q4_0
+    Q4_0_4_4's), else those that hold it anywhere in their name."""
+    wanted = tag.lower()
+    whole = [g for g in ggufs if wanted in (part.lower() for part in _name_parts(g))]
+    return whole or [g for g in ggufs if wanted in g.stem.lower()]

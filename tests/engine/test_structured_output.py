@@ -192,6 +192,13 @@ def test_a_format_that_does_not_compile_is_refused(default_llm: Any, fmt: dict[s
     assert not engine.has_unfinished_requests()
 
 
+def test_a_grammar_without_gbnf_rules_is_lark() -> None:
+    """vLLM's rule: no `::=`, so Lark, whose inlined `?start:` (outlines' grammars begin
+    so) llguidance's own guess would have sent to its GBNF converter."""
+    grammar_spec(StructuredOutputsParams(grammar='?start: answer\nanswer: "yes" | "no"'))
+    grammar_spec(StructuredOutputsParams(grammar='root ::= "yes" | "no"'))
+
+
 def test_allowed_tokens_unpacks_the_bitmask_of_each_row(default_llm: Any) -> None:
     """Row by row, the bool mask holds exactly the tokens the matcher's bitmask holds."""
     compiler = default_llm.llm_engine._grammars

@@ -78,13 +78,15 @@ def test_a_hub_repos_gguf_is_named_by_its_quantization(
     snapshot.mkdir(parents=True)
     (snapshot.parent.parent / "refs").mkdir()
     (snapshot.parent.parent / "refs" / "main").write_text("abc123")
-    for name in ("tiny-Q4_0.gguf", "tiny-Q8_0.gguf"):
+    for name in ("tiny-BF16.gguf", "tiny-F16.gguf", "tiny-Q4_0.gguf", "tiny-Q8_0.gguf"):
         (snapshot / name).write_bytes(b"GGUF")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(resolve_module, "convert_gguf", lambda path, cache: path)
     assert resolve_model_path("org/tiny-GGUF:q8_0", tmp_path) == snapshot / "tiny-Q8_0.gguf"
+    assert resolve_model_path("org/tiny-GGUF:F16", tmp_path) == snapshot / "tiny-F16.gguf"
     assert resolve_module.served_model_name("org/tiny-GGUF:Q8_0") == "org/tiny-GGUF:Q8_0"
-    with pytest.raises(ModelNotFoundError, match="name one, e.g. org/tiny-GGUF:Q4_0"):
+    assert resolve_module.looks_like_model("org/tiny-GGUF:Q8_0")  # not taken for an API key
+    with pytest.raises(ModelNotFoundError, match="name one, e.g. org/tiny-GGUF:BF16"):
         resolve_model_path("org/tiny-GGUF", tmp_path)
     with pytest.raises(ModelNotFoundError, match="0 of the GGUF files .* have 'Q5_K'"):
         resolve_model_path("org/tiny-GGUF:Q5_K", tmp_path)

@@ -233,6 +233,14 @@ def test_conversion_is_cached_by_file_identity(tmp_path: Path) -> None:
     third = resolve_model_path(other, tmp_path / "cache")
     assert sorted(p.name for p in (tmp_path / "cache" / "gguf").iterdir()) == sorted(
         [second.name, third.name])
+    # A link (the Hugging Face cache's snapshots are links to blobs) is named as given.
+    link = tmp_path / "linked.gguf"
+    link.symlink_to(other)
+    linked = resolve_model_path(link, tmp_path / "cache")
+    stat = other.stat()
+    os.utime(other, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    relinked = resolve_model_path(link, tmp_path / "cache")
+    assert relinked != linked and not linked.exists()
 
 
 def test_failed_conversion_leaves_no_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
