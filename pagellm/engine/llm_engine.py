@@ -188,6 +188,10 @@ class LLMEngine:
         self.dtype = _TORCH_DTYPES[dtype_name]
         self.generation_defaults = load_generation_defaults(config, model_path)
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(model_path)
+        if self.tokenizer is not None and len(self.tokenizer) > self.model_config.vocab_size:
+            logger.warning("the tokenizer has %d tokens, the model's vocabulary %d: a prompt "
+                           "holding one past it is refused", len(self.tokenizer),
+                           self.model_config.vocab_size)
         self.model = load_model(
             model_path, dtype=self.dtype, device=self.device,
             attention_backend=config.attention_backend,
@@ -279,7 +283,14 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer (skip_tokenizer_init is set): "
                                  "pass prompt_token_ids")
-            return prompt, encode_text(self.tokenizer, prompt, "prompt", True)
+            ids = encode_text(self.tokenizer, prompt, "prompt", True)
+            past = next((t for t in ids if t >= self.model_config.vocab_size), None)
+            if past is not None:
+                raise ValueError(
+                    f"the tokenizer gives the prompt token id {past}, past the model's "
+                    f"vocabulary of {self.model_config.vocab_size} (the tokenizer does not "
+                    "fit the model)")
+            return prompt, ids
         if isinstance(prompt, (list, tuple)) or hasattr(prompt, "tolist"):
             return None, self._check_token_ids(prompt)
         raise ValueError(f"prompt must be a string or a list of token ids, got "

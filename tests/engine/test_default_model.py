@@ -347,3 +347,26 @@ def test_a_chat_template_given_at_start_replaces_the_models(default_llm: Any,
     tokenizer.chat_template = None
     with pytest.raises(ChatError, match="no chat template"):
         render_chat(tokenizer, [{"role": "user", "content": "Hi"}])
+
+
+def test_a_tokenizer_past_the_models_vocabulary_is_refused_per_prompt(
+        default_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A tokenizer that does not fit its model (found by an outside run: 49,152 tokens
+    beside a 384-token embedding) is named at start, and a prompt it encodes past the
+    vocabulary is refused alone, not an IndexError in the model run."""
+    import shutil
+
+    from pagellm import LLM
+    from tests.engine.conftest import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "small")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_dir / name, path / name)
+    with caplog.at_level("WARNING", logger="pagellm"):
+        llm = LLM(str(path), num_threads=1)
+    assert "the tokenizer has 49152 tokens, the model's vocabulary 384" in caplog.text
+    refused, fine = llm.generate(["Hello world, how are you today?", [5, 6, 7]],
+                                 SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert "past the model's vocabulary of 384" in (refused.error or "")
+    assert len(fine.outputs[0].token_ids) == 2
+    assert_idle(llm.llm_engine)
