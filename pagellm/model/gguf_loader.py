@@ -175,6 +175,8 @@ def _write_hf_directory(source: Path, out: Path) -> None:
         )
     tensor_names = {t.name for t in reader.tensors}
     config = _hf_config(fields, arch_name, tensor_names, reader, source)
+    # The tokenizer first: a GGUF without one fails in seconds, not after its weights.
+    _write_tokenizer(source, out)
     _write_weights(reader, arch_name, config, out)
     _write_quantized_blocks(reader, arch_name, config, out)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -182,7 +184,6 @@ def _write_hf_directory(source: Path, out: Path) -> None:
         k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config
     }
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    _write_tokenizer(source, out)
 
 
 def _open_reader(source: Path) -> Any:

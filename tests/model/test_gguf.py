@@ -250,9 +250,14 @@ def test_failed_conversion_leaves_no_cache(tmp_path: Path, monkeypatch: pytest.M
     def crash(source: Path, out: Path) -> None:
         raise RuntimeError("simulated crash while saving the tokenizer")
 
+    def weights(*args: Any) -> None:
+        raise AssertionError("weights converted before the tokenizer was read")
+
     monkeypatch.setattr(gguf_loader, "_write_tokenizer", crash)
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        resolve_model_path(source, tmp_path / "cache")
+    with monkeypatch.context() as patch:  # a GGUF without a tokenizer fails before them
+        patch.setattr(gguf_loader, "_write_weights", weights)
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            resolve_model_path(source, tmp_path / "cache")
     assert list((tmp_path / "cache" / "gguf").iterdir()) == []
     monkeypatch.setattr(gguf_loader, "_write_tokenizer", lambda source, out: None)
     assert (resolve_model_path(source, tmp_path / "cache") / "config.json").is_file()
