@@ -121,16 +121,18 @@ def convert_gguf(gguf_path: str | Path, cache_root: str | Path) -> Path:
             # Another process finished the same conversion first; theirs is as good.
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    _remove_stale_conversions(source.resolve(), target)
+    _remove_stale_conversions(source, target)
     return target
 
 
 def _remove_stale_conversions(source: Path, target: Path) -> None:
     """Delete earlier conversions of the same file (changed since, or converted by an
     older converter): nothing will ask for them again, and each is the model's size in
-    float32, so replacing a GGUF a few times would otherwise fill the disk."""
-    stem = target.name.rsplit("-", 1)[0]  # the name as given: a link's, not its target's
-    for other in target.parent.glob(f"{glob.escape(stem)}-*"):
+    float32, so replacing a GGUF a few times would otherwise fill the disk. `source` is
+    the path as given: conversions are named after it (a link's name, not its target's)
+    and record the file it resolves to."""
+    resolved = str(source.resolve())
+    for other in target.parent.glob(f"{glob.escape(source.stem)}-*"):
         if other == target:
             continue
         try:
@@ -138,7 +140,7 @@ def _remove_stale_conversions(source: Path, target: Path) -> None:
                 "pagellm_gguf_source")
         except (OSError, ValueError, AttributeError):
             continue  # not a conversion of ours, or one being removed
-        if converted_from == str(source):
+        if converted_from == resolved:
             shutil.rmtree(other, ignore_errors=True)
 
 
