@@ -3,9 +3,11 @@
 Decoding the whole output again at every token costs O(n^2) over a long answer; instead
 each step decodes only a short window. A token can end in the middle of a UTF-8 character
 (the text then ends with U+FFFD), so text is released only once the window decodes cleanly,
-or when the sample finishes: then whatever is pending is written out, U+FFFD included, so
-nothing decoded is lost at the end. (The engine leaves out the text of a stopping token,
-and a stop string cuts the text; otherwise the text is the decoded tokens.) The window starts a few tokens back in the
+or when the sample finishes: then the whole characters still pending are written out, and
+the bytes of a character the sample left unfinished are not, as vLLM leaves them out (a
+reply cut by max_tokens inside an emoji would otherwise end in a visible U+FFFD). (The
+engine also leaves out the text of a stopping token, and a stop string cuts the text;
+otherwise the text is the decoded tokens.) The window starts a few tokens back in the
 prompt, so tokenizers that drop a leading space when decoding from a word boundary still
 produce the right first word.
 
@@ -58,8 +60,8 @@ class IncrementalDetokenizer:
         return self._release(finished=False)
 
     def finish(self) -> str | None:
-        """Writes out text still held back for an incomplete character (the sample ended
-        mid-character); returns a stop string found in it, as `add_token` does."""
+        """Writes out the whole characters held back behind an incomplete one (the sample
+        ended mid-character); returns a stop string found in them, as `add_token` does."""
         if self.stopped_by is not None:
             return None
         return self._release(finished=True)
@@ -74,15 +76,12 @@ class IncrementalDetokenizer:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         search_from = max(0, len(self.text) - self._hold)
-        self.text += window[len(prefix) :]
+        released = window[len(prefix) :]
+        self.text += released.rstrip(_REPLACEMENT) if finished else released
         if self._num_tokens <= self._min_tokens:
             return None
-        # At the end, U+FFFD stands for a character the tokens left incomplete: text
-        # the model never wrote, so a stop string may not match it.
-        end = len(self.text.rstrip(_REPLACEMENT)) if finished else len(self.text)
         hits = [(self.text.find(stop, search_from), stop) for stop in self._stop]
-        found = min(((at, stop) for at, stop in hits if 0 <= at <= end - len(stop)),
-                    default=None)
+        found = min(((at, stop) for at, stop in hits if at >= 0), default=None)
         if found is None:
             return None
         at, stop = found
