@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import logging
+import threading
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, cast
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 from tqdm import tqdm
 
@@ -46,16 +48,34 @@ def _prompt_list(prompts: Any) -> tuple[list[PromptInput], bool]:
 # `use_tqdm`: whether to draw progress, or (vLLM's) the tqdm-like class to draw it with.
 ProgressOption = bool | Callable[..., Any]
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _one_call_at_a_time(method: Callable[Concatenate[LLM, _P], _R]
+                        ) -> Callable[Concatenate[LLM, _P], _R]:
+    """Runs `method` holding the LLM's lock. Two threads stepping one engine at once
+    corrupt its scheduler (a request left unfinished forever, a thread spinning), so a
+    thread-pool or threaded web app sharing one `LLM` has its calls taken in turn."""
+    @functools.wraps(method)
+    def serialized(self: LLM, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return serialized
+
 
 class LLM:
     """Runs batches of prompts to completion on one engine.
 
     `LLM()` loads the default model (SmolLM2-135M-Instruct). Keyword arguments are those
-    of `EngineConfig` (vLLM's names: `block_size`, `enable_prefix_caching`, ...).
+    of `EngineConfig` (vLLM's names: `block_size`, `enable_prefix_caching`, ...). Threads
+    may share one: its calls run one at a time (for requests that run together, use
+    `AsyncLLMEngine`, or pass `generate` the whole list).
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         ensure_visible_logging()
+        self._lock = threading.RLock()
         self.llm_engine = LLMEngine(EngineConfig(model=model,
                                                  **engine_config_kwargs(kwargs, "LLM()")))
 
@@ -87,6 +107,7 @@ class LLM:
         `generation_config`), as in vLLM."""
         return self.llm_engine.get_default_sampling_params()
 
+    @_one_call_at_a_time
     def generate(
         self,
         prompts: PromptInput | Sequence[PromptInput],
@@ -130,6 +151,7 @@ class LLM:
         return self._run(prompt_list, params_list, priorities, use_tqdm, cache_salt,
                          raise_errors=single)
 
+    @_one_call_at_a_time
     def chat(
         self,
         messages: list[Message] | list[list[Message]],
@@ -167,12 +189,14 @@ class LLM:
         return self.generate(prompts[0] if single else prompts, sampling_params, use_tqdm,
                              cache_salt, priority, lora_request)
 
+    @_one_call_at_a_time
     def apply_chat_template(self, messages: list[Message],
                             add_generation_prompt: bool = True) -> list[int]:
         """The prompt token ids `chat` would run for `messages`."""
         return render_chat(self.tokenizer, messages,
                            ChatOptions(add_generation_prompt=add_generation_prompt))
 
+    @_one_call_at_a_time
     def beam_search(
         self,
         prompts: PromptInput | Sequence[PromptInput],
@@ -222,6 +246,7 @@ class LLM:
         return BeamSearchSequence(tokens, completion.logprobs, completion.cumulative_logprob,
                                   text, completion.finish_reason, completion.stop_reason)
 
+    @_one_call_at_a_time
     def get_metrics(self) -> list[Metric]:
         """vLLM's snapshot of the engine's metrics: the counters and gauges the server's
         /metrics page shows (prefix-cache queries and hits, KV usage, tokens, ...), under
@@ -230,6 +255,7 @@ class LLM:
         failed; a beam search as one request)."""
         return self.llm_engine.get_metrics()
 
+    @_one_call_at_a_time
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forgets every cached block; True, or False while requests added to
         `llm_engine` directly hold blocks (between `generate` calls nothing runs), unless

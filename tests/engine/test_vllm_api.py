@@ -291,3 +291,35 @@ def test_get_metrics_snapshots_the_engine_and_the_requests_run() -> None:
     assert value("vllm:e2e_request_latency_seconds").count == 3
     assert value("pagellm_kv_cache_blocks").value > 0
     assert_idle(llm.llm_engine)
+
+
+def test_threads_sharing_one_llm_take_turns(default_llm: LLM) -> None:
+    """A threaded app's calls on one `LLM` run one at a time and each gets its own
+    answers; stepping the engine from two threads at once left a request unfinished
+    forever while both threads spun."""
+    import threading
+
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    prompts = [f"Write a sentence about the number {i}." for i in range(4)]
+    expected = [o.outputs[0].text for o in default_llm.generate(prompts, greedy,
+                                                                use_tqdm=False)]
+    answers: dict[int, str] = {}
+
+    def ask(i: int) -> None:
+        if i % 2:
+            answers[i] = default_llm.generate(prompts[i], greedy, use_tqdm=False)[0].outputs[0].text
+        else:
+            answers[i] = default_llm.chat([{"role": "user", "content": prompts[i]}], greedy,
+                                          use_tqdm=False)[0].outputs[0].text
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads), "a thread never returned"
+    for i in range(1, 4, 2):
+        assert answers[i] == expected[i]
+    chat_expected = default_llm.chat([[{"role": "user", "content": prompts[i]}]
+                                      for i in range(0, 4, 2)], greedy, use_tqdm=False)
+    assert [answers[0], answers[2]] == [o.outputs[0].text for o in chat_expected]
+    assert_idle(default_llm.llm_engine)
