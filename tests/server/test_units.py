@@ -527,6 +527,12 @@ def test_response_store_finds_items_until_no_response_holds_them() -> None:
     assert store.delete("resp_1")
     assert store.item("msg_in") is None and store.item("msg_out") is not None
     assert store.delete("resp_2") and store.item("msg_out") is None
+    # An id the client wrote is listed but never found, even while the response is kept.
+    claimed, _, _ = _stored("resp_3", "c")
+    store.put(claimed, conversation, [{"id": "msg_1", "type": "message", "role": "user",
+                                       "content": "c"}], client_ids=frozenset({"msg_1"}))
+    assert store.item("msg_1") is None
+    assert store.get("resp_3").input_items[0]["id"] == "msg_1"  # type: ignore[union-attr]
 
 
 def test_response_store_counts_utf8_bytes() -> None:

@@ -32,7 +32,7 @@ class StoredResponse:
     conversation: list[dict[str, Any]]
     input_items_json: bytes  # its input, as items with ids (GET .../input_items)
     size: int
-    item_ids: tuple[str, ...]  # of its input and output items, for item references
+    item_ids: tuple[str, ...]  # of its items that item references may name
 
     @property
     def response(self) -> ResponseObject:
@@ -73,16 +73,24 @@ class ResponseStore:
         return len(self._entries)
 
     def put(self, response: ResponseObject, conversation: list[dict[str, Any]],
-            input_items: list[dict[str, Any]]) -> None:
+            input_items: list[dict[str, Any]],
+            client_ids: frozenset[str] = frozenset()) -> None:
         """Keeps `response`, the conversation that continuing from it starts with, and
-        its input items."""
+        its input items.
+
+        References find only the ids the server issued: its output items' and the ids it
+        gave input items (or that a reference brought back). `client_ids`, those the
+        client wrote on its own items, are listed but never found: anyone may write any
+        id, so another client's `msg_1`, or one copying this client's output id, would
+        otherwise stand in for this client's item."""
         response_json = dumps_utf8(response.model_dump(mode="json"))
         items_json = dumps_utf8(input_items)
         size = len(response_json) + len(items_json) + len(dumps_utf8(conversation))
         self.delete(response.id)
         if size > self.max_bytes:
             return
-        item_ids = tuple(item["id"] for item in input_items) + tuple(
+        item_ids = tuple(item["id"] for item in input_items
+                         if item["id"] not in client_ids) + tuple(
             item.id for item in response.output)
         self._entries[response.id] = StoredResponse(response_json, conversation, items_json,
                                                     size, item_ids)

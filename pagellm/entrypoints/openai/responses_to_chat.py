@@ -93,6 +93,15 @@ def resolve_references(items: str | list[Any],
     return resolved
 
 
+def client_item_ids(items: str | list[Any]) -> frozenset[str]:
+    """The ids the client wrote on its own input items (not on its references)."""
+    if isinstance(items, str):
+        return frozenset()
+    return frozenset(item["id"] for item in items
+                     if isinstance(item, dict) and item.get("type") != "item_reference"
+                     and isinstance(item.get("id"), str))
+
+
 def input_items(items: str | list[Any]) -> list[dict[str, Any]]:
     """The input as OpenAI lists it back: items with an id each (the client's, or a new
     one) and a message's string content as one text part."""

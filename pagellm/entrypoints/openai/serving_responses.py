@@ -49,6 +49,7 @@ from pagellm.entrypoints.openai.responses_protocol import (
 from pagellm.entrypoints.openai.responses_to_chat import (
     chat_request,
     check_options,
+    client_item_ids,
     conversation_of,
     input_items,
     renamed,
@@ -75,6 +76,7 @@ async def create_response(context: ServerContext, store: ResponseStore,
     arrival = time.monotonic()
     context.check_model(body.model)
     check_max_tokens(body.max_output_tokens, context.engine.max_model_len, "max_output_tokens")
+    client_ids = client_item_ids(body.input)
     body = body.model_copy(update={"input": resolve_references(body.input, store.item)})
     check_options(body)
     history: list[dict[str, Any]] = []
@@ -105,7 +107,7 @@ async def create_response(context: ServerContext, store: ResponseStore,
     answer = ResponseAnswer(body, response_id, context.model_name, run, conversation,
                             store if body.store else None,
                             TokenText(context.engine.tokenizer) if wants_logprobs(body)
-                            else None)
+                            else None, client_ids)
     if body.stream:
         return EventStreamResponse(answer.events(context), run.streams,
                                    context.sse_keep_alive)
@@ -213,8 +215,12 @@ class ResponseAnswer:
 
     def __init__(self, body: ResponsesRequest, response_id: str, model: str, run: ChatRun,
                  conversation: Conversation, store: ResponseStore | None,
-                 token_text: TokenText | None) -> None:
+                 token_text: TokenText | None,
+                 client_ids: frozenset[str] = frozenset()) -> None:
+        """`client_ids`: the ids the client wrote on its input items (see
+        ResponseStore.put)."""
         self.body = body
+        self.client_ids = client_ids
         self.response_id = response_id
         self.model = model
         self.created_at = int(time.time())
@@ -300,7 +306,7 @@ class ResponseAnswer:
             if calls:
                 turn["tool_calls"] = [call.model_dump() for call in calls]
             self.store.put(response, [*self.conversation.messages, turn],
-                           input_items(self.body.input))
+                           input_items(self.body.input), self.client_ids)
         return response
 
     async def events(self, context: ServerContext) -> AsyncGenerator[str, None]:
