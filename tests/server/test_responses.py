@@ -128,6 +128,25 @@ def test_references_find_only_ids_the_server_issued(client: openai.OpenAI) -> No
     assert listed[0].content[0].text == first.output_text  # type: ignore[union-attr]
 
 
+def test_a_continuation_inherits_the_salt_its_turns_are_cached_under(
+        client: openai.OpenAI) -> None:
+    """A follow-up that forgets the tenant's salt still finds the earlier turns (cached
+    under that salt) and does not cache the tenant's history unsalted; a salt given
+    explicitly is used."""
+    first = client.responses.create(model=MODEL_NAME, max_output_tokens=8, temperature=0,
+                                    input="Describe the harbour at dawn in one sentence.",
+                                    extra_body={"cache_salt": "tenant-harbour"})
+    forgot = client.responses.create(model=MODEL_NAME, max_output_tokens=2, temperature=0,
+                                     input="And at dusk?", previous_response_id=first.id)
+    assert forgot.usage is not None and forgot.usage.input_tokens_details.cached_tokens > 0
+    other = client.responses.create(model=MODEL_NAME, max_output_tokens=2, temperature=0,
+                                       input="And at dusk?", previous_response_id=first.id,
+                                       extra_body={"cache_salt": "another-tenant"})
+    assert other.usage is not None
+    assert other.usage.input_tokens_details.cached_tokens == 0
+    assert other.usage.input_tokens == forgot.usage.input_tokens
+
+
 def test_instructions_do_not_carry_over(client: openai.OpenAI) -> None:
     first = client.responses.create(model=MODEL_NAME, input="Say yes.",
                                     instructions=INSTRUCTIONS, max_output_tokens=4,

@@ -33,6 +33,7 @@ class StoredResponse:
     input_items_json: bytes  # its input, as items with ids (GET .../input_items)
     size: int
     item_ids: tuple[str, ...]  # of its items that item references may name
+    cache_salt: str | None = None  # its request's, which a continuation inherits
 
     @property
     def response(self) -> ResponseObject:
@@ -74,7 +75,8 @@ class ResponseStore:
 
     def put(self, response: ResponseObject, conversation: list[dict[str, Any]],
             input_items: list[dict[str, Any]],
-            client_ids: frozenset[str] = frozenset()) -> None:
+            client_ids: frozenset[str] = frozenset(), cache_salt: str | None = None
+            ) -> None:
         """Keeps `response`, the conversation that continuing from it starts with, and
         its input items.
 
@@ -93,7 +95,7 @@ class ResponseStore:
                          if item["id"] not in client_ids) + tuple(
             item.id for item in response.output)
         self._entries[response.id] = StoredResponse(response_json, conversation, items_json,
-                                                    size, item_ids)
+                                                    size, item_ids, cache_salt)
         for item_id in item_ids:
             self._item_owners.setdefault(item_id, []).append(response.id)
         self.used_bytes += size

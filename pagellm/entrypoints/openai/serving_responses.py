@@ -85,6 +85,10 @@ async def create_response(context: ServerContext, store: ResponseStore,
         if previous is None:
             raise _not_found(body.previous_response_id, "previous_response_id")
         history = previous.conversation
+        if body.cache_salt is None and previous.cache_salt is not None:
+            # Its turns are cached under its salt: a follow-up that forgets the salt
+            # would compute them again, and cache a tenant's history unsalted.
+            body = body.model_copy(update={"cache_salt": previous.cache_salt})
     conversation = conversation_of(history, body.input)
     if not conversation.messages:
         raise bad_request("input has no message to answer (reasoning items are dropped)",
@@ -306,7 +310,8 @@ class ResponseAnswer:
             if calls:
                 turn["tool_calls"] = [call.model_dump() for call in calls]
             self.store.put(response, [*self.conversation.messages, turn],
-                           input_items(self.body.input), self.client_ids)
+                           input_items(self.body.input), self.client_ids,
+                           self.body.cache_salt)
         return response
 
     async def events(self, context: ServerContext) -> AsyncGenerator[str, None]:
