@@ -442,6 +442,14 @@ def test_truncation_auto_drops_the_oldest_turns(server: Server, client: openai.O
                                         **{**kwargs, "max_output_tokens": MAX_MODEL_LEN})
     assert unlimited.usage is not None
     assert cut.usage.input_tokens <= unlimited.usage.input_tokens < MAX_MODEL_LEN
+    # The kept tail fits alone but not beside a larger budget: turns are dropped for
+    # it too, so the answer keeps its budget (it used to be cut instead).
+    budget = MAX_MODEL_LEN - prompt_tokens(kept) + 1
+    roomy = client.responses.create(truncation="auto",
+                                    **{**kwargs, "input": kept, "max_output_tokens": budget})
+    assert roomy.usage is not None
+    assert roomy.usage.input_tokens + budget <= MAX_MODEL_LEN
+    assert roomy.usage.input_tokens < prompt_tokens(kept)
     too_long = {**kwargs, "input": "the sea is blue. " * 400, "truncation": "auto"}
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         client.responses.create(**too_long)

@@ -57,7 +57,6 @@ from pagellm.entrypoints.openai.responses_to_chat import (
     wants_logprobs,
 )
 from pagellm.entrypoints.openai.serving import (
-    CONTEXT_LENGTH_EXCEEDED,
     ServerContext,
     check_max_tokens,
     final_outputs,
@@ -94,20 +93,14 @@ async def create_response(context: ServerContext, store: ResponseStore,
         raise bad_request("input has no message to answer (reasoning items are dropped)",
                           param="input")
     response_id = f"resp_{uuid.uuid4().hex}"
+    if body.truncation == "auto":
+        # Before the request starts: one that fits with a cut budget would start, and
+        # a longer history would then get a longer answer than a shorter one.
+        conversation = await _fitting(context, body, conversation) or conversation
     try:
         run = await start_chat(context, chat_request(body, conversation), arrival, response_id)
     except APIError as error:
-        fitting = (await _fitting(context, body, conversation)
-                   if body.truncation == "auto" and error.code == CONTEXT_LENGTH_EXCEEDED
-                   else None)
-        if fitting is None:
-            raise renamed(error, body, conversation) from error
-        conversation = fitting
-        try:
-            run = await start_chat(context, chat_request(body, conversation), arrival,
-                                   response_id)
-        except APIError as again:
-            raise renamed(again, body, conversation) from again
+        raise renamed(error, body, conversation) from error
     answer = ResponseAnswer(body, response_id, context.model_name, run, conversation,
                             store if body.store else None,
                             TokenText(context.engine.tokenizer) if wants_logprobs(body)
@@ -123,11 +116,13 @@ async def _fitting(context: ServerContext, body: ResponsesRequest, conversation:
                    ) -> Conversation | None:
     """truncation "auto": the conversation less as few of its oldest turns as make it fit
     beside max_output_tokens (OpenAI's rule; the instructions stay; the model's default
-    and the operator's cap apply as to any request); where no tail leaves
-    that much room, as few as leave room for min_tokens (or one token; the budget is then
-    cut, as always); None if even the last turn does not. Turns drop whole, so the longer tails only ever fit
-    less: a binary search renders O(log turns) of them on the tokenizer thread."""
-    starts = conversation.turn_starts()
+    and the operator's cap apply as to any request); where no tail leaves that much
+    room, as few as leave room for min_tokens (or one token; the budget is then cut, as
+    always); None if even the last turn does not. Turns drop whole, so the longer tails
+    only ever fit less: once the whole conversation is found not to fit (the usual case
+    is that it does), a binary search renders O(log turns) tails on the tokenizer
+    thread."""
+    starts = [0, *conversation.turn_starts()]  # 0: the whole conversation
     limit = context.engine.max_model_len
     lengths: dict[int, int] = {}
 
@@ -139,6 +134,8 @@ async def _fitting(context: ServerContext, body: ResponsesRequest, conversation:
 
     async def earliest(budget: int | None) -> int | None:
         """The earliest turn start whose tail fits beside `budget`."""
+        if fits_context(limit, await length(0), budget):
+            return 0
         best = None
         low, high = 0, len(starts)
         while low < high:
