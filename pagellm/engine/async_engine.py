@@ -26,6 +26,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import AsyncGenerator, Callable, Coroutine, Generator, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -60,9 +61,9 @@ class RequestStream:
     blocks are freed at once instead of when it would have finished.
     """
 
-    def __init__(self, engine: AsyncLLMEngine, request_id: str, stream: _OutputStream,
+    def __init__(self, owner: _EngineLoop, request_id: str, stream: _OutputStream,
                  kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
-        self.engine = engine
+        self._owner = owner
         self.request_id = request_id
         self._stream = stream
         self._shaper = OutputShaper(kind)
@@ -95,7 +96,7 @@ class RequestStream:
         request is left alone."""
         if not self.finished:
             self.finished = True
-            self.engine._abort_stream(self.request_id, self._stream)
+            self._owner.abort_stream(self.request_id, self._stream)
 
     async def __aenter__(self) -> RequestStream:
         return self
@@ -180,27 +181,12 @@ def _post(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None
         pass
 
 
-class AsyncLLMEngine:
-    """Runs an `LLMEngine` in a background thread and streams its outputs to coroutines.
-
-    `add_request` returns a `RequestStream`, an async iterator of `RequestOutput`s
-    (cumulative unless the request's output_kind says otherwise), and `generate` is
-    vLLM's loop over one; leaving it early (a client that disconnects, a cancelled task)
-    aborts the request so its blocks are freed. `stats()` is the snapshot taken after the
-    latest step, so metrics never wait on one. With `enable_kv_cache_events`, `kv_events`
-    publishes each step's prefix-cache events (else it is None).
-    """
-
-    @classmethod
-    def from_engine_args(cls, engine_args: EngineConfig) -> AsyncLLMEngine:
-        """vLLM's constructor: the engine of an `AsyncEngineArgs` (any `EngineConfig`),
-        built on its thread."""
-        return cls(lambda: LLMEngine(engine_args))
+class _EngineLoop:
+    """What `AsyncLLMEngine` runs: the engine thread and everything it shares with the
+    callers (the inbox, the streams, the latest stats). The thread holds this, never the
+    `AsyncLLMEngine`, so that dropping the last reference to that stops the thread."""
 
     def __init__(self, build: Callable[[], LLMEngine]) -> None:
-        """Calls `build` on the engine thread and returns once it has (re-raising what it
-        raised): pass `lambda: LLMEngine(config)`, not an engine built here, to keep
-        torch's kernels on one thread (see the module docstring)."""
         self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._streams: dict[str, _OutputStream] = {}
         self._stopping = False
@@ -237,8 +223,6 @@ class AsyncLLMEngine:
 
     @property
     def generation_defaults(self) -> GenerationDefaults:
-        """What a request's unset sampling fields default to, and the cap on max_tokens
-        (see `generation_config`)."""
         return self.engine.generation_defaults
 
     @property
@@ -256,15 +240,10 @@ class AsyncLLMEngine:
         prompt: PromptInput,
         sampling_params: SamplingParams | BeamSearchParams,
         *,
-        arrival_time: float | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
+        arrival_time: float | None,
+        priority: int,
+        cache_salt: str | None,
     ) -> RequestStream:
-        """Queues a request and returns the stream of its outputs.
-
-        Raises ValueError (the engine's message) if the request is rejected, in which case
-        nothing was queued; a server can still answer with a plain error status then.
-        """
         stream = _OutputStream(asyncio.get_running_loop())
         arrival = time.monotonic() if arrival_time is None else arrival_time
         kind = RequestOutputKind.CUMULATIVE
@@ -306,34 +285,7 @@ class AsyncLLMEngine:
             raise
         return RequestStream(self, engine_id, stream, kind)
 
-    async def generate(
-        self,
-        prompt: PromptInput,
-        sampling_params: SamplingParams | BeamSearchParams,
-        request_id: str,
-        *,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        lora_request: None = None,
-    ) -> AsyncGenerator[RequestOutput, None]:
-        """The request's outputs as they come (vLLM's `AsyncLLM.generate`): cumulative,
-        or only what is new with `output_kind=RequestOutputKind.DELTA`. Leaving the loop
-        early (a break, a cancelled task) aborts the request. A request the engine
-        refuses raises ValueError; one it fails, RequestFailedError."""
-        refuse_lora(lora_request)
-        stream = await self.add_request(request_id, prompt, sampling_params,
-                                        cache_salt=cache_salt, priority=priority)
-        async with stream:
-            async for output in stream:
-                yield output
-
     def abort(self, request_id: str | Iterable[str]) -> _Done:
-        """Aborts requests (one id or several, as vLLM takes them) without waiting: safe
-        from `finally` blocks during cancellation. It may also be awaited, as vLLM's
-        coroutine is. A stream still read ends.
-
-        Once the engine has stopped there is nothing left to free, so this is then a no-op.
-        """
         if isinstance(request_id, (str, int)):
             ids: list[str | int] = [request_id]
         elif isinstance(request_id, Iterable):
@@ -346,7 +298,7 @@ class AsyncLLMEngine:
                 self._submit(functools.partial(self._abort_now, str(one)))
         return _Done()
 
-    def _abort_stream(self, request_id: str, stream: _OutputStream) -> None:
+    def abort_stream(self, request_id: str, stream: _OutputStream) -> None:
         """Aborts the request `stream` reads, if it is still the one under its id."""
         if self.is_running:
             self._submit(lambda: self._abort_now(request_id)
@@ -365,35 +317,17 @@ class AsyncLLMEngine:
                 _post(stream.loop, functools.partial(stream.put, last[0] if last
                                                      else StopAsyncIteration()))
 
-    async def get_tokenizer(self) -> Any:
-        """vLLM's coroutine; the tokenizer is also the `tokenizer` attribute (a copy for
-        the event loop's thread)."""
-        return self.tokenizer
-
     @property
     def errored(self) -> bool:
-        """Whether the engine thread died of an error, not of a shutdown (vLLM's name)."""
         return self._dead is not None and not isinstance(self._dead, EngineDeadError)
 
-    async def check_health(self) -> None:
-        """vLLM's: raises EngineDeadError once the engine no longer runs."""
-        if not self.is_running:
-            raise EngineDeadError("the engine is not running")
-
-    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
-        """Forgets every cached block, between two steps; False while requests hold
-        blocks, unless `reset_running_requests` preempts them (see
-        LLMEngine.reset_prefix_cache)."""
+    async def reset_prefix_cache(self, reset_running_requests: bool) -> bool:
         return await self._call(functools.partial(self.engine.reset_prefix_cache,
                                                   reset_running_requests))
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Aborts every request (their streams get EngineDeadError) and stops the thread.
-
-        Safe to call again while a first call is still stopping it (the server's grace
-        period and its lifespan both call it): the later call just waits for the thread."""
         self._formats.shutdown(wait=False, cancel_futures=True)
-        if self._thread.is_alive():
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
             with contextlib.suppress(EngineDeadError):  # already stopping or stopped
                 self._submit(self._stop)
             self._thread.join(timeout)
@@ -517,3 +451,145 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             self._execute(command)
+
+
+class AsyncLLMEngine:
+    """Runs an `LLMEngine` in a background thread and streams its outputs to coroutines.
+
+    `add_request` returns a `RequestStream`, an async iterator of `RequestOutput`s
+    (cumulative unless the request's output_kind says otherwise), and `generate` is
+    vLLM's loop over one; leaving it early (a client that disconnects, a cancelled task)
+    aborts the request so its blocks are freed. `stats()` is the snapshot taken after the
+    latest step, so metrics never wait on one. With `enable_kv_cache_events`, `kv_events`
+    publishes each step's prefix-cache events (else it is None).
+
+    `shutdown()` stops it; so does dropping the last reference to it (as vLLM's
+    `AsyncLLM` does on deletion: an engine built in a loop would otherwise keep its
+    memory and thread), and so does the interpreter's exit, which would otherwise kill
+    the thread in the middle of a kernel and abort the process.
+    """
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineConfig) -> AsyncLLMEngine:
+        """vLLM's constructor: the engine of an `AsyncEngineArgs` (any `EngineConfig`),
+        built on its thread."""
+        return cls(lambda: LLMEngine(engine_args))
+
+    def __init__(self, build: Callable[[], LLMEngine]) -> None:
+        """Calls `build` on the engine thread and returns once it has (re-raising what it
+        raised): pass `lambda: LLMEngine(config)`, not an engine built here, to keep
+        torch's kernels on one thread (see the module docstring)."""
+        self._loop = _EngineLoop(build)
+        weakref.finalize(self, self._loop.shutdown)
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The engine the thread steps: read it, but call it only through this object."""
+        return self._loop.engine
+
+    @property
+    def tokenizer(self) -> Any:
+        """A copy of the engine's tokenizer for the callers' thread (see _EngineLoop)."""
+        return self._loop.tokenizer
+
+    @property
+    def kv_events(self) -> KVEventHub | None:
+        return self._loop.kv_events
+
+    @property
+    def max_model_len(self) -> int:
+        return self._loop.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._loop.vocab_size
+
+    @property
+    def generation_defaults(self) -> GenerationDefaults:
+        """What a request's unset sampling fields default to, and the cap on max_tokens
+        (see `generation_config`)."""
+        return self._loop.generation_defaults
+
+    @property
+    def is_running(self) -> bool:
+        return self._loop.is_running
+
+    @property
+    def errored(self) -> bool:
+        """Whether the engine thread died of an error, not of a shutdown (vLLM's name)."""
+        return self._loop.errored
+
+    def stats(self) -> EngineStats:
+        return self._loop.stats()
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        sampling_params: SamplingParams | BeamSearchParams,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
+        """Queues a request and returns the stream of its outputs.
+
+        Raises ValueError (the engine's message) if the request is rejected, in which case
+        nothing was queued; a server can still answer with a plain error status then.
+        """
+        return await self._loop.add_request(request_id, prompt, sampling_params,
+                                            arrival_time=arrival_time, priority=priority,
+                                            cache_salt=cache_salt)
+
+    async def generate(
+        self,
+        prompt: PromptInput,
+        sampling_params: SamplingParams | BeamSearchParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        lora_request: None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """The request's outputs as they come (vLLM's `AsyncLLM.generate`): cumulative,
+        or only what is new with `output_kind=RequestOutputKind.DELTA`. Leaving the loop
+        early (a break, a cancelled task) aborts the request. A request the engine
+        refuses raises ValueError; one it fails, RequestFailedError."""
+        refuse_lora(lora_request)
+        stream = await self.add_request(request_id, prompt, sampling_params,
+                                        cache_salt=cache_salt, priority=priority)
+        async with stream:
+            async for output in stream:
+                yield output
+
+    def abort(self, request_id: str | Iterable[str]) -> _Done:
+        """Aborts requests (one id or several, as vLLM takes them) without waiting: safe
+        from `finally` blocks during cancellation. It may also be awaited, as vLLM's
+        coroutine is. A stream still read ends.
+
+        Once the engine has stopped there is nothing left to free, so this is then a no-op.
+        """
+        return self._loop.abort(request_id)
+
+    async def get_tokenizer(self) -> Any:
+        """vLLM's coroutine; the tokenizer is also the `tokenizer` attribute (a copy for
+        the event loop's thread)."""
+        return self._loop.tokenizer
+
+    async def check_health(self) -> None:
+        """vLLM's: raises EngineDeadError once the engine no longer runs."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forgets every cached block, between two steps; False while requests hold
+        blocks, unless `reset_running_requests` preempts them (see
+        LLMEngine.reset_prefix_cache)."""
+        return await self._loop.reset_prefix_cache(reset_running_requests)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Aborts every request (their streams get EngineDeadError) and stops the thread.
+
+        Safe to call again while a first call is still stopping it (the server's grace
+        period and its lifespan both call it): the later call just waits for the thread."""
+        self._loop.shutdown(timeout)

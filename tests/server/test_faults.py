@@ -7,9 +7,16 @@ injected exactly where it is wanted.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import os
+import subprocess
+import sys
+import textwrap
 import threading
+import weakref
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -408,10 +415,62 @@ def test_the_engine_is_built_and_stepped_on_one_thread(llm_engine: LLMEngine) ->
 
     engine = AsyncLLMEngine(build)
     try:
-        assert threads == [engine._thread] and threads[0] is not threading.main_thread()
+        assert threads == [engine._loop._thread] and threads[0] is not threading.main_thread()
         assert engine.engine is llm_engine and engine.is_running
     finally:
         engine.shutdown()
+
+
+def test_an_engine_dropped_without_shutdown_stops_its_thread(llm_engine: LLMEngine) -> None:
+    """As vLLM's AsyncLLM on deletion: an engine built again and again (a notebook, a
+    test loop) kept its thread and its whole engine alive when only the thread held it."""
+    engine = AsyncLLMEngine(lambda: llm_engine)
+    thread, dropped = engine._loop._thread, weakref.ref(engine)
+
+    async def answer(asker: AsyncLLMEngine) -> str:
+        text = ""
+        async for output in asker.generate("Hello", SamplingParams(max_tokens=3), "drop"):
+            text = output.outputs[0].text
+        return text
+
+    assert asyncio.run(answer(engine))
+    del engine
+    gc.collect()
+    assert dropped() is None
+    thread.join(10)
+    assert not thread.is_alive()
+    assert not llm_engine.has_unfinished_requests()
+
+
+def test_exiting_mid_request_stops_the_engine_first(tmp_path: Path) -> None:
+    """At exit the interpreter killed the engine thread inside a torch kernel, which
+    aborted the process ("terminate called without an active exception", exit 134);
+    the engine is now shut down before that."""
+    script = tmp_path / "exit_mid_request.py"
+    script.write_text(textwrap.dedent("""
+        import asyncio
+        from pagellm import AsyncLLMEngine, SamplingParams
+        from pagellm.engine.config import EngineConfig
+        from pagellm.engine.llm_engine import LLMEngine
+        config = EngineConfig(kv_cache_memory_bytes=32 << 20, max_model_len=512,
+                              num_threads=1)
+        engine = AsyncLLMEngine(lambda: LLMEngine(config))
+        async def consume():
+            params = SamplingParams(max_tokens=400, ignore_eos=True)
+            async for _ in engine.generate("Tell a long story.", params, "long"):
+                pass
+        async def main():
+            try:
+                await asyncio.wait_for(consume(), timeout=0.5)
+            except TimeoutError:
+                print("timed out")
+        asyncio.run(main())
+    """))
+    for _ in range(3):
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                              timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "timed out" in done.stdout
 
 
 def test_a_failing_build_raises_from_the_constructor() -> None:
@@ -429,21 +488,21 @@ def test_a_second_shutdown_during_the_first_waits_instead_of_raising(
     EngineDeadError there (a traceback in the log of a SIGTERM mid-stream)."""
     engine = AsyncLLMEngine(lambda: llm_engine)
     finishing, release = threading.Event(), threading.Event()
-    drain = engine._drain_inbox
+    drain = engine._loop._drain_inbox
 
     def slow_drain() -> None:  # the thread has marked itself dead and is finishing
         finishing.set()
         release.wait(10)
         drain()
 
-    engine._drain_inbox = slow_drain  # type: ignore[method-assign]
+    engine._loop._drain_inbox = slow_drain  # type: ignore[method-assign]
     first = threading.Thread(target=engine.shutdown)
     first.start()
     assert finishing.wait(10)
     threading.Timer(0.2, release.set).start()
     engine.shutdown()
     first.join(10)
-    assert not engine._thread.is_alive() and not first.is_alive()
+    assert not engine._loop._thread.is_alive() and not first.is_alive()
 
 
 def test_the_stats_logger_runs_at_its_interval_or_not_at_all(
