@@ -194,7 +194,7 @@ class BeamSearches:
         (with `params.logprobs` of its alternatives)."""
         params = run.params
         engine = self._engine
-        decode = None if engine.tokenizer is None else engine.decode_token
+        decode = engine.decode_token
         completions = []
         for index, beam in enumerate([] if error is not None else run.search.finished):
             detokenizer = IncrementalDetokenizer(engine.tokenizer, run.prompt_token_ids, [],

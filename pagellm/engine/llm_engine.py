@@ -7,6 +7,7 @@ synchronous and single-threaded; the async server drives it from a background th
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -166,6 +167,11 @@ def uses_cuda_graphs(device: torch.device, config: EngineConfig,
             and model.attn_backend.supports_graph_decode())
 
 
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    """One token's own text, as logprob entries give it."""
+    return str(tokenizer.decode([token_id]))
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         start = time.perf_counter()
@@ -188,6 +194,11 @@ class LLMEngine:
         self.dtype = _TORCH_DTYPES[dtype_name]
         self.generation_defaults = load_generation_defaults(config, model_path)
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(model_path)
+        # A token's own text (a piece of a character reads U+FFFD), for logprob entries'
+        # `decoded_token`: holding the tokenizer, not the engine, so that outputs a
+        # caller keeps do not keep the whole engine alive.
+        self.decode_token: Callable[[int], str] | None = (
+            None if self.tokenizer is None else functools.partial(token_text, self.tokenizer))
         if self.tokenizer is not None and len(self.tokenizer) > self.model_config.vocab_size:
             logger.warning("the tokenizer has %d tokens, the model's vocabulary %d: a prompt "
                            "holding one past it is refused", len(self.tokenizer),
@@ -668,15 +679,9 @@ class LLMEngine:
     def _decoder(self, params: SamplingParams) -> Callable[[int], str] | None:
         """What gives logprob entries their `decoded_token` (vLLM's): nothing without
         text, or without a tokenizer."""
-        if self.tokenizer is None or not params.detokenize:
+        if not params.detokenize:
             return None
         return self.decode_token
-
-    def decode_token(self, token_id: int) -> str:
-        """A token's own text (a piece of a character reads U+FFFD): logprob entries'
-        `decoded_token`."""
-        assert self.tokenizer is not None
-        return str(self.tokenizer.decode([token_id]))
 
     def _prompt_unscored(self, request: Request) -> bool:
         collected = self._core_to_group[request.request_id].prompt_logprobs

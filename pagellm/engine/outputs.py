@@ -19,6 +19,16 @@ class TokenLogprob:
     decoded_token: str | None
 
 
+@dataclass(frozen=True)
+class _Texts:
+    """Token texts already decoded: a pickled or copied `Logprob`'s `decode`."""
+
+    texts: dict[int, str]
+
+    def __call__(self, token_id: int) -> str:
+        return self.texts[token_id]
+
+
 @dataclass
 class Logprob(Mapping[int, TokenLogprob]):
     """One position: the chosen token's logprob and the top alternatives.
@@ -56,6 +66,14 @@ class Logprob(Mapping[int, TokenLogprob]):
 
     def __len__(self) -> int:
         return len(self._entries())
+
+    def __getstate__(self) -> dict[str, object]:
+        """Pickled and deep-copied (Ray, multiprocessing queues) with its entries' texts,
+        not with the engine's decoder, which holds a tokenizer that cannot be pickled."""
+        state = dict(self.__dict__)
+        if self.decode is not None and not isinstance(self.decode, _Texts):
+            state["decode"] = _Texts({token_id: self.decode(token_id) for token_id in self})
+        return state
 
     def __repr__(self) -> str:
         """As the dict vLLM gives: {token id: TokenLogprob(...)}, the chosen token first."""

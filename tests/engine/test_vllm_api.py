@@ -323,3 +323,29 @@ def test_threads_sharing_one_llm_take_turns(default_llm: LLM) -> None:
                                       for i in range(0, 4, 2)], greedy, use_tqdm=False)
     assert [answers[0], answers[2]] == [o.outputs[0].text for o in chat_expected]
     assert_idle(default_llm.llm_engine)
+
+
+def test_outputs_with_logprobs_pickle_and_do_not_keep_the_engine() -> None:
+    """Ray and multiprocessing queues pickle outputs: with logprobs that recursed into
+    the whole engine (each entry held the engine's decoder), and a kept output kept the
+    engine's memory alive after `del llm`."""
+    import copy
+    import gc
+    import pickle
+    import weakref
+
+    llm = LLM(kv_cache_memory_bytes=32 << 20, max_model_len=512)
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=3, prompt_logprobs=2)
+    (output,) = llm.generate(PROMPT, params, use_tqdm=False)
+    for again in (pickle.loads(pickle.dumps(output)), copy.deepcopy(output)):
+        assert again.outputs[0].token_ids == output.outputs[0].token_ids
+        assert again.outputs[0].logprobs == output.outputs[0].logprobs
+        assert [dict(p) for p in again.outputs[0].logprobs] == [
+            dict(p) for p in output.outputs[0].logprobs]  # texts and all
+        assert [dict(p) for p in again.prompt_logprobs[1:]] == [
+            dict(p) for p in output.prompt_logprobs[1:]]
+    engine = weakref.ref(llm.llm_engine)
+    del llm
+    gc.collect()
+    assert engine() is None
+    assert output.outputs[0].logprobs[0][output.outputs[0].token_ids[0]].decoded_token
