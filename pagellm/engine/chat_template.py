@@ -8,15 +8,23 @@ refuses what the server refuses.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
 
 from pagellm.engine.text import encode_text
 
 Message = dict[str, Any]
+# vLLM's `chat_template_content_format`: how a message's content reaches the template.
+ContentFormat = Literal["auto", "string", "openai"]
+CONTENT_FORMATS: tuple[ContentFormat, ...] = ("auto", "string", "openai")
 
 # Content parts that carry text, and the key that holds it (vLLM reads these as text;
 # the Responses API's input_text/output_text parts come through clients that mix APIs).
@@ -90,6 +98,10 @@ class ChatOptions:
     - tools: tool definitions, for templates that render them.
     - chat_template: a Jinja template instead of the model's.
     - chat_template_kwargs: extra variables for the template (e.g. enable_thinking).
+    - content_format: a message's content as one string ("string": text parts joined
+      by newlines) or as OpenAI's list of text parts ("openai"), for templates that loop
+      over the parts; "auto" picks "openai" for a template that loops over a message's
+      content, as vLLM's "auto" does.
     """
 
     add_generation_prompt: bool = True
@@ -97,10 +109,15 @@ class ChatOptions:
     tools: list[dict[str, Any]] | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    content_format: ContentFormat = "auto"
 
     def check(self, conversation: Sequence[Message]) -> None:
         """Raises ChatError for options that contradict each other or the conversation,
         before the template would render something else than what was asked."""
+        if self.content_format not in CONTENT_FORMATS:
+            raise ChatError(f"chat_template_content_format must be one of "
+                            f"{', '.join(CONTENT_FORMATS)}, got {self.content_format!r}",
+                            "chat_template_content_format")
         if self.add_generation_prompt and self.continue_final_message:
             raise ChatError("continue_final_message and add_generation_prompt cannot both "
                             "be true", "continue_final_message")
@@ -118,13 +135,13 @@ def check_template_kwargs(kwargs: Mapping[str, Any], field: str) -> None:
         raise ChatError(f"{field} cannot set {', '.join(reserved)}", field)
 
 
-def _content(index: int, content: Any) -> str:
-    """A message's text; text parts (strings, or parts of TEXT_PARTS' types) are joined
-    by newlines, and a text part without its text is skipped, as vLLM does."""
+def _content(index: int, content: Any) -> list[str]:
+    """A message's texts: its string, or its text parts (strings, or parts of TEXT_PARTS'
+    types); a text part without its text is skipped, as vLLM does."""
     if content is None:
-        return ""
+        return []
     if isinstance(content, str):
-        return content
+        return [content]
     if isinstance(content, list):
         texts = []
         for number, part in enumerate(content):
@@ -143,16 +160,17 @@ def _content(index: int, content: Any) -> str:
                 raise ChatError(f"messages[{index}].content[{number}].{TEXT_PARTS[kind]} "
                                 f"must be a string, got {text!r}", "messages")
             texts.append(text)
-        return "\n".join(texts)
+        return texts
     raise ChatError(f"messages[{index}].content must be a string, a list of text parts or "
                     f"None, got {type(content).__name__}", "messages")
 
 
-def check_messages(messages: Any) -> list[Message]:
+def check_messages(messages: Any, content_format: ContentFormat = "string") -> list[Message]:
     """The conversation as the template expects it, or a ChatError naming the message.
 
     OpenAI's `developer` role is the newer name of `system`, which is what chat templates
-    know.
+    know. Content is one string, or with `content_format` "openai" a list of
+    `{"type": "text", "text": ...}` parts (vLLM's two forms).
     """
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ChatError("messages must be a non-empty list of messages", "messages")
@@ -165,8 +183,10 @@ def check_messages(messages: Any) -> list[Message]:
         if not isinstance(role, str) or not role:
             raise ChatError(f"messages[{index}].role must be a non-empty string, got "
                             f"{role!r}", "messages")
+        texts = _content(index, message.get("content"))
         rendered: Message = {"role": "system" if role == "developer" else role,
-                             "content": _content(index, message.get("content"))}
+                             "content": [{"type": "text", "text": text} for text in texts]
+                             if content_format == "openai" else "\n".join(texts)}
         for field, kind in _PASSED_FIELDS.items():
             value = message.get(field)
             if value is None:
@@ -214,6 +234,51 @@ def _tool_calls(index: int, calls: list[dict[str, Any]]) -> list[dict[str, Any]]
     return parsed
 
 
+@functools.lru_cache(maxsize=32)
+def loops_over_content(template: str) -> bool:
+    """Whether a chat template loops over a message's content (`{% for part in
+    message['content'] %}`, directly or through a macro's parameter): such a template
+    wants OpenAI's list of parts, and iterating a string would render its characters
+    (vLLM's "auto" detection)."""
+    try:
+        tree = jinja2.Environment(extensions=[jinja2.ext.loopcontrols]).parse(template)
+    except jinja2.TemplateSyntaxError:
+        return False
+
+    def is_content(node: jinja2.nodes.Node) -> bool:
+        while isinstance(node, (jinja2.nodes.Filter, jinja2.nodes.Test)) or (
+                isinstance(node, jinja2.nodes.Getitem)
+                and isinstance(node.arg, jinja2.nodes.Slice)):
+            if node.node is None:
+                return False
+            node = node.node
+        return ((isinstance(node, jinja2.nodes.Getattr) and node.attr == "content")
+                or (isinstance(node, jinja2.nodes.Getitem)
+                    and isinstance(node.arg, jinja2.nodes.Const)
+                    and node.arg.value == "content"))
+
+    macros = {macro.name: [arg.name for arg in macro.args]
+              for macro in tree.find_all(jinja2.nodes.Macro)}
+    content_names: set[str] = set()  # macro parameters that receive a message's content
+    for call in tree.find_all(jinja2.nodes.Call):
+        if isinstance(call.node, jinja2.nodes.Name) and call.node.name in macros:
+            params = macros[call.node.name]
+            content_names.update(params[i] for i, arg in enumerate(call.args)
+                                 if i < len(params) and is_content(arg))
+            content_names.update(kwarg.key for kwarg in call.kwargs
+                                 if is_content(kwarg.value))
+    return any(is_content(loop.iter) or (isinstance(loop.iter, jinja2.nodes.Name)
+                                         and loop.iter.name in content_names)
+               for loop in tree.find_all(jinja2.nodes.For))
+
+
+def _content_format(tokenizer: Any, options: ChatOptions) -> ContentFormat:
+    if options.content_format != "auto":
+        return options.content_format
+    template = options.chat_template or getattr(tokenizer, "chat_template", None)
+    return "openai" if isinstance(template, str) and loops_over_content(template) else "string"
+
+
 def _render_text(tokenizer: Any, messages: Any, options: ChatOptions = ChatOptions()) -> str:
     """The conversation as template text; a template that rejects it (roles out of order,
     say) raises ChatError naming `messages`."""
@@ -221,7 +286,7 @@ def _render_text(tokenizer: Any, messages: Any, options: ChatOptions = ChatOptio
         raise ChatError("chat needs the model's tokenizer (skip_tokenizer_init is set): "
                         "render the conversation yourself and pass prompt_token_ids",
                         "messages")
-    conversation = check_messages(messages)
+    conversation = check_messages(messages, _content_format(tokenizer, options))
     options.check(conversation)
     if options.chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ChatError("the model has no chat template: give one (`--chat-template` on the "

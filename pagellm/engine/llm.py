@@ -14,7 +14,13 @@ from tqdm import tqdm
 
 from pagellm.core.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pagellm.engine.beam_search import BeamSearchOutput, BeamSearchSequence
-from pagellm.engine.chat_template import ChatOptions, Message, render_chat, render_chat_prompt
+from pagellm.engine.chat_template import (
+    ChatOptions,
+    ContentFormat,
+    Message,
+    render_chat,
+    render_chat_prompt,
+)
 from pagellm.engine.config import (
     EngineConfig,
     engine_config_kwargs,
@@ -43,6 +49,18 @@ def _prompt_list(prompts: Any) -> tuple[list[PromptInput], bool]:
     single = one_array or isinstance(prompts, (str, dict)) or (
         bool(prompts) and is_token_id(prompts[0]))
     return cast(list[PromptInput], [prompts] if single else list(prompts)), single
+
+
+def _refuse_vllm_kwargs(tokenization_kwargs: dict[str, Any] | None,
+                        mm_processor_kwargs: object) -> None:
+    """vLLM's tokenizer and image-processor options, there for code that passes None
+    through: prompts are tokenized one way here, and there are no images."""
+    if tokenization_kwargs:
+        raise ValueError(f"tokenization_kwargs must be None or empty, got "
+                         f"{sorted(tokenization_kwargs)}: to cut a prompt, use "
+                         "SamplingParams(truncate_prompt_tokens=...)")
+    if mm_processor_kwargs is not None:
+        raise ValueError("mm_processor_kwargs must be None: PageLLM runs text-only models")
 
 
 # `use_tqdm`: whether to draw progress, or (vLLM's) the tqdm-like class to draw it with.
@@ -116,6 +134,8 @@ class LLM:
         cache_salt: str | None = None,
         priority: int | Sequence[int] | None = None,
         lora_request: None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: None = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt; outputs come back in input order.
 
@@ -123,10 +143,12 @@ class LLM:
         does not stop the others: its output has `error` set and no completion.
         `priority`: one for all prompts or one per prompt, lower first, with
         scheduling_policy="priority" (vLLM's). `use_tqdm` may also be a tqdm-like class
-        to draw the progress with, as in vLLM. `lora_request` must be None (no adapters
-        here; the argument exists for code that passes None through).
+        to draw the progress with, as in vLLM. `lora_request`, `tokenization_kwargs`
+        (empty) and `mm_processor_kwargs` must be None (no adapters, tokenizer options
+        or images here; the arguments exist for code that passes None through).
         """
         refuse_lora(lora_request)
+        _refuse_vllm_kwargs(tokenization_kwargs, mm_processor_kwargs)
         prompt_list, single = _prompt_list(prompts)
         if isinstance(sampling_params, BeamSearchParams) or (
                 isinstance(sampling_params, Sequence)
@@ -157,29 +179,36 @@ class LLM:
         messages: list[Message] | list[list[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: ProgressOption = True,
+        lora_request: None = None,
+        priority: int | Sequence[int] | None = None,
         chat_template: str | None = None,
+        chat_template_content_format: ContentFormat = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: None = None,
         cache_salt: str | None = None,
-        priority: int | Sequence[int] | None = None,
-        lora_request: None = None,
     ) -> list[RequestOutput]:
         """Applies the chat template to one conversation or a list of them, then generates.
 
-        The options are vLLM's (see `ChatOptions`). A bad conversation raises ValueError
-        naming the message, even inside a list: it is a programming error, not a prompt
-        that is merely too long. Otherwise errors follow `generate`: one conversation
-        that cannot run raises, in a list it gets an output with `error` set.
+        The arguments are vLLM's, in its order (see `ChatOptions`; `cache_salt` is
+        PageLLM's). A bad conversation raises ValueError naming the message, even inside
+        a list: it is a programming error, not a prompt that is merely too long.
+        Otherwise errors follow `generate`: one conversation that cannot run raises, in a
+        list it gets an output with `error` set.
         """
+        refuse_lora(lora_request)
+        _refuse_vllm_kwargs(tokenization_kwargs, mm_processor_kwargs)
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of messages (or of "
                              "conversations)")
         single = isinstance(messages[0], dict)
         conversations = cast(list[list[Message]], [messages] if single else messages)
         options = ChatOptions(add_generation_prompt, continue_final_message, tools,
-                              chat_template, chat_template_kwargs)
+                              chat_template, chat_template_kwargs,
+                              chat_template_content_format)
         prompts: list[PromptInput] = [
             {"prompt": text, "prompt_token_ids": token_ids}
             for c in conversations
@@ -187,7 +216,7 @@ class LLM:
         ]
         # One conversation is one prompt: invalid, it raises, as `generate` does.
         return self.generate(prompts[0] if single else prompts, sampling_params, use_tqdm,
-                             cache_salt, priority, lora_request)
+                             cache_salt, priority)
 
     @_one_call_at_a_time
     def apply_chat_template(self, messages: list[Message],

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pagellm.engine.async_engine import AsyncLLMEngine
+from pagellm.engine.chat_template import CONTENT_FORMATS
 from pagellm.entrypoints.engine_args import (
     add_chat_template_arg,
     add_engine_args,
@@ -149,6 +150,12 @@ def add_answer_args(group: Any) -> None:
     group.add_argument("--reasoning-parser", default=None, metavar="NAME",
                        help="the model's reasoning syntax, read into chat's `reasoning`: "
                             "deepseek_r1 (<think> ... </think>: DeepSeek R1 and its distills)")
+    group.add_argument("--chat-template-content-format", default="auto",
+                       choices=CONTENT_FORMATS,
+                       help="a message's content as the chat template gets it: one string, "
+                            "or OpenAI's list of text parts (openai); auto picks openai "
+                            "for a template that loops over a message's content "
+                            "(default: %(default)s)")
     group.add_argument("--response-role", default="assistant", metavar="ROLE",
                        help="the role of chat answers to a conversation ending with the "
                             "generation prompt (default: %(default)s)")
@@ -366,6 +373,7 @@ def answer_settings(args: argparse.Namespace) -> dict[str, Any]:
             "tool_call_parser": args.tool_call_parser if args.enable_auto_tool_choice else None,
             "reasoning_parser": args.reasoning_parser,
             "response_role": args.response_role,
+            "chat_template_content_format": args.chat_template_content_format,
             "exclude_tools_when_tool_choice_none": args.exclude_tools_when_tool_choice_none,
             "return_tokens_as_token_ids": args.return_tokens_as_token_ids,
             "default_chat_template_kwargs": args.default_chat_template_kwargs}

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 
-from pagellm.engine.chat_template import ChatError, check_messages
+from pagellm.engine.chat_template import ChatError, check_messages, loops_over_content
 
 
 def test_tool_call_arguments_reach_the_template_as_dicts() -> None:
@@ -39,3 +39,41 @@ def test_tool_call_arguments_reach_the_template_as_dicts() -> None:
 def test_bad_tool_calls_name_the_call(call: dict[str, object], message: str) -> None:
     with pytest.raises(ChatError, match=message):
         check_messages([{"role": "assistant", "content": "", "tool_calls": [call]}])
+
+
+PARTS_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{% for part in m['content'] %}"
+                  "[{{ part.text }}]{% endfor %}{% endfor %}"
+                  "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.mark.parametrize("template, loops", [
+    ("{% for m in messages %}{{ m['content'] }}{% endfor %}", False),
+    (PARTS_TEMPLATE, True),
+    ("{% for m in messages %}{% for p in m.content | selectattr('type', 'equalto', 'text') %}"
+     "{{ p.text }}{% endfor %}{% endfor %}", True),
+    ("{% macro show(c) %}{% for p in c %}{{ p.text }}{% endfor %}{% endmacro %}"
+     "{% for m in messages %}{{ show(m['content']) }}{% endfor %}", True),
+    ("{% macro show(c) %}{% for p in c %}{{ p.text }}{% endfor %}{% endmacro %}"
+     "{% for m in messages %}{{ show(c=m.content) }}{% endfor %}", True),
+    ("{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+     "{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endif %}{% endfor %}", True),
+    ("{% for m in messages %}{% for line in m['content'].split('\\n') %}{{ line }}"
+     "{% endfor %}{% endfor %}", False),
+    ("{% for m in messages %}{{ m['content'] }", False),  # not Jinja: rendering will say so
+])
+def test_auto_content_format_finds_templates_that_loop_over_content(
+        template: str, loops: bool) -> None:
+    """vLLM's "auto": a template that loops over a message's content gets OpenAI's list
+    of parts; iterating a string would render it character by character."""
+    assert loops_over_content(template) is loops
+
+
+def test_content_reaches_the_template_as_a_string_or_as_parts() -> None:
+    history = [{"role": "system", "content": "Be brief."},
+               {"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                            {"type": "input_text", "text": "there"}]},
+               {"role": "assistant", "content": None}]
+    assert [m["content"] for m in check_messages(history)] == ["Be brief.", "Hi\nthere", ""]
+    assert [m["content"] for m in check_messages(history, "openai")] == [
+        [{"type": "text", "text": "Be brief."}],
+        [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}], []]

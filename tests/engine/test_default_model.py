@@ -372,3 +372,32 @@ def test_a_tokenizer_past_the_models_vocabulary_is_refused_per_prompt(
     assert "past the model's vocabulary of 384" in (refused.error or "")
     assert len(fine.outputs[0].token_ids) == 2
     assert_idle(llm.llm_engine)
+
+
+def test_chat_takes_vllms_arguments_in_vllms_order(default_llm: Any) -> None:
+    """`chat(messages, params, use_tqdm, lora_request, priority, chat_template,
+    chat_template_content_format, ...)` as in vLLM; a template that loops over a
+    message's content gets OpenAI's parts under "auto", as vLLM's detection gives them."""
+    template = ("{% for m in messages %}<{{ m.role }}>{% for part in m['content'] %}"
+                "[{{ part.text }}]{% endfor %}{% endfor %}<assistant>")
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                             {"type": "text", "text": "there"}]}]
+    params = SamplingParams(temperature=0, max_tokens=2)
+    tokenizer = default_llm.get_tokenizer()
+    auto = default_llm.chat(messages, params, False, None, 0, template)[0]
+    assert tokenizer.decode(auto.prompt_token_ids) == "<user>[Hi][there]<assistant>"
+    openai = default_llm.chat(messages, params, False, None, 0, template, "openai")[0]
+    assert openai.prompt_token_ids == auto.prompt_token_ids
+    string = default_llm.chat(messages, params, use_tqdm=False, chat_template=template,
+                              chat_template_content_format="string")[0]
+    assert tokenizer.decode(string.prompt_token_ids) == "<user>[][][][][][][][]<assistant>"
+    with pytest.raises(ValueError, match="chat_template_content_format must be one of"):
+        default_llm.chat(messages, params, use_tqdm=False,
+                         chat_template_content_format="parts")
+    assert default_llm.chat(messages, params, use_tqdm=False, tokenization_kwargs={},
+                            mm_processor_kwargs=None)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        default_llm.chat(messages, params, use_tqdm=False,
+                         tokenization_kwargs={"truncation": True})
+    with pytest.raises(ValueError, match="text-only"):
+        default_llm.generate("Hi", params, use_tqdm=False, mm_processor_kwargs={"a": 1})

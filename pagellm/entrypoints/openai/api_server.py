@@ -22,7 +22,7 @@ from fastapi.responses import PlainTextResponse, Response
 from starlette.middleware.cors import CORSMiddleware
 
 from pagellm.engine.async_engine import AsyncLLMEngine
-from pagellm.engine.chat_template import check_template_kwargs
+from pagellm.engine.chat_template import ContentFormat, check_template_kwargs
 from pagellm.entrypoints.openai.errors import (
     APIError,
     bad_request,
@@ -108,6 +108,7 @@ class ServerSettings:
     tool_call_parser: str | None = None  # --enable-auto-tool-choice --tool-call-parser
     reasoning_parser: str | None = None  # --reasoning-parser
     response_role: str = "assistant"  # chat answers' role (vLLM's --response-role)
+    chat_template_content_format: ContentFormat = "auto"  # see ChatOptions
     # vLLM's: tool_choice "none" leaves the tools out of the prompt, not only uncalled.
     exclude_tools_when_tool_choice_none: bool = False
     # vLLM's CORS options: no origin allowed by default (no cross-origin browser access).
@@ -244,6 +245,7 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
         force_include_usage=settings.enable_force_include_usage,
         default_chat_template_kwargs=dict(settings.default_chat_template_kwargs),
         response_role=settings.response_role,
+        chat_template_content_format=settings.chat_template_content_format,
         exclude_tools_when_tool_choice_none=settings.exclude_tools_when_tool_choice_none,
         sse_keep_alive=settings.sse_keep_alive_interval)
     stored = ResponseStore()

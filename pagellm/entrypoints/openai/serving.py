@@ -18,6 +18,7 @@ from fastapi import Request
 
 from pagellm.core.sampling_params import BeamSearchParams, SamplingParams
 from pagellm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from pagellm.engine.chat_template import ContentFormat
 from pagellm.engine.outputs import CompletionOutput, RequestOutput
 from pagellm.engine.text import encode_text
 from pagellm.entrypoints.openai.errors import APIError, bad_request
@@ -138,6 +139,7 @@ class ServerContext:
     force_include_usage: bool = False
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     response_role: str = "assistant"  # --response-role
+    chat_template_content_format: ContentFormat = "auto"  # --chat-template-content-format
     exclude_tools_when_tool_choice_none: bool = False  # --exclude-tools-when-tool-choice-none
     sse_keep_alive: float | None = None  # seconds (--sse-keep-alive-interval); None: never
     tokenizer_thread: ThreadPoolExecutor = field(

@@ -86,7 +86,8 @@ def render_messages(context: ServerContext, body: ChatCompletionRequest | Tokeni
         tools = None
     options = ChatOptions(body.add_generation_prompt, body.continue_final_message, tools, None,
                           {**context.default_chat_template_kwargs,
-                           **(body.chat_template_kwargs or {})})
+                           **(body.chat_template_kwargs or {})},
+                          context.chat_template_content_format)
     try:
         return render_chat(context.engine.tokenizer,
                            [m.model_dump(exclude_none=True) for m in body.messages], options)
