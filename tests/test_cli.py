@@ -566,13 +566,14 @@ def test_server_options_reach_the_server_settings(monkeypatch: pytest.MonkeyPatc
         "serve", "--enable-log-outputs", "--max-log-len", "100", "--response-role", "bot",
         "--disable-access-log-for-endpoints", "/health, /metrics",
         "--enable-server-load-tracking", "--exclude-tools-when-tool-choice-none",
-        "--sse-keep-alive-interval", "15", "--chat-template-content-format", "openai"]),
-        0.0, "x")
+        "--sse-keep-alive-interval", "15", "--chat-template-content-format", "openai",
+        "--admin-api-key", "op1", "op2"]), 0.0, "x")
     assert (logged.enable_log_outputs, logged.max_log_len) == (True, 100)
     assert logged.disable_access_log_for_endpoints == ["/health", "/metrics"]
     assert logged.response_role == "bot" and settings.response_role == "assistant"
     assert logged.enable_server_load_tracking and logged.exclude_tools_when_tool_choice_none
     assert (logged.sse_keep_alive_interval, settings.sse_keep_alive_interval) == (15, None)
+    assert (logged.admin_api_key, settings.admin_api_key) == (["op1", "op2"], None)
     assert (logged.chat_template_content_format,
             settings.chat_template_content_format) == ("openai", "auto")
     assert not settings.return_tokens_as_token_ids and settings.root_path == ""

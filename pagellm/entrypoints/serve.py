@@ -51,6 +51,11 @@ def add_parser(subparsers: Any) -> None:
                             "requests and the endpoints that show or change the cache or "
                             "the template, for one of these keys (default: "
                             "$PAGELLM_API_KEY, else vLLM's $VLLM_API_KEY, else no key)")
+    group.add_argument("--admin-api-key", nargs="+", metavar="KEY", default=None,
+                       help="require one of these keys instead on the prefix cache's event "
+                            "stream and reset (/kv_cache_events, /reset_prefix_cache), "
+                            "which concern every tenant: --api-key's keys then do not "
+                            "open them")
     group.add_argument("--max-request-bytes", type=byte_size, default="8MiB", metavar="SIZE",
                        help="largest request body accepted, larger gets 413 "
                             "(default: %(default)s)")
@@ -215,7 +220,8 @@ def _json_strings(text: str) -> list[str]:
     return value
 
 
-def _api_keys(given: list[str] | None, model: str | None) -> list[str] | None:
+def _api_keys(given: list[str] | None, model: str | None,
+              option: str = "--api-key") -> list[str] | None:
     """The keys to ask for, without empty ones; `--api-key ""` alone (an unset variable
     in `--api-key "$KEY"`) is refused rather than leaving the server open, and so is a
     model taken for a key (`--api-key KEY MODEL`: the keys run to the next option, as in
@@ -223,11 +229,11 @@ def _api_keys(given: list[str] | None, model: str | None) -> list[str] | None:
     if given is None:
         return None
     if model is None and len(given) > 1 and looks_like_model(given[-1]):
-        raise ValueError(f"--api-key takes every word after it as a key, {given[-1]!r} "
-                         "too: give the model first (pagellm serve MODEL --api-key KEY)")
+        raise ValueError(f"{option} takes every word after it as a key, {given[-1]!r} "
+                         f"too: give the model first (pagellm serve MODEL {option} KEY)")
     keys = [key for key in given if key]
     if not keys:
-        raise ValueError("--api-key is given, but empty: give a key, or leave the option "
+        raise ValueError(f"{option} is given, but empty: give a key, or leave the option "
                          "out to serve without one")
     return keys
 
@@ -387,6 +393,7 @@ def server_settings(args: argparse.Namespace, launch_time: float, address: str
     return ServerSettings(
         **answer_settings(args), host=args.host, port=args.port,
         api_key=_api_keys(args.api_key, args.model),
+        admin_api_key=_api_keys(args.admin_api_key, args.model, "--admin-api-key"),
         max_request_bytes=args.max_request_bytes,
         log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,

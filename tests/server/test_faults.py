@@ -307,6 +307,53 @@ def test_cors_as_vllm_offers_it(engine: AsyncLLMEngine) -> None:
     assert all("access-control-allow-origin" not in r.headers for r in closed)
 
 
+def test_admin_keys_alone_open_the_cache_stream_and_reset(engine: AsyncLLMEngine) -> None:
+    """On a server shared by tenants, a client's key must not read every tenant's cached
+    prompts from the event stream, nor empty everyone's cache: with admin keys, those
+    two take an admin key and no client key; the API takes the client keys as before."""
+    app = create_app(engine, ServerSettings(model_names=[MODEL_NAME], api_key="tenant",
+                                            admin_api_key=["operator"]))
+
+    async def run() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test",
+                                     timeout=60) as client:
+            def auth(key: str) -> dict[str, str]:
+                return {"Authorization": f"Bearer {key}"}
+            return [await client.post("/reset_prefix_cache", headers=auth("tenant")),
+                    await client.get("/kv_cache_events", headers=auth("tenant")),
+                    await client.post("/reset_prefix_cache", headers=auth("operator")),
+                    await client.get("/kv_cache_events", headers=auth("operator")),
+                    await client.post("/v1/completions", headers=auth("tenant"),
+                                      json={"prompt": "Hi", "max_tokens": 1}),
+                    await client.post("/v1/completions", headers=auth("operator"),
+                                      json={"prompt": "Hi", "max_tokens": 1})]
+
+    tenant_reset, tenant_events, reset, events, completion, operator_completion = asyncio.run(run())
+    for refused in (tenant_reset, tenant_events):
+        assert refused.status_code == 401
+        assert "--admin-api-key" in refused.json()["error"]["message"]
+    assert reset.status_code == 200 and reset.json() == {"success": True}
+    assert events.status_code == 404  # past the key: the events are off on this server
+    assert completion.status_code == 200, completion.text
+    assert operator_completion.status_code == 401
+    open_api = create_app(engine, ServerSettings(model_names=[MODEL_NAME],
+                                                 admin_api_key=["operator"]))
+
+    async def without_key() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=open_api)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test",
+                                     timeout=60) as client:
+            return [await client.post("/reset_prefix_cache"),
+                    await client.post("/v1/completions", json={"prompt": "Hi",
+                                                               "max_tokens": 1})]
+
+    reset_refused, served = asyncio.run(without_key())
+    assert reset_refused.status_code == 401 and served.status_code == 200, served.text
+    with pytest.raises(ValueError, match="admin_api_key"):
+        ServerSettings(model_names=[MODEL_NAME], admin_api_key=[""])
+
+
 def test_kv_cache_events_off_is_a_404_that_says_how_to_turn_them_on(
         engine: AsyncLLMEngine) -> None:
     app = create_app(engine, ServerSettings(model_names=[MODEL_NAME]))

@@ -101,6 +101,7 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | list[str] | None = None  # one key or several (vLLM's list), non-empty
+    admin_api_key: list[str] | None = None  # for the cache's event stream and reset
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     log_stats_interval: float | None = 5.0  # None: no stats log lines
     shutdown_timeout: float = 10
@@ -171,6 +172,9 @@ class ServerSettings:
         if keys is not None and (not keys or not all(keys)):
             raise ValueError("api_key must be a non-empty key or a list of them, or None to "
                              "serve without one")
+        admin = self.admin_api_key
+        if admin is not None and (not admin or not all(admin)):
+            raise ValueError("admin_api_key must be a non-empty list of keys, or None")
         check_template_kwargs(self.default_chat_template_kwargs,
                               "default_chat_template_kwargs (--default-chat-template-kwargs)")
         asks_client = self.ssl_cert_reqs != ssl.CERT_NONE
@@ -259,8 +263,9 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
             return JSONResponse({"server_load": load.requests})
 
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_bytes)
-    if settings.api_keys is not None:
-        app.add_middleware(APIKeyMiddleware, api_keys=settings.api_keys)
+    if settings.api_keys is not None or settings.admin_api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_keys=settings.api_keys,
+                           admin_keys=settings.admin_api_key)
     # Outside the guards, so their 401s and 413s are counted too (vLLM's instrumentator).
     app.add_middleware(HttpMetricsMiddleware, metrics=context.metrics.http)
     if settings.allowed_origins:

@@ -118,26 +118,38 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 # which render it and read it back. vLLM leaves /invocations and the last three open.
 _GUARDED_PREFIXES = ("/v1", "/invocations", "/reset_prefix_cache", "/kv_cache_events",
                      "/tokenizer_info", "/tokenize", "/detokenize")
+# Those that concern every tenant: the stream of every cached prompt's tokens (and salts),
+# and the reset that empties everyone's cache. With admin keys, only those open them.
+_ADMIN_PREFIXES = ("/reset_prefix_cache", "/kv_cache_events")
 
 
 class APIKeyMiddleware:
     """401 for any /v1 request (and the other guarded paths) without `Authorization:
     Bearer <api key>` or, as Anthropic's clients send it, `x-api-key: <api key>`, for
-    one of the keys (several, as vLLM takes them, let keys be rotated).
+    one of the keys (several, as vLLM takes them, let keys be rotated). With
+    `admin_keys`, the cache's event stream and reset take one of those instead (and no
+    client key): a server shared by tenants keeps them for the operator and the router.
 
     /health and /metrics stay open: load balancers and Prometheus probe them without
     credentials, and they reveal no request data.
     """
 
-    def __init__(self, app: ASGIApp, api_keys: Sequence[str]) -> None:
+    def __init__(self, app: ASGIApp, api_keys: Sequence[str] | None,
+                 admin_keys: Sequence[str] | None = None) -> None:
         self.app = app
-        self.keys = [key.encode() for key in api_keys]
+        self.keys = None if api_keys is None else [key.encode() for key in api_keys]
+        self.admin_keys = None if admin_keys is None else [key.encode() for key in admin_keys]
+
+    def _keys_for(self, path: str) -> list[bytes] | None:
+        if self.admin_keys is not None and path.startswith(_ADMIN_PREFIXES):
+            return self.admin_keys
+        return self.keys if path.startswith(_GUARDED_PREFIXES) else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # A CORS preflight (OPTIONS) carries no credentials and reads nothing, as vLLM
         # lets it through.
-        if (scope["type"] == "http" and route_path(scope).startswith(_GUARDED_PREFIXES)
-                and scope.get("method") != "OPTIONS"):
+        keys = self._keys_for(route_path(scope)) if scope["type"] == "http" else None
+        if keys is not None and scope.get("method") != "OPTIONS":
             headers = _first_headers(scope)
             scheme, _, bearer = headers.get(b"authorization", b"").partition(b" ")
             if scheme.lower() != b"bearer":  # the scheme's case does not matter (RFC 7235)
@@ -145,8 +157,10 @@ class APIKeyMiddleware:
             given = headers.get(b"x-api-key", b"")
             # Every key is compared, so the time taken tells nothing about which matched.
             if not any([hmac.compare_digest(bearer, key) | hmac.compare_digest(given, key)
-                        for key in self.keys]):
-                error = APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+                        for key in keys]):
+                error = APIError(401, "Incorrect API key provided." if keys is not self.admin_keys
+                                 else "This endpoint needs an admin API key (--admin-api-key).",
+                                 code="invalid_api_key")
                 await error.response(anthropic=is_anthropic(scope))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
