@@ -654,3 +654,16 @@ def test_unset_sampling_fields_take_the_models_defaults() -> None:
         logprobs=None, prompt_logprobs=None, vocab_size=1000, defaults={})
     assert (neutral.temperature, neutral.top_p, neutral.top_k, neutral.max_tokens) == (
         1.0, 1.0, 0, None)
+
+
+def test_ignored_fields_are_named_in_a_debug_line(caplog: pytest.LogCaptureFixture) -> None:
+    """As vLLM names them: an operator sees that a front-end's Ollama-style `num_ctx` was
+    not applied, while the request still runs."""
+    from pagellm.entrypoints.openai.protocol import ChatCompletionRequest
+
+    caplog.set_level(logging.DEBUG, logger="pagellm.entrypoints.openai.protocol")
+    request = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}], "num_ctx": 4096,
+         "repeat_penalty": 1.1, "temperature": 0.5})
+    assert request.temperature == 0.5
+    assert "present in the request but ignored: ['num_ctx', 'repeat_penalty']" in caplog.text

@@ -15,7 +15,8 @@ import pytest
 
 from tests.server.conftest import MODEL_NAME, Server, start_server
 
-TEMPLATE = "{{ greeting }}{% for m in messages %} {{ m.content }}{% endfor %}"
+TEMPLATE = ("{{ greeting }}{% if reasoning_effort %} [{{ reasoning_effort }} {{ enable_thinking }}]"
+            "{% endif %}{% for m in messages %} {{ m.content }}{% endfor %}")
 KEY = "s3cret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
@@ -150,3 +151,36 @@ def test_certificate_file_is_checked_before_the_model_loads(tmp_path: Path) -> N
 
     result = run_cli("serve", "--ssl-certfile", str(tmp_path / "missing.pem"))
     assert result.returncode == 2 and "not a readable file" in result.stderr
+
+
+def test_reasoning_effort_reaches_the_template_as_vllm_passes_it(
+        server: Server, client: openai.OpenAI) -> None:
+    """OpenAI's `reasoning_effort` (Open WebUI, LibreChat and big-AGI send it) is the
+    template's `reasoning_effort`, with `enable_thinking` unless the request sets it;
+    the Responses API's `reasoning.effort` is the same."""
+    def prompt(**extra: object) -> str:
+        reply = client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+            extra_body={"return_token_ids": True, **extra})
+        ids = reply.model_extra["prompt_token_ids"]  # type: ignore[index]
+        return str(httpx.post(f"{server.url}/detokenize", json={"tokens": ids},
+                              verify=server.verify, headers=AUTH).json()["prompt"])
+
+    assert prompt() == "Hello hi"
+    assert prompt(reasoning_effort="low") == "Hello [low True] hi"
+    assert prompt(reasoning_effort="none") == "Hello [none False] hi"
+    assert prompt(reasoning_effort="high", chat_template_kwargs={"enable_thinking": False}) \
+        == "Hello [high False] hi"
+    with pytest.raises(openai.BadRequestError) as refused:
+        prompt(reasoning_effort="extreme")
+    assert refused.value.body["param"] == "reasoning_effort"  # type: ignore[index]
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+        reasoning_effort="low")
+    response = client.responses.create(model=MODEL_NAME, input="hi", max_output_tokens=1,
+                                       reasoning={"effort": "low"})
+    assert chat.usage is not None and response.usage is not None
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="reasoning.effort"):
+        client.responses.create(model=MODEL_NAME, input="hi", max_output_tokens=1,
+                                reasoning={"effort": "extreme"})  # type: ignore[typeddict-item]

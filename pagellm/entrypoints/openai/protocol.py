@@ -12,6 +12,7 @@ wrong kind of output.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal, get_args
@@ -25,7 +26,10 @@ from pydantic import (
     model_validator,
 )
 
+logger = logging.getLogger(__name__)
+
 TokenIds = list[int]
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 # A request's seed, within 64 bits as vLLM's API takes it: a larger one would be reduced
 # modulo 2**64 by the sampler, 2**64 drawing as seed 0 does.
 Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
@@ -38,7 +42,9 @@ def _takes_null(annotation: Any) -> bool:
 class StrictModel(BaseModel):
     """A request body. A null where the field takes none means "not given", as OpenAI's
     and vLLM's servers read it (clients that send every field write `"stream": null`):
-    the default applies. Where a field takes null, null keeps its own meaning."""
+    the default applies. Where a field takes null, null keeps its own meaning. The
+    fields it ignores are named in a debug line, as vLLM names them: a front-end's
+    Ollama-style `num_ctx`, say, that an operator thought was applied."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -47,6 +53,10 @@ class StrictModel(BaseModel):
     def _null_is_not_given(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
+        ignored = data.keys() - cls.model_fields.keys()
+        if ignored:
+            logger.debug("The following fields were present in the request but ignored: %s",
+                         sorted(map(str, ignored)))
         return {key: value for key, value in data.items()
                 if value is not None or key not in cls.model_fields
                 or _takes_null(cls.model_fields[key].annotation)
@@ -154,6 +164,9 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     include_reasoning: bool = True  # vLLM's: false leaves a parser's reasoning out
+    # OpenAI's; to the template as `reasoning_effort`, and `enable_thinking` unless
+    # "none" (vLLM's rule: templates such as Qwen3's opt in to thinking by it).
+    reasoning_effort: ReasoningEffort | None = None
     # Known, and refused when set (see check_supported).
     chat_template: Any = None
     functions: Any = None

@@ -280,14 +280,16 @@ def chat_request(body: ResponsesRequest, conversation: Conversation) -> ChatComp
         logprobs=logprobs, top_logprobs=body.top_logprobs if logprobs else None,
         tools=_chat_tools(body.tools) or None,
         tool_choice=_chat_tool_choice(body.tool_choice, body.tools),
-        response_format=_response_format(body.text))
+        response_format=_response_format(body.text),
+        reasoning_effort=(body.reasoning or {}).get("effort"))
     return as_chat_request(fields)
 
 
 # Chat's field names in errors, and the Responses fields they stand for.
 _RENAMES = ((re.compile(r"\btools\[(\d+)\]\.function\."), r"tools[\1]."),
             (re.compile(r"\bmax_(?:completion_)?tokens\b"), "max_output_tokens"),
-            (re.compile(r"\bresponse_format\b"), "text.format"))
+            (re.compile(r"\bresponse_format\b"), "text.format"),
+            (re.compile(r"\breasoning_effort\b"), "reasoning.effort"))
 
 
 def renamed(error: APIError, body: ResponsesRequest, conversation: Conversation) -> APIError:

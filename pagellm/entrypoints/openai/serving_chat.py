@@ -77,17 +77,23 @@ def render_messages(context: ServerContext, body: ChatCompletionRequest | Tokeni
     """The prompt token ids of the request's conversation, rendered with its options by
     the engine's one renderer; a conversation or option it refuses is the client's error,
     a 400 naming the field. The request's `chat_template_kwargs` are laid over the
-    server's defaults (--default-chat-template-kwargs), and its tools are left out for
-    tool_choice "none" where the server says so (--exclude-tools-when-tool-choice-none)."""
+    server's defaults (--default-chat-template-kwargs), with `reasoning_effort` as vLLM
+    passes it, and its tools are left out for tool_choice "none" where the server says
+    so (--exclude-tools-when-tool-choice-none)."""
     assert body.messages is not None
     tools = body.tools
     if (context.exclude_tools_when_tool_choice_none
             and isinstance(body, ChatCompletionRequest) and body.tool_choice == "none"):
         tools = None
+    asked = body.chat_template_kwargs or {}
+    template_kwargs = {**context.default_chat_template_kwargs, **asked}
+    effort = body.reasoning_effort if isinstance(body, ChatCompletionRequest) else None
+    if effort is not None:
+        template_kwargs["reasoning_effort"] = effort
+        if "enable_thinking" not in asked:
+            template_kwargs["enable_thinking"] = effort != "none"
     options = ChatOptions(body.add_generation_prompt, body.continue_final_message, tools, None,
-                          {**context.default_chat_template_kwargs,
-                           **(body.chat_template_kwargs or {})},
-                          context.chat_template_content_format)
+                          template_kwargs, context.chat_template_content_format)
     try:
         return render_chat(context.engine.tokenizer,
                            [m.model_dump(exclude_none=True) for m in body.messages], options)
