@@ -28,6 +28,10 @@ class SchedulerConfig:
     waiting queue, and when blocks run out the lowest-priority running request is the one
     preempted (taken back out of the step if it was already scheduled in it); running
     requests keep admission order for the step's budget, as in vLLM.
+    `long_prefill_token_threshold` (vLLM's; 0: off) caps the tokens one request computes
+    in a step: a long prompt's prefill then takes that much of each step's budget, and
+    the rest admits and serves the requests arriving meanwhile, instead of the whole
+    budget going to it for the whole prefill.
     """
 
     max_model_len: int
@@ -35,6 +39,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     policy: SchedulingPolicy = "cache_aware"
     cache_aware_window: int = 64
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs",
@@ -42,6 +47,10 @@ class SchedulerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        threshold = self.long_prefill_token_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be an integer >= 0 (0: off), "
+                             f"got {threshold!r}")
         if self.policy not in get_args(SchedulingPolicy):
             raise ValueError(f"policy must be one of {', '.join(get_args(SchedulingPolicy))}, "
                              f"got {self.policy!r}")

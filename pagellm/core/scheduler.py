@@ -106,7 +106,8 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(self._chunk(request.num_tokens - request.num_computed_tokens),
+                          budget)
             if num_new <= 0:
                 index += 1
                 continue
@@ -129,6 +130,12 @@ class Scheduler:
         if not preempted:
             budget = self._admit_waiting(budget, scheduled)
         return SchedulerOutput(scheduled, copies, preempted)
+
+    def _chunk(self, num_left: int) -> int:
+        """The tokens a request may compute this step, of the `num_left` it has left,
+        before the step's budget (see long_prefill_token_threshold)."""
+        cap = self.config.long_prefill_token_threshold
+        return min(num_left, cap) if cap else num_left
 
     def _preemption_victim(self) -> Request:
         """The running request to preempt when blocks run out: the last admitted, or
@@ -174,7 +181,7 @@ class Scheduler:
                 if self.config.policy == "priority" and deferred_priority is None:
                     deferred_priority = request.priority
                 continue
-            num_new = min(request.num_tokens - num_cached, budget)
+            num_new = min(self._chunk(request.num_tokens - num_cached), budget)
             # Before allocating, which may evict the very blocks it compares against.
             departure = (self.kv_cache.departure(request, len(hits))
                          if request.num_cached_tokens < 0 and logger.isEnabledFor(logging.DEBUG)

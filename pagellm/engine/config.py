@@ -154,6 +154,9 @@ class EngineConfig:
     compiled paged kernel and, for a Q4_1/Q8_0 GGUF, its matmuls straight from its
     quantized blocks (the same weights in fewer bytes); built once into `cache_dir`/kernels.
     False keeps everything on torch ops and float32 weights.
+    `long_prefill_token_threshold` (vLLM's; 0, the default: off): the most tokens one
+    request computes in a step, so that a long prompt's prefill leaves room in each step
+    for the requests arriving meanwhile (see SchedulerConfig).
     `enforce_eager` (vLLM's name): on CUDA, run decode steps op by op instead of replaying
     captured CUDA graphs (for debugging, or to save the graphs' memory); no effect on the
     CPU.
@@ -184,6 +187,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     scheduling_policy: SchedulingPolicy = "cache_aware"
+    long_prefill_token_threshold: int = 0
     attention_backend: str | None = None
     cache_dir: Path | None = None
     seed: int = 0
@@ -225,6 +229,10 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        threshold = self.long_prefill_token_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be an integer >= 0 (0: off), "
+                             f"got {threshold!r}")
         if self.max_model_len is not None and (
             not isinstance(self.max_model_len, int) or self.max_model_len < 2
         ):

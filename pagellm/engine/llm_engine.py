@@ -227,6 +227,7 @@ class LLMEngine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_num_seqs=config.max_num_seqs,
                 policy=config.scheduling_policy,
+                long_prefill_token_threshold=config.long_prefill_token_threshold,
             ),
             self.kv_manager,
         )

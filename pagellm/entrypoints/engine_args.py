@@ -138,6 +138,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="token budget of one engine step (default: %(default)s)")
     group.add_argument("--max-num-seqs", type=int, default=_DEFAULTS["max_num_seqs"], metavar="N",
                        help="requests in one running batch at most (default: %(default)s)")
+    group.add_argument("--long-prefill-token-threshold", type=int,
+                       default=_DEFAULTS["long_prefill_token_threshold"], metavar="N",
+                       help="the most tokens one request computes in a step, so that a long "
+                            "prompt's prefill leaves room for requests arriving meanwhile "
+                            "(default: %(default)s, off)")
     group.add_argument("--scheduling-policy", default=_DEFAULTS["scheduling_policy"],
                        choices=get_args(SchedulingPolicy),
                        help="order in which waiting requests are admitted "

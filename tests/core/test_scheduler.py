@@ -48,6 +48,7 @@ class Driver:
         max_num_seqs: int = 16,
         policy: str = "fcfs",
         enable_caching: bool = True,
+        long_prefill_token_threshold: int = 0,
     ) -> None:
         self.kv = KVCacheManager(num_blocks, block_size, enable_caching)
         self.bs = block_size
@@ -56,6 +57,7 @@ class Driver:
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             policy=policy,  # type: ignore[arg-type]
+            long_prefill_token_threshold=long_prefill_token_threshold,
         )
         self.sched = Scheduler(self.config, self.kv)
         self.hasher = BlockHasher(block_size)
@@ -213,6 +215,34 @@ def test_decodes_go_first_and_a_prompt_takes_the_rest_of_the_budget() -> None:
     assert [(s.request.request_id, s.num_new_tokens, s.samples) for s in out.scheduled] == [
         ("a", 1, True), ("b", 4, True)]
     d.run()
+
+
+def test_a_long_prefill_leaves_room_for_requests_arriving_meanwhile() -> None:
+    """vLLM's long_prefill_token_threshold: a long prompt computes at most that many
+    tokens a step, and the rest of the budget admits and serves the newcomers, who
+    otherwise wait for its whole prefill (a 4,000-token prompt held the step budget for
+    13 s under load)."""
+    capped = Driver(max_num_batched_tokens=16, long_prefill_token_threshold=6)
+    (long,) = capped.add("long", prompt_of(3, 60), max_tokens=2)
+    first = capped.step()
+    assert [(s.request.request_id, s.num_new_tokens) for s in first.scheduled] == [
+        ("long", 6)]
+    capped.add("short", prompt_of(4, 9), max_tokens=3)
+    out = capped.step()
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [
+        ("long", 6), ("short", 6)]  # the cap is every request's, as in vLLM
+    out = capped.step()
+    assert [(s.request.request_id, s.num_new_tokens, s.samples) for s in out.scheduled] == [
+        ("long", 6, False), ("short", 3, True)]
+    capped.run()
+    assert long.num_output_tokens == 2
+    whole = Driver(max_num_batched_tokens=16)
+    whole.add("long", prompt_of(3, 60), max_tokens=2)
+    whole.step()
+    whole.add("short", prompt_of(4, 9), max_tokens=3)
+    assert [s.request.request_id for s in whole.step().scheduled] == ["long"]
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        SchedulerConfig(max_model_len=64, long_prefill_token_threshold=-1)
 
 
 def test_decode_is_one_token_per_step() -> None:

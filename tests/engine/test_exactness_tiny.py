@@ -103,12 +103,17 @@ def test_block_boundaries(block_size: int, tiny_models: dict[str, Path],
             assert out.num_cached_tokens == expected
 
 
-@pytest.mark.parametrize("caching", [True, False], ids=["cache-on", "cache-off"])
-def test_chunked_prefill_tiny_budget(caching: bool, tiny_models: dict[str, Path],
+@pytest.mark.parametrize("caching, threshold", [(True, 0), (False, 0), (True, 3)],
+                         ids=["cache-on", "cache-off", "long-prefill-threshold"])
+def test_chunked_prefill_tiny_budget(caching: bool, threshold: int,
+                                     tiny_models: dict[str, Path],
                                      hf_models: dict[str, Any]) -> None:
+    """Prompts cut into chunks by a tiny step budget (or by vLLM's
+    long_prefill_token_threshold, several requests' chunks a step) give the reference's
+    tokens."""
     name = "qwen2-bias"
     llm = _llm(tiny_models[name], enable_prefix_caching=caching, max_num_batched_tokens=7,
-               block_size=8)
+               block_size=8, long_prefill_token_threshold=threshold)
     prompts = _prompts(3, 30, [5, 11, 2, 20])
     outputs = _run(llm, prompts, 9)
     for prompt, out in zip(prompts, outputs, strict=True):
