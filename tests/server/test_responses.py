@@ -147,6 +147,15 @@ def test_a_continuation_inherits_the_salt_its_turns_are_cached_under(
     assert other.usage.input_tokens == forgot.usage.input_tokens
 
 
+def test_cancel_is_vllms_answer_for_a_synchronous_response(client: openai.OpenAI) -> None:
+    first = client.responses.create(model=MODEL_NAME, input="Hi", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="Cannot cancel a synchronous response"):
+        client.responses.cancel(first.id)
+    with pytest.raises(openai.NotFoundError, match="resp_nope"):
+        client.responses.cancel("resp_nope")
+    assert client.responses.retrieve(first.id).id == first.id
+
+
 def test_instructions_do_not_carry_over(client: openai.OpenAI) -> None:
     first = client.responses.create(model=MODEL_NAME, input="Say yes.",
                                     instructions=INSTRUCTIONS, max_output_tokens=4,

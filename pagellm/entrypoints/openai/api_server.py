@@ -72,6 +72,7 @@ from pagellm.entrypoints.openai.serving_completion import create_completion
 from pagellm.entrypoints.openai.serving_kv_events import kv_events_stream
 from pagellm.entrypoints.openai.serving_messages import count_tokens, create_message
 from pagellm.entrypoints.openai.serving_responses import (
+    cancel_response,
     create_response,
     delete_response,
     list_input_items,
@@ -317,6 +318,10 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     @app.delete("/v1/responses/{response_id}")
     async def remove_response(response_id: str) -> DeletedResponse:
         return delete_response(stored, response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel(response_id: str) -> ResponseObject:
+        return cancel_response(stored, response_id)
 
     @app.post("/v1/messages")
     async def messages(body: MessagesRequest, request: Request) -> Response:

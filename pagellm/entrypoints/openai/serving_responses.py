@@ -197,6 +197,13 @@ def delete_response(store: ResponseStore, response_id: str) -> DeletedResponse:
     return DeletedResponse(id=response_id)
 
 
+def cancel_response(store: ResponseStore, response_id: str) -> ResponseObject:
+    """vLLM's answer: only a background response can be cancelled, and there are none
+    here (a stored one has finished); an unknown id is a 404."""
+    retrieve_response(store, response_id)
+    raise bad_request("Cannot cancel a synchronous response.", param="response_id")
+
+
 def _not_found(response_id: str, param: str) -> APIError:
     return APIError(404, f"Response with id '{response_id}' not found.", param=param)
 
