@@ -237,9 +237,9 @@ def _tool_calls(index: int, calls: list[dict[str, Any]]) -> list[dict[str, Any]]
 @functools.lru_cache(maxsize=32)
 def loops_over_content(template: str) -> bool:
     """Whether a chat template loops over a message's content (`{% for part in
-    message['content'] %}`, directly or through a macro's parameter): such a template
-    wants OpenAI's list of parts, and iterating a string would render its characters
-    (vLLM's "auto" detection)."""
+    message['content'] %}`, directly, through a variable set to it, or through a macro's
+    parameter): such a template wants OpenAI's list of parts, and iterating a string
+    would render its characters (vLLM's "auto" detection)."""
     try:
         tree = jinja2.Environment(extensions=[jinja2.ext.loopcontrols]).parse(template)
     except jinja2.TemplateSyntaxError:
@@ -259,7 +259,10 @@ def loops_over_content(template: str) -> bool:
 
     macros = {macro.name: [arg.name for arg in macro.args]
               for macro in tree.find_all(jinja2.nodes.Macro)}
-    content_names: set[str] = set()  # macro parameters that receive a message's content
+    # Names that hold a message's content: `{% set c = message.content %}`, and macro
+    # parameters that receive it.
+    content_names = {assign.target.name for assign in tree.find_all(jinja2.nodes.Assign)
+                     if isinstance(assign.target, jinja2.nodes.Name) and is_content(assign.node)}
     for call in tree.find_all(jinja2.nodes.Call):
         if isinstance(call.node, jinja2.nodes.Name) and call.node.name in macros:
             params = macros[call.node.name]

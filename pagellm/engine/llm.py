@@ -270,8 +270,9 @@ class LLM:
         shown = tokens
         if completion.finish_reason == "stop" and not params.include_stop_str_in_output:
             shown = tokens[:-1]
+        # Without a character the search cut in half, as `generate`'s text leaves it out.
         text = (None if self.tokenizer is None else str(self.tokenizer.decode(
-            shown, skip_special_tokens=params.skip_special_tokens)))
+            shown, skip_special_tokens=params.skip_special_tokens)).rstrip("\ufffd"))
         return BeamSearchSequence(tokens, completion.logprobs, completion.cumulative_logprob,
                                   text, completion.finish_reason, completion.stop_reason)
 

@@ -57,6 +57,10 @@ PARTS_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{% for part in m['conten
      "{% for m in messages %}{{ show(c=m.content) }}{% endfor %}", True),
     ("{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}{% else %}"
      "{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endif %}{% endfor %}", True),
+    ("{% for m in messages %}{% set content = m['content'] %}{% for p in content %}"
+     "{{ p['text'] }}{% endfor %}{% endfor %}", True),
+    ("{% for m in messages %}{% set content = m['content'] | trim %}{{ content }}"
+     "{% for m2 in messages %}{% endfor %}{% endfor %}", False),
     ("{% for m in messages %}{% for line in m['content'].split('\\n') %}{{ line }}"
      "{% endfor %}{% endfor %}", False),
     ("{% for m in messages %}{{ m['content'] }", False),  # not Jinja: rendering will say so

@@ -159,6 +159,23 @@ def test_output_ending_mid_character_leaves_that_character_out(default_llm: Any)
     assert base.text.startswith(out.text)
 
 
+def test_a_beam_cut_in_the_middle_of_a_character_leaves_it_out(default_llm: Any) -> None:
+    """beam_search's text (prompt and continuation decoded together) follows generate's
+    rule: no U+FFFD for a character the search cut in half."""
+    from pagellm import BeamSearchParams
+
+    tokenizer = default_llm.get_tokenizer()
+    prompt = "Emoji party: 🎉🎉🥳🥳🎉"
+    cut = 0
+    for max_tokens in (1, 2, 3):
+        for beam in default_llm.beam_search(
+                [prompt], BeamSearchParams(beam_width=2, max_tokens=max_tokens))[0].sequences:
+            whole = tokenizer.decode(beam.tokens, skip_special_tokens=True)
+            cut += whole.endswith("\ufffd")
+            assert beam.text == whole.rstrip("\ufffd")
+    assert cut, "the prompt must make a beam end inside a character"
+
+
 def test_chat_refuses_bad_conversations_and_options(default_llm: Any) -> None:
     params = SamplingParams(temperature=0, max_tokens=2)
     bad = [([], "non-empty"),

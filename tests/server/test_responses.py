@@ -156,6 +156,27 @@ def test_cancel_is_vllms_answer_for_a_synchronous_response(client: openai.OpenAI
     assert client.responses.retrieve(first.id).id == first.id
 
 
+@pytest.mark.parametrize("item_id", [["x"], {"a": 1}, 123, ""])
+def test_an_input_item_id_that_is_not_a_string_is_a_400(server: Server,
+                                                       item_id: object) -> None:
+    """It was a 500 (a list or an object could not be stored; a number was stored and
+    then broke the input listing)."""
+    reply = httpx.post(f"{server.url}/v1/responses", timeout=60, json={
+        "model": MODEL_NAME, "max_output_tokens": 1,
+        "input": [{"type": "message", "role": "user", "id": item_id, "content": "hi"}]})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == "input[0].id"
+
+
+def test_a_null_input_item_id_is_no_id(client: openai.OpenAI, server: Server) -> None:
+    reply = httpx.post(f"{server.url}/v1/responses", timeout=60, json={
+        "model": MODEL_NAME, "max_output_tokens": 1,
+        "input": [{"type": "message", "role": "user", "id": None, "content": "hi"}]})
+    assert reply.status_code == 200, reply.text
+    (item,) = client.responses.input_items.list(reply.json()["id"]).data
+    assert item.id.startswith("msg_")
+
+
 def test_instructions_do_not_carry_over(client: openai.OpenAI) -> None:
     first = client.responses.create(model=MODEL_NAME, input="Say yes.",
                                     instructions=INSTRUCTIONS, max_output_tokens=4,

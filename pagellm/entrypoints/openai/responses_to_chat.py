@@ -94,12 +94,20 @@ def resolve_references(items: str | list[Any],
 
 
 def client_item_ids(items: str | list[Any]) -> frozenset[str]:
-    """The ids the client wrote on its own input items (not on its references)."""
+    """The ids the client wrote on its own input items (not on its references); one that
+    is not a non-empty string is a 400 naming it (null is no id: the server gives one)."""
     if isinstance(items, str):
         return frozenset()
-    return frozenset(item["id"] for item in items
-                     if isinstance(item, dict) and item.get("type") != "item_reference"
-                     and isinstance(item.get("id"), str))
+    ids = set()
+    for index, item in enumerate(items):
+        if (not isinstance(item, dict) or item.get("type") == "item_reference"
+                or item.get("id") is None):
+            continue
+        where = f"input[{index}]"
+        if not required_string(item, "id", where):
+            raise bad_request(f"{where}.id must not be empty", param=f"{where}.id")
+        ids.add(item["id"])
+    return frozenset(ids)
 
 
 def input_items(items: str | list[Any]) -> list[dict[str, Any]]:
@@ -111,7 +119,8 @@ def input_items(items: str | list[Any]) -> list[dict[str, Any]]:
     for item in items:
         kind = item.get("type", "message")
         entry = {**item, "type": kind}
-        entry.setdefault("id", f"{_ITEM_PREFIXES.get(kind, 'item')}_{uuid.uuid4().hex}")
+        if entry.get("id") is None:
+            entry["id"] = f"{_ITEM_PREFIXES.get(kind, 'item')}_{uuid.uuid4().hex}"
         if kind == "message" and isinstance(item.get("content"), str):
             part = "output_text" if item.get("role") == "assistant" else "input_text"
             entry["content"] = [{"type": part, "text": item["content"]}]
