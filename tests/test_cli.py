@@ -659,3 +659,15 @@ def test_vllm_spellings_and_wrong_arguments_of_the_python_api() -> None:
                                         "gpu_memory_utilization is vLLM's: the KV pool is "
                                         "sized by kv_cache_memory_bytes.*block_size"):
         LLM(gpu_memory_utilization=0.9, tensor_parallel_size=2, enforce_eager=True)
+
+
+def test_a_cache_dir_given_with_a_tilde_is_in_the_home(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--cache-dir '~/pc'` (quoted, so no shell expands it) converted into the home but
+    built the kernels into a directory named `~` in the working directory."""
+    from pagellm.engine.config import EngineConfig, default_cache_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert EngineConfig(cache_dir="~/pc").cache_dir == tmp_path / "pc"  # type: ignore[arg-type]
+    monkeypatch.setenv("PAGELLM_CACHE_DIR", "~/env-cache")
+    assert default_cache_dir() == tmp_path / "env-cache"

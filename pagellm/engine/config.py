@@ -103,7 +103,7 @@ def vllm_only_hints(names: list[str], spell: Callable[[str], str] = str) -> list
 def default_cache_dir() -> Path:
     """Where converted models live: $PAGELLM_CACHE_DIR, else ~/.cache/pagellm."""
     env = os.environ.get("PAGELLM_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "pagellm"
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "pagellm"
 
 
 def default_device(name: str | None = None) -> str:
@@ -274,4 +274,4 @@ class EngineConfig:
                              + hint)
         if self.cache_dir is None:
             self.cache_dir = default_cache_dir()
-        self.cache_dir = Path(self.cache_dir)
+        self.cache_dir = Path(self.cache_dir).expanduser()

@@ -18,6 +18,7 @@ from pagellm.model.attention import (
 )
 from pagellm.model.attention_metadata import AttentionMetadata
 from pagellm.model.errors import (
+    CacheWriteError,
     CorruptModelError,
     ModelLoadError,
     ModelNotFoundError,
@@ -36,6 +37,7 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "AttentionBackend",
     "AttentionMetadata",
+    "CacheWriteError",
     "CorruptModelError",
     "LlamaForCausalLM",
     "ModelConfig",

@@ -19,6 +19,7 @@ import platform
 import shutil
 import subprocess
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -33,6 +34,7 @@ _SOURCES = tuple(_CSRC / name
 _HEADERS = (_CSRC / "parallel.h", _CSRC / "simd.h", _CSRC / "vec_math.h")
 _LIBRARY_NAME = "libpagellm_cpu_kernels.so"
 
+_BUILD_TIMEOUT_S = 600
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet in this process
 
@@ -63,16 +65,23 @@ def _build_and_load(build_root: Path) -> bool:
         return False
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
-        logger.info("CPU kernels off: no C++ compiler found")
+        logger.warning("CPU kernels off: no C++ compiler found (install g++ for the faster "
+                       "kernels)")
         return False
     command = _compile_command(compiler, isa)
     directory = build_root / f"cpu-{_build_key(command, compiler)}"
     library = directory / _LIBRARY_NAME
     failed = directory / "unsupported.txt"
     if failed.is_file():
-        logger.info("CPU kernels off: an earlier build failed (%s)", failed)
+        logger.warning("CPU kernels off: an earlier build failed (see %s; delete it to try "
+                       "again)", failed)
         return False
-    if not library.is_file() and not _compile(command, directory, library, failed):
+    try:
+        if not _intact(library) and not _compile(command, directory, library, failed):
+            return False
+    except OSError as exc:  # a read-only or full cache directory
+        logger.warning("CPU kernels off: cannot build them into %s: %s (a writable cache "
+                       "directory: PAGELLM_CACHE_DIR or --cache-dir)", directory, exc)
         return False
     try:
         torch.ops.load_library(str(library))  # type: ignore[no-untyped-call]
@@ -152,22 +161,63 @@ def _compiler_version(compiler: str) -> str:
     return done.stdout
 
 
+def _digest_file(library: Path) -> Path:
+    return library.with_name(library.name + ".sha256")
+
+
+def _intact(library: Path) -> bool:
+    """Whether the built library is there whole: loading a damaged one (truncated by a
+    full disk or a copy) kills the process with SIGBUS, so it is checked against the
+    digest written with it, and built again if it does not match."""
+    if not library.is_file():
+        return False
+    try:
+        recorded = _digest_file(library).read_text().strip()
+    except OSError:
+        recorded = ""
+    if recorded == hashlib.sha256(library.read_bytes()).hexdigest():
+        return True
+    logger.warning("the CPU kernels in %s do not match their digest (damaged, or built by "
+                   "an older PageLLM); building them again", library.parent)
+    return False
+
+
+# A build that failed for these reasons may succeed next time: it is not recorded.
+_PASSING_FAILURES = ("No space left on device", "Killed signal", "Cannot allocate memory",
+                     "virtual memory exhausted", "Disk quota exceeded")
+
+
 def _compile(command: list[str], directory: Path, library: Path, failed: Path) -> bool:
-    """Compile into a temporary name and rename it into place, so that concurrent
-    starts and interrupted builds never load a half-written library."""
+    """Compile into a temporary name and rename it into place (after its digest), so
+    that concurrent starts and interrupted builds never load a half-written library.
+    A failing compile is recorded in `failed`, so later starts do not spend the time
+    again, unless it failed for want of space or memory, or was killed."""
     directory.mkdir(parents=True, exist_ok=True)
+    for abandoned in directory.glob(f".{_LIBRARY_NAME}.*"):  # a build killed long ago
+        if time.time() - abandoned.stat().st_mtime > _BUILD_TIMEOUT_S:
+            abandoned.unlink(missing_ok=True)
     tmp = directory / f".{_LIBRARY_NAME}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
     logger.info("building the CPU kernels into %s (once per machine)", directory)
     try:
         done = subprocess.run([*command, "-o", str(tmp)], capture_output=True, text=True,
-                              timeout=600, check=False)
+                              timeout=_BUILD_TIMEOUT_S, check=False)
     except (OSError, subprocess.SubprocessError) as exc:
         logger.warning("CPU kernels off: the compiler did not run: %s", exc)
         return False
     if done.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        passing = done.returncode < 0 or any(reason in done.stderr
+                                             for reason in _PASSING_FAILURES)
+        if passing:
+            logger.warning("CPU kernels off for now: the build failed and will be tried "
+                           "again at the next start: %s", done.stderr.strip()[-300:])
+            return False
         failed.write_text(done.stderr[-4000:])
         logger.warning("CPU kernels off: the build failed (details in %s)", failed)
-        tmp.unlink(missing_ok=True)
         return False
+    digest = _digest_file(library)
+    digest_tmp = tmp.with_name(tmp.name + ".sha256")
+    digest_tmp.write_text(hashlib.sha256(tmp.read_bytes()).hexdigest())
+    os.replace(digest_tmp, digest)
     os.replace(tmp, library)
     return True

@@ -22,3 +22,7 @@ class UnsupportedArchitectureError(ModelLoadError, ValueError):
 
 class CorruptModelError(ModelLoadError, ValueError):
     """A model file exists but cannot be parsed or does not match its config."""
+
+
+class CacheWriteError(ModelLoadError, OSError):
+    """The model's conversion cannot be written into the cache directory."""

@@ -7,7 +7,11 @@ the chat template, generation_config.json) and every later start just loads that
 directory. The key hashes the GGUF's absolute path, size and mtime plus the converter
 version, so an edited or replaced file, or a change to this converter, gets a fresh
 conversion. The directory is written under a temporary name and renamed into place, so a
-crash mid-conversion never leaves a cache that looks complete.
+crash mid-conversion never leaves a cache that looks complete. One process converts a
+file at a time, holding a lock (flock) beside the target: others starting meanwhile wait
+and then load its conversion, and whatever temporary directory is found under the lock
+was left by a process that died (a pid would not tell: containers sharing a cache have
+pid namespaces of their own).
 
 Quantized tensors are stored dequantized in float32: that is exact (their values are
 `scale * q + min` products no 16-bit type holds) and the model casts on load. Q4_1 and
@@ -18,10 +22,12 @@ quant_kernels).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import glob
 import hashlib
 import json
-import os
+import logging
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -32,8 +38,15 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from pagellm.model.errors import CorruptModelError, ModelNotFoundError, UnsupportedArchitectureError
+from pagellm.model.errors import (
+    CacheWriteError,
+    CorruptModelError,
+    ModelNotFoundError,
+    UnsupportedArchitectureError,
+)
 from pagellm.model.rotary import rope_inverse_frequencies
+
+logger = logging.getLogger(__name__)
 
 # Bump when the conversion output changes, so old caches are not reused.
 CONVERTER_VERSION = 3
@@ -107,22 +120,66 @@ def convert_gguf(gguf_path: str | Path, cache_root: str | Path) -> Path:
     target = gguf_cache_dir(source, Path(cache_root).expanduser())
     if (target / "config.json").is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    _remove_abandoned_tmp_dirs(target)
-    tmp = target.parent / f".tmp-{target.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        tmp.mkdir()
-        _write_hf_directory(source.resolve(), tmp)
-        try:
-            tmp.rename(target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-            # Another process finished the same conversion first; theirs is as good.
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with _conversion_lock(target):
+            if not (target / "config.json").is_file():  # another process may have done it
+                _convert(source, target)
+    except CacheWriteError:
+        raise
+    except OSError as error:
+        raise CacheWriteError(_cannot_write(target, error)) from error
     _remove_stale_conversions(source, target)
     return target
+
+
+@contextlib.contextmanager
+def _conversion_lock(target: Path) -> Iterator[None]:
+    """Holds the lock on converting `target`, waiting for a process that holds it."""
+    locks = target.parent.parent / "locks"  # beside gguf/, whose entries are conversions
+    locks.mkdir(exist_ok=True)
+    with open(locks / f"{target.name}.lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("another process is converting %s; waiting for it", target.name)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield  # the lock goes with the file's closing, or with the process
+
+
+def _convert(source: Path, target: Path) -> None:
+    """Writes the conversion under a temporary name and renames it into place; under the
+    lock, so anything half-written that is found was left by a process that died."""
+    for abandoned in target.parent.glob(f".tmp-{glob.escape(target.name)}-*"):
+        shutil.rmtree(abandoned, ignore_errors=True)
+    shutil.rmtree(target, ignore_errors=True)  # incomplete: it lost its config.json
+    logger.info("converting %s into %s (once; later starts load it)", source.name, target)
+    tmp = target.parent / f".tmp-{target.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.mkdir()
+        try:
+            _write_hf_directory(source.resolve(), tmp)
+        except Exception as error:
+            # safetensors reports a failed write (a full disk) as its own error type.
+            if isinstance(error, OSError) or "(os error" not in str(error):
+                raise
+            raise CacheWriteError(_cannot_write(target, error)) from error
+        # safetensors writes its files readable by their owner only; give them the mode
+        # config.json got from the umask, so a cache warmed by one user (an image built
+        # as root) can be read by another.
+        mode = (tmp / "config.json").stat().st_mode & 0o777
+        for written in tmp.rglob("*"):
+            if written.is_file():
+                written.chmod(mode)
+        tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _cannot_write(target: Path, error: BaseException) -> str:
+    return (f"cannot write the converted model into {target.parent}: {error} (it takes the "
+            "model's size in float32; free space there, or choose another cache directory "
+            "with PAGELLM_CACHE_DIR or --cache-dir)")
 
 
 def _remove_stale_conversions(source: Path, target: Path) -> None:
@@ -142,28 +199,6 @@ def _remove_stale_conversions(source: Path, target: Path) -> None:
             continue  # not a conversion of ours, or one being removed
         if converted_from == resolved:
             shutil.rmtree(other, ignore_errors=True)
-
-
-def _remove_abandoned_tmp_dirs(target: Path) -> None:
-    """Delete half-written conversions of `target` whose process died (e.g. was killed).
-
-    Their names carry the writer's pid; one whose pid is still alive may be a concurrent
-    conversion and is left alone.
-    """
-    for tmp in target.parent.glob(f".tmp-{target.name}-*"):
-        pid = tmp.name[len(f".tmp-{target.name}-") :].split("-")[0]
-        if pid.isdigit() and not _pid_alive(int(pid)):
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _write_hf_directory(source: Path, out: Path) -> None:

@@ -44,6 +44,14 @@ def num_blocks_for_budget(
             budget = min(budget, DEFAULT_MAX_POOL_BYTES)
     else:
         budget = kv_cache_memory_bytes
+        free = free_memory_bytes(device)
+        if budget > free:
+            # The pool is zero-filled at start: past free memory the process is killed
+            # (the OOM killer, with no message) or torch fails deep in an allocation.
+            raise ValueError(
+                f"kv_cache_memory_bytes (--kv-cache-memory-bytes) is {budget / 2**30:.1f} "
+                f"GiB, more than the {free / 2**30:.1f} GiB of memory free on {device} "
+                "after loading the model: give less")
     num_blocks = budget // bytes_per_block
     if num_blocks < 1:
         raise ValueError(

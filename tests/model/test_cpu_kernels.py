@@ -451,3 +451,57 @@ def test_the_build_key_follows_the_cpu_flags(monkeypatch: pytest.MonkeyPatch) ->
     assert cpu_kernels._build_key(command, "g++") != first
     assert cpu_kernels._build_key([*command, "-mno-avx512f"], "g++") != \
         cpu_kernels._build_key(command, "g++")
+
+
+def _fake_compiler(tmp_path: Path, script: str) -> list[str]:
+    """A compiler command that runs `script` (bash) with the -o path as $OUT."""
+    compiler = tmp_path / "fake-g++"
+    compiler.write_text(f'#!/bin/bash\nOUT="${{@: -1}}"\n{script}\n')
+    compiler.chmod(0o755)
+    return [str(compiler)]
+
+
+def test_a_damaged_library_is_built_again_not_loaded(tmp_path: Path) -> None:
+    """Loading a truncated library killed every start with SIGBUS and no message: the
+    library is checked against the digest written with it."""
+    command = _fake_compiler(tmp_path, 'printf "a whole library" > "$OUT"')
+    directory = tmp_path / "kernels" / "cpu-key"
+    library, failed = directory / "libpagellm_cpu_kernels.so", directory / "unsupported.txt"
+    assert cpu_kernels._compile(command, directory, library, failed)
+    assert library.read_text() == "a whole library" and cpu_kernels._intact(library)
+    library.write_text("a whole lib")  # truncated
+    assert not cpu_kernels._intact(library)
+    assert cpu_kernels._compile(command, directory, library, failed)
+    assert cpu_kernels._intact(library)
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "libpagellm_cpu_kernels.so", "libpagellm_cpu_kernels.so.sha256"]
+
+
+@pytest.mark.parametrize("stderr, recorded", [
+    ("fused_ops.cpp:1: error: 'foo' was not declared", True),
+    ("ld: final link failed: No space left on device", False),
+    ("g++: fatal error: Killed signal terminated program cc1plus", False),
+])
+def test_only_a_real_compile_error_turns_the_kernels_off_for_good(
+        tmp_path: Path, stderr: str, recorded: bool) -> None:
+    """A build that ran out of disk or memory, or was killed, is tried again at the next
+    start; one failure of any kind used to turn the kernels off for good."""
+    command = _fake_compiler(tmp_path, f'echo "{stderr}" >&2; exit 1')
+    directory = tmp_path / "kernels" / "cpu-key"
+    library, failed = directory / "libpagellm_cpu_kernels.so", directory / "unsupported.txt"
+    assert not cpu_kernels._compile(command, directory, library, failed)
+    assert failed.is_file() is recorded
+    assert not library.exists()
+
+
+def test_an_unwritable_kernel_directory_falls_back_to_torch_ops(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A read-only cache refused to start; the model now runs on torch ops, saying why."""
+    def unwritable(*args: object) -> bool:
+        raise PermissionError(13, "Permission denied", str(tmp_path / "kernels"))
+
+    monkeypatch.setattr(cpu_kernels, "_compile", unwritable)
+    monkeypatch.setattr(cpu_kernels, "_instruction_set", lambda: ("avx2", None))
+    monkeypatch.setenv("CXX", "g++")
+    assert cpu_kernels._build_and_load(tmp_path / "empty-cache" / "kernels") is False
+    assert "cannot build them into" in caplog.text and "PAGELLM_CACHE_DIR" in caplog.text

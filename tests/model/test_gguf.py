@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from pagellm.model import (
+    CacheWriteError,
     CorruptModelError,
     gguf_loader,
     load_model,
@@ -274,6 +275,79 @@ def test_abandoned_conversion_is_cleaned_up(tmp_path: Path) -> None:
     (abandoned / "model.safetensors").write_bytes(b"half written")
     assert resolve_model_path(source, tmp_path / "cache") == target
     assert sorted(p.name for p in target.parent.iterdir()) == [target.name]
+
+
+def test_under_the_lock_any_half_written_conversion_is_abandoned(tmp_path: Path) -> None:
+    """Containers sharing a cache have pid namespaces of their own, so a live pid proves
+    nothing (it removed a live conversion in another container, and kept a dead pid 1's
+    for ever): only the converting process holds the lock, so whatever it finds
+    half-written, or a conversion that lost its config.json, was left by one that died."""
+    source = tmp_path / "tiny.gguf"
+    write_tiny_gguf(source, "llama", ARCHS["llama"]())
+    target = gguf_loader.gguf_cache_dir(source, tmp_path / "cache")
+    target.mkdir(parents=True)
+    (target / "model.safetensors").write_bytes(b"no config.json beside it")
+    for pid in (1, os.getpid()):
+        (target.parent / f".tmp-{target.name}-{pid}-deadbeef").mkdir()
+    assert resolve_model_path(source, tmp_path / "cache") == target
+    assert sorted(p.name for p in target.parent.iterdir()) == [target.name]
+    assert (target / "config.json").is_file()
+    modes = {f.name: f.stat().st_mode & 0o777 for f in target.rglob("*") if f.is_file()}
+    assert len(set(modes.values())) == 1, modes  # safetensors' 0600 made readable alike
+
+
+def test_a_second_start_waits_for_the_conversion_instead_of_repeating_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    source = tmp_path / "tiny.gguf"
+    write_tiny_gguf(source, "llama", ARCHS["llama"]())
+    write = gguf_loader._write_hf_directory
+    started, release, calls = threading.Event(), threading.Event(), []
+
+    def slow_write(source: Path, out: Path) -> None:
+        calls.append(out)
+        started.set()
+        release.wait(30)
+        write(source, out)
+
+    monkeypatch.setattr(gguf_loader, "_write_hf_directory", slow_write)
+    results: list[Path] = []
+    first = threading.Thread(target=lambda: results.append(
+        resolve_model_path(source, tmp_path / "cache")))
+    first.start()
+    assert started.wait(30)
+    second = threading.Thread(target=lambda: results.append(
+        resolve_model_path(source, tmp_path / "cache")))
+    second.start()
+    second.join(0.5)
+    assert second.is_alive(), "the second start must wait for the first's conversion"
+    release.set()
+    first.join(30)
+    second.join(30)
+    assert len(calls) == 1 and len(results) == 2 and results[0] == results[1]
+
+
+def test_a_full_disk_is_a_clear_error_naming_the_cache(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    source = tmp_path / "tiny.gguf"
+    write_tiny_gguf(source, "llama", ARCHS["llama"]())
+
+    def full(*args: Any) -> None:  # as safetensors reports it
+        raise Exception("Error while serializing: I/O error: No space left on device "
+                        "(os error 28)")
+
+    monkeypatch.setattr(gguf_loader, "_write_weights", full)
+    with pytest.raises(CacheWriteError, match="No space left.*PAGELLM_CACHE_DIR"):
+        resolve_model_path(source, tmp_path / "cache")
+    assert list((tmp_path / "cache" / "gguf").iterdir()) == []
+    readonly = tmp_path / "readonly"
+    readonly.mkdir()
+    readonly.chmod(0o500)
+    if os.access(readonly, os.W_OK):  # root writes anyway
+        pytest.skip("the test runs as root")
+    with pytest.raises(CacheWriteError, match="--cache-dir"):
+        resolve_model_path(source, readonly / "cache")
 
 
 def test_truncated_gguf_is_a_clear_error(tmp_path: Path) -> None:
