@@ -47,6 +47,7 @@ from pagellm.engine.outputs import (
 )
 from pagellm.engine.structured_output import FormatMatcher, GrammarCompiler, allowed_tokens
 from pagellm.engine.text import bad_words_token_ids, encode_text
+from pagellm.model.errors import CorruptModelError
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.loader import load_model, load_tokenizer
 from pagellm.model.model_config import load_model_config
@@ -203,10 +204,17 @@ class LLMEngine:
             logger.warning("the tokenizer has %d tokens, the model's vocabulary %d: a prompt "
                            "holding one past it is refused", len(self.tokenizer),
                            self.model_config.vocab_size)
-        self.model = load_model(
-            model_path, dtype=self.dtype, device=self.device,
-            attention_backend=config.attention_backend,
-            kernel_dir=config.cache_dir / "kernels" if config.cpu_kernels else None)
+        try:
+            self.model = load_model(
+                model_path, dtype=self.dtype, device=self.device,
+                attention_backend=config.attention_backend,
+                kernel_dir=config.cache_dir / "kernels" if config.cpu_kernels else None)
+        except CorruptModelError as error:
+            if model_path.parent != config.cache_dir / "gguf":
+                raise
+            # A conversion damaged after it was written (a bad copy, a full disk).
+            raise CorruptModelError(f"{error} (in the conversion {model_path}: delete that "
+                                    "directory and start again to convert anew)") from error
         num_blocks = num_blocks_for_budget(
             self.model_config, config.block_size, self.dtype, self.device,
             config.kv_cache_memory_bytes, config.kv_cache_memory_fraction)

@@ -375,8 +375,10 @@ class LlamaForCausalLM(nn.Module):
             else:
                 continue
             names = {name for name, _ in shards.values()}
+            if len(names) != 1:  # shards in two formats (q in Q4_1, v in Q8_0): rows differ
+                continue
             raw = torch.cat([shards[i][1] for i in sorted(shards)])
-            if (len(names) != 1 or weight.is_mkldnn or weight.dtype != torch.float32
+            if (weight.is_mkldnn or weight.dtype != torch.float32
                     or raw.shape[0] != weight.shape[0]
                     or not quant_kernels.packable(*weight.shape)):
                 continue

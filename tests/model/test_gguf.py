@@ -366,3 +366,43 @@ def test_garbage_after_magic_is_a_clear_error(tmp_path: Path) -> None:
     broken.write_bytes(b"GGUF" + os.urandom(256))
     with pytest.raises(CorruptModelError, match="garbage.gguf"):
         resolve_model_path(broken, tmp_path / "cache")
+
+
+def test_a_damaged_conversion_says_which_directory_to_delete(tmp_path: Path) -> None:
+    """A converted file damaged after it was written (a bad copy, a disk that filled)
+    named neither the file nor what to do about it."""
+    from pagellm.engine.config import EngineConfig
+    from pagellm.engine.llm_engine import LLMEngine
+
+    source = tmp_path / "tiny.gguf"
+    write_tiny_gguf(source, "llama", ARCHS["llama"]())
+    config = EngineConfig(model=str(source), cache_dir=tmp_path / "cache",
+                          skip_tokenizer_init=True, kv_cache_memory_bytes=1 << 20,
+                          cpu_kernels=False)
+    LLMEngine(config)
+    converted = resolve_model_path(source, tmp_path / "cache")
+    weights = converted / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(CorruptModelError, match="delete that directory") as raised:
+        LLMEngine(config)
+    assert str(converted) in str(raised.value)
+
+
+def test_a_projection_whose_shards_mix_formats_loads_with_the_kernels(tmp_path: Path) -> None:
+    """q in Q8_0 and k in Q4_1 (or gate and up) have rows of different byte widths: the
+    kernels' loader concatenated them before seeing the formats differ, and the model
+    failed to load ("Sizes of tensors must match"); such a projection stays on float32."""
+    from pagellm.engine.config import default_cache_dir
+    from pagellm.model import cpu_kernels
+
+    kernels = default_cache_dir() / "kernels"
+    if not cpu_kernels.load(kernels):
+        pytest.skip("the CPU kernels cannot be built or run on this machine")
+    source = tmp_path / "tiny.gguf"
+    write_tiny_gguf(source, "llama", ARCHS["llama"]())
+    converted = resolve_model_path(source, tmp_path / "cache")
+    with_kernels = load_model(converted, kernel_dir=kernels)
+    plain = load_model(converted)
+    for (name, ours), (_, theirs) in zip(with_kernels.state_dict().items(),
+                                         plain.state_dict().items(), strict=True):
+        assert torch.equal(ours, theirs), name
