@@ -529,6 +529,10 @@ def test_server_options_reach_the_server_settings(monkeypatch: pytest.MonkeyPatc
     assert server_settings(build_parser().parse_args(["serve"]), 0.0, "x").api_key == [
         "from-vllm"]
     monkeypatch.delenv("VLLM_API_KEY")
+    monkeypatch.setenv("PAGELLM_ADMIN_API_KEY", "from-env")  # kept out of `ps`
+    assert server_settings(build_parser().parse_args(["serve"]), 0.0,
+                           "x").admin_api_key == ["from-env"]
+    monkeypatch.delenv("PAGELLM_ADMIN_API_KEY")
     parser = build_parser()
     assert server_settings(parser.parse_args(["serve", "--api-key", "k1", "k2"]), 0.0,
                            "x").api_key == ["k1", "k2"]

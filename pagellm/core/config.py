@@ -29,9 +29,9 @@ class SchedulerConfig:
     preempted (taken back out of the step if it was already scheduled in it); running
     requests keep admission order for the step's budget, as in vLLM.
     `long_prefill_token_threshold` (vLLM's; 0: off) caps the tokens one request computes
-    in a step: a long prompt's prefill then takes that much of each step's budget, and
-    the rest admits and serves the requests arriving meanwhile, instead of the whole
-    budget going to it for the whole prefill.
+    in a step while it is not alone: a long prompt's prefill then takes that much of each
+    step's budget, and the rest admits and serves the requests arriving meanwhile,
+    instead of the whole budget going to it for the whole prefill.
     """
 
     max_model_len: int
@@ -51,6 +51,9 @@ class SchedulerConfig:
         if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be an integer >= 0 (0: off), "
                              f"got {threshold!r}")
+        if threshold > self.max_model_len:
+            raise ValueError(f"long_prefill_token_threshold ({threshold}) cannot be greater "
+                             f"than max_model_len ({self.max_model_len})")
         if self.policy not in get_args(SchedulingPolicy):
             raise ValueError(f"policy must be one of {', '.join(get_args(SchedulingPolicy))}, "
                              f"got {self.policy!r}")

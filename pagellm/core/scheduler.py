@@ -67,6 +67,7 @@ class Scheduler:
         self._siblings: dict[str, list[Request]] = {}
         self._pending_copies: list[BlockCopy] = []
         self.num_preemptions = 0
+        self._chunk_cap = 0  # this step's long_prefill_token_threshold (see schedule)
         # The longest sequence one request may reach: the model's limit, and never more
         # than the whole pool, so a request alone in the engine always fits.
         self.max_seq_len = min(config.max_model_len,
@@ -99,6 +100,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        # vLLM's rule: a request alone starves nobody, so it takes the whole budget.
+        self._chunk_cap = (self.config.long_prefill_token_threshold
+                           if len(self.requests) > 1 else 0)
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
         copies, self._pending_copies = self._pending_copies, []
@@ -134,8 +138,7 @@ class Scheduler:
     def _chunk(self, num_left: int) -> int:
         """The tokens a request may compute this step, of the `num_left` it has left,
         before the step's budget (see long_prefill_token_threshold)."""
-        cap = self.config.long_prefill_token_threshold
-        return min(num_left, cap) if cap else num_left
+        return min(num_left, self._chunk_cap) if self._chunk_cap else num_left
 
     def _preemption_victim(self) -> Request:
         """The running request to preempt when blocks run out: the last admitted, or

@@ -326,11 +326,15 @@ class _EngineLoop:
                                                   reset_running_requests))
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Also called on the engine thread itself, when the garbage collector finalizes
+        a dropped `AsyncLLMEngine` there (a reference cycle): the stop is then queued, and
+        the thread ends after its current command instead of waiting for itself."""
         self._formats.shutdown(wait=False, cancel_futures=True)
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+        if self._thread.is_alive():
             with contextlib.suppress(EngineDeadError):  # already stopping or stopped
                 self._submit(self._stop)
-            self._thread.join(timeout)
+            if threading.current_thread() is not self._thread:
+                self._thread.join(timeout)
 
     # ---- the thread -------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -234,44 +234,82 @@ def _tool_calls(index: int, calls: list[dict[str, Any]]) -> list[dict[str, Any]]
     return parsed
 
 
+class _GenerationTag(jinja2.ext.Extension):
+    """Hugging Face's `{% generation %}` block (it marks the assistant's tokens for
+    training), read as its body, so that templates using it can be parsed here."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+def _unwrapped(node: jinja2.nodes.Node) -> jinja2.nodes.Node:
+    """The value under filters, tests and slices (`messages[1:] | reverse`)."""
+    while isinstance(node, (jinja2.nodes.Filter, jinja2.nodes.Test)) or (
+            isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice)):
+        if node.node is None:
+            break
+        node = node.node
+    return node
+
+
 @functools.lru_cache(maxsize=32)
 def loops_over_content(template: str) -> bool:
     """Whether a chat template loops over a message's content (`{% for part in
     message['content'] %}`, directly, through a variable set to it, or through a macro's
     parameter): such a template wants OpenAI's list of parts, and iterating a string
-    would render its characters (vLLM's "auto" detection)."""
+    would render its characters (vLLM's "auto" detection). A message is an item of
+    `messages` (or of a variable set from it, `loop_messages = messages[1:]`), or one
+    indexed from it; another object's `content` (a document's) does not count."""
     try:
-        tree = jinja2.Environment(extensions=[jinja2.ext.loopcontrols]).parse(template)
+        tree = jinja2.Environment(extensions=[jinja2.ext.loopcontrols, _GenerationTag]).parse(
+            template)
     except jinja2.TemplateSyntaxError:
         return False
 
+    def named(node: jinja2.nodes.Node, names: set[str]) -> bool:
+        return isinstance(node, jinja2.nodes.Name) and node.name in names
+
+    lists = {"messages"}
+    for assign in tree.find_all(jinja2.nodes.Assign):  # in template order
+        if isinstance(assign.target, jinja2.nodes.Name) and named(_unwrapped(assign.node), lists):
+            lists.add(assign.target.name)
+    messages = {loop.target.name for loop in tree.find_all(jinja2.nodes.For)
+                if isinstance(loop.target, jinja2.nodes.Name)
+                and named(_unwrapped(loop.iter), lists)}
+
+    def is_message(node: jinja2.nodes.Node) -> bool:
+        return named(node, messages) or (isinstance(node, jinja2.nodes.Getitem)
+                                         and named(_unwrapped(node.node), lists))
+
     def is_content(node: jinja2.nodes.Node) -> bool:
-        while isinstance(node, (jinja2.nodes.Filter, jinja2.nodes.Test)) or (
-                isinstance(node, jinja2.nodes.Getitem)
-                and isinstance(node.arg, jinja2.nodes.Slice)):
-            if node.node is None:
-                return False
-            node = node.node
-        return ((isinstance(node, jinja2.nodes.Getattr) and node.attr == "content")
+        node = _unwrapped(node)
+        return ((isinstance(node, jinja2.nodes.Getattr) and node.attr == "content"
+                 and is_message(node.node))
                 or (isinstance(node, jinja2.nodes.Getitem)
                     and isinstance(node.arg, jinja2.nodes.Const)
-                    and node.arg.value == "content"))
+                    and node.arg.value == "content" and is_message(node.node)))
 
+    # Macro parameters that receive a message, then names that hold its content: `{% set
+    # c = message.content %}`, and macro parameters that receive that.
     macros = {macro.name: [arg.name for arg in macro.args]
               for macro in tree.find_all(jinja2.nodes.Macro)}
-    # Names that hold a message's content: `{% set c = message.content %}`, and macro
-    # parameters that receive it.
-    content_names = {assign.target.name for assign in tree.find_all(jinja2.nodes.Assign)
-                     if isinstance(assign.target, jinja2.nodes.Name) and is_content(assign.node)}
-    for call in tree.find_all(jinja2.nodes.Call):
-        if isinstance(call.node, jinja2.nodes.Name) and call.node.name in macros:
-            params = macros[call.node.name]
-            content_names.update(params[i] for i, arg in enumerate(call.args)
-                                 if i < len(params) and is_content(arg))
-            content_names.update(kwarg.key for kwarg in call.kwargs
-                                 if is_content(kwarg.value))
-    return any(is_content(loop.iter) or (isinstance(loop.iter, jinja2.nodes.Name)
-                                         and loop.iter.name in content_names)
+    calls = [(macros[call.node.name], call) for call in tree.find_all(jinja2.nodes.Call)
+             if isinstance(call.node, jinja2.nodes.Name) and call.node.name in macros]
+
+    def receiving(test: Callable[[jinja2.nodes.Node], bool]) -> set[str]:
+        return {*(params[i] for params, call in calls for i, arg in enumerate(call.args)
+                  if i < len(params) and test(arg)),
+                *(kwarg.key for _, call in calls for kwarg in call.kwargs if test(kwarg.value))}
+
+    messages |= receiving(is_message)
+    contents = {assign.target.name for assign in tree.find_all(jinja2.nodes.Assign)
+                if isinstance(assign.target, jinja2.nodes.Name) and is_content(assign.node)}
+    contents |= receiving(is_content)
+    return any(is_content(loop.iter) or named(_unwrapped(loop.iter), contents)
                for loop in tree.find_all(jinja2.nodes.For))
 
 

@@ -168,10 +168,10 @@ def uses_cuda_graphs(device: torch.device, config: EngineConfig,
             and model.attn_backend.supports_graph_decode())
 
 
-
 def token_text(tokenizer: Any, token_id: int) -> str:
     """One token's own text, as logprob entries give it."""
     return str(tokenizer.decode([token_id]))
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:

@@ -69,7 +69,8 @@ class Logprob(Mapping[int, TokenLogprob]):
 
     def __getstate__(self) -> dict[str, object]:
         """Pickled and deep-copied (Ray, multiprocessing queues) with its entries' texts,
-        not with the engine's decoder, which holds a tokenizer that cannot be pickled."""
+        not with the engine's decoder: a copy of every output would carry the whole
+        tokenizer along."""
         state = dict(self.__dict__)
         if self.decode is not None and not isinstance(self.decode, _Texts):
             state["decode"] = _Texts({token_id: self.decode(token_id) for token_id in self})

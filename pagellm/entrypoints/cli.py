@@ -27,7 +27,7 @@ from pagellm.entrypoints.config_file import with_config_file
 from pagellm.entrypoints.engine_args import EngineArgs, unrecognized
 from pagellm.entrypoints.sampling_args import sampling_params_from_args
 from pagellm.logger import LOG_FORMAT
-from pagellm.model import cpu_kernels, gguf_loader
+from pagellm.model import cpu_kernels, file_lock, gguf_loader
 
 
 def _option_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
@@ -128,8 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command != "serve":
         # A first start converts the model and builds the kernels (up to a minute and
         # more): say so, rather than leave the other commands silent that long.
-        for first_start in (gguf_loader.__name__, cpu_kernels.__name__):
-            logging.getLogger(first_start).setLevel(logging.INFO)
+        for first_start in (gguf_loader.logger, file_lock.logger, cpu_kernels.build_logger):
+            first_start.setLevel(logging.INFO)
     try:
         if args.command == "serve":
             serve.take_model_tag(args)

@@ -51,11 +51,13 @@ def add_parser(subparsers: Any) -> None:
                             "requests and the endpoints that show or change the cache or "
                             "the template, for one of these keys (default: "
                             "$PAGELLM_API_KEY, else vLLM's $VLLM_API_KEY, else no key)")
-    group.add_argument("--admin-api-key", nargs="+", metavar="KEY", default=None,
+    admin_key = os.environ.get("PAGELLM_ADMIN_API_KEY")
+    group.add_argument("--admin-api-key", nargs="+", metavar="KEY",
+                       default=[admin_key] if admin_key else None,
                        help="require one of these keys instead on the prefix cache's event "
                             "stream and reset (/kv_cache_events, /reset_prefix_cache), "
                             "which concern every tenant: --api-key's keys then do not "
-                            "open them")
+                            "open them (default: $PAGELLM_ADMIN_API_KEY, else none)")
     group.add_argument("--max-request-bytes", type=byte_size, default="8MiB", metavar="SIZE",
                        help="largest request body accepted, larger gets 413 "
                             "(default: %(default)s)")

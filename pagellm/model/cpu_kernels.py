@@ -19,13 +19,16 @@ import platform
 import shutil
 import subprocess
 import threading
-import time
 import uuid
 from pathlib import Path
 
 import torch
 
+from pagellm.model import file_lock
+
 logger = logging.getLogger(__name__)
+# The one-time build's own line, which the commands that log only warnings still show.
+build_logger = logging.getLogger(f"{__name__}.build")
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = tuple(_CSRC / name
@@ -77,8 +80,11 @@ def _build_and_load(build_root: Path) -> bool:
                        "again)", failed)
         return False
     try:
-        if not _intact(library) and not _compile(command, directory, library, failed):
-            return False
+        with file_lock.exclusive(build_root / "locks" / f"{directory.name}.lock",
+                                 "building the CPU kernels") as locked:
+            if failed.is_file() or (not _intact(library) and not _compile(
+                    command, directory, library, failed, locked)):
+                return False  # (a build that failed while this one waited said why)
     except OSError as exc:  # a read-only or full cache directory
         logger.warning("CPU kernels off: cannot build them into %s: %s (a writable cache "
                        "directory: PAGELLM_CACHE_DIR or --cache-dir)", directory, exc)
@@ -187,17 +193,19 @@ _PASSING_FAILURES = ("No space left on device", "Killed signal", "Cannot allocat
                      "virtual memory exhausted", "Disk quota exceeded")
 
 
-def _compile(command: list[str], directory: Path, library: Path, failed: Path) -> bool:
+def _compile(command: list[str], directory: Path, library: Path, failed: Path,
+             locked: bool = True) -> bool:
     """Compile into a temporary name and rename it into place (after its digest), so
-    that concurrent starts and interrupted builds never load a half-written library.
+    that interrupted builds never leave a half-written library; called holding the lock,
+    so one start builds while the others wait.
     A failing compile is recorded in `failed`, so later starts do not spend the time
     again, unless it failed for want of space or memory, or was killed."""
     directory.mkdir(parents=True, exist_ok=True)
-    for abandoned in directory.glob(f".{_LIBRARY_NAME}.*"):  # a build killed long ago
-        if time.time() - abandoned.stat().st_mtime > _BUILD_TIMEOUT_S:
+    if locked:  # no other build runs: these were left by one that was killed
+        for abandoned in directory.glob(f".{_LIBRARY_NAME}.*"):
             abandoned.unlink(missing_ok=True)
     tmp = directory / f".{_LIBRARY_NAME}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-    logger.info("building the CPU kernels into %s (once per machine)", directory)
+    build_logger.info("building the CPU kernels into %s (once per machine)", directory)
     try:
         done = subprocess.run([*command, "-o", str(tmp)], capture_output=True, text=True,
                               timeout=_BUILD_TIMEOUT_S, check=False)

@@ -7,11 +7,8 @@ the chat template, generation_config.json) and every later start just loads that
 directory. The key hashes the GGUF's absolute path, size and mtime plus the converter
 version, so an edited or replaced file, or a change to this converter, gets a fresh
 conversion. The directory is written under a temporary name and renamed into place, so a
-crash mid-conversion never leaves a cache that looks complete. One process converts a
-file at a time, holding a lock (flock) beside the target: others starting meanwhile wait
-and then load its conversion, and whatever temporary directory is found under the lock
-was left by a process that died (a pid would not tell: containers sharing a cache have
-pid namespaces of their own).
+crash mid-conversion never leaves a cache that looks complete; one process converts a
+file at a time (see file_lock), so others starting meanwhile wait and load its work.
 
 Quantized tensors are stored dequantized in float32: that is exact (their values are
 `scale * q + min` products no 16-bit type holds) and the model casts on load. Q4_1 and
@@ -22,8 +19,6 @@ quant_kernels).
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import glob
 import hashlib
 import json
@@ -38,6 +33,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from pagellm.model import file_lock
 from pagellm.model.errors import (
     CacheWriteError,
     CorruptModelError,
@@ -122,9 +118,11 @@ def convert_gguf(gguf_path: str | Path, cache_root: str | Path) -> Path:
         return target
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        with _conversion_lock(target):
+        # Locks live beside gguf/, whose entries are conversions.
+        with file_lock.exclusive(target.parent.parent / "locks" / f"{target.name}.lock",
+                                 f"converting {source.name}") as locked:
             if not (target / "config.json").is_file():  # another process may have done it
-                _convert(source, target)
+                _convert(source, target, locked)
     except CacheWriteError:
         raise
     except OSError as error:
@@ -133,26 +131,13 @@ def convert_gguf(gguf_path: str | Path, cache_root: str | Path) -> Path:
     return target
 
 
-@contextlib.contextmanager
-def _conversion_lock(target: Path) -> Iterator[None]:
-    """Holds the lock on converting `target`, waiting for a process that holds it."""
-    locks = target.parent.parent / "locks"  # beside gguf/, whose entries are conversions
-    locks.mkdir(exist_ok=True)
-    with open(locks / f"{target.name}.lock", "a") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            logger.info("another process is converting %s; waiting for it", target.name)
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        yield  # the lock goes with the file's closing, or with the process
-
-
-def _convert(source: Path, target: Path) -> None:
-    """Writes the conversion under a temporary name and renames it into place; under the
-    lock, so anything half-written that is found was left by a process that died."""
-    for abandoned in target.parent.glob(f".tmp-{glob.escape(target.name)}-*"):
-        shutil.rmtree(abandoned, ignore_errors=True)
-    shutil.rmtree(target, ignore_errors=True)  # incomplete: it lost its config.json
+def _convert(source: Path, target: Path, locked: bool) -> None:
+    """Writes the conversion under a temporary name and renames it into place. Holding
+    the lock, anything half-written that it finds was left by a process that died."""
+    if locked:
+        for abandoned in target.parent.glob(f".tmp-{glob.escape(target.name)}-*"):
+            shutil.rmtree(abandoned, ignore_errors=True)
+        shutil.rmtree(target, ignore_errors=True)  # incomplete: it lost its config.json
     logger.info("converting %s into %s (once; later starts load it)", source.name, target)
     tmp = target.parent / f".tmp-{target.name}-{uuid.uuid4().hex[:8]}"
     try:
@@ -171,7 +156,12 @@ def _convert(source: Path, target: Path) -> None:
         for written in tmp.rglob("*"):
             if written.is_file():
                 written.chmod(mode)
-        tmp.rename(target)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+            # Unlocked (see file_lock), another process finished first: as good.
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

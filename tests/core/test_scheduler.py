@@ -224,9 +224,9 @@ def test_a_long_prefill_leaves_room_for_requests_arriving_meanwhile() -> None:
     13 s under load)."""
     capped = Driver(max_num_batched_tokens=16, long_prefill_token_threshold=6)
     (long,) = capped.add("long", prompt_of(3, 60), max_tokens=2)
-    first = capped.step()
+    first = capped.step()  # alone, it starves nobody: the whole budget, as in vLLM
     assert [(s.request.request_id, s.num_new_tokens) for s in first.scheduled] == [
-        ("long", 6)]
+        ("long", 16)]
     capped.add("short", prompt_of(4, 9), max_tokens=3)
     out = capped.step()
     assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [
@@ -243,6 +243,8 @@ def test_a_long_prefill_leaves_room_for_requests_arriving_meanwhile() -> None:
     assert [s.request.request_id for s in whole.step().scheduled] == ["long"]
     with pytest.raises(ValueError, match="long_prefill_token_threshold"):
         SchedulerConfig(max_model_len=64, long_prefill_token_threshold=-1)
+    with pytest.raises(ValueError, match="cannot be greater than max_model_len"):
+        SchedulerConfig(max_model_len=64, long_prefill_token_threshold=65)
 
 
 def test_decode_is_one_token_per_step() -> None:

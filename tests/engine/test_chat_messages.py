@@ -61,6 +61,15 @@ PARTS_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{% for part in m['conten
      "{{ p['text'] }}{% endfor %}{% endfor %}", True),
     ("{% for m in messages %}{% set content = m['content'] | trim %}{{ content }}"
      "{% for m2 in messages %}{% endfor %}{% endfor %}", False),
+    ("{% set loop_messages = messages[1:] %}{% for m in loop_messages %}"
+     "{% for p in m.content %}{{ p.text }}{% endfor %}{% endfor %}", True),
+    ("{% for p in messages[-1]['content'] %}{{ p.text }}{% endfor %}", True),
+    ("{% macro show(m) %}{% for p in m.content %}{{ p.text }}{% endfor %}{% endmacro %}"
+     "{% for m in messages %}{{ show(m) }}{% endfor %}", True),
+    ("{% for m in messages %}{% generation %}{% for p in m['content'] %}{{ p.text }}"
+     "{% endfor %}{% endgeneration %}{% endfor %}", True),  # HF's training tag
+    ("{% for d in documents %}{% for x in d.content %}{{ x }}{% endfor %}{% endfor %}"
+     "{% for m in messages %}{{ m.content }}{% endfor %}", False),  # not a message's
     ("{% for m in messages %}{% for line in m['content'].split('\\n') %}{{ line }}"
      "{% endfor %}{% endfor %}", False),
     ("{% for m in messages %}{{ m['content'] }", False),  # not Jinja: rendering will say so

@@ -489,6 +489,17 @@ def test_an_engine_dropped_without_shutdown_stops_its_thread(llm_engine: LLMEngi
     assert not llm_engine.has_unfinished_requests()
 
 
+def test_a_shutdown_on_the_engine_thread_stops_it_without_waiting_for_itself(
+        llm_engine: LLMEngine) -> None:
+    """The garbage collector finalizes a dropped engine held in a reference cycle on
+    whichever thread collects, often the engine's own: the stop must still happen."""
+    engine = AsyncLLMEngine(lambda: llm_engine)
+    loop = engine._loop
+    loop._submit(loop.shutdown)
+    loop._thread.join(10)
+    assert not loop._thread.is_alive() and not engine.is_running
+
+
 def test_exiting_mid_request_stops_the_engine_first(tmp_path: Path) -> None:
     """At exit the interpreter killed the engine thread inside a torch kernel, which
     aborted the process ("terminate called without an active exception", exit 134);

@@ -138,7 +138,12 @@ def test_a_continuation_inherits_the_salt_its_turns_are_cached_under(
                                     extra_body={"cache_salt": "tenant-harbour"})
     forgot = client.responses.create(model=MODEL_NAME, max_output_tokens=2, temperature=0,
                                      input="And at dusk?", previous_response_id=first.id)
-    assert forgot.usage is not None and forgot.usage.input_tokens_details.cached_tokens > 0
+    assert forgot.usage is not None and first.usage is not None
+    # The whole first prompt's blocks, not only the unsalted default system block that
+    # other tests have cached.
+    first_blocks = first.usage.input_tokens // 16 * 16
+    assert first_blocks >= 32
+    assert forgot.usage.input_tokens_details.cached_tokens >= first_blocks
     other = client.responses.create(model=MODEL_NAME, max_output_tokens=2, temperature=0,
                                        input="And at dusk?", previous_response_id=first.id,
                                        extra_body={"cache_salt": "another-tenant"})
@@ -430,6 +435,11 @@ def test_logprobs_when_included(client: openai.OpenAI) -> None:
     ({"input": "x", "include": ["foo.bar"]}, 400, "include[0]"),
     ({"input": "x", "text": {"format": {"type": "json_object"}},
       "structured_outputs": {"regex": "a+"}}, 400, "text.format"),
+    # Found first while fitting the conversation, and still in the Responses terms.
+    ({"input": "x", "truncation": "auto", "reasoning": {"effort": "huge"}}, 400,
+     "reasoning.effort"),
+    ({"input": [{"role": "user", "content": "a"}, {"role": "system", "content": 7}],
+      "truncation": "auto"}, 400, "input[1].content"),
 ])
 def test_bad_requests_name_the_responses_field(server: Server, body: dict[str, Any],
                                                status: int, param: str) -> None:

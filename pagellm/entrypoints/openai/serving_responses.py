@@ -93,11 +93,11 @@ async def create_response(context: ServerContext, store: ResponseStore,
         raise bad_request("input has no message to answer (reasoning items are dropped)",
                           param="input")
     response_id = f"resp_{uuid.uuid4().hex}"
-    if body.truncation == "auto":
-        # Before the request starts: one that fits with a cut budget would start, and
-        # a longer history would then get a longer answer than a shorter one.
-        conversation = await _fitting(context, body, conversation) or conversation
     try:
+        if body.truncation == "auto":
+            # Before the request starts: one that fits with a cut budget would start,
+            # and a longer history would then get a longer answer than a shorter one.
+            conversation = await _fitting(context, body, conversation) or conversation
         run = await start_chat(context, chat_request(body, conversation), arrival, response_id)
     except APIError as error:
         raise renamed(error, body, conversation) from error
