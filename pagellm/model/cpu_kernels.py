@@ -80,6 +80,8 @@ def _build_and_load(build_root: Path) -> bool:
                        "again)", failed)
         return False
     try:
+        if _intact(library, quiet=True):  # built: a read-only cache needs no lock to load it
+            return _load(library)
         with file_lock.exclusive(build_root / "locks" / f"{directory.name}.lock",
                                  "building the CPU kernels") as locked:
             if failed.is_file() or (not _intact(library) and not _compile(
@@ -89,12 +91,7 @@ def _build_and_load(build_root: Path) -> bool:
         logger.warning("CPU kernels off: cannot build them into %s: %s (a writable cache "
                        "directory: PAGELLM_CACHE_DIR or --cache-dir)", directory, exc)
         return False
-    try:
-        torch.ops.load_library(str(library))  # type: ignore[no-untyped-call]
-    except (OSError, RuntimeError) as exc:
-        logger.warning("CPU kernels off: cannot load %s: %s", library, exc)
-        return False
-    return True
+    return _load(library)
 
 
 def _instruction_set() -> tuple[str, str | None]:
@@ -167,14 +164,24 @@ def _compiler_version(compiler: str) -> str:
     return done.stdout
 
 
+def _load(library: Path) -> bool:
+    try:
+        torch.ops.load_library(str(library))  # type: ignore[no-untyped-call]
+    except (OSError, RuntimeError) as exc:
+        logger.warning("CPU kernels off: cannot load %s: %s", library, exc)
+        return False
+    return True
+
+
 def _digest_file(library: Path) -> Path:
     return library.with_name(library.name + ".sha256")
 
 
-def _intact(library: Path) -> bool:
+def _intact(library: Path, quiet: bool = False) -> bool:
     """Whether the built library is there whole: loading a damaged one (truncated by a
     full disk or a copy) kills the process with SIGBUS, so it is checked against the
-    digest written with it, and built again if it does not match."""
+    digest written with it, and built again if it does not match (said unless
+    `quiet`)."""
     if not library.is_file():
         return False
     try:
@@ -183,14 +190,16 @@ def _intact(library: Path) -> bool:
         recorded = ""
     if recorded == hashlib.sha256(library.read_bytes()).hexdigest():
         return True
-    logger.warning("the CPU kernels in %s do not match their digest (damaged, or built by "
-                   "an older PageLLM); building them again", library.parent)
+    if not quiet:
+            logger.warning("the CPU kernels in %s do not match their digest (damaged, or "
+                       "built by an older PageLLM); building them again", library.parent)
     return False
 
 
 # A build that failed for these reasons may succeed next time: it is not recorded.
-_PASSING_FAILURES = ("No space left on device", "Killed signal", "Cannot allocate memory",
-                     "virtual memory exhausted", "Disk quota exceeded")
+_PASSING_FAILURES = ("No space left on device", "Disk quota exceeded",
+                     "Cannot allocate memory", "virtual memory exhausted",
+                     "signal terminated program", "terminated with signal")
 
 
 def _compile(command: list[str], directory: Path, library: Path, failed: Path,
@@ -221,7 +230,8 @@ def _compile(command: list[str], directory: Path, library: Path, failed: Path,
                            "again at the next start: %s", done.stderr.strip()[-300:])
             return False
         failed.write_text(done.stderr[-4000:])
-        logger.warning("CPU kernels off: the build failed (details in %s)", failed)
+        logger.warning("CPU kernels off: the build failed (details in %s; delete it to "
+                       "try again)", failed)
         return False
     digest = _digest_file(library)
     digest_tmp = tmp.with_name(tmp.name + ".sha256")

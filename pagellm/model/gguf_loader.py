@@ -167,28 +167,33 @@ def _convert(source: Path, target: Path, locked: bool) -> None:
 
 
 def _cannot_write(target: Path, error: BaseException) -> str:
-    return (f"cannot write the converted model into {target.parent}: {error} (it takes the "
-            "model's size in float32; free space there, or choose another cache directory "
-            "with PAGELLM_CACHE_DIR or --cache-dir)")
+    return (f"cannot write the converted model into {target.parent}: {error} (converting "
+            "takes the model's size in float32 there: give it room and write access, or "
+            "choose another cache directory with PAGELLM_CACHE_DIR or --cache-dir)")
 
 
 def _remove_stale_conversions(source: Path, target: Path) -> None:
-    """Delete earlier conversions of the same file (changed since, or converted by an
-    older converter): nothing will ask for them again, and each is the model's size in
-    float32, so replacing a GGUF a few times would otherwise fill the disk. `source` is
+    """Delete older conversions of the same file (changed since, or converted by an
+    older converter): each is the model's size in float32, so replacing a GGUF a few
+    times would otherwise fill the disk. The newest other one is kept: two installs that
+    share a cache (containers of two images, whose GGUF has one path but two mtimes)
+    would otherwise delete each other's at every start and convert again. `source` is
     the path as given: conversions are named after it (a link's name, not its target's)
     and record the file it resolves to."""
     resolved = str(source.resolve())
+    others = []
     for other in target.parent.glob(f"{glob.escape(source.stem)}-*"):
         if other == target:
             continue
         try:
-            converted_from = json.loads((other / "config.json").read_text()).get(
-                "pagellm_gguf_source")
+            config = other / "config.json"
+            converted_from = json.loads(config.read_text()).get("pagellm_gguf_source")
+            if converted_from == resolved:
+                others.append((config.stat().st_mtime, other))
         except (OSError, ValueError, AttributeError):
             continue  # not a conversion of ours, or one being removed
-        if converted_from == resolved:
-            shutil.rmtree(other, ignore_errors=True)
+    for _, stale in sorted(others, reverse=True)[1:]:
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def _write_hf_directory(source: Path, out: Path) -> None:

@@ -481,6 +481,8 @@ def test_a_damaged_library_is_built_again_not_loaded(tmp_path: Path) -> None:
     ("fused_ops.cpp:1: error: 'foo' was not declared", True),
     ("ld: final link failed: No space left on device", False),
     ("g++: fatal error: Killed signal terminated program cc1plus", False),
+    ("g++: fatal error: Terminated signal terminated program cc1plus", False),
+    ("collect2: fatal error: ld terminated with signal 9 [Killed]", False),
 ])
 def test_only_a_real_compile_error_turns_the_kernels_off_for_good(
         tmp_path: Path, stderr: str, recorded: bool) -> None:
@@ -505,3 +507,26 @@ def test_an_unwritable_kernel_directory_falls_back_to_torch_ops(
     monkeypatch.setenv("CXX", "g++")
     assert cpu_kernels._build_and_load(tmp_path / "empty-cache" / "kernels") is False
     assert "cannot build them into" in caplog.text and "PAGELLM_CACHE_DIR" in caplog.text
+
+
+def test_built_kernels_load_from_a_cache_that_cannot_be_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache warmed as root and read by another user (or mounted read-only) must load
+    its kernels: taking the build lock first (it opens a file there) turned them off."""
+    monkeypatch.setattr(cpu_kernels, "_instruction_set", lambda: ("avx2", None))
+    monkeypatch.setenv("CXX", str(tmp_path / "fake-g++"))
+    command = cpu_kernels._compile_command(str(tmp_path / "fake-g++"), "avx2")
+    root = tmp_path / "cache" / "kernels"
+    directory = root / f"cpu-{cpu_kernels._build_key(command, str(tmp_path / 'fake-g++'))}"
+    library = directory / "libpagellm_cpu_kernels.so"
+    assert cpu_kernels._compile(_fake_compiler(tmp_path, 'printf "built" > "$OUT"'),
+                                directory, library, directory / "unsupported.txt")
+
+    def unwritable(*args: object) -> object:
+        raise PermissionError(13, "Permission denied", str(root / "locks"))
+
+    loaded: list[Path] = []
+    monkeypatch.setattr(cpu_kernels.file_lock, "exclusive", unwritable)
+    monkeypatch.setattr(cpu_kernels, "_load", lambda path: loaded.append(path) or True)
+    assert cpu_kernels._build_and_load(root) is True
+    assert loaded == [library]

@@ -226,14 +226,21 @@ def test_conversion_is_cached_by_file_identity(tmp_path: Path) -> None:
     os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     second = resolve_model_path(source, tmp_path / "cache")
     assert second != first and (second / "config.json").is_file()
-    # The conversion of the file as it was is gone (each is the model in float32); one of
-    # another file of the same name stays.
+    # The newest other conversion of the file stays (two installs sharing a cache, whose
+    # GGUF has one path and two mtimes, would otherwise convert again at every start);
+    # older ones go (each is the model in float32).
+    assert first.exists()
+    os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 2 * 10**9))
+    latest = resolve_model_path(source, tmp_path / "cache")
+    assert latest not in (first, second) and second.exists() and not first.exists()
+    assert resolve_model_path(source, tmp_path / "cache") == latest
+    # One of another file of the same name stays.
     other = tmp_path / "elsewhere" / "tiny.gguf"
     other.parent.mkdir()
     other.write_bytes(source.read_bytes())
     third = resolve_model_path(other, tmp_path / "cache")
     assert sorted(p.name for p in (tmp_path / "cache" / "gguf").iterdir()) == sorted(
-        [second.name, third.name])
+        [second.name, latest.name, third.name])
     # A link (the Hugging Face cache's snapshots are links to blobs) is named as given.
     link = tmp_path / "linked.gguf"
     link.symlink_to(other)
@@ -241,7 +248,10 @@ def test_conversion_is_cached_by_file_identity(tmp_path: Path) -> None:
     stat = other.stat()
     os.utime(other, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     relinked = resolve_model_path(link, tmp_path / "cache")
-    assert relinked != linked and not linked.exists()
+    assert relinked != linked and linked.exists()
+    os.utime(other, ns=(stat.st_atime_ns, stat.st_mtime_ns + 2 * 10**9))
+    assert resolve_model_path(link, tmp_path / "cache") not in (linked, relinked)
+    assert relinked.exists() and not linked.exists()
 
 
 def test_failed_conversion_leaves_no_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
