@@ -191,7 +191,7 @@ def _intact(library: Path, quiet: bool = False) -> bool:
     if recorded == hashlib.sha256(library.read_bytes()).hexdigest():
         return True
     if not quiet:
-            logger.warning("the CPU kernels in %s do not match their digest (damaged, or "
+        logger.warning("the CPU kernels in %s do not match their digest (damaged, or "
                        "built by an older PageLLM); building them again", library.parent)
     return False
 
