@@ -53,8 +53,7 @@ class StrictModel(BaseModel):
     def _null_is_not_given(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        ignored = data.keys() - cls.model_fields.keys()
-        if ignored:
+        if logger.isEnabledFor(logging.DEBUG) and (ignored := data.keys() - cls.model_fields.keys()):
             logger.debug("The following fields were present in the request but ignored: %s",
                          sorted(map(str, ignored)))
         return {key: value for key, value in data.items()
