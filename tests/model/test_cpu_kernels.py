@@ -454,9 +454,12 @@ def test_the_build_key_follows_the_cpu_flags(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def _fake_compiler(tmp_path: Path, script: str) -> list[str]:
-    """A compiler command that runs `script` (bash) with the -o path as $OUT."""
+    """A compiler command that runs `script` (bash) with the -o path as $OUT. Asked for
+    its version, it only answers: its script once wrote to a file named `--version` in
+    the working directory."""
     compiler = tmp_path / "fake-g++"
-    compiler.write_text(f'#!/bin/bash\nOUT="${{@: -1}}"\n{script}\n')
+    compiler.write_text('#!/bin/bash\n[ "$1" = --version ] && echo "fake-g++ 1" && exit 0\n'
+                        f'OUT="${{@: -1}}"\n{script}\n')
     compiler.chmod(0o755)
     return [str(compiler)]
 
@@ -515,12 +518,12 @@ def test_built_kernels_load_from_a_cache_that_cannot_be_written(
     its kernels: taking the build lock first (it opens a file there) turned them off."""
     monkeypatch.setattr(cpu_kernels, "_instruction_set", lambda: ("avx2", None))
     monkeypatch.setenv("CXX", str(tmp_path / "fake-g++"))
+    fake = _fake_compiler(tmp_path, 'printf "built" > "$OUT"')
     command = cpu_kernels._compile_command(str(tmp_path / "fake-g++"), "avx2")
     root = tmp_path / "cache" / "kernels"
     directory = root / f"cpu-{cpu_kernels._build_key(command, str(tmp_path / 'fake-g++'))}"
     library = directory / "libpagellm_cpu_kernels.so"
-    assert cpu_kernels._compile(_fake_compiler(tmp_path, 'printf "built" > "$OUT"'),
-                                directory, library, directory / "unsupported.txt")
+    assert cpu_kernels._compile(fake, directory, library, directory / "unsupported.txt")
 
     def unwritable(*args: object) -> object:
         raise PermissionError(13, "Permission denied", str(root / "locks"))
