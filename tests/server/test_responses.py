@@ -222,6 +222,22 @@ def test_input_items_become_the_conversation(client: openai.OpenAI) -> None:
                                              tool_choice="none")
 
 
+def test_a_replayed_refusal_part_is_the_assistants_text(client: openai.OpenAI) -> None:
+    """OpenAI's output messages may hold refusal parts, and SDKs send their history back
+    as it came: such a part was a 400; it is text, as chat (and vLLM) read it."""
+    items: list[Any] = [
+        {"role": "user", "content": [{"type": "input_text", "text": "Hello"}]},
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "refusal", "refusal": "I can't."}]},
+        {"role": "user", "content": "Why?"}]
+    response = client.responses.create(model=MODEL_NAME, input=items, max_output_tokens=8,
+                                       temperature=0)
+    conversation = [{"role": "user", "content": "Hello"},
+                    {"role": "assistant", "content": "I can't."},
+                    {"role": "user", "content": "Why?"}]
+    assert response.output_text == chat_text(client, conversation, 8)
+
+
 def test_stream_events_say_what_the_whole_response_says(client: openai.OpenAI) -> None:
     kwargs: dict[str, Any] = dict(model=MODEL_NAME, input="Tell me about the sea.",
                                   max_output_tokens=10, temperature=0)
@@ -389,6 +405,7 @@ def test_logprobs_when_included(client: openai.OpenAI) -> None:
 
 
 @pytest.mark.parametrize(("body", "status", "param"), [
+    ({"input": "Hi", "text": {"verbosity": "ultra"}}, 400, "text.verbosity"),
     ({"input": [{"type": "input_image"}]}, 400, "input[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      400, "input[0].content[0]"),

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pagellm.core.sampling_params import MAX_LOGPROBS
-from pagellm.engine.chat_template import json_object
+from pagellm.engine.chat_template import TEXT_PARTS, json_object
 from pagellm.entrypoints.openai.chat_bridge import (
     Conversation,
     as_chat_request,
@@ -30,8 +30,9 @@ from pagellm.entrypoints.openai.serving import refuse_set
 
 # The include entry that asks for the output text's logprobs.
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-_TEXT_PARTS = ("input_text", "output_text", "text")
 _ROLES = ("user", "system", "developer", "assistant")
+# OpenAI's values of text.verbosity (accepted and echoed: a template has no such knob).
+_VERBOSITIES = (None, "low", "medium", "high")
 # Known Responses options this server cannot honour, refused rather than ignored.
 _REFUSED = {"background": "background responses are not supported; ask with stream to "
                           "read the answer as it is generated",
@@ -141,6 +142,10 @@ def check_options(body: ResponsesRequest) -> None:
         if entry not in _INCLUDES:
             raise bad_request(f"include[{index}] {entry!r} is not one of "
                               f"{', '.join(sorted(_INCLUDES))}", param=f"include[{index}]")
+    verbosity = (body.text or {}).get("verbosity")
+    if verbosity not in _VERBOSITIES:
+        raise bad_request(f"text.verbosity must be one of {', '.join(_VERBOSITIES[1:])}, "
+                          f"got {verbosity!r}", param="text.verbosity")
 
 
 def wants_logprobs(body: ResponsesRequest) -> bool:
@@ -150,9 +155,9 @@ def wants_logprobs(body: ResponsesRequest) -> bool:
 
 
 def _text_content(content: Any, where: str) -> str | list[dict[str, str]]:
-    """Text as chat takes it: a string, or the text parts (input_text, output_text) as
-    chat text parts; a missing text or any other part is a 400 naming it (`where` is the
-    field, `input[2].content`)."""
+    """Text as chat takes it: a string, or the text parts (input_text, output_text, and
+    the refusal parts of OpenAI's own replayed output) as chat text parts; a missing text
+    or any other part is a 400 naming it (`where` is the field, `input[2].content`)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list) or not content:
@@ -161,11 +166,11 @@ def _text_content(content: Any, where: str) -> str | list[dict[str, str]]:
     parts = []
     for index, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS:
+        if kind not in TEXT_PARTS:
             raise bad_request(f"{where}[{index}] is a {kind!r} part; only text parts "
-                              "(input_text, output_text) are supported",
+                              "(input_text, output_text, refusal) are supported",
                               param=f"{where}[{index}]")
-        parts.append({"type": "text", "text": required_string(part, "text",
+        parts.append({"type": "text", "text": required_string(part, TEXT_PARTS[kind],
                                                               f"{where}[{index}]")})
     return parts
 
