@@ -94,6 +94,9 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         ensure_visible_logging()
         self._lock = threading.RLock()
+        # The requests the current (or an interrupted) call added, by id, to their prompt's
+        # position (see `_run`).
+        self._started: dict[str, int] = {}
         self.llm_engine = LLMEngine(EngineConfig(model=model,
                                                  **engine_config_kwargs(kwargs, "LLM()")))
 
@@ -297,8 +300,11 @@ class LLM:
              priorities: list[int], use_tqdm: ProgressOption, cache_salt: str | None,
              raise_errors: bool) -> list[RequestOutput]:
         engine = self.llm_engine
+        # A call interrupted again while it aborted its requests (a second Ctrl-C) left
+        # some running, and this call would run them to the end before its own.
+        engine.abort_request(list(self._started))
         results: list[RequestOutput | None] = [None] * len(prompts)
-        positions: dict[str, int] = {}
+        positions = self._started = {}
         progress = use_tqdm if callable(use_tqdm) else tqdm
         bar = progress(total=len(prompts), desc="Generating", unit="req",
                        disable=not use_tqdm, leave=False)
@@ -325,10 +331,10 @@ class LLM:
                         results[positions[output.request_id]] = output
                         bar.update(1)
         finally:
+            engine.abort_request([request_id for request_id, index in positions.items()
+                                  if results[index] is None])
+            self._started = {}
             bar.close()
-            for request_id, index in positions.items():
-                if results[index] is None:
-                    engine.abort_request(request_id)
         unfinished = [index for index, result in enumerate(results) if result is None]
         if unfinished:  # aborted behind generate's back, through llm_engine
             raise RuntimeError(f"prompts {unfinished} ended without an output")

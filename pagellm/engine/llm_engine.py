@@ -58,6 +58,7 @@ from pagellm.worker.kv_cache import KVCache, num_blocks_for_budget
 from pagellm.worker.model_runner import ModelRunner
 from pagellm.worker.sampler import BadWords, SamplingMetadata, TokenLogprobs, make_generator
 from pagellm.worker.thread_tuner import ThreadTuner
+from pagellm.worker.torch_threads import set_threads, users_threads
 
 logger = logging.getLogger(__name__)
 
@@ -177,10 +178,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         start = time.perf_counter()
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        torch.manual_seed(config.seed)
+        set_threads(config.num_threads or users_threads())
         self.device = resolve_device(config.device)
+        # Requests without a seed draw from this, seeded once: the same engine setup
+        # samples the same, and the user's torch.manual_seed is left alone.
+        self.generator = make_generator(config.seed, self.device)
         assert config.cache_dir is not None
         model_path = resolve_model_path(config.model, config.cache_dir)
         # The model as given (a path or hub id), else the local directory loaded: what a
@@ -614,6 +616,7 @@ class LLMEngine:
                     eos_token_ids=sorted(self.eos_token_ids),
                     bad_words=bad_words if any(bad_words) else None,
                     format_tokens=self._format_tokens(samples),
+                    generator=self.generator,
                     device=self.device,
                 )
             copies = [(c.src, c.dst) for c in scheduled.block_copies]

@@ -122,7 +122,9 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
-    token_times: list[float] = field(default_factory=list)
+    # One entry per generated token: left out of the repr, which a notebook shows whole
+    # (a 2,000-token answer's repr was 34 KB of timestamps).
+    token_times: list[float] = field(default_factory=list, repr=False)
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -19,6 +19,7 @@ from pagellm.worker.sampler import (
     score_tokens,
 )
 from pagellm.worker.thread_tuner import ThreadTuner
+from pagellm.worker.torch_threads import set_threads
 
 
 @dataclass
@@ -66,8 +67,7 @@ class ModelRunner:
         tuner = self.thread_tuner
         assert tuner is not None
         threads = tuner.threads_for(decode_rows) if decode_rows else tuner.max_threads
-        if threads != torch.get_num_threads():
-            torch.set_num_threads(threads)
+        set_threads(threads)
         return threads
 
     @torch.inference_mode()

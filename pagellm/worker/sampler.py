@@ -81,6 +81,9 @@ class SamplingMetadata:
     - greedy_rows / random_rows (int64): row indices of each kind.
     - top_k[N] (int64, 0 = off), top_p[N] (float32, 1 = off), min_p[N] (float32, 0 = off).
     - generators: position in random_rows -> that seeded request's generator.
+    - generator: the engine's own, for every unseeded random row (None: torch's global
+      one). The engine keeps its own so that it neither resets the user's torch random
+      stream nor has its draws moved by the user's torch code.
     - penalty_rows[P] (int64): rows with any penalty; the three penalty tensors are [P].
     - prompt_tokens / output_tokens: (position in penalty_rows, token id) pairs; prompt
       tokens are listed only for rows with a repetition penalty, the only one using them.
@@ -101,6 +104,7 @@ class SamplingMetadata:
     top_p: torch.Tensor | None
     min_p: torch.Tensor | None
     generators: dict[int, torch.Generator]
+    generator: torch.Generator | None
     penalty_rows: torch.Tensor | None
     repetition_penalty: torch.Tensor | None
     presence_penalty: torch.Tensor | None
@@ -132,6 +136,7 @@ class SamplingMetadata:
         eos_token_ids: Sequence[int] = (),
         bad_words: Sequence[BadWords | None] | None = None,
         format_tokens: tuple[Sequence[int], torch.Tensor] | None = None,
+        generator: torch.Generator | None = None,
         device: torch.device | str = "cpu",
     ) -> SamplingMetadata:
         """Builds the metadata of one step; row i of the logits belongs to request i.
@@ -144,6 +149,7 @@ class SamplingMetadata:
         `bad_words[i]` is what request i must not generate (the engine tokenizes its
         `bad_words`); None when no request has any. `format_tokens` is (rows, [rows,
         vocab] bool): the tokens structured output allows each of those rows next.
+        `generator` draws for the rows without a seed.
         """
         num_rows = len(params)
         if not (len(prompt_token_ids) == len(output_token_ids) == len(generators) == num_rows):
@@ -187,12 +193,12 @@ class SamplingMetadata:
                 top_p.append(p.top_p)
                 min_p.append(p.min_p)
                 if p.seed is not None:
-                    generator = generators[row]
-                    if generator is None:
+                    own = generators[row]
+                    if own is None:
                         raise ValueError(
                             f"row {row} has seed={p.seed} but no generator: keep one "
                             "make_generator(seed) per request across steps")
-                    seeded_generators[len(random_rows) - 1] = generator
+                    seeded_generators[len(random_rows) - 1] = own
             if p.has_penalties:
                 penalty_rows.append(row)
             if p.allowed_token_ids is not None:
@@ -241,6 +247,7 @@ class SamplingMetadata:
             top_p=floats(top_p) if any(p < 1.0 for p in top_p) else None,
             min_p=floats(min_p) if any(p > 0.0 for p in min_p) else None,
             generators=seeded_generators,
+            generator=generator,
             penalty_rows=longs(penalty_rows) if penalty_rows else None,
             repetition_penalty=repetition,
             presence_penalty=presence,
@@ -377,7 +384,7 @@ def _sample_random(logits: torch.Tensor, rows: torch.Tensor, md: SamplingMetadat
     probs = logits.softmax(dim=-1)
     race = torch.empty_like(probs)
     if len(md.generators) < race.shape[0]:
-        race.exponential_()
+        race.exponential_(generator=md.generator)
     for position, generator in md.generators.items():
         race[position].exponential_(generator=generator)
     # A zero draw would turn a masked token's 0/0 into NaN, which argmax would pick.

@@ -349,3 +349,71 @@ def test_outputs_with_logprobs_pickle_and_do_not_keep_the_engine() -> None:
     gc.collect()
     assert engine() is None
     assert output.outputs[0].logprobs[0][output.outputs[0].token_ids[0]].decoded_token
+
+
+def test_a_second_ctrl_c_during_cleanup_leaves_nothing_for_the_next_call(
+        default_llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C pressed twice in a notebook: the second landed while `generate` aborted the
+    requests the first one cut short, some kept running, and the next call silently ran
+    them to their 500 tokens first (97 s for a 0.5 s call)."""
+    engine = default_llm.llm_engine
+    steps, aborts = engine.step, engine.abort_request
+    calls = {"steps": 0, "aborts": 0}
+
+    def step() -> Any:
+        calls["steps"] += 1
+        if calls["steps"] == 3:
+            raise KeyboardInterrupt  # the first Ctrl-C, mid-run
+        return steps()
+
+    def abort(request_ids: Any) -> Any:
+        calls["aborts"] += 1
+        if calls["aborts"] == 2:
+            raise KeyboardInterrupt  # the second, in the cleanup's abort
+        return aborts(request_ids)
+
+    monkeypatch.setattr(engine, "step", step)
+    monkeypatch.setattr(engine, "abort_request", abort)
+    long = SamplingParams(max_tokens=500, ignore_eos=True, temperature=0)
+    with pytest.raises(KeyboardInterrupt):
+        default_llm.generate([f"Story {i} about a dragon" for i in range(6)], long,
+                             use_tqdm=False)
+    assert engine.get_num_unfinished_requests() == 6
+    monkeypatch.undo()
+    short = SamplingParams(max_tokens=4, temperature=0)
+    expected = default_llm.generate("Hi", short, use_tqdm=False)[0].outputs[0].token_ids
+    assert engine.get_num_unfinished_requests() == 0
+    assert default_llm.generate("Hi", short, use_tqdm=False)[0].outputs[0].token_ids == expected
+    assert_idle(engine)
+
+
+def test_an_outputs_repr_leaves_out_the_per_token_times() -> None:
+    """A notebook shows an output's whole repr: one timestamp per token made a 2,000-token
+    answer's 34 KB longer. The times stay readable as an attribute."""
+    from pagellm.engine.outputs import RequestMetrics
+
+    metrics = RequestMetrics(arrival_time=1.0, first_token_time=2.0,
+                             token_times=[2.0 + i / 1000 for i in range(2000)])
+    assert "token_times" not in repr(metrics) and "first_token_time=2.0" in repr(metrics)
+    assert len(metrics.token_times) == 2000
+
+
+def test_the_engine_keeps_its_random_stream_to_itself(tiny: Any) -> None:
+    """Building an `LLM` reset the user's torch random stream (torch.manual_seed), and
+    the user's torch draws moved the engine's unseeded sampling. Each engine now draws
+    from its own generator, seeded with `seed`."""
+    import torch
+
+    torch.manual_seed(123)
+    expected = torch.rand(4)
+    torch.manual_seed(123)
+    llm = LLM(str(tiny), skip_tokenizer_init=True, kv_cache_memory_bytes=4 << 20)
+    assert torch.equal(torch.rand(4), expected)
+    sampled = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    prompts: Any = [{"prompt_token_ids": [5, 6, 7]}] * 4
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, sampled, use_tqdm=False)]
+    torch.rand(1000)  # the user's own draws between the engines' calls
+    again = LLM(str(tiny), skip_tokenizer_init=True, kv_cache_memory_bytes=4 << 20)
+    assert [o.outputs[0].token_ids for o in again.generate(prompts, sampled,
+                                                           use_tqdm=False)] == first
+    assert len({tuple(tokens) for tokens in first}) > 1  # they do sample

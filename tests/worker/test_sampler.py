@@ -477,3 +477,21 @@ def test_a_row_under_a_format_and_allowed_ids_keeps_both_when_bad_words_empty_it
     out = run(logits, params, outputs=[[9], [9]], bad_words=[[[9, 2], [9, 3]], []],
               formats={0: [2, 3, 7], 1: [7, 8]})
     assert out.sampled_token_ids == [3, 7]
+
+
+def test_unseeded_rows_draw_from_the_engines_generator() -> None:
+    """The engine passes its own generator for rows without a seed: their draws follow
+    it, whatever torch's global stream does, and a seeded neighbour keeps its own."""
+    logits = torch.zeros(3, 1000)
+    params = [SamplingParams(), SamplingParams(seed=5), SamplingParams()]
+
+    def draws(global_seed: int) -> list[int]:
+        torch.manual_seed(global_seed)
+        md = SamplingMetadata.from_requests(params, [[0]] * 3, [[]] * 3,
+                                            [None, make_generator(5), None],
+                                            generator=make_generator(11))
+        return sample(logits, md).sampled_token_ids
+
+    assert draws(1) == draws(2)
+    assert draws(1)[1] == run(logits[:1], [params[1]],
+                              generators=[make_generator(5)]).sampled_token_ids[0]
