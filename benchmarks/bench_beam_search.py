@@ -151,10 +151,9 @@ def _run_vllm(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, A
 
 
 def _default_dir() -> str:
-    from pagellm.engine.config import default_cache_dir
-    from pagellm.model.resolve import resolve_model_path
+    from pagellm.model.resolve import resolve_cache_dir, resolve_model_path
 
-    return str(resolve_model_path(None, default_cache_dir()))
+    return str(resolve_model_path(None, resolve_cache_dir()))
 
 
 if __name__ == "__main__":

@@ -37,9 +37,11 @@ from pagellm.bench.suite import (  # noqa: E402
     run_comparison,
 )
 from pagellm.bench.workloads import build_workload  # noqa: E402
-from pagellm.engine.config import default_cache_dir  # noqa: E402
 from pagellm.model.loader import load_tokenizer  # noqa: E402
-from pagellm.model.resolve import resolve_model_path  # noqa: E402
+from pagellm.model.resolve import (
+    resolve_cache_dir,  # noqa: E402
+    resolve_model_path,  # noqa: E402
+)
 
 HERE = Path(__file__).resolve().parent
 ONLINE = (PAGELLM, PAGELLM_NOCACHE, VLLM, VLLM_NOCACHE)
@@ -135,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         check_output_dir(out)
     except ValueError as error:
         parser.error(str(error))
-    model_dir = resolve_model_path(None, default_cache_dir())
+    model_dir = resolve_model_path(None, resolve_cache_dir())
     tokenizer = load_tokenizer(model_dir)
     engine_kwargs = {"num_threads": args.num_threads} if args.num_threads else {}
     comparisons = []

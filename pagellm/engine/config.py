@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, get_args
 from pagellm.core.block_hash import HashAlgorithm
 from pagellm.core.config import SchedulingPolicy
 from pagellm.core.sampling_params import GENERATION_SAMPLING_KEYS
+from pagellm.model.resolve import resolve_cache_dir
 
 if TYPE_CHECKING:
     import torch
@@ -98,12 +99,6 @@ def vllm_only_hints(names: list[str], spell: Callable[[str], str] = str) -> list
     each name written by `spell` (the command line's `--flag`, say)."""
     return [f"{spell(name)} is vLLM's: {VLLM_ONLY_OPTIONS[name]}" for name in names
             if name in VLLM_ONLY_OPTIONS]
-
-
-def default_cache_dir() -> Path:
-    """Where converted models live: $PAGELLM_CACHE_DIR, else ~/.cache/pagellm."""
-    env = os.environ.get("PAGELLM_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "pagellm"
 
 
 def default_device(name: str | None = None) -> str:
@@ -273,5 +268,5 @@ class EngineConfig:
                              "default; it takes " + ", ".join(GENERATION_SAMPLING_KEYS)
                              + hint)
         if self.cache_dir is None:
-            self.cache_dir = default_cache_dir()
+            self.cache_dir = resolve_cache_dir()
         self.cache_dir = Path(self.cache_dir).expanduser()

@@ -9,11 +9,14 @@ traceback. bench builds its own engines (one per contender) from its own options
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pagellm
@@ -102,7 +105,9 @@ def _start(args: argparse.Namespace, config: EngineConfig, chat_template: str | 
             engine = AsyncLLMEngine(build)
         except KeyboardInterrupt:
             # The build goes on in its thread, inside torch; an interpreter shutdown around
-            # it can abort the process, so leave at once with the usual status.
+            # it can abort the process, so leave at once with the usual status (and
+            # without the compiler the build may have started).
+            cpu_kernels.stop_builds()
             sys.stderr.flush()
             os._exit(130)
         return engine, engine.engine
@@ -142,19 +147,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as error:
         print(f"pagellm: {error}", file=sys.stderr)
         return 1
+    with _terminate_as_interrupt():
+        try:
+            engine, inner = _start(args, config, template)
+        except (ValueError, OSError) as error:
+            print(f"pagellm: cannot start the engine: {error}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            return 130
+        print(f"PageLLM engine ready in {inner.startup_seconds:.2f} s "
+              f"({time.perf_counter() - launch_time:.2f} s since launch)", file=sys.stderr)
+        try:
+            return run(engine)
+        except KeyboardInterrupt:
+            return 130
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM (what Kubernetes and docker stop send) stops the command as Ctrl-C does,
+    while the model loads too (as vLLM's server does): a process that is a container's
+    PID 1 ignores a signal it has no handler for, so a pod deleted during a cold start
+    loaded on until it was killed. The server's own handlers take over once it serves."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt("terminated")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
     try:
-        engine, inner = _start(args, config, template)
-    except (ValueError, OSError) as error:
-        print(f"pagellm: cannot start the engine: {error}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    print(f"PageLLM engine ready in {inner.startup_seconds:.2f} s "
-          f"({time.perf_counter() - launch_time:.2f} s since launch)", file=sys.stderr)
-    try:
-        return run(engine)
-    except KeyboardInterrupt:
-        return 130
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

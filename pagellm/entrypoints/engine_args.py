@@ -152,7 +152,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="attention implementation (default: the best for the device)")
     group.add_argument("--cache-dir", type=Path, default=_DEFAULTS["cache_dir"], metavar="DIR",
                        help="where converted models are cached (default: $PAGELLM_CACHE_DIR "
-                            "or ~/.cache/pagellm)")
+                            "or $XDG_CACHE_HOME/pagellm, ~/.cache/pagellm)")
     group.add_argument("--seed", type=int, default=_DEFAULTS["seed"], metavar="N",
                        help="global random seed (default: %(default)s)")
     group.add_argument("--num-threads", type=int, default=_DEFAULTS["num_threads"], metavar="N",

@@ -17,6 +17,7 @@ import logging
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import threading
 import uuid
@@ -38,6 +39,9 @@ _HEADERS = (_CSRC / "parallel.h", _CSRC / "simd.h", _CSRC / "vec_math.h")
 _LIBRARY_NAME = "libpagellm_cpu_kernels.so"
 
 _BUILD_TIMEOUT_S = 600
+# The compilers running now (see _run_compiler).
+_builds: set[subprocess.Popen[str]] = set()
+_builds_lock = threading.Lock()
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet in this process
 
@@ -202,6 +206,43 @@ _PASSING_FAILURES = ("No space left on device", "Disk quota exceeded",
                      "signal terminated program", "terminated with signal")
 
 
+def _run_compiler(command: list[str]) -> subprocess.CompletedProcess[str]:
+    """Runs the compiler in a process group of its own, which goes whole (the driver and
+    the cc1plus it starts) when the build is interrupted or times out, or when
+    `stop_builds` is called: killing the driver alone left its compiler running for a
+    minute after a pod was deleted mid-start."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    with _builds_lock:
+        _builds.add(process)
+    try:
+        stdout, stderr = process.communicate(timeout=_BUILD_TIMEOUT_S)
+    except BaseException:
+        _stop(process)
+        raise
+    finally:
+        with _builds_lock:
+            _builds.discard(process)
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def _stop(process: subprocess.Popen[str]) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    process.wait()
+
+
+def stop_builds() -> None:
+    """Stops every compiler running for this process (its build thread is left to fail):
+    for a process about to exit at once, whose threads will not unwind."""
+    with _builds_lock:
+        running = list(_builds)
+    for process in running:
+        _stop(process)
+
+
 def _compile(command: list[str], directory: Path, library: Path, failed: Path,
              locked: bool = True) -> bool:
     """Compile into a temporary name and rename it into place (after its digest), so
@@ -216,11 +257,13 @@ def _compile(command: list[str], directory: Path, library: Path, failed: Path,
     tmp = directory / f".{_LIBRARY_NAME}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
     build_logger.info("building the CPU kernels into %s (once per machine)", directory)
     try:
-        done = subprocess.run([*command, "-o", str(tmp)], capture_output=True, text=True,
-                              timeout=_BUILD_TIMEOUT_S, check=False)
+        done = _run_compiler([*command, "-o", str(tmp)])
     except (OSError, subprocess.SubprocessError) as exc:
         logger.warning("CPU kernels off: the compiler did not run: %s", exc)
         return False
+    except BaseException:  # Ctrl-C, SIGTERM: the compiler has been stopped
+        tmp.unlink(missing_ok=True)
+        raise
     if done.returncode != 0:
         tmp.unlink(missing_ok=True)
         passing = done.returncode < 0 or any(reason in done.stderr

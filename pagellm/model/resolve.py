@@ -26,9 +26,13 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def resolve_cache_dir(cache_dir: str | Path | None = None) -> Path:
-    """The cache root: the given directory, or ~/.cache/pagellm."""
+    """The cache root: the given directory, else $PAGELLM_CACHE_DIR, else pagellm/ in the
+    user's cache directory ($XDG_CACHE_HOME, else ~/.cache), where vLLM keeps its own: a
+    container whose home cannot be written sets XDG_CACHE_HOME for every tool at once."""
     if cache_dir is None:
-        return Path.home() / ".cache" / "pagellm"
+        xdg = os.environ.get("XDG_CACHE_HOME", "")
+        base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
+        cache_dir = os.environ.get("PAGELLM_CACHE_DIR") or base / "pagellm"
     return Path(cache_dir).expanduser()
 
 

@@ -14,12 +14,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
-    from pagellm.engine.config import default_cache_dir
     from pagellm.model.errors import ModelNotFoundError
-    from pagellm.model.resolve import resolve_model_path
+    from pagellm.model.resolve import resolve_cache_dir, resolve_model_path
 
     try:
-        return resolve_model_path(None, default_cache_dir())
+        return resolve_model_path(None, resolve_cache_dir())
     except ModelNotFoundError as error:
         pytest.skip(f"default model not installed: {error}")
 

@@ -88,10 +88,9 @@ def assert_idle(engine: Any) -> None:
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
-    from pagellm.engine.config import default_cache_dir
-    from pagellm.model.resolve import resolve_model_path
+    from pagellm.model.resolve import resolve_cache_dir, resolve_model_path
 
-    return resolve_model_path(None, default_cache_dir())
+    return resolve_model_path(None, resolve_cache_dir())
 
 
 @pytest.fixture(scope="session")

@@ -24,8 +24,8 @@ from transformers import (
     Qwen3Config,
 )
 
-from pagellm.engine.config import default_cache_dir
 from pagellm.model import ATTENTION_BACKENDS, cpu_kernels, load_model
+from pagellm.model.resolve import resolve_cache_dir
 
 ATOL = 1e-4
 SMALL = dict(
@@ -116,7 +116,7 @@ def reference(
 def sim(request: pytest.FixtureRequest, reference: Reference) -> PagedSim:
     kernel_dir = None
     if request.param == KERNELS:
-        kernel_dir = default_cache_dir() / "kernels"
+        kernel_dir = resolve_cache_dir() / "kernels"
         if not cpu_kernels.load(kernel_dir):
             pytest.skip("the CPU kernels cannot be built or run on this machine")
     model = load_model(reference.path, "float32", "cpu",

@@ -16,7 +16,6 @@ import pytest
 import torch
 from paged_sim import build_metadata
 
-from pagellm.engine.config import default_cache_dir
 from pagellm.model import attention, cpu_kernels
 from pagellm.model.attention import (
     ATTENTION_BACKENDS,
@@ -28,6 +27,7 @@ from pagellm.model.attention import (
     batched,
     get_attention_backend,
 )
+from pagellm.model.resolve import resolve_cache_dir
 
 BACKENDS = sorted(ATTENTION_BACKENDS)
 # The batched backend with the compiled CPU kernels (decode groups read the cache in place).
@@ -35,7 +35,7 @@ KERNELS = "torch_batched+cpu_kernels"
 
 
 def kernels_loaded() -> bool:
-    return cpu_kernels.load(default_cache_dir() / "kernels")
+    return cpu_kernels.load(resolve_cache_dir() / "kernels")
 
 
 def dense_attention(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,6 @@ import torch
 from gguf import GGMLQuantizationType, quants
 from paged_sim import PagedSim
 
-from pagellm.engine.config import default_cache_dir
 from pagellm.model import (
     CorruptModelError,
     LlamaForCausalLM,
@@ -30,6 +30,7 @@ from pagellm.model.gguf_loader import BLOCKS_FILE, QUANTIZED_DIR
 from pagellm.model.layers import GatedMLP, Linear, RMSNorm
 from pagellm.model.loader import iter_quantized_blocks, iter_safetensors, safetensors_files
 from pagellm.model.model_config import ModelConfig
+from pagellm.model.resolve import resolve_cache_dir
 from pagellm.model.rotary import apply_rotary
 
 FORMATS = sorted(qk.FORMATS)
@@ -48,7 +49,7 @@ def _blocks(fmt: str, out_features: int, in_features: int,
 
 @pytest.fixture(scope="module")
 def kernels() -> bool:
-    if not cpu_kernels.load(default_cache_dir() / "kernels"):
+    if not cpu_kernels.load(resolve_cache_dir() / "kernels"):
         pytest.skip("the quantized kernels cannot be built or run on this machine")
     return True
 
@@ -211,14 +212,14 @@ def test_linear_with_blocks_takes_the_kernel_for_every_batch(kernels: bool) -> N
 
 @pytest.fixture(scope="module")
 def converted() -> Path:
-    return resolve_model_path(None, default_cache_dir())
+    return resolve_model_path(None, resolve_cache_dir())
 
 
 @pytest.mark.slow
 def test_default_model_gets_its_blocks(kernels: bool, converted: Path) -> None:
     formats = {fmt for _, fmt, _ in iter_quantized_blocks(converted / QUANTIZED_DIR / BLOCKS_FILE)}
     assert formats == {"Q4_1", "Q8_0"}  # the layers, and the tied embedding / head
-    model = load_model(converted, "float32", "cpu", kernel_dir=default_cache_dir() / "kernels")
+    model = load_model(converted, "float32", "cpu", kernel_dir=resolve_cache_dir() / "kernels")
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     mlps = [m for m in model.modules() if isinstance(m, GatedMLP)]
     # gate_up's blocks move to its MLP's gated kernel.
@@ -533,3 +534,27 @@ def test_built_kernels_load_from_a_cache_that_cannot_be_written(
     monkeypatch.setattr(cpu_kernels, "_load", lambda path: loaded.append(path) or True)
     assert cpu_kernels._build_and_load(root) is True
     assert loaded == [library]
+
+
+def test_an_interrupted_build_stops_the_compiler_and_its_children(tmp_path: Path) -> None:
+    """Ctrl-C during `pagellm generate`'s first start killed the compiler driver alone;
+    the compiler it had started ran on for a minute."""
+    import signal
+    import threading
+
+    pids = tmp_path / "pids"
+    command = _fake_compiler(tmp_path, f'sleep 120 & echo $! >> {pids}\nwait')
+    directory = tmp_path / "kernels" / "cpu-key"
+    library = directory / "libpagellm_cpu_kernels.so"
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        cpu_kernels._compile(command, directory, library, directory / "unsupported.txt")
+    timer.join()
+    child = int(pids.read_text())
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child}").exists() and "Z" not in Path(
+            f"/proc/{child}/stat").read_text().split()[2]:
+        assert time.monotonic() < deadline, "the compiler's child still runs"
+        time.sleep(0.05)
+    assert not list(directory.glob(f".{library.name}.*")), "a temporary library was left"

@@ -17,7 +17,6 @@ import torch
 from paged_sim import PagedSim
 from safetensors.torch import load_file
 
-from pagellm.engine.config import default_cache_dir
 from pagellm.model import (
     default_model_file,
     load_model,
@@ -25,6 +24,7 @@ from pagellm.model import (
     load_tokenizer,
     resolve_model_path,
 )
+from pagellm.model.resolve import resolve_cache_dir
 
 pytestmark = pytest.mark.slow
 
@@ -122,7 +122,7 @@ def test_greedy_logits_match_transformers(
     blocks (where this machine can build them; else both runs are the same)."""
     expected_logits, expected_tokens = hf_greedy
     model = load_model(converted, "float32", "cpu", attention_backend=backend,
-                       kernel_dir=default_cache_dir() / "kernels" if kernels else None)
+                       kernel_dir=resolve_cache_dir() / "kernels" if kernels else None)
     sim = PagedSim(model, num_blocks=64, block_size=16)
     got = sim.step([("chat", chat_ids)])[-1]
     assert (got - expected_logits).abs().max().item() < 2e-3

@@ -481,11 +481,10 @@ def test_logit_bias_forces_and_forbids_tokens(client: openai.OpenAI) -> None:
     first = client.completions.create(prompt=[28], echo=True, max_tokens=1, model=MODEL_NAME)
     assert forced.tokens[0] == first.choices[0].text[: len(forced.tokens[0])]
     # Forbidding the greedy first token changes it (the sampler sees the biased logits).
-    from pagellm.engine.config import default_cache_dir
     from pagellm.model.loader import load_tokenizer
-    from pagellm.model.resolve import resolve_model_path
+    from pagellm.model.resolve import resolve_cache_dir, resolve_model_path
 
-    tokenizer = load_tokenizer(resolve_model_path(None, default_cache_dir()))
+    tokenizer = load_tokenizer(resolve_model_path(None, resolve_cache_dir()))
     (first_id,) = tokenizer.encode(plain.tokens[0], add_special_tokens=False)
     # -1e9 is clamped to -100, as vLLM's server does.
     forbidden = client.completions.create(logit_bias={str(first_id): -1e9},
@@ -516,16 +515,15 @@ def test_bad_words_and_allowed_token_ids(client: openai.OpenAI) -> None:
 
 def test_continue_final_message_continues_the_assistant(client: openai.OpenAI) -> None:
     from pagellm.engine.chat_template import ChatOptions, render_chat
-    from pagellm.engine.config import default_cache_dir
     from pagellm.model.loader import load_tokenizer
-    from pagellm.model.resolve import resolve_model_path
+    from pagellm.model.resolve import resolve_cache_dir, resolve_model_path
 
     messages = [{"role": "user", "content": "What is 2 + 2?"},
                 {"role": "assistant", "content": "The answer is"}]
     result = client.chat.completions.create(
         model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0,
         extra_body={"continue_final_message": True, "add_generation_prompt": False})
-    tokenizer = load_tokenizer(resolve_model_path(None, default_cache_dir()))
+    tokenizer = load_tokenizer(resolve_model_path(None, resolve_cache_dir()))
     ids = render_chat(tokenizer, messages, ChatOptions(add_generation_prompt=False,
                                                        continue_final_message=True))
     assert tokenizer.decode(ids).endswith("<|im_start|>assistant\nThe answer is")

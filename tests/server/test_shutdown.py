@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
+from pagellm.model import cpu_kernels
+from pagellm.model.resolve import resolve_cache_dir, resolve_model_path
 from tests.server.conftest import MODEL_NAME, Server, start_server
 from tests.server.test_kv_events import Follower
 
@@ -126,3 +132,35 @@ def test_kv_cache_event_followers_do_not_hold_up_a_shutdown(
     finally:
         follower.close()
         server.stop()
+
+
+def test_sigterm_while_the_model_loads_stops_the_start_and_its_compiler(
+        tmp_path: Path) -> None:
+    """A pod deleted during a cold start: SIGTERM went unanswered by a container's PID 1
+    (no handler yet), and elsewhere killed the server but left its compiler running.
+    It now ends the start as Ctrl-C does, with the compiler's whole process group."""
+    if not cpu_kernels._instruction_set()[0]:
+        pytest.skip("no kernels are built on this CPU")
+    model = resolve_model_path(None, resolve_cache_dir())
+    pids = tmp_path / "pids"
+    compiler = tmp_path / "slow-g++"
+    # A compiler driver that starts a child of its own, as g++ starts cc1plus.
+    compiler.write_text(f'#!/bin/bash\n[ "$1" = --version ] && echo "slow-g++ 1" && exit 0\n'
+                        f'sleep 120 & echo $! >> {pids}\necho $$ >> {pids}\nwait\n')
+    compiler.chmod(0o755)
+    command = [sys.executable, "-m", "pagellm.entrypoints.cli", "serve", str(model),
+               "--port", "0", "--cache-dir", str(tmp_path / "cache")]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               env={**os.environ, "CXX": str(compiler)})
+    try:
+        deadline = time.monotonic() + 120
+        while not (pids.exists() and len(pids.read_text().split()) == 2):
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 130
+    finally:
+        process.kill()
+    for pid in map(int, pids.read_text().split()):
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(
+            f"/proc/{pid}/stat").read_text().split()[2], f"compiler process {pid} still runs"
