@@ -10,6 +10,8 @@ import ctypes
 import os
 import platform
 
+from pagellm import cgroup_limits
+
 # glibc's mallopt parameters (malloc.h).
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -23,7 +25,21 @@ TRIM_THRESHOLD_BYTES = 1 << 30
 def tune_process() -> None:
     """Apply every setting below; each is a no-op where it does not apply."""
     _short_openmp_spin()
+    _threads_within_cpu_quota()
     _keep_freed_buffers()
+
+
+def _threads_within_cpu_quota() -> None:
+    """torch starts a thread per CPU the process may run on, blind to a container's CPU
+    quota (Kubernetes' limits.cpu): with a quota of one CPU on a bigger node, its threads
+    are throttled in turn while every parallel region waits for the last of them. The
+    thread count is capped at the quota's whole CPUs, as vLLM caps its own. OpenMP reads
+    it when torch loads."""
+    if "OMP_NUM_THREADS" in os.environ or not hasattr(os, "sched_getaffinity"):
+        return
+    quota = cgroup_limits.cpu_limit()
+    if quota is not None and quota < len(os.sched_getaffinity(0)):
+        os.environ["OMP_NUM_THREADS"] = str(quota)
 
 
 def _short_openmp_spin() -> None:

@@ -7,6 +7,7 @@ import logging
 import psutil
 import torch
 
+from pagellm import cgroup_limits
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.model_config import ModelConfig
 
@@ -20,10 +21,13 @@ DEFAULT_MAX_POOL_BYTES = 1 << 30
 
 
 def free_memory_bytes(device: torch.device) -> int:
+    """Memory free on `device`; on the CPU, within the container's memory limit too."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
-    return int(psutil.virtual_memory().available)
+    free = int(psutil.virtual_memory().available)
+    limited = cgroup_limits.memory_available()
+    return free if limited is None else min(free, limited)
 
 
 def num_blocks_for_budget(
@@ -73,7 +77,17 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.padding_block = num_blocks if padding_block else None
-        self.tensors = model.allocate_kv_caches(num_blocks + int(padding_block), block_size)
+        try:
+            self.tensors = model.allocate_kv_caches(num_blocks + int(padding_block),
+                                                    block_size)
+        except RuntimeError as error:  # torch's CPU allocator; CUDA's is OutOfMemoryError
+            if "can't allocate memory" not in str(error):
+                raise
+            # Past an address-space limit (ulimit -v) torch's allocation fails: one line.
+            detail = str(error).rpartition("DefaultCPUAllocator: ")[2]
+            raise ValueError(f"cannot allocate the KV cache ({num_blocks} blocks): "
+                             f"{detail}; give a smaller --kv-cache-memory-bytes or "
+                             "--kv-cache-memory-fraction") from None
         total = sum(t.numel() * t.element_size() for t in self.tensors)
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB%s",

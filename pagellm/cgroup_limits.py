@@ -1,0 +1,104 @@
+"""What the process's control groups allow it: a container's memory limit and CPU quota.
+
+psutil's available memory and the CPU affinity mask describe the machine, while
+Kubernetes' `limits.memory` and `limits.cpu` (and docker's `--memory`, `--cpus`,
+systemd's `MemoryMax=`) are cgroup settings: a KV pool sized from the node's free memory
+is OOM-killed without a message, and a thread per node CPU is throttled by the quota.
+Both cgroup versions are read, for the process's own group and every ancestor that is
+visible (a limit may sit on any of them). Pure standard library: read before torch loads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path, PurePosixPath
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_CGROUP = Path("/proc/self/cgroup")
+# cgroup v1 writes "no limit" as a number near 2**63.
+_V1_UNLIMITED = 1 << 62
+
+
+def _groups(controller: str, root: Path, proc: Path) -> list[tuple[Path, bool]]:
+    """(directory, is v2) of the process's group for `controller` and its ancestors."""
+    try:
+        lines = proc.read_text().splitlines()
+    except OSError:
+        return []
+    groups = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers:
+            if controller not in controllers.split(","):
+                continue
+            base, v2 = root / controllers, False
+            if not base.is_dir():
+                base = root / controller
+        else:
+            base, v2 = root, True
+        parts = PurePosixPath(path).parts[1:]
+        for depth in range(len(parts), -1, -1):
+            directory = base.joinpath(*parts[:depth])
+            if directory.is_dir():
+                groups.append((directory, v2))
+    return groups
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _stat(path: Path, key: str) -> int:
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def memory_available(root: Path = CGROUP_ROOT, proc: Path = PROC_CGROUP) -> int | None:
+    """Bytes the tightest memory limit still allows, or None without a limit. Usage
+    counts the page cache it may reclaim (inactive files, as `docker stats` and the
+    kubelet leave them out), so reading the model's files does not count against it."""
+    available: int | None = None
+    for directory, v2 in _groups("memory", root, proc):
+        if v2:
+            limit = _read_int(directory / "memory.max")  # "max": None
+            usage = _read_int(directory / "memory.current")
+            inactive = _stat(directory / "memory.stat", "inactive_file")
+        else:
+            limit = _read_int(directory / "memory.limit_in_bytes")
+            limit = None if limit is None or limit >= _V1_UNLIMITED else limit
+            usage = _read_int(directory / "memory.usage_in_bytes")
+            inactive = _stat(directory / "memory.stat", "total_inactive_file")
+        if limit is None or usage is None:
+            continue
+        left = max(0, limit - max(0, usage - inactive))
+        available = left if available is None else min(available, left)
+    return available
+
+
+def cpu_limit(root: Path = CGROUP_ROOT, proc: Path = PROC_CGROUP) -> int | None:
+    """Whole CPUs the tightest CPU quota allows (at least 1), or None without a quota."""
+    cpus: int | None = None
+    for directory, v2 in _groups("cpu", root, proc):
+        if v2:
+            try:
+                quota_text, period_text = (directory / "cpu.max").read_text().split()
+                quota, period = int(quota_text), int(period_text)  # "max": no quota
+            except (OSError, ValueError):
+                continue
+        else:
+            quota = _read_int(directory / "cpu.cfs_quota_us") or -1
+            period = _read_int(directory / "cpu.cfs_period_us") or 0
+            if quota <= 0 or period <= 0:
+                continue
+        allowed = max(1, quota // period)
+        cpus = allowed if cpus is None else min(cpus, allowed)
+    return cpus
+
