@@ -692,3 +692,46 @@ def test_the_cache_follows_xdg_cache_home(tmp_path: Path,
     assert resolve_cache_dir() == tmp_path / "home" / ".cache" / "pagellm"
     monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path / "own"))
     assert resolve_cache_dir() == tmp_path / "own"
+
+
+def test_api_keys_from_the_environment_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An empty Kubernetes secret (`PAGELLM_API_KEY=`) served without a key, and a secret
+    made from a file kept its newline, so no request matched it."""
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    args = build_parser().parse_args(["serve"])
+    monkeypatch.setenv("PAGELLM_API_KEY", "")
+    with pytest.raises(ValueError, match=r"\$PAGELLM_API_KEY is set, but empty"):
+        server_settings(args, 0.0, "x")
+    monkeypatch.setenv("PAGELLM_API_KEY", "topsecret\n")
+    assert server_settings(args, 0.0, "x").api_key == ["topsecret"]
+    monkeypatch.setenv("PAGELLM_ADMIN_API_KEY", " ")
+    with pytest.raises(ValueError, match="PAGELLM_ADMIN_API_KEY is set, but empty"):
+        server_settings(args, 0.0, "x")
+
+
+def test_unknown_pagellm_variables_are_named(monkeypatch: pytest.MonkeyPatch,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    """`PAGELLM_APIKEY=secret` was ignored without a word, and the server was open."""
+    import re
+
+    from pagellm.entrypoints import cli
+
+    monkeypatch.setenv("PAGELLM_APIKEY", "secret")
+    monkeypatch.setenv("PAGELLM_CACHE_DIR", "/tmp/somewhere")
+    cli._warn_unknown_variables()
+    assert ("unknown environment variable PAGELLM_APIKEY, ignored (did you mean "
+            "PAGELLM_API_KEY?)") in caplog.text
+    assert "PAGELLM_CACHE_DIR" not in caplog.text
+    # The list is every variable the source names.
+    source = "\n".join(path.read_text() for path in
+                       Path(cli.__file__).parents[1].rglob("*.py"))
+    assert set(re.findall(r'"(PAGELLM_[A-Z_]+)"', source)) == set(cli.ENVIRONMENT_VARIABLES)
+
+
+def test_the_server_logs_the_options_it_was_given() -> None:
+    """As vLLM's does: what a ConfigMap set shows in the log (keys hidden)."""
+    from pagellm.entrypoints.cli import _non_default_args
+
+    args = build_parser().parse_args(["serve", "--max-model-len", "4K", "--api-key", "s3",
+                                      "--max-request-bytes", "8MiB"])
+    assert _non_default_args(args) == {"max_model_len": 4096, "api_key": "***"}

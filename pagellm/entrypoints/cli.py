@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import logging
 import os
 import signal
@@ -31,6 +32,34 @@ from pagellm.entrypoints.engine_args import EngineArgs, unrecognized
 from pagellm.entrypoints.sampling_args import sampling_params_from_args
 from pagellm.logger import LOG_FORMAT
 from pagellm.model import cpu_kernels, file_lock, gguf_loader
+
+logger = logging.getLogger(__name__)
+
+# The environment variables PageLLM reads (a test checks the source for others).
+ENVIRONMENT_VARIABLES = ("PAGELLM_API_KEY", "PAGELLM_ADMIN_API_KEY", "PAGELLM_CACHE_DIR",
+                         "PAGELLM_CPU_ISA")
+
+
+def _warn_unknown_variables() -> None:
+    """A misspelt variable (`PAGELLM_APIKEY`) was ignored without a word, leaving a server
+    open that was meant to ask for a key; vLLM warns about unknown VLLM_ variables too."""
+    for name in sorted(os.environ):
+        if name.startswith("PAGELLM_") and name not in ENVIRONMENT_VARIABLES:
+            close = difflib.get_close_matches(name, ENVIRONMENT_VARIABLES, n=1)
+            logger.warning("unknown environment variable %s, ignored%s", name,
+                           f" (did you mean {close[0]}?)" if close else "")
+
+
+def _non_default_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The options given (on the command line or in --config), as vLLM's server logs them
+    at start: what a ConfigMap really set is in the log, not only in /v1/models. Keys
+    show as '***'."""
+    defaults = vars(args.command_parser.parse_args([]))  # typed, as given values are
+    given = {name: value for name, value in vars(args).items()
+             if name not in ("command", "command_parser")
+             and value != defaults.get(name)}
+    return {name: "***" if name.endswith("api_key") else value
+            for name, value in given.items()}
 
 
 def _option_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
@@ -130,6 +159,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_bench(args)
     level = args.log_level.upper() if args.command == "serve" else "WARNING"
     logging.basicConfig(level=level, format=LOG_FORMAT)
+    _warn_unknown_variables()
+    if args.command == "serve":
+        logger.info("non-default args: %s", _non_default_args(args))
     if args.command != "serve":
         # A first start converts the model and builds the kernels (up to a minute and
         # more): say so, rather than leave the other commands silent that long.

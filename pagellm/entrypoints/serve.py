@@ -44,16 +44,12 @@ def add_parser(subparsers: Any) -> None:
     group.add_argument("--uds", default=None, metavar="PATH",
                        help="listen on this Unix domain socket instead of --host and --port")
     add_answer_args(group)
-    environment_key = os.environ.get("PAGELLM_API_KEY") or os.environ.get("VLLM_API_KEY")
-    group.add_argument("--api-key", nargs="+", metavar="KEY",
-                       default=[environment_key] if environment_key else None,
+    group.add_argument("--api-key", nargs="+", metavar="KEY", default=None,
                        help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on /v1 "
                             "requests and the endpoints that show or change the cache or "
                             "the template, for one of these keys (default: "
                             "$PAGELLM_API_KEY, else vLLM's $VLLM_API_KEY, else no key)")
-    admin_key = os.environ.get("PAGELLM_ADMIN_API_KEY")
-    group.add_argument("--admin-api-key", nargs="+", metavar="KEY",
-                       default=[admin_key] if admin_key else None,
+    group.add_argument("--admin-api-key", nargs="+", metavar="KEY", default=None,
                        help="require one of these keys instead on the prefix cache's event "
                             "stream and reset (/kv_cache_events, /reset_prefix_cache), "
                             "which concern every tenant: --api-key's keys then do not "
@@ -240,6 +236,21 @@ def _api_keys(given: list[str] | None, model: str | None,
     return keys
 
 
+def _environment_keys(*names: str) -> list[str] | None:
+    """The key in the first of these variables that is set. Set but empty (an empty
+    Kubernetes secret, `KEY=` in a compose file) is refused as `--api-key ""` is, rather
+    than serving without a key; a trailing newline (a secret made from a file) is no part
+    of a key anyone sends."""
+    for name in names:
+        if name in os.environ:
+            key = os.environ[name].strip()
+            if not key:
+                raise ValueError(f"${name} is set, but empty: give a key, or unset it to "
+                                 "serve without one")
+            return [key]
+    return None
+
+
 def _whole_number(what: str, low: int, high: int | None = None) -> Callable[[str], int]:
     """An integer option in [low, high], refused as "not `what`" otherwise."""
     def parse(text: str) -> int:
@@ -394,8 +405,11 @@ def server_settings(args: argparse.Namespace, launch_time: float, address: str
 
     return ServerSettings(
         **answer_settings(args), host=args.host, port=args.port,
-        api_key=_api_keys(args.api_key, args.model),
-        admin_api_key=_api_keys(args.admin_api_key, args.model, "--admin-api-key"),
+        api_key=(_environment_keys("PAGELLM_API_KEY", "VLLM_API_KEY")
+                 if args.api_key is None else _api_keys(args.api_key, args.model)),
+        admin_api_key=(_environment_keys("PAGELLM_ADMIN_API_KEY")
+                       if args.admin_api_key is None
+                       else _api_keys(args.admin_api_key, args.model, "--admin-api-key")),
         max_request_bytes=args.max_request_bytes,
         log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,

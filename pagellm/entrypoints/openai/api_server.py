@@ -212,6 +212,17 @@ class ServerSettings:
                              f": {error}") from error
 
 
+def _access(settings: ServerSettings) -> str:
+    """Who may call, for the ready line: an operator sees at once that a key they meant
+    to give (an empty secret, a misspelt variable) did not arrive."""
+    keys = settings.api_keys
+    access = (f"API key required, {len(keys)} accepted" if keys
+              else "no API key: open to every client that reaches it")
+    if settings.admin_api_key:
+        access += "; an admin key for the cache's events and reset"
+    return access
+
+
 def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     """The ASGI app serving `engine`; shutting the app down shuts the engine down."""
 
@@ -219,9 +230,10 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         stats_task = (None if settings.log_stats_interval is None else
                       asyncio.create_task(log_stats_forever(engine, settings.log_stats_interval)))
-        logger.info("PageLLM server ready in %.2f s, serving %s on %s://%s",
+        logger.info("PageLLM server ready in %.2f s, serving %s on %s://%s (%s)",
                     time.perf_counter() - settings.launch_time, ", ".join(settings.model_names),
-                    "https" if settings.ssl_certfile else "http", settings.address)
+                    "https" if settings.ssl_certfile else "http", settings.address,
+                    _access(settings))
         try:
             yield
         finally:
