@@ -11,6 +11,7 @@ import argparse
 import logging
 import math
 import os
+import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -18,7 +19,13 @@ from typing import Any, get_args
 
 from pagellm.bench.compare import VLLM, VLLM_NOCACHE, Comparison
 from pagellm.bench.report import write_report
-from pagellm.bench.suite import CONTENDERS, BenchOptions, build_report, run_comparison
+from pagellm.bench.suite import (
+    CONTENDERS,
+    BenchOptions,
+    build_report,
+    check_workload_fits,
+    run_comparison,
+)
 from pagellm.bench.workloads import WORKLOAD_NAMES, build_workload
 from pagellm.core.config import SchedulingPolicy
 from pagellm.entrypoints.engine_args import byte_size
@@ -53,9 +60,18 @@ def count(minimum: int) -> Callable[[str], int]:
 
 def python_path(text: str) -> str:
     """`--vllm-python`: checked now, not after every other contender has run."""
+    hint = "(make one with bash benchmarks/setup_vllm_venv.sh DIR)"
     if not (os.path.isfile(text) and os.access(text, os.X_OK)):
-        raise argparse.ArgumentTypeError(f"not an executable python: {text!r} (make one with "
-                                         "bash benchmarks/setup_vllm_venv.sh DIR)")
+        raise argparse.ArgumentTypeError(f"not an executable python: {text!r} {hint}")
+    probe = "import importlib.util; print(importlib.util.find_spec('vllm') is not None)"
+    try:
+        done = subprocess.run([text, "-c", probe], capture_output=True, text=True, timeout=120,
+                              check=False)
+    except (OSError, subprocess.SubprocessError) as error:
+        raise argparse.ArgumentTypeError(f"cannot run {text!r}: {error}") from None
+    if done.stdout.strip() != "True":
+        raise argparse.ArgumentTypeError(f"{text!r} is not a python with vLLM installed "
+                                         f"{hint}")
     return text
 
 
@@ -186,6 +202,7 @@ def run_bench(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(options.model_dir)
         workload = build_workload(args.workload, tokenizer, seed=args.seed,
                                   **{k: getattr(args, k) for k in _WORKLOAD_OPTIONS})
+        check_workload_fits(workload, options)
     except (ValueError, TypeError, OSError) as error:
         print(f"pagellm bench: {error}", file=sys.stderr)
         return 2

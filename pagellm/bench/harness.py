@@ -43,11 +43,11 @@ def run_offline(contender: Contender, workload: Workload, tokenizer: Tokenizer) 
     Flat workloads ignore EOS so every contender does the same work; multi-turn answers
     end at EOS, as chat answers do, because their text goes into the next turn.
     """
-    startup = contender.start(workload.kv_cache_tokens,
-                              warmup_prompt(first_prompt(workload, tokenizer)))
-    logger.info("%s started in %.1f s; running %s (%d requests)", contender.name, startup,
-                workload.name, workload.num_requests)
     try:
+        startup = contender.start(workload.kv_cache_tokens,
+                                  warmup_prompt(first_prompt(workload, tokenizer)))
+        logger.info("%s started in %.1f s; running %s (%d requests)", contender.name,
+                    startup, workload.name, workload.num_requests)
         with PeakRSS() as peak:
             origin = time.perf_counter()
             if workload.is_multi_turn:

@@ -68,6 +68,19 @@ def hit_rate_timeline(records: list[RequestRecord]) -> list[tuple[float, float]]
     return timeline
 
 
+def peak_decoding(records: list[RequestRecord]) -> int:
+    """The most requests that were between their first and last token at once: a lower
+    bound on how many ran together, measured, where the engine's cap (max_num_seqs) only
+    says how many could (a small KV pool keeps far fewer running)."""
+    edges = sorted([(r.first_token, 1) for r in records if not math.isnan(r.first_token)]
+                   + [(r.finish, -1) for r in records if not math.isnan(r.first_token)])
+    running = peak = 0
+    for _, change in edges:
+        running += change
+        peak = max(peak, running)
+    return peak
+
+
 def bookkeeping_share(timings: dict[str, float]) -> float:
     """(schedule + prepare inputs + update) / step time: what the engine spends around
     the model's forward and sampling."""
@@ -98,6 +111,10 @@ class RunResult:
     hit_rate: float | None
     peak_rss_mb: float | None
     startup_s: float | None = None
+    # Whether computed_prompt_tokens was counted by the engine (prompts recomputed after
+    # a preemption included) rather than taken as prompt minus cached.
+    computed_measured: bool = False
+    peak_decoding: int | None = None
     engine: dict[str, Any] = field(default_factory=dict)
     step_breakdown: dict[str, float] = field(default_factory=dict)
     bookkeeping_share: float | None = None
@@ -110,10 +127,14 @@ class RunResult:
 
 
 def pool_note(engine: dict[str, Any]) -> list[str]:
-    """The KV pool each engine really got: a comparison of caches is only fair when
-    their pools hold the same number of tokens."""
+    """The KV pool each engine really got, and the cores vLLM's worker computed on: a
+    comparison is only fair when pools hold the same number of tokens, and its reader
+    must know when the engines computed on different numbers of cores."""
     tokens = engine.get("kv_pool_tokens")
-    return [f"KV pool {tokens:,} tokens"] if tokens else []
+    notes = [f"KV pool {tokens:,} tokens"] if tokens else []
+    if engine.get("vllm_worker_cores"):
+        notes.append(f"vLLM's worker threads bound to cores {engine['vllm_worker_cores']}")
+    return notes
 
 
 def load_note() -> str:
@@ -134,6 +155,9 @@ def summarize(contender: str, workload: str, mode: str, records: list[RequestRec
     output_tokens = sum(r.output_len for r in records)
     known = all(r.cached_tokens is not None for r in records) and bool(records)
     cached = sum(r.cached_tokens or 0 for r in records) if known else None
+    measured = (engine or {}).get("prompt_tokens_computed")
+    computed = (int(measured) if measured is not None
+                else prompt_tokens - cached if cached is not None else None)
     breakdown: dict[str, float] = {}
     share = None
     if timings:
@@ -152,7 +176,8 @@ def summarize(contender: str, workload: str, mode: str, records: list[RequestRec
               "p99": percentile(ttfts, 99)},
         itl={"mean": mean(itls), "p50": percentile(itls, 50), "p99": percentile(itls, 99)},
         cached_prompt_tokens=cached,
-        computed_prompt_tokens=prompt_tokens - cached if cached is not None else None,
+        computed_prompt_tokens=computed, computed_measured=measured is not None,
+        peak_decoding=peak_decoding(records),
         hit_rate=cached / prompt_tokens if cached is not None and prompt_tokens else None,
         peak_rss_mb=peak_rss_mb, startup_s=startup_s, engine=dict(engine or {}),
         step_breakdown=breakdown, bookkeeping_share=share,

@@ -21,6 +21,7 @@ import httpx
 
 from pagellm.bench.memory import PeakRSS
 from pagellm.bench.metrics import RequestRecord, RunResult, summarize
+from pagellm.bench.processes import stop_group
 from pagellm.bench.workloads import ConversationState, Tokenizer, Workload
 
 _METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})?\s+([-+0-9.eEinfINFaN]+)$")
@@ -87,7 +88,16 @@ class ServerProcess:
         """Starts the server and waits until it is healthy; returns the seconds that took."""
         begin = time.perf_counter()
         self._process = subprocess.Popen(self.command, env=self._env,
-                                         stdout=subprocess.DEVNULL, stderr=sys.stderr)
+                                         stdout=subprocess.DEVNULL, stderr=sys.stderr,
+                                         start_new_session=True)
+        try:
+            return self._wait_healthy(begin)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self, begin: float) -> float:
+        assert self._process is not None
         while time.perf_counter() - begin < self._timeout:
             if self._process.poll() is not None:
                 raise RuntimeError(f"server exited with status {self._process.returncode}: "
@@ -98,7 +108,6 @@ class ServerProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        self.stop()
         raise RuntimeError(f"server not healthy after {self._timeout:.0f} s")
 
     def model_name(self) -> str:
@@ -115,12 +124,7 @@ class ServerProcess:
     def stop(self) -> None:
         if self._process is None:
             return
-        self._process.terminate()
-        try:
-            self._process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait()
+        stop_group(self._process, grace_s=30)
         self._process = None
 
 

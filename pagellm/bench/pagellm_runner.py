@@ -14,7 +14,7 @@ from pagellm.engine.llm import LLM
 from pagellm.model.model_config import load_model_config
 
 _COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_evictions", "num_preemptions",
-             "prompt_tokens", "generation_tokens")
+             "prompt_tokens", "generation_tokens", "prompt_tokens_computed")
 
 
 def kv_bytes_per_token(model_dir: Path, element_size: int = 4) -> int:

@@ -79,8 +79,9 @@ def _runs_table(comp: Comparison) -> list[str]:
         ratio = comp.ratios.get(run.contender, {}).get("output_tokens_per_s", math.nan)
         ttft = " / ".join(_num(run.ttft[k], 0, 1000) for k in ("mean", "p50", "p90", "p99"))
         itl = " / ".join(_num(run.itl[k], 1, 1000) for k in ("mean", "p50", "p99"))
-        tokens = (f"{run.computed_prompt_tokens} / {run.cached_prompt_tokens}"
-                  if run.cached_prompt_tokens is not None else f"{run.prompt_tokens} / n/a")
+        computed = ("n/a" if run.computed_prompt_tokens is None
+                    else f"{run.computed_prompt_tokens}{'' if run.computed_measured else '*'}")
+        tokens = f"{computed} / {_num(run.cached_prompt_tokens, 0)}"
         rows.append([run.contender, _num(run.wall_s, 2), _num(run.requests_per_s, 2),
                      _num(run.output_tokens_per_s, 1), _num(run.total_tokens_per_s, 0),
                      _num(ratio, 2) + "x" if not math.isnan(ratio) else "n/a", ttft, itl,
@@ -125,8 +126,12 @@ def markdown(report: BenchReport) -> str:
                      for t in report.targets])
     for comp in report.comparisons:
         params = ", ".join(f"{k}={v}" for k, v in comp.params.items())
+        peaks = ", ".join(f"{r.contender} {r.peak_decoding}" for r in comp.runs
+                          if r.peak_decoding is not None)
         lines += ["", f"## {comp.label} — {comp.mode}", "", f"Workload `{comp.workload}`: "
-                  f"{params}; at most {comp.concurrency} requests running at once.", ""]
+                  f"{params}; at most {comp.concurrency} requests admitted at once"
+                  + (f" (most decoding at once, measured: {peaks})" if peaks else "") + ".",
+                  ""]
         lines += _runs_table(comp)
         lines += _steps_table(comp)
         lines += _agreement_table(comp)
@@ -136,7 +141,9 @@ def markdown(report: BenchReport) -> str:
     lines += ["", "TTFT: first token minus arrival (offline: all requests of a call arrive "
               "at its start). ITL: gaps between a request's successive tokens (chunks, when "
               "streamed). Hit rate: prompt tokens served from the prefix cache over prompt "
-              "tokens. Bookkeeping share: (schedule + prepare inputs + update) / step time. "
+              "tokens. Prompt tokens computed: counted by the engine, prompts computed "
+              "again after a preemption included; * marks prompt minus cached, where the "
+              "contender does not count them. Bookkeeping share: (schedule + prepare inputs + update) / step time. "
               "Peak RSS: the benchmark process and its children (a server, the vLLM "
               "driver), sampled during the run; in-process contenders share one process, "
               "so it includes the interpreter, torch and what earlier contenders left to "

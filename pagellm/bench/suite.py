@@ -114,7 +114,31 @@ def _offline_contender(name: str, options: BenchOptions) -> Contender:
             num_threads=threads, device=options.device)
     assert options.vllm_python is not None
     return VLLMContender(name, options.vllm_python, options.model_dir, name == VLLM,
-                         vllm_kwargs)
+                         vllm_kwargs, num_threads=threads)
+
+
+def check_workload_fits(workload: Workload, options: BenchOptions) -> None:
+    """Refuses, before any contender starts, requests the engines would refuse after
+    loading: longer than the model's context, or than a KV pool given in bytes."""
+    from pagellm.bench.pagellm_runner import kv_bytes_per_token
+    from pagellm.model.model_config import load_model_config
+
+    if not workload.prompts:
+        return
+    longest = max(len(prompt) for prompt in workload.prompts) + workload.output_len
+    context = load_model_config(options.model_dir).max_position_embeddings
+    if longest > context:
+        raise ValueError(f"the workload's longest request is {longest:,} tokens (prompt and "
+                         f"output), more than the model's {context:,}-token context: "
+                         "give it shorter lengths")
+    budget = options.engine_kwargs.get("kv_cache_memory_bytes")
+    if budget and workload.kv_cache_tokens is None:
+        block = int(options.engine_setting("block_size"))
+        pool = int(budget) // (kv_bytes_per_token(options.model_dir) * block) * block
+        if pool < longest:
+            raise ValueError(f"--kv-cache-memory-bytes {budget:,} holds {pool:,} tokens, "
+                             f"less than the workload's longest request ({longest:,} "
+                             "tokens): give more")
 
 
 def _skip_reason(name: str, mode: str, options: BenchOptions) -> str | None:
@@ -134,7 +158,7 @@ def _skip_reason(name: str, mode: str, options: BenchOptions) -> str | None:
 
 def _server(name: str, options: BenchOptions, workload: Workload) -> ServerProcess:
     from pagellm.bench.pagellm_runner import kv_cache_bytes_for_tokens
-    from pagellm.bench.vllm_runner import DEFAULT_POOL_BYTES
+    from pagellm.bench.vllm_runner import DEFAULT_POOL_BYTES, vllm_cpu_env
 
     port = free_port()
     # The client sends its own key; a key from the environment would lock it out.
@@ -154,6 +178,7 @@ def _server(name: str, options: BenchOptions, workload: Workload) -> ServerProce
             int(options.engine_setting("max_num_batched_tokens")),
             int(options.engine_setting("block_size")))
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        env.update(vllm_cpu_env(options.engine_kwargs.get("num_threads")))
         return ServerProcess(command, port, env)
     args: list[str] = []
     flags = {"block_size": "--block-size", "max_num_seqs": "--max-num-seqs",
@@ -204,6 +229,13 @@ def run_comparison(workload: Workload, mode: str, options: BenchOptions, tokeniz
     comparison = Comparison(label or workload.name, workload.name, mode, dict(workload.params),
                             min(units, options.max_num_seqs),
                             request_rate=options.request_rate if mode == "online" else None)
+    params = workload.params
+    if workload.name == "eviction" and \
+            params["num_prefixes"] * params["prefix_len"] < 2 * params["kv_cache_tokens"]:
+        comparison.notes.append(
+            f"the prefixes total {params['num_prefixes'] * params['prefix_len']:,} tokens, "
+            f"less than twice the {params['kv_cache_tokens']:,}-token pool (which holds at "
+            "least four requests): little is evicted at these sizes")
     names = []
     for name in options.contenders:
         reason = _skip_reason(name, mode, options)

