@@ -151,7 +151,8 @@ def _run_vllm(args: argparse.Namespace, prompts: list[list[int]]) -> dict[str, A
 
 
 def _default_dir() -> str:
-    from pagellm.model.resolve import resolve_cache_dir, resolve_model_path
+    from pagellm.cache_dir import resolve_cache_dir
+    from pagellm.model.resolve import resolve_model_path
 
     return str(resolve_model_path(None, resolve_cache_dir()))
 

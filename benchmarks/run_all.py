@@ -37,11 +37,9 @@ from pagellm.bench.suite import (  # noqa: E402
     run_comparison,
 )
 from pagellm.bench.workloads import build_workload  # noqa: E402
+from pagellm.cache_dir import resolve_cache_dir  # noqa: E402
 from pagellm.model.loader import load_tokenizer  # noqa: E402
-from pagellm.model.resolve import (
-    resolve_cache_dir,  # noqa: E402
-    resolve_model_path,  # noqa: E402
-)
+from pagellm.model.resolve import resolve_model_path  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ONLINE = (PAGELLM, PAGELLM_NOCACHE, VLLM, VLLM_NOCACHE)

@@ -12,34 +12,56 @@ from __future__ import annotations
 
 from pathlib import Path, PurePosixPath
 
-CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_CGROUP = Path("/proc/self/cgroup")
+MOUNTINFO = Path("/proc/self/mountinfo")
 # cgroup v1 writes "no limit" as a number near 2**63.
 _V1_UNLIMITED = 1 << 62
 
 
-def _groups(controller: str, root: Path, proc: Path) -> list[tuple[Path, bool]]:
-    """(directory, is v2) of the process's group for `controller` and its ancestors."""
+def _mounts(mountinfo: Path) -> list[tuple[str, str, set[str]]]:
+    """(mount point, root within the hierarchy, controllers; none for v2) of each cgroup
+    mount: v2 is not always at /sys/fs/cgroup (a hybrid host mounts it at .../unified)."""
+    try:
+        lines = mountinfo.read_text().splitlines()
+    except OSError:
+        return []
+    mounts = []
+    for line in lines:
+        fields, _, tail = line.partition(" - ")
+        parts, described = fields.split(), tail.split()
+        if len(parts) < 5 or len(described) < 3 or described[0] not in ("cgroup", "cgroup2"):
+            continue
+        controllers = set() if described[0] == "cgroup2" else set(described[2].split(","))
+        mounts.append((parts[4], parts[3], controllers))
+    return mounts
+
+
+def _groups(controller: str, proc: Path, mountinfo: Path) -> list[tuple[Path, bool]]:
+    """(directory, is v2) of the process's group for `controller` and its ancestors that
+    are visible, in every hierarchy that has the controller."""
     try:
         lines = proc.read_text().splitlines()
     except OSError:
         return []
+    mounts = _mounts(mountinfo)
     groups = []
     for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers:
-            if controller not in controllers.split(","):
+        _, names, path = line.split(":", 2)
+        v2 = not names
+        if not v2 and controller not in names.split(","):
+            continue
+        for point, root, controllers in mounts:
+            if v2 != (not controllers) or (not v2 and controller not in controllers):
                 continue
-            base, v2 = root / controllers, False
-            if not base.is_dir():
-                base = root / controller
-        else:
-            base, v2 = root, True
-        parts = PurePosixPath(path).parts[1:]
-        for depth in range(len(parts), -1, -1):
-            directory = base.joinpath(*parts[:depth])
-            if directory.is_dir():
-                groups.append((directory, v2))
+            # A container's mount may start at its own group: the path is below its root.
+            inside = PurePosixPath(path)
+            if root != "/" and inside.is_relative_to(root):
+                inside = PurePosixPath("/") / inside.relative_to(root)
+            parts = inside.parts[1:]
+            for depth in range(len(parts), -1, -1):
+                directory = Path(point).joinpath(*parts[:depth])
+                if directory.is_dir():
+                    groups.append((directory, v2))
     return groups
 
 
@@ -61,12 +83,12 @@ def _stat(path: Path, key: str) -> int:
     return 0
 
 
-def memory_available(root: Path = CGROUP_ROOT, proc: Path = PROC_CGROUP) -> int | None:
+def memory_available(proc: Path = PROC_CGROUP, mountinfo: Path = MOUNTINFO) -> int | None:
     """Bytes the tightest memory limit still allows, or None without a limit. Usage
     counts the page cache it may reclaim (inactive files, as `docker stats` and the
     kubelet leave them out), so reading the model's files does not count against it."""
     available: int | None = None
-    for directory, v2 in _groups("memory", root, proc):
+    for directory, v2 in _groups("memory", proc, mountinfo):
         if v2:
             limit = _read_int(directory / "memory.max")  # "max": None
             usage = _read_int(directory / "memory.current")
@@ -83,10 +105,11 @@ def memory_available(root: Path = CGROUP_ROOT, proc: Path = PROC_CGROUP) -> int 
     return available
 
 
-def cpu_limit(root: Path = CGROUP_ROOT, proc: Path = PROC_CGROUP) -> int | None:
-    """Whole CPUs the tightest CPU quota allows (at least 1), or None without a quota."""
+def cpu_limit(proc: Path = PROC_CGROUP, mountinfo: Path = MOUNTINFO) -> int | None:
+    """Whole CPUs the tightest CPU quota allows (at least 1; 1.5 CPUs is 1, as vLLM
+    rounds it: a thread more than the quota is throttled), or None without a quota."""
     cpus: int | None = None
-    for directory, v2 in _groups("cpu", root, proc):
+    for directory, v2 in _groups("cpu", proc, mountinfo):
         if v2:
             try:
                 quota_text, period_text = (directory / "cpu.max").read_text().split()

@@ -11,12 +11,18 @@ handlers alone, instead of twice in two formats.
 from __future__ import annotations
 
 import logging
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 LOG_FORMAT = "%(levelname)s %(asctime)s %(name)s: %(message)s"
 
 
-class _UntilConfigured(logging.StreamHandler[TextIO]):
+if TYPE_CHECKING:
+    _StreamHandler = logging.StreamHandler[TextIO]
+else:  # logging's classes take [] at run time only from Python 3.11
+    _StreamHandler = logging.StreamHandler
+
+
+class _UntilConfigured(_StreamHandler):
     """Writes a record only while the root logger has no handler of its own."""
 
     def emit(self, record: logging.LogRecord) -> None:

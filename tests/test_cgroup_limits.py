@@ -16,10 +16,18 @@ def _files(root: Path, files: dict[str, str]) -> None:
         (root / name).write_text(text)
 
 
+def _mountinfo(tmp_path: Path, *lines: str) -> Path:
+    path = tmp_path / "mountinfo"
+    path.write_text("22 27 0:21 / /proc rw,relatime - proc proc rw\n"
+                    + "".join(line + "\n" for line in lines))
+    return path
+
+
 def test_v2_takes_the_tightest_limit_of_the_group_and_its_ancestors(tmp_path: Path) -> None:
     proc = tmp_path / "cgroup"
     proc.write_text("0::/kubepods/pod1/box\n")
     root = tmp_path / "fs"
+    mountinfo = _mountinfo(tmp_path, f"35 31 0:31 / {root} rw - cgroup2 cgroup2 rw")
     _files(root, {
         "kubepods/pod1/box/memory.max": "max\n",
         "kubepods/pod1/box/memory.current": "100\n",
@@ -32,14 +40,19 @@ def test_v2_takes_the_tightest_limit_of_the_group_and_its_ancestors(tmp_path: Pa
         "memory.max": str(64 << 30) + "\n",
         "memory.current": str(1 << 30) + "\n",
     })
-    assert cgroup_limits.memory_available(root, proc) == (4 << 30) - (2 << 30)
-    assert cgroup_limits.cpu_limit(root, proc) == 1
+    assert cgroup_limits.memory_available(proc, mountinfo) == (4 << 30) - (2 << 30)
+    assert cgroup_limits.cpu_limit(proc, mountinfo) == 1
 
 
 def test_v1_reads_the_controllers_own_hierarchies(tmp_path: Path) -> None:
     proc = tmp_path / "cgroup"
     proc.write_text("5:cpu,cpuacct:/docker/c1\n4:memory:/docker/c1\n0::/\n")
     root = tmp_path / "fs"
+    # A hybrid host: v1 controllers, and v2 (no controllers) at .../unified.
+    mountinfo = _mountinfo(
+        tmp_path, f"32 31 0:29 / {root}/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct",
+        f"33 31 0:30 / {root}/memory rw - cgroup cgroup rw,memory",
+        f"34 31 0:31 / {root}/unified rw - cgroup2 cgroup2 rw")
     _files(root, {
         "memory/docker/c1/memory.limit_in_bytes": str(2 << 30),
         "memory/docker/c1/memory.usage_in_bytes": str(1 << 30),
@@ -51,17 +64,31 @@ def test_v1_reads_the_controllers_own_hierarchies(tmp_path: Path) -> None:
         "cpu,cpuacct/cpu.cfs_quota_us": "-1",
         "cpu,cpuacct/cpu.cfs_period_us": "100000",
     })
-    assert cgroup_limits.memory_available(root, proc) == 1 << 30
-    assert cgroup_limits.cpu_limit(root, proc) == 2
+    assert cgroup_limits.memory_available(proc, mountinfo) == 1 << 30
+    assert cgroup_limits.cpu_limit(proc, mountinfo) == 2
 
 
 def test_no_limits_or_no_cgroups_is_none(tmp_path: Path) -> None:
     proc = tmp_path / "cgroup"
     proc.write_text("0::/\n")
     (tmp_path / "fs").mkdir()
-    assert cgroup_limits.memory_available(tmp_path / "fs", proc) is None
-    assert cgroup_limits.cpu_limit(tmp_path / "fs", proc) is None
-    assert cgroup_limits.cpu_limit(tmp_path / "fs", tmp_path / "missing") is None
+    mountinfo = _mountinfo(tmp_path, f"35 31 0:31 / {tmp_path / 'fs'} rw - cgroup2 cgroup2 rw")
+    assert cgroup_limits.memory_available(proc, mountinfo) is None
+    assert cgroup_limits.cpu_limit(proc, mountinfo) is None
+    assert cgroup_limits.cpu_limit(tmp_path / "missing", mountinfo) is None
+    assert cgroup_limits.cpu_limit(proc, tmp_path / "missing") is None
+
+
+def test_a_containers_mount_starts_at_its_own_group(tmp_path: Path) -> None:
+    """Without a cgroup namespace the path names the host's group, and the container's
+    mount shows that group as its root."""
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/system.slice/box.scope\n")
+    root = tmp_path / "fs"
+    _files(root, {"memory.max": str(1 << 30), "memory.current": str(1 << 29)})
+    mountinfo = _mountinfo(
+        tmp_path, f"35 31 0:31 /system.slice/box.scope {root} rw - cgroup2 cgroup2 rw")
+    assert cgroup_limits.memory_available(proc, mountinfo) == 1 << 29
 
 
 def test_a_cpu_quota_caps_torchs_threads(tmp_path: Path) -> None:

@@ -669,8 +669,8 @@ def test_a_cache_dir_given_with_a_tilde_is_in_the_home(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """`--cache-dir '~/pc'` (quoted, so no shell expands it) converted into the home but
     built the kernels into a directory named `~` in the working directory."""
+    from pagellm.cache_dir import resolve_cache_dir
     from pagellm.engine.config import EngineConfig
-    from pagellm.model.resolve import resolve_cache_dir
 
     monkeypatch.setenv("HOME", str(tmp_path))
     assert EngineConfig(cache_dir="~/pc").cache_dir == tmp_path / "pc"  # type: ignore[arg-type]
@@ -682,7 +682,7 @@ def test_the_cache_follows_xdg_cache_home(tmp_path: Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """A container whose home cannot be written sets XDG_CACHE_HOME, which vLLM follows;
     PageLLM insisted on ~/.cache. PAGELLM_CACHE_DIR still comes first."""
-    from pagellm.model.resolve import resolve_cache_dir
+    from pagellm.cache_dir import resolve_cache_dir
 
     monkeypatch.delenv("PAGELLM_CACHE_DIR", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))

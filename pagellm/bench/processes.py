@@ -16,14 +16,16 @@ def stop_group(process: subprocess.Popen[bytes] | subprocess.Popen[str],
                grace_s: float) -> None:
     """SIGTERM to the child (its own shutdown ends what it started), then after
     `grace_s` SIGKILL to its whole process group."""
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
     try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    process.wait()
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+    finally:  # also when a second Ctrl-C cuts the grace period short
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        process.wait()

@@ -62,7 +62,8 @@ class VLLMContender:
         self.version = "?"
         self._pool_tokens = 0
         self._threads = num_threads
-        self._worker_cores = "?"
+        self._worker_cores: str | None = None
+        self._ready = False
 
     def _read(self) -> dict[str, Any]:
         """The driver's next protocol line; its other output (vLLM's logs) goes to our
@@ -100,6 +101,7 @@ class VLLMContender:
             [self._python, str(DRIVER), json.dumps(config)], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
         ready = self._read()
+        self._ready = True
         self.version = str(ready.get("version", "?"))
         self._pool_tokens = int(ready.get("kv_pool_tokens") or 0)
         return float(ready.get("startup_s", time.perf_counter() - begin))
@@ -126,8 +128,11 @@ class VLLMContender:
         return records
 
     def stats(self) -> dict[str, Any]:
-        return {"vllm_version": self.version, "kv_pool_tokens": self._pool_tokens,
-                "vllm_worker_cores": self._worker_cores}
+        stats: dict[str, Any] = {"vllm_version": self.version,
+                                 "kv_pool_tokens": self._pool_tokens}
+        if self._worker_cores is not None:  # vLLM logged its binding
+            stats["vllm_worker_cores"] = self._worker_cores
+        return stats
 
     def timings(self) -> dict[str, float] | None:
         return None
@@ -139,10 +144,12 @@ class VLLMContender:
             return
         assert self._process.stdin is not None
         try:
-            self._process.stdin.write(json.dumps({"quit": True}) + "\n")
-            self._process.stdin.flush()
-            self._process.wait(timeout=60)
+            if self._ready:  # a driver still starting reads no quit: it is stopped
+                self._process.stdin.write(json.dumps({"quit": True}) + "\n")
+                self._process.stdin.flush()
+                self._process.wait(timeout=60)
         except (BrokenPipeError, subprocess.TimeoutExpired):
             pass
-        stop_group(self._process, grace_s=5)
-        self._process = None
+        finally:
+            stop_group(self._process, grace_s=5)
+            self._process = None

@@ -12,10 +12,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
 
+from pagellm.cache_dir import resolve_cache_dir
 from pagellm.core.block_hash import HashAlgorithm
 from pagellm.core.config import SchedulingPolicy
 from pagellm.core.sampling_params import GENERATION_SAMPLING_KEYS
-from pagellm.model.resolve import resolve_cache_dir
 
 if TYPE_CHECKING:
     import torch

@@ -293,16 +293,21 @@ class LLM:
         """Forgets every cached block; True, or False while requests added to
         `llm_engine` directly hold blocks (between `generate` calls nothing runs), unless
         `reset_running_requests` preempts them (see LLMEngine.reset_prefix_cache)."""
+        self._abort_left_behind()
         return self.llm_engine.reset_prefix_cache(reset_running_requests)
+
+    def _abort_left_behind(self) -> None:
+        """A call interrupted again while it aborted its requests (a second Ctrl-C) left
+        some running: the next call would run them to the end before its own."""
+        self.llm_engine.abort_request(list(self._started))
+        self._started = {}
 
     def _run(self, prompts: list[PromptInput],
              params: Sequence[SamplingParams | BeamSearchParams],
              priorities: list[int], use_tqdm: ProgressOption, cache_salt: str | None,
              raise_errors: bool) -> list[RequestOutput]:
         engine = self.llm_engine
-        # A call interrupted again while it aborted its requests (a second Ctrl-C) left
-        # some running, and this call would run them to the end before its own.
-        engine.abort_request(list(self._started))
+        self._abort_left_behind()
         results: list[RequestOutput | None] = [None] * len(prompts)
         positions = self._started = {}
         progress = use_tqdm if callable(use_tqdm) else tqdm

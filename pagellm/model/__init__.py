@@ -29,7 +29,7 @@ from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.loader import load_model, load_tokenizer, resolve_dtype
 from pagellm.model.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, load_model_config
 from pagellm.model.registry import get_model_class
-from pagellm.model.resolve import default_model_file, resolve_cache_dir, resolve_model_path
+from pagellm.model.resolve import default_model_file, resolve_model_path
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -52,7 +52,6 @@ __all__ = [
     "load_model",
     "load_model_config",
     "load_tokenizer",
-    "resolve_cache_dir",
     "resolve_dtype",
     "resolve_model_path",
 ]

@@ -42,6 +42,7 @@ _BUILD_TIMEOUT_S = 600
 # The compilers running now (see _run_compiler).
 _builds: set[subprocess.Popen[str]] = set()
 _builds_lock = threading.Lock()
+_stopped = threading.Event()  # set by stop_builds: no compiler runs after it
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet in this process
 
@@ -215,7 +216,10 @@ def _run_compiler(command: list[str]) -> subprocess.CompletedProcess[str]:
                                text=True, start_new_session=True)
     with _builds_lock:
         _builds.add(process)
+        stopped = _stopped.is_set()
     try:
+        if stopped:  # stop_builds ran before this compiler started
+            _stop(process)
         stdout, stderr = process.communicate(timeout=_BUILD_TIMEOUT_S)
     except BaseException:
         _stop(process)
@@ -235,9 +239,11 @@ def _stop(process: subprocess.Popen[str]) -> None:
 
 
 def stop_builds() -> None:
-    """Stops every compiler running for this process (its build thread is left to fail):
-    for a process about to exit at once, whose threads will not unwind."""
+    """Stops every compiler running for this process, and any a build starts after (its
+    build thread is left to fail): for a process about to exit at once, whose threads
+    will not unwind."""
     with _builds_lock:
+        _stopped.set()
         running = list(_builds)
     for process in running:
         _stop(process)
@@ -258,7 +264,8 @@ def _compile(command: list[str], directory: Path, library: Path, failed: Path,
     build_logger.info("building the CPU kernels into %s (once per machine)", directory)
     try:
         done = _run_compiler([*command, "-o", str(tmp)])
-    except (OSError, subprocess.SubprocessError) as exc:
+    except (OSError, subprocess.SubprocessError) as exc:  # no compiler, or a timeout
+        tmp.unlink(missing_ok=True)
         logger.warning("CPU kernels off: the compiler did not run: %s", exc)
         return False
     except BaseException:  # Ctrl-C, SIGTERM: the compiler has been stopped

@@ -2,8 +2,8 @@
 
 Accepted: None (the default model), an HF directory, a hub id already in the local Hugging
 Face cache, or a GGUF file (converted once into the cache). Nothing is fetched from a hub:
-a name found nowhere locally is an error that says so. The cache root is resolved here, from an explicit argument only, so the
-engine decides where it comes from (a flag, an env var) in one place.
+a name found nowhere locally is an error that says so. The cache root comes from
+pagellm/cache_dir.py.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import os
 import re
 from pathlib import Path
 
+from pagellm.cache_dir import resolve_cache_dir
 from pagellm.model.errors import ModelNotFoundError
 from pagellm.model.gguf_loader import convert_gguf
 
@@ -23,17 +24,6 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_MAGIC = b"GGUF"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-def resolve_cache_dir(cache_dir: str | Path | None = None) -> Path:
-    """The cache root: the given directory, else $PAGELLM_CACHE_DIR, else pagellm/ in the
-    user's cache directory ($XDG_CACHE_HOME, else ~/.cache), where vLLM keeps its own: a
-    container whose home cannot be written sets XDG_CACHE_HOME for every tool at once."""
-    if cache_dir is None:
-        xdg = os.environ.get("XDG_CACHE_HOME", "")
-        base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
-        cache_dir = os.environ.get("PAGELLM_CACHE_DIR") or base / "pagellm"
-    return Path(cache_dir).expanduser()
 
 
 def default_model_file() -> Path:

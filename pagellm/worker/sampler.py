@@ -49,7 +49,8 @@ _SEED_MODULUS = 2**64
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """The generator a seeded request keeps for its whole life (create once, reuse).
+    """The generator a seeded request keeps for its whole life (create once, reuse), and
+    the one an engine draws its unseeded rows from.
 
     Any int is accepted: torch seeds are 64-bit, so the seed is reduced modulo 2**64
     (which is also what torch does with a negative seed).

@@ -6,7 +6,8 @@ and without this record a later engine built without `num_threads` took whatever
 left as the machine's count: after `LLM(num_threads=1)`, or a tuned run whose last step
 ran on one thread, a notebook's next `LLM()` ran on one thread with its tuner off. The
 count the user leaves (torch's own, or one they set themselves) is what such an engine
-starts from.
+starts from. Counts are all there is to go by: a count the user sets equal to the one
+PageLLM set last reads as PageLLM's (pass `num_threads` to be sure).
 """
 
 from __future__ import annotations

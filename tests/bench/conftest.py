@@ -14,8 +14,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
+    from pagellm.cache_dir import resolve_cache_dir
     from pagellm.model.errors import ModelNotFoundError
-    from pagellm.model.resolve import resolve_cache_dir, resolve_model_path
+    from pagellm.model.resolve import resolve_model_path
 
     try:
         return resolve_model_path(None, resolve_cache_dir())

@@ -88,7 +88,8 @@ def assert_idle(engine: Any) -> None:
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
-    from pagellm.model.resolve import resolve_cache_dir, resolve_model_path
+    from pagellm.cache_dir import resolve_cache_dir
+    from pagellm.model.resolve import resolve_model_path
 
     return resolve_model_path(None, resolve_cache_dir())
 

@@ -381,8 +381,11 @@ def test_a_second_ctrl_c_during_cleanup_leaves_nothing_for_the_next_call(
     assert engine.get_num_unfinished_requests() == 6
     monkeypatch.undo()
     short = SamplingParams(max_tokens=4, temperature=0)
+    generated = engine.get_stats().generation_tokens
     expected = default_llm.generate("Hi", short, use_tqdm=False)[0].outputs[0].token_ids
     assert engine.get_num_unfinished_requests() == 0
+    # The six were aborted, not run on to their 500 tokens inside this call.
+    assert engine.get_stats().generation_tokens - generated < 50
     assert default_llm.generate("Hi", short, use_tqdm=False)[0].outputs[0].token_ids == expected
     assert_idle(engine)
 

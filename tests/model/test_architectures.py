@@ -24,8 +24,8 @@ from transformers import (
     Qwen3Config,
 )
 
+from pagellm.cache_dir import resolve_cache_dir
 from pagellm.model import ATTENTION_BACKENDS, cpu_kernels, load_model
-from pagellm.model.resolve import resolve_cache_dir
 
 ATOL = 1e-4
 SMALL = dict(

@@ -16,6 +16,7 @@ import pytest
 import torch
 from paged_sim import build_metadata
 
+from pagellm.cache_dir import resolve_cache_dir
 from pagellm.model import attention, cpu_kernels
 from pagellm.model.attention import (
     ATTENTION_BACKENDS,
@@ -27,7 +28,6 @@ from pagellm.model.attention import (
     batched,
     get_attention_backend,
 )
-from pagellm.model.resolve import resolve_cache_dir
 
 BACKENDS = sorted(ATTENTION_BACKENDS)
 # The batched backend with the compiled CPU kernels (decode groups read the cache in place).

@@ -17,6 +17,7 @@ import torch
 from gguf import GGMLQuantizationType, quants
 from paged_sim import PagedSim
 
+from pagellm.cache_dir import resolve_cache_dir
 from pagellm.model import (
     CorruptModelError,
     LlamaForCausalLM,
@@ -30,7 +31,6 @@ from pagellm.model.gguf_loader import BLOCKS_FILE, QUANTIZED_DIR
 from pagellm.model.layers import GatedMLP, Linear, RMSNorm
 from pagellm.model.loader import iter_quantized_blocks, iter_safetensors, safetensors_files
 from pagellm.model.model_config import ModelConfig
-from pagellm.model.resolve import resolve_cache_dir
 from pagellm.model.rotary import apply_rotary
 
 FORMATS = sorted(qk.FORMATS)

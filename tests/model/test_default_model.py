@@ -17,6 +17,7 @@ import torch
 from paged_sim import PagedSim
 from safetensors.torch import load_file
 
+from pagellm.cache_dir import resolve_cache_dir
 from pagellm.model import (
     default_model_file,
     load_model,
@@ -24,7 +25,6 @@ from pagellm.model import (
     load_tokenizer,
     resolve_model_path,
 )
-from pagellm.model.resolve import resolve_cache_dir
 
 pytestmark = pytest.mark.slow
 

@@ -402,8 +402,8 @@ def test_a_projection_whose_shards_mix_formats_loads_with_the_kernels(tmp_path: 
     """q in Q8_0 and k in Q4_1 (or gate and up) have rows of different byte widths: the
     kernels' loader concatenated them before seeing the formats differ, and the model
     failed to load ("Sizes of tensors must match"); such a projection stays on float32."""
+    from pagellm.cache_dir import resolve_cache_dir
     from pagellm.model import cpu_kernels
-    from pagellm.model.resolve import resolve_cache_dir
 
     kernels = resolve_cache_dir() / "kernels"
     if not cpu_kernels.load(kernels):

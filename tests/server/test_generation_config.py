@@ -96,7 +96,8 @@ def test_the_models_own_max_new_tokens_is_a_default_not_a_cap(tmp_path: Path) ->
     """A generation_config.json beside the weights (here the default model's files with
     max_new_tokens 5 added) gives requests that leave max_tokens unset 5; a request may
     still ask for more, as in vLLM."""
-    from pagellm.model.resolve import resolve_cache_dir, resolve_model_path
+    from pagellm.cache_dir import resolve_cache_dir
+    from pagellm.model.resolve import resolve_model_path
 
     source = resolve_model_path(None, resolve_cache_dir())
     model = tmp_path / "model"

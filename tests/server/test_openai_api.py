@@ -481,8 +481,9 @@ def test_logit_bias_forces_and_forbids_tokens(client: openai.OpenAI) -> None:
     first = client.completions.create(prompt=[28], echo=True, max_tokens=1, model=MODEL_NAME)
     assert forced.tokens[0] == first.choices[0].text[: len(forced.tokens[0])]
     # Forbidding the greedy first token changes it (the sampler sees the biased logits).
+    from pagellm.cache_dir import resolve_cache_dir
     from pagellm.model.loader import load_tokenizer
-    from pagellm.model.resolve import resolve_cache_dir, resolve_model_path
+    from pagellm.model.resolve import resolve_model_path
 
     tokenizer = load_tokenizer(resolve_model_path(None, resolve_cache_dir()))
     (first_id,) = tokenizer.encode(plain.tokens[0], add_special_tokens=False)
@@ -514,9 +515,10 @@ def test_bad_words_and_allowed_token_ids(client: openai.OpenAI) -> None:
 
 
 def test_continue_final_message_continues_the_assistant(client: openai.OpenAI) -> None:
+    from pagellm.cache_dir import resolve_cache_dir
     from pagellm.engine.chat_template import ChatOptions, render_chat
     from pagellm.model.loader import load_tokenizer
-    from pagellm.model.resolve import resolve_cache_dir, resolve_model_path
+    from pagellm.model.resolve import resolve_model_path
 
     messages = [{"role": "user", "content": "What is 2 + 2?"},
                 {"role": "assistant", "content": "The answer is"}]

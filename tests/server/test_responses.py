@@ -406,6 +406,8 @@ def test_logprobs_when_included(client: openai.OpenAI) -> None:
 
 @pytest.mark.parametrize(("body", "status", "param"), [
     ({"input": "Hi", "text": {"verbosity": "ultra"}}, 400, "text.verbosity"),
+    ({"input": [{"role": "user", "content": [{"type": "thinking", "thinking": "x"}]}]},
+     400, "input[0].content[0]"),
     ({"input": [{"type": "input_image"}]}, 400, "input[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      400, "input[0].content[0]"),

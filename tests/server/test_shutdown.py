@@ -15,8 +15,9 @@ import httpx
 import openai
 import pytest
 
+from pagellm.cache_dir import resolve_cache_dir
 from pagellm.model import cpu_kernels
-from pagellm.model.resolve import resolve_cache_dir, resolve_model_path
+from pagellm.model.resolve import resolve_model_path
 from tests.server.conftest import MODEL_NAME, Server, start_server
 from tests.server.test_kv_events import Follower
 

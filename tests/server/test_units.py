@@ -292,8 +292,9 @@ def test_stats_line_only_while_busy() -> None:
 def test_chat_logprob_bytes_are_the_tokens_own_bytes() -> None:
     """Tokens holding parts of a character decode to U+FFFD each; their `bytes` must be
     their real UTF-8 bytes, so that joined they give back the text."""
+    from pagellm.cache_dir import resolve_cache_dir
     from pagellm.model.loader import load_tokenizer
-    from pagellm.model.resolve import resolve_cache_dir, resolve_model_path
+    from pagellm.model.resolve import resolve_model_path
 
     tokenizer = load_tokenizer(resolve_model_path(None, resolve_cache_dir()))
     text = " Café 日本語 🎉 ok<|im_end|>"

@@ -11,7 +11,13 @@ from pagellm.worker.torch_threads import set_threads, users_threads
 
 
 @pytest.fixture(autouse=True)
-def _torch_threads_restored() -> Iterator[int]:
+def _torch_threads_restored(monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
+    """torch's count and the module's record of it, as they were: an engine built later
+    in this process must not start from these tests' counts."""
+    from pagellm.worker import torch_threads
+
+    monkeypatch.setattr(torch_threads, "_users_count", None)
+    monkeypatch.setattr(torch_threads, "_our_count", None)
     before = torch.get_num_threads()
     yield before
     torch.set_num_threads(before)

@@ -31,6 +31,8 @@ from pagellm.entrypoints.openai.serving import refuse_set
 # The include entry that asks for the output text's logprobs.
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _ROLES = ("user", "system", "developer", "assistant")
+# Chat's text parts less Anthropic's thinking, which the Responses API has no part for.
+_TEXT_PARTS = {kind: key for kind, key in TEXT_PARTS.items() if kind != "thinking"}
 # OpenAI's values of text.verbosity (accepted and echoed: a template has no such knob).
 _VERBOSITIES = (None, "low", "medium", "high")
 # Known Responses options this server cannot honour, refused rather than ignored.
@@ -166,11 +168,11 @@ def _text_content(content: Any, where: str) -> str | list[dict[str, str]]:
     parts = []
     for index, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in TEXT_PARTS:
+        if kind not in _TEXT_PARTS:
             raise bad_request(f"{where}[{index}] is a {kind!r} part; only text parts "
                               "(input_text, output_text, refusal) are supported",
                               param=f"{where}[{index}]")
-        parts.append({"type": "text", "text": required_string(part, TEXT_PARTS[kind],
+        parts.append({"type": "text", "text": required_string(part, _TEXT_PARTS[kind],
                                                               f"{where}[{index}]")})
     return parts
 
