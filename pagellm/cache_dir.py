@@ -28,6 +28,6 @@ def resolve_cache_dir(cache_dir: str | Path | None = None) -> Path:
     if chosen != home_cache and home_cache.is_dir() and not chosen.exists():
         # Versions before 2026-12 ignored XDG_CACHE_HOME: say why the model is converted
         # and the kernels built again.
-        logger.info("using the cache in $XDG_CACHE_HOME (%s); the one in %s is no longer "
-                    "read (set PAGELLM_CACHE_DIR to keep it)", chosen, home_cache)
+        logger.warning("using the cache in $XDG_CACHE_HOME (%s); the one in %s is no "
+                       "longer read (set PAGELLM_CACHE_DIR to keep it)", chosen, home_cache)
     return chosen

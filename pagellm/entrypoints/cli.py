@@ -137,6 +137,7 @@ def _start(args: argparse.Namespace, config: EngineConfig, chat_template: str | 
             # it can abort the process, so leave at once with the usual status (and
             # without the compiler the build may have started).
             cpu_kernels.stop_builds()
+            print("pagellm: interrupted while starting", file=sys.stderr)
             sys.stderr.flush()
             os._exit(130)
         return engine, engine.engine
@@ -193,6 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"pagellm: cannot start the engine: {error}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:
+            print("pagellm: interrupted while starting", file=sys.stderr)
             return 130
         print(f"PageLLM engine ready in {inner.startup_seconds:.2f} s "
               f"({time.perf_counter() - launch_time:.2f} s since launch)", file=sys.stderr)

@@ -160,6 +160,8 @@ def test_sigterm_while_the_model_loads_stops_the_start_and_its_compiler(
             time.sleep(0.1)
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 130
+        assert process.stdout is not None
+        assert b"pagellm: interrupted while starting" in process.stdout.read()
     finally:
         process.kill()
     for pid in map(int, pids.read_text().split()):
