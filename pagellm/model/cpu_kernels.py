@@ -137,11 +137,15 @@ def _build_key(command: list[str], compiler: str) -> str:
     every extension this CPU has (BMI2, VNNI, AVX-512 subsets...), so a cache directory
     shared by two machines (a network home, a container image) must not hand one a library
     with instructions only the other has: that is a crash (SIGILL), not a slowdown.
-    Called once `_instruction_set` has read /proc/cpuinfo, so the flags are readable."""
+    Called once `_instruction_set` has read /proc/cpuinfo, so the flags are readable.
+    The sources count by their bytes, not where they lie: every checkout or environment
+    with the same code shares one build (a fresh clone rebuilt for 30 s)."""
     flags = " ".join(sorted(_cpu_flags()))
+    paths = {str(source) for source in _SOURCES}
     return hashlib.sha256(
         b"".join(source.read_bytes() for source in (*_SOURCES, *_HEADERS))
-        + " ".join(command).encode() + torch.__version__.encode()
+        + " ".join(part for part in command if part not in paths).encode()
+        + torch.__version__.encode()
         + _compiler_version(compiler).encode() + flags.encode()
     ).hexdigest()[:16]
 

@@ -440,6 +440,23 @@ def test_an_unknown_instruction_set_request_turns_the_kernels_off(
     assert isa == "" and reason is not None and "PAGELLM_CPU_ISA" in reason
 
 
+def test_the_build_key_follows_the_sources_bytes_not_their_place(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every fresh clone (CI, a new checkout, another virtualenv) built the kernels again
+    for 30 s under a key of its own: the command names the sources by path."""
+    first = cpu_kernels._build_key(cpu_kernels._compile_command("g++", "avx2"), "g++")
+    copies = []
+    for source in cpu_kernels._SOURCES:
+        copies.append(tmp_path / source.name)
+        copies[-1].write_bytes(source.read_bytes())
+    monkeypatch.setattr(cpu_kernels, "_SOURCES", tuple(copies))
+    command = cpu_kernels._compile_command("g++", "avx2")
+    assert any(str(tmp_path) in part for part in command)
+    assert cpu_kernels._build_key(command, "g++") == first
+    copies[0].write_bytes(copies[0].read_bytes() + b"\n// changed\n")
+    assert cpu_kernels._build_key(command, "g++") != first
+
+
 def test_the_build_key_follows_the_cpu_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     """`-march=native` builds for every extension the CPU has: a cache directory shared
     with a machine that lacks one of them must not hand it this build."""
