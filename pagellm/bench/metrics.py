@@ -126,7 +126,7 @@ class RunResult:
         return asdict(self)
 
 
-def pool_note(engine: dict[str, Any]) -> list[str]:
+def engine_notes(engine: dict[str, Any]) -> list[str]:
     """The KV pool each engine really got, and the cores vLLM's worker computed on: a
     comparison is only fair when pools hold the same number of tokens, and its reader
     must know when the engines computed on different numbers of cores."""
@@ -182,5 +182,5 @@ def summarize(contender: str, workload: str, mode: str, records: list[RequestRec
         peak_rss_mb=peak_rss_mb, startup_s=startup_s, engine=dict(engine or {}),
         step_breakdown=breakdown, bookkeeping_share=share,
         hit_rate_timeline=hit_rate_timeline(records), ttft_samples=ttfts,
-        notes=[load_note(), *pool_note(engine or {})],
+        notes=[load_note(), *engine_notes(engine or {})],
     )
