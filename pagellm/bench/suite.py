@@ -301,6 +301,8 @@ def describe_environment(options: BenchOptions) -> dict[str, Any]:
     import torch
     import transformers
 
+    from pagellm.model import cpu_kernels
+
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "command": " ".join(sys.argv),
@@ -308,6 +310,7 @@ def describe_environment(options: BenchOptions) -> dict[str, Any]:
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}",
         "device": _describe_device(options),
         "torch threads": torch.get_num_threads(),
+        "PageLLM CPU kernels": cpu_kernels.instruction_set(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

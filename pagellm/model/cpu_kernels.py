@@ -4,7 +4,9 @@ They are compiled on first use with the machine's g++ for its own CPU (`-march=n
 into `<cache_dir>/kernels/`, keyed by the sources, torch, the compiler and the CPU's
 flags, and loaded into torch as `torch.ops.pagellm.*` (they run on torch's own thread
 pool). Building takes about 10 s, once per machine. They are written once in 16-lane
-vectors (csrc/simd.h) and built for AVX-512 or, where the CPU has none, AVX2 with FMA.
+vectors (csrc/simd.h) and built for AVX-512 or, where the CPU has none, AVX2 with FMA;
+where it also has AMX's bfloat16 tiles, matmuls of many rows run on them (exactly:
+csrc/amx_matmul.h says how).
 Where they cannot be built (no compiler, neither instruction set, not Linux on x86-64),
 `load` says why once in the log and returns False: the model then runs on torch ops
 alone, with the same results to float32 rounding.
@@ -35,8 +37,12 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = tuple(_CSRC / name
                  for name in ("quant_linear.cpp", "paged_attention.cpp", "fused_ops.cpp",
                               "decoder_layer.cpp"))
-_HEADERS = (_CSRC / "amx_matmul.h", _CSRC / "parallel.h", _CSRC / "simd.h", _CSRC / "vec_math.h")
+_HEADERS = (_CSRC / "amx_matmul.h", _CSRC / "parallel.h", _CSRC / "simd.h",
+            _CSRC / "vec_math.h")
 _LIBRARY_NAME = "libpagellm_cpu_kernels.so"
+# What the AMX matmul (csrc/amx_matmul.h) needs, as /proc/cpuinfo names it.
+_AMX_FLAGS = frozenset({"amx_tile", "amx_bf16", "avx512_bf16"})
+_NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
 
 _BUILD_TIMEOUT_S = 600
 # The compilers running now (see _run_compiler).
@@ -101,10 +107,11 @@ def _build_and_load(build_root: Path) -> bool:
 
 def _instruction_set() -> tuple[str, str | None]:
     """(the vector instructions the kernels will be built for, why they cannot be): the
-    widest the CPU has, or `PAGELLM_CPU_ISA` (avx2 on an AVX-512 CPU tests that build).
+    widest the CPU has (amx: AVX-512 with AMX's bfloat16 tiles, then avx512, then avx2),
+    or `PAGELLM_CPU_ISA` (avx512 or avx2 on a CPU with more tests those builds).
 
-    The set reaches the build's key through the compile command (an AVX2 build adds
-    `-mno-avx512f`); the CPU's whole flag list is in the key too (see `_build_key`)."""
+    The set reaches the build's key through the compile command (a narrower build adds
+    `-mno-...` options); the CPU's whole flag list is in the key too (see `_build_key`)."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return "", f"needs Linux on x86-64, this is {platform.system()} {platform.machine()}"
     try:
@@ -112,9 +119,14 @@ def _instruction_set() -> tuple[str, str | None]:
     except OSError as exc:
         return "", f"cannot read /proc/cpuinfo: {exc}"
     wanted = os.environ.get("PAGELLM_CPU_ISA", "")
-    if wanted not in ("", "avx512", "avx2"):
-        return "", f"PAGELLM_CPU_ISA={wanted!r}: expected avx512 or avx2"
-    if wanted != "avx2" and {"avx512f", "avx512bw"} <= flags:
+    if wanted not in ("", "amx", "avx512", "avx2"):
+        return "", f"PAGELLM_CPU_ISA={wanted!r}: expected amx, avx512 or avx2"
+    avx512 = {"avx512f", "avx512bw"} <= flags
+    if wanted in ("", "amx") and avx512 and _AMX_FLAGS <= flags:
+        return "amx", None
+    if wanted == "amx":
+        return "", "PAGELLM_CPU_ISA=amx, but this CPU has no AMX-BF16 with AVX-512"
+    if wanted != "avx2" and avx512:
         return "avx512", None
     if wanted == "avx512":
         return "", "PAGELLM_CPU_ISA=avx512, but this CPU has no AVX-512"
@@ -155,7 +167,9 @@ def _compile_command(compiler: str, isa: str) -> list[str]:
 
     torch_lib = Path(torch.__file__).parent / "lib"
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    narrow = ["-mno-avx512f"] if isa == "avx2" else []
+    # -march=native turns on every extension the CPU has; a narrower build turns some off
+    # (AMX does not depend on AVX-512 in GCC's options, so the AVX2 build names it too).
+    narrow = {"amx": [], "avx512": _NO_AMX, "avx2": ["-mno-avx512f", *_NO_AMX]}[isa]
     return [
         compiler, "-O3", "-march=native", *narrow, "-ffp-contract=off", "-std=c++20", "-shared",
         "-fPIC", "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w",
@@ -179,7 +193,22 @@ def _load(library: Path) -> bool:
     except (OSError, RuntimeError) as exc:
         logger.warning("CPU kernels off: cannot load %s: %s", library, exc)
         return False
+    logger.info("CPU kernels loaded%s", " (matmuls of many rows on AMX tiles)"
+                if torch.ops.pagellm.amx_in_use() else "")
     return True
+
+
+def instruction_set() -> str:
+    """The instruction set the kernels are (or would be) built for here, or why none: for
+    reports, which would otherwise not say which matmul path their numbers came from."""
+    isa, reason = _instruction_set()
+    return isa if reason is None else f"none ({reason})"
+
+
+def amx_in_use() -> bool:
+    """Whether the loaded kernels multiply many rows on AMX (built with it, and Linux
+    granted this process the tile state); False where the kernels are not loaded."""
+    return loaded() and bool(torch.ops.pagellm.amx_in_use())
 
 
 def _digest_file(library: Path) -> Path:

@@ -416,21 +416,58 @@ def test_a_layer_without_every_kernel_is_not_fused(kernels: bool) -> None:
     assert all(layer.fused_weights is None for layer in model.model.layers)
 
 
+_NARROWER = {"amx": ["avx512", "avx2"], "avx512": ["avx2"]}
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(cpu_kernels._instruction_set()[0] != "avx512",
-                    reason="the AVX2 build is the one this CPU runs anyway (or none runs)")
-def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_cpu(kernels: bool) -> None:
-    """The kernels are one source for two instruction sets; CI on an AVX-512 machine
-    would otherwise never run the AVX2 build that CPUs without AVX-512 get."""
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_a_narrower_build_passes_the_kernel_tests(kernels: bool, isa: str) -> None:
+    """The kernels are one source for several instruction sets; CI on an AMX or AVX-512
+    machine would otherwise never run the builds that CPUs without them get (the AVX-512
+    panels where there is no AMX, AVX2 where there is no AVX-512)."""
+    if isa not in _NARROWER.get(cpu_kernels._instruction_set()[0], []):
+        pytest.skip(f"this CPU runs no wider build than {isa} anyway (or none)")
     tests = Path(__file__).parent
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-rs", "-p", "no:cacheprovider",
          str(tests / "test_cpu_kernels.py"), str(tests / "test_attention.py"),
-         "-k", "not avx2_build"],
-        env={**os.environ, "PAGELLM_CPU_ISA": "avx2"}, capture_output=True, text=True,
+         "-k", "not narrower_build"],
+        env={**os.environ, "PAGELLM_CPU_ISA": isa}, capture_output=True, text=True,
         timeout=900, check=False)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and "cannot be built" not in done.stdout
+
+
+def test_many_rows_run_on_amx_where_the_build_has_it(kernels: bool) -> None:
+    """Where the CPU has AMX and Linux grants it, the tests above exercise the AMX path
+    (not the panels silently): the default build is `amx` and reports it in use."""
+    if cpu_kernels._instruction_set()[0] != "amx":
+        pytest.skip("this CPU (or PAGELLM_CPU_ISA) has no AMX build")
+    assert cpu_kernels.amx_in_use()
+    assert cpu_kernels.instruction_set() == "amx"
+
+
+def test_the_instruction_set_is_the_widest_the_cpu_has(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PAGELLM_CPU_ISA", raising=False)
+    monkeypatch.setattr(cpu_kernels.platform, "system", lambda: "Linux")
+    monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
+    amx = {"avx2", "fma", "avx512f", "avx512bw", "amx_tile", "amx_bf16", "avx512_bf16"}
+    for flags, expected in [(amx, "amx"), (amx - {"avx512_bf16"}, "avx512"),
+                            ({"avx2", "fma", "amx_tile", "amx_bf16"}, "avx2")]:
+        monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda flags=flags: frozenset(flags))
+        assert cpu_kernels._instruction_set() == (expected, None)
+    monkeypatch.setenv("PAGELLM_CPU_ISA", "avx512")
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: frozenset(amx))
+    assert cpu_kernels._instruction_set() == ("avx512", None)
+    monkeypatch.setenv("PAGELLM_CPU_ISA", "amx")
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: frozenset(amx - {"amx_bf16"}))
+    isa, reason = cpu_kernels._instruction_set()
+    assert isa == "" and reason is not None and "no AMX-BF16" in reason
+    assert cpu_kernels.instruction_set().startswith("none (PAGELLM_CPU_ISA=amx")
+    # A narrower build turns AMX off by name: it does not follow from -mno-avx512f.
+    assert "-mno-amx-tile" in cpu_kernels._compile_command("g++", "avx512")
+    assert {"-mno-avx512f", "-mno-amx-tile"} <= set(cpu_kernels._compile_command("g++", "avx2"))
+    assert not any(part.startswith("-mno-") for part in cpu_kernels._compile_command("g++", "amx"))
 
 
 def test_an_unknown_instruction_set_request_turns_the_kernels_off(

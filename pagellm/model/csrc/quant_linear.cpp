@@ -633,9 +633,20 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& scales, const at::
   return quantized_linear<Q8_0>("q8_0_linear", x, scales, nullptr, codes, gated);
 }
 
+// Whether many-row matmuls run on AMX in this process (built for it, and Linux granted the
+// tile state).
+bool amx_in_use() {
+#ifdef PAGELLM_AMX
+  return pagellm_kernels::amx::available();
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagellm, m) {
+  m.def("amx_in_use() -> bool", &amx_in_use);
   m.def("q4_1_linear(Tensor x, Tensor scales, Tensor mins, Tensor codes, bool gated=False) "
         "-> Tensor");
   m.def("q8_0_linear(Tensor x, Tensor scales, Tensor codes, bool gated=False) -> Tensor");
