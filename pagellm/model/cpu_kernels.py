@@ -168,8 +168,10 @@ def _compile_command(compiler: str, isa: str) -> list[str]:
     torch_lib = Path(torch.__file__).parent / "lib"
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     # -march=native turns on every extension the CPU has; a narrower build turns some off
-    # (AMX does not depend on AVX-512 in GCC's options, so the AVX2 build names it too).
-    narrow = {"amx": [], "avx512": _NO_AMX, "avx2": ["-mno-avx512f", *_NO_AMX]}[isa]
+    # (AMX does not depend on AVX-512 in GCC's options, so it is named where the CPU has
+    # it: GCC before 11 knows no -mno-amx-* and builds for CPUs without it as before).
+    no_amx = _NO_AMX if isa != "amx" and "amx_tile" in _cpu_flags() else []
+    narrow = [*(["-mno-avx512f"] if isa == "avx2" else []), *no_amx]
     return [
         compiler, "-O3", "-march=native", *narrow, "-ffp-contract=off", "-std=c++20", "-shared",
         "-fPIC", "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w",
@@ -202,7 +204,11 @@ def instruction_set() -> str:
     """The instruction set the kernels are (or would be) built for here, or why none: for
     reports, which would otherwise not say which matmul path their numbers came from."""
     isa, reason = _instruction_set()
-    return isa if reason is None else f"none ({reason})"
+    if reason is not None:
+        return f"none ({reason})"
+    if isa == "amx" and loaded() and not amx_in_use():
+        return "amx build, AMX refused by Linux: avx512 panels"
+    return isa
 
 
 def amx_in_use() -> bool:

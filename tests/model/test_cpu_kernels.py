@@ -6,6 +6,7 @@ with the other attention backends (test_attention.py)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -443,6 +444,9 @@ def test_many_rows_run_on_amx_where_the_build_has_it(kernels: bool) -> None:
     (not the panels silently): the default build is `amx` and reports it in use."""
     if cpu_kernels._instruction_set()[0] != "amx":
         pytest.skip("this CPU (or PAGELLM_CPU_ISA) has no AMX build")
+    release = tuple(int(part) for part in re.findall(r"\d+", os.uname().release)[:2])
+    if release < (5, 16):
+        pytest.skip(f"Linux {os.uname().release} grants no AMX tile state (5.16 does)")
     assert cpu_kernels.amx_in_use()
     assert cpu_kernels.instruction_set() == "amx"
 
@@ -464,10 +468,34 @@ def test_the_instruction_set_is_the_widest_the_cpu_has(monkeypatch: pytest.Monke
     isa, reason = cpu_kernels._instruction_set()
     assert isa == "" and reason is not None and "no AMX-BF16" in reason
     assert cpu_kernels.instruction_set().startswith("none (PAGELLM_CPU_ISA=amx")
-    # A narrower build turns AMX off by name: it does not follow from -mno-avx512f.
+    # A narrower build turns AMX off by name: it does not follow from -mno-avx512f; a CPU
+    # without AMX needs no such option (which GCC before 11 would refuse).
     assert "-mno-amx-tile" in cpu_kernels._compile_command("g++", "avx512")
     assert {"-mno-avx512f", "-mno-amx-tile"} <= set(cpu_kernels._compile_command("g++", "avx2"))
     assert not any(part.startswith("-mno-") for part in cpu_kernels._compile_command("g++", "amx"))
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: frozenset(amx - {"amx_tile"}))
+    assert cpu_kernels._compile_command("g++", "avx2").count("-mno-amx-tile") == 0
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", [9, 40])
+def test_extreme_inputs_give_no_nan_past_the_register_tiles(kernels: bool, fmt: str,
+                                                             rows: int) -> None:
+    """The largest finite floats give no NaN (the AMX path's first bfloat16 piece had
+    rounded them to infinity, and x - inf made the row NaN; a product may still overflow
+    to infinity, as in float32), an infinite x gives a row with no finite value, and the
+    other rows are untouched."""
+    blocks, dense = _blocks(fmt, 32, 64, seed=rows)
+    packed = qk.pack(qk.FORMATS[fmt], blocks, 64)
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)) * 1e-3
+    x[0, 5] = 3.3961775e38
+    got = qk.quantized_linear(x, packed)
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got[1:].double(), x[1:].double() @ dense.double().T,
+                               rtol=1e-5, atol=1e-5)
+    x[0, 5] = float("inf")
+    got = qk.quantized_linear(x, packed)
+    assert not torch.isfinite(got[0]).any() and torch.isfinite(got[1:]).all()
 
 
 def test_an_unknown_instruction_set_request_turns_the_kernels_off(

@@ -4,8 +4,8 @@
 //
 // Why it is exact: AMX multiplies bfloat16 pairs and adds the products in float32. A
 // weight's code (Q4_1: 0..15; Q8_0: -128..127) is a bfloat16 exactly, and a float32 x
-// is exactly the sum of three bfloat16 pieces (8 significant bits each: x's 24 bits, in
-// float32's exponent range), so code * piece is exact and the tile's sum over a block of
+// is exactly the sum of three bfloat16 pieces (8 significant bits each, truncated: x's 24
+// bits), so code * piece is exact and the tile's sum over a block of
 // 32 inputs is float32 addition, only in another order than the panels'. Each block's
 // sum is then scaled as Q4_1 is factored for the register tiles: scale * sum(x * code) +
 // min * sum(x). Three tile products per block still take a third of the time of AVX-512's
@@ -14,7 +14,10 @@
 //
 // A row's result depends only on that row (rows are padded to tiles with zeros), and
 // every row count takes the same path, so the panels' promise holds: a prompt computed in
-// one chunk or several gives the same bits.
+// one chunk or several gives the same bits. Where it is not exact: AMX reads bfloat16
+// subnormals as zero, so pieces under 2^-126 (x under about 2^-103) are dropped, an error
+// far below float32's rounding of any sum they are in; an infinite x goes in whole, and
+// its row is infinite or NaN as on the panels.
 //
 // Layouts: x's pieces per 16-row tile and block, [row tiles][blocks][3][16][32] bfloat16
 // (one 1 KB tile each); the weights' codes unpacked per task into B tiles [col tiles]
@@ -65,8 +68,11 @@ struct Config {
 // thread, 512 x 576 x 1,536: 2.4 -> 1.4 ms without the epilogue).
 alignas(64) inline const float kZeros[kTile * kTile] = {};
 
-inline __m512 bf16_as_float(__m256i h) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+// x's leading 8 significant bits (a bfloat16 exactly), truncated: rounding to nearest
+// would carry the largest finite floats to infinity, and then x - piece is NaN.
+inline __m512 leading_bf16(__m512 x) {
+  return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x),
+                                              _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
 // Rows [r0, r1) of x [rows, in] as three bfloat16 pieces in A-tile layout, and each row's
@@ -86,9 +92,15 @@ inline void split_rows(const float* x, int64_t rows, int64_t in, int64_t r0, int
       for (int p = 0; p < kPieces; ++p) {
         uint16_t* out = tile_row + (b * kPieces + p) * kTileElems;
         for (int h = 0; h < 2; ++h) {
-          const __m256i piece = (__m256i)_mm512_cvtneps_pbh(v[h]);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + h * 16), piece);
-          v[h] = _mm512_sub_ps(v[h], bf16_as_float(piece));
+          const __m512 piece = leading_bf16(v[h]);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + h * 16),
+                              _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(piece), 16)));
+          // What is left for the next piece (exact); none after an infinity or NaN, which
+          // the first piece carries whole (inf - inf would be NaN).
+          const __mmask16 finite = _mm512_cmp_ps_mask(v[h], v[h], _CMP_ORD_Q) &
+                                   ~_mm512_cmp_ps_mask(_mm512_abs_ps(v[h]),
+                                                       _mm512_set1_ps(__builtin_inff()), _CMP_EQ_OQ);
+          v[h] = _mm512_maskz_sub_ps(finite, v[h], piece);
         }
       }
     }

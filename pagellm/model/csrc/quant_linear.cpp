@@ -437,6 +437,9 @@ void amx_columns(const uint16_t* pieces, const float* row_sums, int64_t rows,
     }
   }
   const amx::Config config;
+  // GCC's tile intrinsics do not tell it which memory they read: the stores above (the
+  // config, the unpacked tiles) must not move past them.
+  asm volatile("" ::: "memory");
   _tile_loadconfig(&config);
   alignas(64) float stored[2][4][amx::kTile][amx::kTile];
   alignas(64) float acc[kRowsPerPass * kWidth];
@@ -550,6 +553,7 @@ at::Tensor quantized_linear(const char* name, const at::Tensor& x, const at::Ten
   const int64_t rows = x.size(0), in = x.size(1), out = tiles * kLanes;
   TORCH_CHECK(in == blocks * kBlock, name, ": x has ", in, " inputs, the weight ",
               blocks * kBlock);
+  TORCH_CHECK(blocks > 0, name, ": a weight needs at least one block of inputs");
   TORCH_CHECK(!gated || tiles % kPanel == 0, name,
               ": a gated weight has (gate, up) pairs of tiles");
   const int64_t width = gated ? out / 2 : out;
