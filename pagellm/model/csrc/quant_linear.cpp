@@ -37,6 +37,9 @@ namespace {
 using namespace pagellm_kernels::simd;
 using pagellm_kernels::for_each_task;
 using pagellm_kernels::silu_mul16;
+#ifdef PAGELLM_AMX
+namespace amx = pagellm_kernels::amx;
+#endif
 
 constexpr int64_t kLanes = 16;
 constexpr int64_t kBlock = 32;
@@ -102,11 +105,19 @@ struct Q4_1 {
 
 #ifdef PAGELLM_AMX
   static constexpr bool kHasMins = true;
-  // Input k's 16 codes (see the layout above).
-  static __m512i input(const uint8_t* q, int k) {
-    const __m512i bytes = _mm512_cvtepu8_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (k % 16) * kLanes)));
-    return k < 16 ? _mm512_and_si512(bytes, _mm512_set1_epi32(0xF)) : _mm512_srli_epi32(bytes, 4);
+  // The block's B tile (amx_matmul.h). Byte rows 2i and 2i + 1 interleaved hold pair
+  // rows i (their low nibbles: inputs 2i, 2i + 1) and i + 8 (high: 2i + 16, 2i + 17).
+  static void b_tile(const uint8_t* q, uint16_t* tile) {
+    const __m512i table = amx::small_ints_bf16();
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    for (int i = 0; i < 8; ++i) {
+      const __m256i bytes = amx::interleave_rows(q + 2 * i * kLanes, q + (2 * i + 1) * kLanes);
+      const __m512i low = _mm512_cvtepu8_epi16(_mm256_and_si256(bytes, nibble));
+      const __m512i high =
+          _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble));
+      _mm512_store_si512(tile + i * 32, _mm512_permutexvar_epi16(low, table));
+      _mm512_store_si512(tile + (i + 8) * 32, _mm512_permutexvar_epi16(high, table));
+    }
   }
 #endif
 
@@ -162,8 +173,16 @@ struct Q8_0 {
 
 #ifdef PAGELLM_AMX
   static constexpr bool kHasMins = false;
-  static __m512i input(const uint8_t* q, int k) {
-    return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * kLanes)));
+  // The block's B tile (amx_matmul.h): pair row i from byte rows 2i and 2i + 1, each
+  // code exact as a bfloat16.
+  static void b_tile(const uint8_t* q, uint16_t* tile) {
+    for (int i = 0; i < 16; ++i) {
+      const __m256i bytes = amx::interleave_rows(q + 2 * i * kLanes, q + (2 * i + 1) * kLanes);
+      const __m512 first = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
+      const __m512 second =
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
+      _mm512_store_si512(tile + i * 32, (__m512i)_mm512_cvtne2ps_pbh(second, first));
+    }
   }
 #endif
 };
@@ -394,8 +413,6 @@ void panel(const float* x, int64_t rows, int64_t in, int64_t blocks, const float
 // the tile `scales` and `codes` start at) against every row, 64 rows at a time, each
 // block's tile sums scaled into float32 accumulators that stay in L1. The codes are
 // unpacked into B tiles once per task, into this thread's scratch.
-namespace amx = pagellm_kernels::amx;
-
 // acc += scale * (the block's tile sums) (+ min * the row's block sum), for one sub-block
 // of 2 row tiles x 2 output tiles, stored in `sums_of_tiles`.
 template <class Format>
@@ -429,17 +446,22 @@ void amx_columns(const uint16_t* pieces, const float* row_sums, int64_t rows,
   const int64_t tile_elems = amx::kTileElems;
   uint16_t* b_tiles = reinterpret_cast<uint16_t*>(
       thread_scratch(0, 2 * kPairs * blocks * tile_elems / 2));
-  for (int t = 0; t < 2 * kPairs; ++t) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* q = codes + t * tile_codes + b * Format::kCodeBytes;
-      amx::unpack_tile([q](int k) { return Format::input(q, k); },
-                       b_tiles + (t * blocks + b) * tile_elems);
+  // Block b's B tiles, unpacked during the first pass over the rows (later passes reuse
+  // them): block b + 1's while the tiles compute block b's first sub-block, so the vector
+  // units unpack while the tile unit multiplies. Unpacked all before the first pass, a
+  // decode step's 32 rows spent a third of their matmul time waiting for it.
+  auto unpack_block = [&](int64_t b) {
+    for (int t = 0; t < 2 * kPairs; ++t) {
+      Format::b_tile(codes + t * tile_codes + b * Format::kCodeBytes,
+                     b_tiles + (t * blocks + b) * tile_elems);
     }
-  }
+    // GCC's tile intrinsics do not tell it which memory they read: the stores of the
+    // unpacked tiles must not move past them.
+    asm volatile("" ::: "memory");
+  };
+  unpack_block(0);
   const amx::Config config;
-  // GCC's tile intrinsics do not tell it which memory they read: the stores above (the
-  // config, the unpacked tiles) must not move past them.
-  asm volatile("" ::: "memory");
+  asm volatile("" ::: "memory");  // the config's stores, likewise
   _tile_loadconfig(&config);
   alignas(64) float stored[2][4][amx::kTile][amx::kTile];
   alignas(64) float acc[kRowsPerPass * kWidth];
@@ -477,6 +499,7 @@ void amx_columns(const uint16_t* pieces, const float* row_sums, int64_t rows,
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
           }
+          if (r0 == 0 && ci == 0 && ri == 0 && b + 1 < blocks) unpack_block(b + 1);
           if (pending_b >= 0) scale_pending();
           _tile_stored(0, stored[slot][0], 64);
           _tile_stored(1, stored[slot][1], 64);
