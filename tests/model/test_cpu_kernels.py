@@ -106,6 +106,27 @@ def test_kernel_matches_float64(kernels: bool, fmt: str, rows: int, out: int) ->
     assert (got.double() - expected).abs().max().item() < 1e-5
 
 
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("in_features", [32, 64, 1536])
+@pytest.mark.parametrize("rows", [9, 64, 65, 200])
+def test_many_rows_at_every_depth(kernels: bool, fmt: str, in_features: int,
+                                  rows: int) -> None:
+    """Past the register tiles, at one block of inputs, a few and many: on AMX a block's
+    codes are unpacked while the tiles multiply the block before, in the first pass over
+    the rows only (64 rows a pass), and later passes reuse them. Matches float64, and
+    identity rows read the weights back bit for bit wherever they sit among the rows."""
+    blocks, dense = _blocks(fmt, 96, in_features, seed=rows + in_features)
+    packed = qk.pack(qk.FORMATS[fmt], blocks, in_features)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+    eye = torch.eye(in_features)
+    picks = torch.arange(0, in_features, max(1, in_features // 8))[:rows]
+    at = torch.linspace(0, rows - 1, len(picks)).long()
+    x[at] = eye[picks]
+    got = qk.quantized_linear(x, packed)
+    assert torch.equal(got[at], dense.T[picks])
+    assert (got.double() - x.double() @ dense.double().T).abs().max().item() < 1e-5
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rows", [1, 8, 9, 13, 40, 600])
 def test_gated_kernel_is_silu_mul_of_the_product_bit_for_bit(
