@@ -125,7 +125,10 @@ def test_many_rows_at_every_depth(kernels: bool, fmt: str, in_features: int,
     x[at] = eye[picks]
     got = qk.quantized_linear(x, packed)
     assert torch.equal(got[at], dense.T[picks])
-    assert (got.double() - x.double() @ dense.double().T).abs().max().item() < 1e-5
+    # The float32 panels' error grows with the depth they add up (1.2e-5 at 1,536 inputs
+    # without AMX), so the bound of 576 inputs is scaled to it.
+    bound = max(1e-6, 1e-5 * in_features / 576)
+    assert (got.double() - x.double() @ dense.double().T).abs().max().item() < bound
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rows", [1, 8, 9, 13, 40, 600])
