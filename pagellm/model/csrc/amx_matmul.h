@@ -110,8 +110,8 @@ inline void split_rows(const float* x, int64_t rows, int64_t in, int64_t r0, int
 
 // Byte rows a and b (16 outputs' codes of two successive inputs) interleaved as a B
 // tile's row pairs them: byte 2n from a, 2n + 1 from b. Interleaving the bytes before
-// widening them, not the widened integers, halves the unpacking of the codes, which a
-// decode step of 32 rows spends a third of its matmul time on.
+// widening them, not the widened integers, halves the instructions of the unpacking
+// (32 x 576 x 3,072, 2 threads: 0.075 -> 0.042 ms with the split of x).
 inline __m256i interleave_rows(const uint8_t* a, const uint8_t* b) {
   const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
   const __m128i y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
