@@ -381,9 +381,19 @@ AttendFn pick(int64_t group, int64_t nv) {
 // there are requests enough to keep the threads busy: each block is then read whole, one
 // contiguous run of the pool, where head by head each task reads 256 of every 768 bytes
 // (SmolLM2) and the prefetchers fell behind: plain reads of the pool ran at 17 GB/s that
-// way against 26-30 GB/s whole. With AVX-512, one head per task, as it was measured there.
-int64_t kv_heads_per_task(int64_t requests, int64_t kv_heads, int64_t group) {
-  if (kWideRegisters || requests < 4 * at::get_num_threads()) return 1;
+// way against 26-30 GB/s whole. With AVX-512, whose kernel takes a task's heads one after
+// the other, only where the longest request's keys and values (`request_bytes`, all its
+// heads) fit in a share of L2: the heads after the first then read the blocks from L2.
+// 30 layers' pools, 2 threads, alternating processes: 32 requests x 64 keys (the
+// shared-prefix workload's own keys beside the cascade's prefix) 3.3-3.9 -> 3.0-3.1 ms,
+// 64 x 300 keys 47.4-48.2 -> 43.1-43.7 ms; past L2, 32 x 1,056 keys went 81.6-83.1 ->
+// 83.6-89.5 ms, so those stay one head per task.
+constexpr int64_t kL2Share = 512 * 1024;
+int64_t kv_heads_per_task(int64_t requests, int64_t kv_heads, int64_t group,
+                          int64_t request_bytes) {
+  if (requests < 4 * at::get_num_threads() || (kWideRegisters && request_bytes > kL2Share)) {
+    return 1;
+  }
   return std::max<int64_t>(1, std::min<int64_t>(kv_heads, kMaxTaskHeads / group));
 }
 
@@ -433,10 +443,12 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention(
   at::Tensor lse = at::empty({requests, heads}, q.options());
   const int32_t* len_p = lens.data_ptr<int32_t>();
   const int64_t width = block_tables.size(1);
+  int64_t longest = 0;
   for (int64_t r = 0; r < requests; ++r) {
     TORCH_CHECK(len_p[r] >= 1 && len_p[r] <= width * block_size,
                 "paged_decode_attention: request ", r, " has ", len_p[r], " keys for ", width,
                 " blocks");
+    longest = std::max<int64_t>(longest, len_p[r]);
   }
   const int64_t group = heads / kv_heads;
   const float* qp = q.data_ptr<float>();
@@ -450,7 +462,8 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention(
   const float* pl = prior_lse.has_value() ? prior_lse->data_ptr<float>() : nullptr;
   const int64_t token_stride = kv_heads * dim, block_stride = block_size * token_stride;
   const float s = static_cast<float>(scale);
-  const int64_t run = kv_heads_per_task(requests, kv_heads, group);
+  const int64_t run = kv_heads_per_task(requests, kv_heads, group,
+                                        2 * longest * token_stride * int64_t{sizeof(float)});
   const int64_t runs = (kv_heads + run - 1) / run;
   for_each_task(requests * runs, [&](int64_t i) {
     const int64_t r = i / runs, h = i % runs * run;
