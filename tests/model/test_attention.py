@@ -341,6 +341,9 @@ def test_decode_kernel_rejects_bad_inputs() -> None:
     with pytest.raises(RuntimeError, match="not supported"):
         attend(torch.randn(1, 4, 48), torch.zeros(4, 16, 2, 48), torch.zeros(4, 16, 2, 48),
                tables, torch.tensor([3], dtype=torch.int32), 0.125)
+    with pytest.raises(RuntimeError, match="contiguous heads"):
+        attend(torch.randn(1, 64, 4).transpose(1, 2), cache[0], cache[1], tables,
+               torch.tensor([3], dtype=torch.int32), 0.125)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -407,6 +410,15 @@ def test_decode_kernel_matches_float64_for_any_head_grouping(
     plain = torch.ops.pagellm.paged_decode_attention(q, cache[0], cache[1], tables, lens, 0.125)
     merged = torch.ops.pagellm.paged_decode_attention(q, cache[0], cache[1], tables, lens, 0.125,
                                                       prior_out, prior_lse)
+    # Queries read in place from wider rows (a view of the qkv output): the same bits.
+    wide = torch.randn(requests, (heads + 2 * kv_heads) * dim, generator=gen)
+    wide[:, :heads * dim] = q.flatten(1)
+    strided = wide[:, :heads * dim].view(requests, heads, dim)
+    assert not strided.is_contiguous()
+    for got, want in zip(torch.ops.pagellm.paged_decode_attention(
+            strided, cache[0], cache[1], tables, lens, 0.125, prior_out, prior_lse), merged,
+            strict=True):
+        assert torch.equal(got, want)
     for r in range(requests):
         n = int(lens[r])
         k, v = (cache[i][tables[r].long()].reshape(-1, kv_heads, dim)[:n].double()

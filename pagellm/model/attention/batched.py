@@ -337,9 +337,13 @@ class TorchBatchedBackend(AttentionBackend):
     ) -> torch.Tensor:
         """Attention for one group: [Rg * Q, H, D], padded rows included."""
         r, q_len, hkv, d = group.n_requests, group.q_len, spec.num_kv_heads, spec.head_dim
-        q = query.index_select(0, group.q_src)
         if group.tables is not None:
+            # The whole batch in order (a decode step): the kernel reads the queries where
+            # they are, a strided view of the qkv output.
+            in_place = group.out_dst is None
+            q = query if in_place else query.index_select(0, group.q_src)
             return self._decode_with_kernel(q, kv_cache, group, spec)
+        q = query.index_select(0, group.q_src)
         kv = self._gather(kv_cache, group.blocks).view(2, r, -1, hkv, d).transpose(2, 3)
         # Fresh prompts use the kernel's built-in causal mask, about 2x faster than an
         # explicit one; padded keys sit after every real query, so they stay masked.

@@ -405,7 +405,8 @@ void check_caches(const char* op, const at::Tensor& k_cache, const at::Tensor& v
               op, ": caches must be contiguous float32 [N, B, Hkv, D]");
 }
 
-// q [R, H, D]; k_cache, v_cache [N, B, Hkv, D]; block_tables [R, W] int32, row r the
+// q [R, H, D], its heads contiguous (rows may lie apart: a view of the qkv output);
+// k_cache, v_cache [N, B, Hkv, D]; block_tables [R, W] int32, row r the
 // blocks of request r's keys from its first; lens [R] keys per request (>= 1).
 // prior_out [Hkv, R * G, D] and prior_lse [Hkv, R * G] (the prefix kernel's layout, G =
 // H / Hkv), optional: the same queries' attention over other keys, merged into the result.
@@ -414,8 +415,9 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& block_tables, const at::Tensor& lens, double scale,
     const std::optional<at::Tensor>& prior_out, const std::optional<at::Tensor>& prior_lse) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
-              "paged_decode_attention: q must be a contiguous float32 [R, H, D] tensor");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 &&
+                  (q.size(1) == 1 || q.stride(1) == q.size(2)),
+              "paged_decode_attention: q must be float32 [R, H, D] with contiguous heads");
   check_caches("paged_decode_attention", k_cache, v_cache);
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt &&
                   block_tables.size(0) == q.size(0) && block_tables.stride(1) == 1,
@@ -452,6 +454,7 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention(
   }
   const int64_t group = heads / kv_heads;
   const float* qp = q.data_ptr<float>();
+  const int64_t q_stride = q.stride(0);
   const float* kp = k_cache.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
@@ -467,12 +470,13 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention(
   const int64_t runs = (kv_heads + run - 1) / run;
   for_each_task(requests * runs, [&](int64_t i) {
     const int64_t r = i / runs, h = i % runs * run;
-    const int64_t q_offset = (r * heads + h * group) * dim;
+    const int64_t out_offset = (r * heads + h * group) * dim;
     const int64_t prior_row = (h * requests + r) * group;
-    fn(qp + q_offset, kp + h * dim, vp + h * dim, tables + r * table_stride, len_p[r],
-       block_size, block_stride, token_stride, s, std::min(run, kv_heads - h),
-       po == nullptr ? nullptr : po + prior_row * dim, pl == nullptr ? nullptr : pl + prior_row,
-       requests * group, op + q_offset, lp + r * heads + h * group);
+    fn(qp + r * q_stride + h * group * dim, kp + h * dim, vp + h * dim,
+       tables + r * table_stride, len_p[r], block_size, block_stride, token_stride, s,
+       std::min(run, kv_heads - h), po == nullptr ? nullptr : po + prior_row * dim,
+       pl == nullptr ? nullptr : pl + prior_row, requests * group, op + out_offset,
+       lp + r * heads + h * group);
   });
   return {out, lse};
 }
