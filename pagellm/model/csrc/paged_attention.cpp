@@ -397,6 +397,14 @@ int64_t kv_heads_per_task(int64_t requests, int64_t kv_heads, int64_t group,
   return std::max<int64_t>(1, std::min<int64_t>(kv_heads, kMaxTaskHeads / group));
 }
 
+// Queries as the decode and prefill kernels read them, in place: float32 [rows, H, D] with
+// each row's heads contiguous; rows may lie apart (a view of the qkv output).
+void check_queries(const char* op, const at::Tensor& q) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 &&
+                  (q.size(1) == 1 || q.stride(1) == q.size(2)),
+              op, ": q must be float32 [rows, H, D] with contiguous heads");
+}
+
 // The paged pool every attention op reads: K and V, each contiguous float32 [N, B, Hkv, D].
 void check_caches(const char* op, const at::Tensor& k_cache, const at::Tensor& v_cache) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat &&
@@ -405,9 +413,9 @@ void check_caches(const char* op, const at::Tensor& k_cache, const at::Tensor& v
               op, ": caches must be contiguous float32 [N, B, Hkv, D]");
 }
 
-// q [R, H, D], its heads contiguous (rows may lie apart: a view of the qkv output);
-// k_cache, v_cache [N, B, Hkv, D]; block_tables [R, W] int32, row r the
-// blocks of request r's keys from its first; lens [R] keys per request (>= 1).
+// q [R, H, D] (check_queries); k_cache, v_cache [N, B, Hkv, D]; block_tables [R, W]
+// int32, row r the blocks of request r's keys from its first; lens [R] keys per request
+// (>= 1).
 // prior_out [Hkv, R * G, D] and prior_lse [Hkv, R * G] (the prefix kernel's layout, G =
 // H / Hkv), optional: the same queries' attention over other keys, merged into the result.
 // Returns out [R, H, D] and the log-sum-exp of the (scaled) scores [R, H].
@@ -415,9 +423,7 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& block_tables, const at::Tensor& lens, double scale,
     const std::optional<at::Tensor>& prior_out, const std::optional<at::Tensor>& prior_lse) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 &&
-                  (q.size(1) == 1 || q.stride(1) == q.size(2)),
-              "paged_decode_attention: q must be float32 [R, H, D] with contiguous heads");
+  check_queries("paged_decode_attention", q);
   check_caches("paged_decode_attention", k_cache, v_cache);
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt &&
                   block_tables.size(0) == q.size(0) && block_tables.stride(1) == 1,
@@ -842,9 +848,7 @@ std::tuple<at::Tensor, at::Tensor> paged_prefill_attention(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& tables, const at::Tensor& starts, const at::Tensor& lens,
     const at::Tensor& contexts, double scale, int64_t group) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 &&
-                  (q.size(1) == 1 || q.stride(1) == q.size(2)),
-              "paged_prefill_attention: q must be float32 [T, H, D] with contiguous heads");
+  check_queries("paged_prefill_attention", q);
   check_caches("paged_prefill_attention", k_cache, v_cache);
   TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == at::kInt && tables.is_contiguous(),
               "paged_prefill_attention: tables must be contiguous int32 [R, W]");

@@ -415,10 +415,6 @@ void panel(const float* x, int64_t rows, int64_t in, int64_t blocks, const float
 }
 
 #ifdef PAGELLM_AMX
-// The AMX path (amx_matmul.h) for one task: `kPairs` panels (2 * kPairs output tiles from
-// the tile `scales` and `codes` start at) against every row, 64 rows at a time, each
-// block's tile sums scaled into float32 accumulators that stay in L1. The codes are
-// unpacked into B tiles once per task, into this thread's scratch.
 // acc += scale * (the block's tile sums) (+ min * the row's block sum), for one sub-block
 // of 2 row tiles x 2 output tiles, stored in `sums_of_tiles`.
 template <class Format>
@@ -443,6 +439,10 @@ void amx_scale(const float (*sums_of_tiles)[amx::kTile][amx::kTile], const float
   }
 }
 
+// The AMX path (amx_matmul.h) for one task: `kPairs` panels (2 * kPairs output tiles from
+// the tile `scales` and `codes` start at) against every row, 64 rows at a time, each
+// block's tile sums scaled into float32 accumulators that stay in L1. The codes are
+// unpacked into B tiles once per task, into this thread's scratch.
 template <class Format, int kPairs>
 void amx_columns(const uint16_t* pieces, const float* row_sums, int64_t rows,
                  int64_t padded_rows, int64_t blocks, const float* scales, const float* mins,
@@ -458,7 +458,7 @@ void amx_columns(const uint16_t* pieces, const float* row_sums, int64_t rows,
   // decode step's 32 rows spent a third of their matmul time waiting for it. With each
   // block, the same share of the next task's blocks is fetched: a decode step's weights
   // come from memory, not cache (32 x 576 x 3,072 with 128 weights in turn, 2 threads:
-  // 0.24-0.25 -> 0.21-0.22 ms; shared-prefix decode steps 47-48 -> 42-46 ms).
+  // 0.24-0.25 -> 0.21-0.22 ms; shared-prefix decode steps 48.7-51.7 -> 46.3-47.5 ms).
   const int64_t next_lines = next.total();
   auto unpack_block = [&](int64_t b) {
     for (int64_t i = b * next_lines / blocks; i < (b + 1) * next_lines / blocks; ++i) {
@@ -683,7 +683,7 @@ at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& scales, const at::
 // tile state).
 bool amx_in_use() {
 #ifdef PAGELLM_AMX
-  return pagellm_kernels::amx::available();
+  return amx::available();
 #else
   return false;
 #endif
