@@ -106,7 +106,6 @@ def test_kernel_matches_float64(kernels: bool, fmt: str, rows: int, out: int) ->
     assert (got.double() - expected).abs().max().item() < 1e-5
 
 
-
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("in_features", [32, 64, 1536])
 @pytest.mark.parametrize("rows", [9, 64, 65, 200])
@@ -129,6 +128,7 @@ def test_many_rows_at_every_depth(kernels: bool, fmt: str, in_features: int,
     # without AMX), so the bound of 576 inputs is scaled to it.
     bound = max(1e-6, 1e-5 * in_features / 576)
     assert (got.double() - x.double() @ dense.double().T).abs().max().item() < bound
+
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rows", [1, 8, 9, 13, 40, 600])
