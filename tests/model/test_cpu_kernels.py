@@ -182,7 +182,7 @@ def test_gated_mlp_takes_the_gated_kernel_only_where_it_fits(kernels: bool) -> N
 def test_panel_rows_do_not_depend_on_the_other_rows(kernels: bool, fmt: str, gated: bool) -> None:
     """Above the register tiles (8 rows; 6 or 4 with AVX2), a row's result is the same
     bits whatever else is in the call: how many rows, where the row sits in its pass of
-    rows, and which 512-row sweep holds it. The engine relies on it: a prompt computed in
+    rows, and which 512-row sweep (on AMX: which chunk of rows) holds it. The engine relies on it: a prompt computed in
     one chunk or in several, or next to other requests, must give the same hidden states
     (caching on and off give the same tokens)."""
     blocks, _ = _blocks(fmt, 2 * 96, 1536, seed=7)
