@@ -191,13 +191,11 @@ inline void narrow_scores(const float* qs, int64_t q_stride, const float* const*
     vreg qv[HP];
     PAGELLM_UNROLL
     for (int h = 0; h < HP; ++h) {
-      qv[h] = load_reg(qs + h * q_stride + c * kRegisterLanes);
-      in_register(qv[h]);
+      qv[h] = in_register(load_reg(qs + h * q_stride + c * kRegisterLanes));
     }
     PAGELLM_UNROLL
     for (int j = 0; j < kNarrowKeys; ++j) {
-      vreg kv = loadu_reg(keys[j] + c * kRegisterLanes);
-      in_register(kv);
+      const vreg kv = in_register(loadu_reg(keys[j] + c * kRegisterLanes));
       PAGELLM_UNROLL
       for (int h = 0; h < HP; ++h) acc[h][j] = fmadd(qv[h], kv, acc[h][j]);
     }
@@ -228,14 +226,12 @@ inline void narrow_values(const float* p, int64_t p_stride, const float* vb,
     vreg pt[HP];
     PAGELLM_UNROLL
     for (int h = 0; h < HP; ++h) {
-      pt[h] = broadcast_reg(p + h * p_stride + t);
-      in_register(pt[h]);
+      pt[h] = in_register(broadcast_reg(p + h * p_stride + t));
     }
     const float* vt = vb + t * token_stride + d0;
     PAGELLM_UNROLL
     for (int v = 0; v < kVecs; ++v) {
-      vreg val = loadu_reg(vt + v * kRegisterLanes);
-      in_register(val);
+      const vreg val = in_register(loadu_reg(vt + v * kRegisterLanes));
       PAGELLM_UNROLL
       for (int h = 0; h < HP; ++h) acc[h][v] = fmadd(pt[h], val, acc[h][v]);
     }
@@ -532,8 +528,7 @@ inline void score_pass(const float* qt, const float* const* keys, int r0, float*
     vf qv[C];
     PAGELLM_UNROLL
     for (int r = 0; r < C; ++r) {
-      qv[r] = load(qt + d * W + (r0 + r) * 16);
-      in_register(qv[r]);
+      qv[r] = in_register(load(qt + d * W + (r0 + r) * 16));
     }
     PAGELLM_UNROLL
     for (int j = 0; j < kKeysPerPass; ++j) {
@@ -703,8 +698,7 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
           vf val[kPvDims];
           PAGELLM_UNROLL
           for (int v = 0; v < kPvDims; ++v) {
-            val[v] = loadu(vp[t] + d0 + v * 16);
-            in_register(val[v]);
+            val[v] = in_register(loadu(vp[t] + d0 + v * 16));
           }
           const float* p = st + t * W + r0;
           PAGELLM_UNROLL

@@ -326,8 +326,7 @@ void panel_rows(const float* x, int64_t ldx, int64_t depth, const float* w, floa
       vreg wv[kVecs];
       PAGELLM_UNROLL
       for (int v = 0; v < kVecs; ++v) {
-        wv[v] = load_reg(w + k * kWidth + v * kRegisterLanes);
-        in_register(wv[v]);
+        wv[v] = in_register(load_reg(w + k * kWidth + v * kRegisterLanes));
       }
       PAGELLM_UNROLL
       for (int r = 0; r < R; ++r) {
@@ -341,13 +340,11 @@ void panel_rows(const float* x, int64_t ldx, int64_t depth, const float* w, floa
       vreg xv[R];
       PAGELLM_UNROLL
       for (int r = 0; r < R; ++r) {
-        xv[r] = broadcast_reg(x + r * ldx + k);
-        in_register(xv[r]);
+        xv[r] = in_register(broadcast_reg(x + r * ldx + k));
       }
       PAGELLM_UNROLL
       for (int v = 0; v < kVecs; ++v) {
-        vreg wv = load_reg(w + k * kWidth + v * kRegisterLanes);
-        in_register(wv);
+        const vreg wv = in_register(load_reg(w + k * kWidth + v * kRegisterLanes));
         PAGELLM_UNROLL
         for (int r = 0; r < R; ++r) acc[r][v] = fmadd(xv[r], wv, acc[r][v]);
       }
