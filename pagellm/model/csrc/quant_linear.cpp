@@ -437,7 +437,8 @@ void amx_scale(const float (*sums_of_tiles)[amx::kTile][amx::kTile], const float
 }
 
 // The AMX path (amx_matmul.h) for one task: `kPairs` panels (2 * kPairs output tiles from
-// the tile `scales` and `codes` start at) against every row, 64 rows at a time, each
+// the tile `scales` and `codes` start at) against a chunk of rows (`pieces`, `row_sums`
+// and `y` at its first row; `rows` of its `padded_rows` real), 64 rows at a time, each
 // block's tile sums scaled into float32 accumulators that stay in L1. The codes are
 // unpacked into B tiles once per task, into this thread's scratch.
 template <class Format, int kPairs>
