@@ -283,7 +283,7 @@ def test_decode_kernel_is_taken_and_exact(
     cascade is forced here; a small group keeps to the decode kernel alone."""
     calls: list[str] = []
     decode = TorchBatchedBackend._decode_with_kernel
-    prefix = TorchBatchedBackend._attend_prefix
+    prefix = TorchBatchedBackend._decode_prefix
 
     def counting_decode(*args: Any) -> Any:
         calls.append("decode")
@@ -294,7 +294,7 @@ def test_decode_kernel_is_taken_and_exact(
         return prefix(*args)
 
     monkeypatch.setattr(TorchBatchedBackend, "_decode_with_kernel", counting_decode)
-    monkeypatch.setattr(TorchBatchedBackend, "_attend_prefix", counting_prefix)
+    monkeypatch.setattr(TorchBatchedBackend, "_decode_prefix", counting_prefix)
     check(KERNELS, make_case(3, [(40, 1), (41, 1)], shared_blocks=8, block_size=4,
                              head_dim=head_dim))
     assert calls == ["decode"]
@@ -366,6 +366,12 @@ def test_decode_kernel_merges_a_prior_attention_exactly(head_dim: int) -> None:
         prior = torch.ops.pagellm.paged_prefix_attention(
             shared_q.reshape(kv_heads, -1, head_dim).contiguous(), cache[0], cache[1], prefix,
             scale)
+        # The same queries read in place, a strided view as of the qkv output: same bits.
+        wide = torch.randn(requests, heads + 4, head_dim, generator=gen)
+        wide[:, 1 : 1 + heads] = q
+        in_place = torch.ops.pagellm.paged_prefix_attention(
+            wide[:, 1 : 1 + heads], cache[0], cache[1], prefix, scale, group)
+        assert all(torch.equal(a, b) for a, b in zip(in_place, prior, strict=True))
         out, lse = torch.ops.pagellm.paged_decode_attention(
             q, cache[0], cache[1], own, own_lens, scale, *prior)
         for r in range(requests):
@@ -379,6 +385,13 @@ def test_decode_kernel_merges_a_prior_attention_exactly(head_dim: int) -> None:
             torch.testing.assert_close(out[r].double(), expected[:, 0], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(lse[r].double(), torch.logsumexp(scores, -1)[:, 0],
                                        atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="whole groups of query heads"):
+        torch.ops.pagellm.paged_prefix_attention(q, cache[0], cache[1], prefix, 0.1, 4)
+    with pytest.raises(RuntimeError, match="contiguous heads"):
+        torch.ops.pagellm.paged_prefix_attention(q.transpose(1, 2), cache[0], cache[1], prefix,
+                                                 0.1, group)
+    with pytest.raises(RuntimeError, match="group must be >= 0"):
+        torch.ops.pagellm.paged_prefix_attention(q, cache[0], cache[1], prefix, 0.1, -1)
     with pytest.raises(RuntimeError, match="go together"):
         torch.ops.pagellm.paged_decode_attention(q, cache[0], cache[1], own, own_lens, 0.1,
                                                  prior[0], None)

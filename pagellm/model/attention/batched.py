@@ -373,14 +373,10 @@ class TorchBatchedBackend(AttentionBackend):
         self, shared_q: torch.Tensor, kv_cache: torch.Tensor, group: _Group, spec: AttentionSpec
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every query of the group [Hkv, M, D] against the shared prefix, unmasked:
-        output [Hkv, M, D] and log-sum-exp [Hkv, M]. The compiled kernel reads the blocks
-        in place (about 2x torch's flash kernel on contiguous K/V here); otherwise they are
-        gathered, unless consecutive, and attended by SDPA."""
+        output [Hkv, M, D] and log-sum-exp [Hkv, M], without the kernels (with them, a
+        decode cascade goes through `_decode_prefix`): the blocks are gathered, unless
+        consecutive, and attended by SDPA."""
         assert group.prefix_blocks is not None
-        if group.prefix_ids is not None:
-            result: tuple[torch.Tensor, torch.Tensor] = torch.ops.pagellm.paged_prefix_attention(
-                shared_q.contiguous(), kv_cache[0], kv_cache[1], group.prefix_ids, spec.scale)
-            return result
         if group.prefix_start is None:
             prefix = self._gather(kv_cache, group.prefix_blocks, "prefix")
         else:
@@ -420,15 +416,27 @@ class TorchBatchedBackend(AttentionBackend):
         here, in two measurements); the decode kernel then attends each request's own
         blocks and merges the two."""
         assert group.tables is not None and group.key_lens is not None
-        r, hkv, d = group.n_requests, spec.num_kv_heads, spec.head_dim
+        q = q.view(group.n_requests, spec.num_heads, spec.head_dim)
         prior: tuple[torch.Tensor, torch.Tensor] | tuple[None, None] = (None, None)
         if group.prefix_blocks is not None:
-            shared_q = q.view(r, hkv, spec.num_heads // hkv, d).transpose(0, 1)
-            prior = self._attend_prefix(shared_q.reshape(hkv, -1, d), kv_cache, group, spec)
+            prior = self._decode_prefix(q, kv_cache, group, spec)
         out: tuple[torch.Tensor, torch.Tensor] = torch.ops.pagellm.paged_decode_attention(
-            q.view(r, spec.num_heads, d), kv_cache[0], kv_cache[1], group.tables,
-            group.key_lens, spec.scale, *prior)
+            q, kv_cache[0], kv_cache[1], group.tables, group.key_lens, spec.scale, *prior)
         return out[0]
+
+    def _decode_prefix(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, group: _Group, spec: AttentionSpec
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every decoding request's query heads [r, H, D] against the group's shared
+        prefix at once: out [Hkv, r * G, D] and log-sum-exp [Hkv, r * G]. The prefix kernel
+        reads the blocks in place (about 2x torch's flash kernel on contiguous K/V here)
+        and the queries too, a strided view of the qkv output (laid out per kv head first,
+        they were copied every layer, ~25 us with the Python around it)."""
+        assert group.prefix_ids is not None
+        result: tuple[torch.Tensor, torch.Tensor] = torch.ops.pagellm.paged_prefix_attention(
+            q, kv_cache[0], kv_cache[1], group.prefix_ids, spec.scale,
+            spec.num_heads // spec.num_kv_heads)
+        return result
 
     def _attend_cascade(
         self,
