@@ -38,6 +38,15 @@ def kernels_loaded() -> bool:
     return cpu_kernels.load(resolve_cache_dir() / "kernels")
 
 
+def prefix_attention(q: torch.Tensor, cache: torch.Tensor, blocks: torch.Tensor,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefix kernel on queries given kv head first, [Hkv, M, D]: one query head per kv
+    head (group 1), laid out as the kernel reads them, [M, Hkv, D]."""
+    result: tuple[torch.Tensor, torch.Tensor] = torch.ops.pagellm.paged_prefix_attention(
+        q.transpose(0, 1).contiguous(), cache[0], cache[1], blocks, scale, 1)
+    return result
+
+
 def dense_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: int, window: int | None
 ) -> torch.Tensor:
@@ -362,10 +371,8 @@ def test_decode_kernel_merges_a_prior_attention_exactly(head_dim: int) -> None:
     own_lens = torch.tensor([1, 3, 4, 6, 8], dtype=torch.int32)
     for scale in (0.125, 2.0):
         q = torch.randn(requests, heads, head_dim, generator=gen)
-        shared_q = q.view(requests, kv_heads, group, head_dim).transpose(0, 1)
-        prior = torch.ops.pagellm.paged_prefix_attention(
-            shared_q.reshape(kv_heads, -1, head_dim).contiguous(), cache[0], cache[1], prefix,
-            scale)
+        prior = torch.ops.pagellm.paged_prefix_attention(q, cache[0], cache[1], prefix, scale,
+                                                         group)
         # The same queries read in place, a strided view as of the qkv output: same bits.
         wide = torch.randn(requests, heads + 4, head_dim, generator=gen)
         wide[:, 1 : 1 + heads] = q
@@ -390,8 +397,8 @@ def test_decode_kernel_merges_a_prior_attention_exactly(head_dim: int) -> None:
     with pytest.raises(RuntimeError, match="contiguous heads"):
         torch.ops.pagellm.paged_prefix_attention(q.transpose(1, 2), cache[0], cache[1], prefix,
                                                  0.1, group)
-    with pytest.raises(RuntimeError, match="group must be >= 0"):
-        torch.ops.pagellm.paged_prefix_attention(q, cache[0], cache[1], prefix, 0.1, -1)
+    with pytest.raises(RuntimeError, match="whole groups of query heads"):
+        torch.ops.pagellm.paged_prefix_attention(q, cache[0], cache[1], prefix, 0.1, 0)
     with pytest.raises(RuntimeError, match="go together"):
         torch.ops.pagellm.paged_decode_attention(q, cache[0], cache[1], own, own_lens, 0.1,
                                                  prior[0], None)
@@ -538,8 +545,7 @@ def test_prefix_kernel_over_many_key_chunks_is_exact(head_dim: int, block_size: 
     for rows, context in ((1, -1), (40, -1), (100, -1), (9, 90), (150, n_keys - 50), (48, 0)):
         q = torch.randn(kv_heads, rows, head_dim, generator=gen) + 1.0
         if context < 0:
-            out, lse = torch.ops.pagellm.paged_prefix_attention(q, cache[0], cache[1], blocks,
-                                                                0.5)
+            out, lse = prefix_attention(q, cache, blocks, 0.5)
         else:
             # A causal chunk is read and written as the model lays out queries, [Q, H, D],
             # here a strided view of a wider tensor (as of the fused qkv output).
@@ -669,10 +675,8 @@ def test_prefix_kernel_results_do_not_depend_on_the_threads() -> None:
                 torch.ops.pagellm.paged_prefill_attention(
                     causal_q, cache[0], cache[1], blocks[None], torch.tensor([0]),
                     torch.tensor([300]), torch.tensor([70 * 16 - 300]), 0.125, 3),
-                torch.ops.pagellm.paged_prefix_attention(
-                    shared_q, cache[0], cache[1], blocks, 0.125),
-                torch.ops.pagellm.paged_prefix_attention(
-                    few_q, cache[0], cache[1], blocks, 0.125)))
+                prefix_attention(shared_q, cache, blocks, 0.125),
+                prefix_attention(few_q, cache, blocks, 0.125)))
     finally:
         torch.set_num_threads(threads)
     for other in results[1:]:
@@ -698,7 +702,7 @@ def test_prefix_kernel_splits_the_keys_of_a_small_cascade_exactly(
         blocks = torch.randperm(12, generator=gen)[:n_blocks].to(torch.int32)
         q = torch.randn(kv_heads, rows, 64, generator=gen) * 2.0
         cache[0][blocks[-1].long(), :3] += 2.0 * q.mean(1)[None].sign()
-        out, lse = torch.ops.pagellm.paged_prefix_attention(q, cache[0], cache[1], blocks, 0.3)
+        out, lse = prefix_attention(q, cache, blocks, 0.3)
         k, v = (cache[i][blocks.long()].reshape(-1, kv_heads, 64).double() for i in range(2))
         scores = torch.einsum("hmd,khd->hmk", q.double(), k) * 0.3
         expected = torch.einsum("hmk,khd->hmd", scores.softmax(-1), v)

@@ -740,30 +740,23 @@ PrefixFn pick_prefix_rows(int64_t rows) {
   }
 }
 
-// q [Hkv, M, D] contiguous (group 0), or with group G >= 1 the model's queries in place:
-// [R, H, D] (check_queries), kv head h's rows being heads hG .. hG + G - 1 of each query,
-// so M = R * G. k_cache, v_cache [N, B, Hkv, D]; blocks [nb] int32. Returns out
-// [Hkv, M, D], lse [Hkv, M]. Why in place: a decode cascade otherwise copied its queries
-// into [Hkv, M, D] every layer (~12 us, with the Python around it ~25 us a layer).
+// q [R, H, D], the model's queries in place (check_queries), kv head h's rows being heads
+// hG .. hG + G - 1 of each query (G = group), so M = R * G rows a kv head. k_cache,
+// v_cache [N, B, Hkv, D]; blocks [nb] int32. Returns out [Hkv, M, D], lse [Hkv, M]. Why
+// in place: a decode cascade had copied its queries into [Hkv, M, D] every layer (~12 us,
+// with the Python around it ~25 us a layer).
 std::tuple<at::Tensor, at::Tensor> paged_prefix_attention(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& blocks, double scale, int64_t group) {
-  TORCH_CHECK(group >= 0, "paged_prefix_attention: group must be >= 0");
-  if (group == 0) {
-    TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
-                "paged_prefix_attention: q must be contiguous float32 [Hkv, M, D]");
-  } else {
-    check_queries("paged_prefix_attention", q);
-    TORCH_CHECK(q.size(1) % group == 0,
-                "paged_prefix_attention: rows must be whole groups of query heads");
-  }
+  check_queries("paged_prefix_attention", q);
+  TORCH_CHECK(group >= 1 && q.size(1) % group == 0,
+              "paged_prefix_attention: rows must be whole groups of query heads");
   check_caches("paged_prefix_attention", k_cache, v_cache);
   TORCH_CHECK(blocks.dim() == 1 && blocks.scalar_type() == at::kInt && blocks.is_contiguous() &&
                   blocks.numel() >= 1,
               "paged_prefix_attention: blocks must be a non-empty int32 vector");
   const int64_t dim = q.size(2), block_size = k_cache.size(1);
-  const int64_t kv_heads = group == 0 ? q.size(0) : q.size(1) / group;
-  const int64_t rows = group == 0 ? q.size(1) : q.size(0) * group;
+  const int64_t kv_heads = q.size(1) / group, rows = q.size(0) * group;
   TORCH_CHECK(k_cache.size(2) == kv_heads && k_cache.size(3) == dim,
               "paged_prefix_attention: shapes do not match");
   TORCH_CHECK(dim == 64 || dim == 128, "paged_prefix_attention: ", dim,
@@ -804,11 +797,10 @@ std::tuple<at::Tensor, at::Tensor> paged_prefix_attention(
     const int64_t split = i % splits, task = i / splits;
     const int64_t h = task / tiles, r0 = (task % tiles) * tile_rows;
     const int64_t n = std::min(tile_rows, rows - r0);  // >= 1: (tiles - 1) * 64 < rows
-    // A head's output rows are one contiguous run; so are its queries in group 0.
-    const RowLayout layout = group == 0 ? RowLayout{1, dim, dim}
-                                        : RowLayout{group, q.stride(0), group * dim};
+    // A head's output rows are one contiguous run.
+    const RowLayout layout{group, q.stride(0), group * dim};
     const int64_t head_offset = h * rows * dim;
-    const float* head_q = qp + (group == 0 ? head_offset : h * group * dim);
+    const float* head_q = qp + h * group * dim;
     const PrefixFn fn = dim == 64 ? pick_prefix_rows<4>(n) : pick_prefix_rows<8>(n);
     const int64_t b0 = n_blocks * split / splits, b1 = n_blocks * (split + 1) / splits;
     float* o = splits > 1 ? pop + split * kv_heads * rows * dim + head_offset : op + head_offset;
@@ -984,7 +976,7 @@ TORCH_LIBRARY_FRAGMENT(pagellm, m) {
         "Tensor lens, float scale, Tensor? prior_out=None, Tensor? prior_lse=None) "
         "-> (Tensor, Tensor)");
   m.def("paged_prefix_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor blocks, "
-        "float scale, int group=0) -> (Tensor, Tensor)");
+        "float scale, int group) -> (Tensor, Tensor)");
   m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, "
         "Tensor starts, Tensor lens, Tensor contexts, float scale, int group) "
         "-> (Tensor, Tensor)");
