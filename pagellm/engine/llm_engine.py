@@ -390,6 +390,11 @@ class LLMEngine:
                   else sampling_params)
         if not isinstance(params, (SamplingParams, BeamSearchParams)):
             raise ValueError("sampling_params must be a SamplingParams (or BeamSearchParams)")
+        if isinstance(params, SamplingParams):
+            # Checked again, as a copy: fields set after construction skip the
+            # constructor's checks, and a copy keeps later changes by the caller out of
+            # a request already queued (vLLM clones them too).
+            params = params.clone()
         priority = self.check_priority(priority)
         if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
             # vLLM's place for it: a salt in the prompt dict keys that prompt's blocks.

@@ -159,9 +159,6 @@ class OutputShaper:
     (as in vLLM: a reader counting finish reasons counts each once)."""
 
     def __init__(self, kind: RequestOutputKind) -> None:
-        if not isinstance(kind, RequestOutputKind):  # a field set after construction
-            raise ValueError("output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or "
-                             f"FINAL_ONLY), got {kind!r}")
         self.kind = kind
         self._sent: dict[int, tuple[int, int, int]] = {}  # index: text, tokens, logprobs
         self._finished_sent: set[int] = set()

@@ -95,6 +95,34 @@ def test_delta_outputs_add_up_to_the_cumulative_ones(engine: LLMEngine) -> None:
     assert_idle(engine)
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("n", 0, "n must be in"), ("max_tokens", 0, "max_tokens must be"),
+    ("logprobs", 99, "logprobs must be in"), ("temperature", -1.0, "temperature must be in"),
+    ("top_p", 2.0, "top_p must be in"), ("stop", 3, "stop must be"),
+])
+def test_fields_set_after_construction_are_checked_when_the_request_is_added(
+        engine: LLMEngine, field: str, value: Any, message: str) -> None:
+    """The constructor's checks again at add_request: n=0 used to fail on a bare
+    assertion, max_tokens=0 to give a token, logprobs=99 to give 99 alternatives."""
+    params = SamplingParams(temperature=0, max_tokens=3)
+    setattr(params, field, value)
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("mutated", PROMPT, params)
+    assert not engine.has_unfinished_requests()
+    assert_idle(engine)
+
+
+def test_a_queued_request_keeps_its_params_when_the_caller_changes_them(
+        engine: LLMEngine) -> None:
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    engine.add_request("queued", PROMPT, params)
+    params.max_tokens = 12
+    (done,) = [o for o in run_all(engine) if o.finished]
+    assert len(done.outputs[0].token_ids) == 3 and done.outputs[0].finish_reason == "length"
+    assert params.max_tokens == 12  # the caller's object is the caller's
+    assert_idle(engine)
+
+
 def test_llm_takes_vllms_arguments() -> None:
     """from_engine_args, options that ask for what PageLLM does anyway, one priority for
     all prompts, lora_request=None, a tqdm class, and whole outputs from generate
