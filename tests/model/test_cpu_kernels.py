@@ -28,6 +28,9 @@ from pagellm.model import (
     resolve_model_path,
 )
 from pagellm.model import quant_kernels as qk
+from pagellm.model.attention import batched
+from pagellm.model.attention.base import StepPlan
+from pagellm.model.attention_metadata import AttentionMetadata
 from pagellm.model.gguf_loader import BLOCKS_FILE, QUANTIZED_DIR
 from pagellm.model.layers import GatedMLP, Linear, RMSNorm
 from pagellm.model.loader import iter_quantized_blocks, iter_safetensors, safetensors_files
@@ -404,27 +407,66 @@ def _checkpoint_shards(name: str, rows: int, config: ModelConfig) -> list[tuple[
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_fused_layers_match_the_module_path_bit_for_bit(kernels: bool, fmt: str) -> None:
-    """The two compiled layer ops are the same kernels in the same order as the modules'
-    calls, so a mixed step (a prompt, a chunk after cached context, decodes) and the
-    K/V they store must be identical either way."""
+def test_fused_layers_match_the_module_path_bit_for_bit(
+        kernels: bool, fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled layer ops are the same kernels in the same order as the modules'
+    calls, so mixed steps (a prompt, a chunk after cached context, decodes), steps of
+    decodes only (one `decode_layer` call a layer) with and without a shared prefix's
+    cascade, and the K/V they store must be identical either way."""
+    monkeypatch.setattr(batched, "MIN_DECODE_CASCADE_KEYS", 1)  # a cascade of 2 requests
     model, _ = _quantized_tiny_llama(fmt)
     layers = list(model.model.layers)
     assert all(layer.fused_weights is not None for layer in layers)
     saved = [layer.fused_weights for layer in layers]
+    backend = model.attn_backend
+    plans: list[StepPlan] = []
+    prepare = backend.prepare
+
+    def recording_prepare(meta: AttentionMetadata) -> StepPlan:
+        plans.append(prepare(meta))
+        return plans[-1]
+
+    backend.prepare = recording_prepare  # type: ignore[method-assign]
     results = []
     for fused in (True, False):
         for layer, weights in zip(layers, saved, strict=True):
             layer.fused_weights = weights if fused else None
+        plans.clear()
         sim = PagedSim(model, num_blocks=64, block_size=16)
         steps = [sim.step([("a", list(range(1, 40)))]),
                  sim.step([("a", [7]), ("b", list(range(3, 70)))]),
-                 sim.step([("a", [9]), ("b", [11]), ("c", list(range(5, 30)))])]
+                 sim.step([("a", [9]), ("b", [11]), ("c", list(range(5, 30)))]),
+                 sim.step([("a", [4]), ("b", [12]), ("c", [6])])]
+        for name in ("d", "e"):  # 4 blocks of b's, enough context for a cascade
+            sim.share_prefix("b", name, 64)
+        steps += [sim.step([("d", [21, 22, 23]), ("e", [31])]),
+                  sim.step([("b", [13]), ("d", [24]), ("e", [32])])]
+        decode_calls = [plan.decode_call for plan in plans]
         results.append((steps, [cache.clone() for cache in sim.kv_caches]))
+    assert [call is not None for call in decode_calls] == [False] * 3 + [True, False, True]
+    assert decode_calls[3] is not None and decode_calls[3][2] is None
+    assert decode_calls[5] is not None and decode_calls[5][2] is not None  # the cascade
     (fused_steps, fused_caches), (module_steps, module_caches) = results
     for ours, theirs in zip(fused_steps + fused_caches, module_steps + module_caches,
                             strict=True):
         assert torch.equal(ours, theirs)
+
+
+def test_decode_layer_refuses_a_cache_it_cannot_read(kernels: bool) -> None:
+    model, _ = _quantized_tiny_llama("Q4_1")
+    layer = model.model.layers[0]
+    assert layer.decode_args is not None
+    hidden, table = torch.randn(1, 256), torch.zeros(1, 1, dtype=torch.int32)
+    lens, cos = torch.ones(1, dtype=torch.int32), torch.ones(1, 32)
+    cache = torch.zeros(2, 4, 16, 2, 64)
+    with pytest.raises(RuntimeError, match=r"kv_cache must be \[2, N, B, Hkv, D\]"):
+        torch.ops.pagellm.decode_layer(hidden, None, cos, cos, cache[0], torch.zeros(1).long(),
+                                       table, lens, None, *layer.decode_args)
+    bad_heads = list(layer.decode_args)
+    bad_heads[5] = 3  # num_heads, not a multiple of the 2 kv heads
+    with pytest.raises(RuntimeError, match="num_heads must be a multiple"):
+        torch.ops.pagellm.decode_layer(hidden, None, cos, cos, cache, torch.zeros(1).long(),
+                                       table, lens, None, *bad_heads)
 
 
 def test_a_layer_without_every_kernel_is_not_fused(kernels: bool) -> None:

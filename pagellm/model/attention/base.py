@@ -30,9 +30,15 @@ class AttentionSpec:
 
 @dataclass
 class StepPlan:
-    """Per-step state shared by all layers; backends subclass it."""
+    """Per-step state shared by all layers; backends subclass it.
+
+    `decode_call`: set where the whole step is one call of the compiled decode kernel,
+    every request one query in batch order: (block tables, key lengths, the shared
+    prefix's blocks or None), so that a layer may run as the one `decode_layer` op."""
 
     meta: AttentionMetadata
+    decode_call: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = field(
+        default=None, kw_only=True)
 
 
 def write_kv_cache(

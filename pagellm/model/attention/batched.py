@@ -175,8 +175,15 @@ class TorchBatchedBackend(AttentionBackend):
             self._group(meta, members, device, whole, cascade and key != _DECODE_CALL, kernel)
             for key, members in buckets.items()
         ]
+        decode_call = None
+        if prefill is None and len(groups) == 1:
+            (only,) = groups
+            if only.tables is not None and only.out_dst is None:
+                assert only.key_lens is not None
+                decode_call = (only.tables, only.key_lens, only.prefix_ids)
         return _BatchedPlan(meta, groups,
-                            None if prefill is None else _prefill_call(meta, prefill, whole))
+                            None if prefill is None else _prefill_call(meta, prefill, whole),
+                            decode_call=decode_call)
 
     @staticmethod
     def _shared_first_blocks(meta: AttentionMetadata, cascade: bool,
