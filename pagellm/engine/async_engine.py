@@ -247,6 +247,9 @@ class _EngineLoop:
         stream = _OutputStream(asyncio.get_running_loop())
         arrival = time.monotonic() if arrival_time is None else arrival_time
         kind = RequestOutputKind.CUMULATIVE
+        if isinstance(sampling_params, SamplingParams):
+            # Checked as a copy first (as add_request does): what follows reads its fields.
+            sampling_params = sampling_params.clone()
         if (isinstance(sampling_params, SamplingParams)
                 and sampling_params.output_kind is RequestOutputKind.DELTA):
             # Shaped as the stream is read: it keeps only the newest output, which must

@@ -180,6 +180,15 @@ def test_async_generate_streams_deltas_and_aborts_when_left() -> None:
         # No id: the engine picks one, and the stream is found under it.
         unnamed = [o async for o in engine.generate(PROMPT, greedy, None)]  # type: ignore[arg-type]
         assert unnamed[-1].finished and unnamed[-1].outputs[0].text == whole
+        # Fields set after construction are checked (and a format given as a dict
+        # converted) before the async path reads them, as LLMEngine.add_request does.
+        late = greedy.clone(max_tokens=4)
+        late.structured_outputs = {"choice": ["yes", "no"]}  # type: ignore[assignment]
+        formatted = [o async for o in engine.generate(PROMPT, late, "late")]
+        assert formatted[-1].outputs[0].text in ("yes", "no")
+        late.n = 0
+        with pytest.raises(ValueError, match="n must be in"):
+            await engine.add_request("bad", PROMPT, late)
         stream = await engine.add_request("awaited", PROMPT, greedy.clone(max_tokens=400))
         await engine.abort("awaited")  # vLLM's abort is a coroutine
         # The id taken again at once: the first reader's end does not abort the second.

@@ -76,20 +76,25 @@ def test_pack_rejects_shapes_the_tiles_do_not_fit(fmt: str) -> None:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_kernel_rebuilds_the_weights_exactly(kernels: bool, fmt: str) -> None:
-    blocks, dense = _blocks(fmt, 96, 64)
-    packed = qk.pack(qk.FORMATS[fmt], blocks, 64)
-    assert (packed.out_features, packed.in_features) == (96, 64)
+    blocks, dense = _blocks(fmt, 96, 320)
+    packed = qk.pack(qk.FORMATS[fmt], blocks, 320)
+    assert (packed.out_features, packed.in_features) == (96, 320)
     # Multiplying by the identity reads the weights back, bit for bit: through the
-    # register tiles (Q4_1 factored), every pass size, low and high nibbles (inputs j and
-    # j + 16 of a block),
-    eye = torch.eye(64)
+    # register tiles (Q4_1 factored, its block sums 8 blocks at a time and then one by
+    # one: 10 blocks), every pass size, low and high nibbles (inputs j and j + 16 of a
+    # block),
+    eye = torch.eye(320)
     for rows in (slice(0, 1), slice(16, 17), slice(40, 42), slice(0, 3), slice(58, 62),
-                 slice(10, 16), slice(0, 8), slice(56, 64)):
+                 slice(10, 16), slice(0, 8), slice(56, 64), slice(250, 258),
+                 slice(312, 320)):
         assert torch.equal(qk.quantized_linear(eye[rows], packed), dense.T[rows]), rows
     # past that through float32 panels of two tiles, three of them here (so a thread
-    # fetches its next panel's blocks while it multiplies one).
+    # fetches its next panel's blocks while it multiplies one), or AMX tiles;
     assert torch.equal(qk.quantized_linear(eye[:9], packed), dense.T[:9])
     assert torch.equal(qk.quantized_linear(eye, packed), dense.T)
+    # and with an odd number of tiles, on register tiles still, pass after pass.
+    odd = qk.pack(qk.FORMATS[fmt], blocks[:48], 320)
+    assert torch.equal(qk.quantized_linear(eye[290:], odd), dense[:48].T[290:])
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -427,11 +432,20 @@ def test_fused_layers_match_the_module_path_bit_for_bit(
         return plans[-1]
 
     backend.prepare = recording_prepare  # type: ignore[method-assign]
+    decode_layer = torch.ops.pagellm.decode_layer
+    calls = []
+
+    def counting_decode_layer(*args: object) -> object:
+        calls.append(len(plans))
+        return decode_layer(*args)
+
+    monkeypatch.setattr(torch.ops.pagellm, "decode_layer", counting_decode_layer)
     results = []
     for fused in (True, False):
         for layer, weights in zip(layers, saved, strict=True):
             layer.fused_weights = weights if fused else None
         plans.clear()
+        calls.clear()
         sim = PagedSim(model, num_blocks=64, block_size=16)
         steps = [sim.step([("a", list(range(1, 40)))]),
                  sim.step([("a", [7]), ("b", list(range(3, 70)))]),
@@ -441,7 +455,12 @@ def test_fused_layers_match_the_module_path_bit_for_bit(
             sim.share_prefix("b", name, 64)
         steps += [sim.step([("d", [21, 22, 23]), ("e", [31])]),
                   sim.step([("b", [13]), ("d", [24]), ("e", [32])])]
-        decode_calls = [plan.decode_call for plan in plans]
+        if fused:
+            decode_calls = [plan.decode_call for plan in plans]
+            # One call a layer in the two decode-only steps (the 4th and 6th plans).
+            assert calls == [4] * len(layers) + [6] * len(layers)
+        else:
+            assert calls == []
         results.append((steps, [cache.clone() for cache in sim.kv_caches]))
     assert [call is not None for call in decode_calls] == [False] * 3 + [True, False, True]
     assert decode_calls[3] is not None and decode_calls[3][2] is None

@@ -134,7 +134,7 @@ TensorPair decode_layer(const at::Tensor& hidden, const std::optional<at::Tensor
                             const at::Tensor&, double, int64_t)>();
   TORCH_CHECK(kv_cache.dim() == 5, "decode_layer: kv_cache must be [2, N, B, Hkv, D]");
   const int64_t kv_heads = kv_cache.size(3), dim = kv_cache.size(4);
-  TORCH_CHECK(num_heads > 0 && num_heads % kv_heads == 0,
+  TORCH_CHECK(kv_heads > 0 && num_heads > 0 && num_heads % kv_heads == 0,
               "decode_layer: num_heads must be a multiple of the cache's kv heads");
   auto [qkv, stream] = attention_input(hidden, residual, input_norm, input_eps, qkv_scales,
                                        qkv_mins, qkv_codes, cos, sin, num_heads + kv_heads,
