@@ -192,8 +192,10 @@ def test_vllm_only_options_say_what_to_use_instead(capsys: pytest.CaptureFixture
     assert "not a number of tokens: '1.5K'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["serve", "--kv-cache-dtype=fp8"])
-    assert ("argument --kv-cache-dtype: only auto is taken (vLLM's option; the KV cache is "
-            "kept in the model's dtype), got 'fp8'") in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "argument --kv-cache-dtype: invalid choice: 'fp8'" in err and "bfloat16" in err
+    assert EngineArgs.from_cli_args(build_parser().parse_args(
+        ["serve", "--kv-cache-dtype", "bfloat16"])).kv_cache_dtype == "bfloat16"
     with pytest.raises(SystemExit):
         main(["serve", "--no-enable-chunked-prefill"])
     assert ("--enable-chunked-prefill is vLLM's: prompts are always computed in chunks"

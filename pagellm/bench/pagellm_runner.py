@@ -22,10 +22,17 @@ def kv_bytes_per_token(model_dir: Path, element_size: int = 4) -> int:
     return int(load_model_config(model_dir).kv_cache_bytes_per_block(element_size))
 
 
-def kv_cache_bytes_for_tokens(model_dir: Path, tokens: int, block_size: int) -> int:
+def kv_cache_bytes_for_tokens(model_dir: Path, tokens: int, block_size: int,
+                              element_size: int = 4) -> int:
     """The `kv_cache_memory_bytes` that gives a pool of at least `tokens` slots, rounded
     up to whole blocks (the eviction workload sizes pools in tokens, engines in bytes)."""
-    return -(-tokens // block_size) * block_size * kv_bytes_per_token(model_dir)
+    return -(-tokens // block_size) * block_size * kv_bytes_per_token(model_dir, element_size)
+
+
+def kv_element_size(engine_kwargs: dict[str, Any]) -> int:
+    """Bytes of one PageLLM KV pool element under these engine options (float32 unless
+    `kv_cache_dtype` is bfloat16): a pool given in tokens holds as many either way."""
+    return 2 if engine_kwargs.get("kv_cache_dtype") == "bfloat16" else 4
 
 
 class PageLLMContender:
@@ -51,7 +58,8 @@ class PageLLMContender:
         kwargs = dict(self._kwargs)
         if kv_cache_tokens is not None:
             kwargs["kv_cache_memory_bytes"] = kv_cache_bytes_for_tokens(
-                self._model_dir, kv_cache_tokens, kwargs.get("block_size", 16))
+                self._model_dir, kv_cache_tokens, kwargs.get("block_size", 16),
+                kv_element_size(kwargs))
         begin = time.perf_counter()
         self._llm = LLM(str(self._model_dir), enable_prefix_caching=self._caching,
                         dtype="float32", **kwargs)

@@ -157,7 +157,7 @@ def _skip_reason(name: str, mode: str, options: BenchOptions) -> str | None:
 
 
 def _server(name: str, options: BenchOptions, workload: Workload) -> ServerProcess:
-    from pagellm.bench.pagellm_runner import kv_cache_bytes_for_tokens
+    from pagellm.bench.pagellm_runner import kv_cache_bytes_for_tokens, kv_element_size
     from pagellm.bench.vllm_runner import DEFAULT_POOL_BYTES, vllm_cpu_env
 
     port = free_port()
@@ -166,8 +166,10 @@ def _server(name: str, options: BenchOptions, workload: Workload) -> ServerProce
     block_size = int(options.engine_kwargs.get("block_size", 16))
     kv_bytes = options.engine_kwargs.get("kv_cache_memory_bytes")
     if workload.kv_cache_tokens is not None:
+        element_size = 4 if name in (VLLM, VLLM_NOCACHE) else kv_element_size(
+            options.engine_kwargs)
         kv_bytes = kv_cache_bytes_for_tokens(options.model_dir, workload.kv_cache_tokens,
-                                             block_size)
+                                             block_size, element_size)
     if name in (VLLM, VLLM_NOCACHE):
         assert options.vllm_python is not None
         # PageLLM's default pool is capped at 1 GiB; vLLM gets the same unless told. Its
@@ -184,7 +186,7 @@ def _server(name: str, options: BenchOptions, workload: Workload) -> ServerProce
     flags = {"block_size": "--block-size", "max_num_seqs": "--max-num-seqs",
              "max_num_batched_tokens": "--max-num-batched-tokens",
              "num_threads": "--num-threads", "scheduling_policy": "--scheduling-policy",
-             "device": "--device"}
+             "device": "--device", "kv_cache_dtype": "--kv-cache-dtype"}
     for key, flag in flags.items():
         if options.engine_kwargs.get(key) is not None:
             args += [flag, str(options.engine_kwargs[key])]

@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     import torch
 
 _DTYPES = ("float32", "bfloat16", "float16", "auto")
+# The KV pool's element type: the model's ("auto"), or bfloat16 (half a float32 model's
+# pool bytes per token); vLLM's fp8 kinds and float16 are not kept.
+KV_CACHE_DTYPES = ("auto", "bfloat16")
 # vLLM's other spellings, accepted so its command lines and scripts carry over.
 DTYPE_ALIASES = {"float": "float32", "half": "float16"}
 
@@ -41,7 +44,6 @@ VLLM_ONLY_OPTIONS: dict[str, str] = {
                               "max_num_batched_tokens a step",
     "trust_remote_code": "no model code is loaded; the architectures are built in "
                          "(Llama, Mistral, Qwen2, Qwen3)",
-    "kv_cache_dtype": "the KV cache is kept in the model's dtype",
     "swap_space": "a preempted request is recomputed, mostly from the prefix cache",
     "cpu_offload_gb": "weights stay on the device",
     "quantization": "a GGUF file's quantized weights are read as they are",
@@ -66,7 +68,7 @@ VLLM_NEUTRAL_VALUES: dict[str, tuple[object, ...]] = {
     "enable_chunked_prefill": (True,),
     "trust_remote_code": (False, True),  # leave to run code that is never loaded
     "disable_log_stats": (False, True),  # stats are always kept (LLM.get_metrics)
-    "kv_cache_dtype": ("auto",), "tokenizer_mode": ("auto",), "load_format": ("auto",),
+    "tokenizer_mode": ("auto",), "load_format": ("auto",),
     "max_logprobs": (20,),
     "task": ("auto", "generate"), "runner": ("auto", "generate"), "convert": ("auto", "none"),
 }
@@ -164,6 +166,11 @@ class EngineConfig:
     e.g. {"temperature": 0.5}: only those eight. An operator's `max_new_tokens` (a
     folder's, or the override's) also caps every request of the server, as vLLM's server
     does (see generation_config.py).
+    `kv_cache_dtype` (vLLM's name): the KV pool's element type, "auto" (the model's
+    dtype) or "bfloat16": half the bytes of a float32 model's pool per token, so the
+    same memory holds twice the tokens, at the cost of keys and values rounded to
+    bfloat16 (about 3 significant digits) where they are stored. Caching stays exact
+    (a cached block holds what recomputing it would store).
     `enable_kv_cache_events` (vLLM's name): record how the prefix cache's content changes
     (blocks stored, evicted, all cleared) for `LLMEngine.take_kv_cache_events`, so that
     a router can send each request to the engine already holding its prefix. Off by
@@ -178,6 +185,7 @@ class EngineConfig:
     prefix_caching_hash_algo: HashAlgorithm = "sha256"
     kv_cache_memory_bytes: int | None = None
     kv_cache_memory_fraction: float | None = None
+    kv_cache_dtype: str = "auto"
     max_model_len: int | None = None
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
@@ -207,6 +215,12 @@ class EngineConfig:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES + tuple(DTYPE_ALIASES)}, got "
                              f"{self.dtype!r}")
+        if not isinstance(self.kv_cache_dtype, str) and str(self.kv_cache_dtype).startswith(
+                "torch."):
+            self.kv_cache_dtype = str(self.kv_cache_dtype).removeprefix("torch.")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} "
+                             f"(auto: the model's dtype), got {self.kv_cache_dtype!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.num_threads is not None and (

@@ -220,13 +220,16 @@ class LLMEngine:
             # A conversion damaged after it was written (a bad copy, a full disk).
             raise CorruptModelError(f"{error} (in the conversion {model_path}: delete that "
                                     "directory and start again to convert anew)") from error
+        self.kv_cache_dtype = (self.dtype if config.kv_cache_dtype == "auto"
+                               else _TORCH_DTYPES[config.kv_cache_dtype])
         num_blocks = num_blocks_for_budget(
-            self.model_config, config.block_size, self.dtype, self.device,
+            self.model_config, config.block_size, self.kv_cache_dtype, self.device,
             config.kv_cache_memory_bytes, config.kv_cache_memory_fraction)
         self.max_model_len = _fitted_max_model_len(config.max_model_len, context,
                                                    num_blocks * config.block_size)
         graphs = uses_cuda_graphs(self.device, config, self.model)
-        self.kv_cache = KVCache(self.model, num_blocks, config.block_size, padding_block=graphs)
+        self.kv_cache = KVCache(self.model, num_blocks, config.block_size, self.kv_cache_dtype,
+                                padding_block=graphs)
         self.kv_manager = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching,
             config.enable_kv_cache_events,
@@ -271,9 +274,10 @@ class LLMEngine:
         self._update_time = 0.0
         self.startup_seconds = time.perf_counter() - start
         logger.info(
-            "PageLLM ready in %.2f s: %s, %s on %s, KV pool %d blocks x %d = %d tokens, "
+            "PageLLM ready in %.2f s: %s, %s on %s, KV pool %d blocks x %d = %d tokens%s, "
             "prefix caching %s%s", self.startup_seconds, model_path.name, dtype_name,
             self.device, num_blocks, config.block_size, num_blocks * config.block_size,
+            "" if self.kv_cache_dtype == self.dtype else f" ({config.kv_cache_dtype})",
             "on" if config.enable_prefix_caching else "off",
             ", decode steps from CUDA graphs" if graphs else "")
 
@@ -922,7 +926,7 @@ class LLMEngine:
                               self.max_model_len / self.config.block_size)),
                           "enable_prefix_caching": str(self.config.enable_prefix_caching),
                           "prefix_caching_hash_algo": self.config.prefix_caching_hash_algo,
-                          "cache_dtype": "auto"},
+                          "cache_dtype": self.config.kv_cache_dtype},
         )
 
     def get_metrics(self) -> list[Metric]:

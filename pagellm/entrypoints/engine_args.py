@@ -19,6 +19,7 @@ from pagellm.core.block_hash import HashAlgorithm
 from pagellm.core.config import SchedulingPolicy
 from pagellm.engine.config import (
     DTYPE_ALIASES,
+    KV_CACHE_DTYPES,
     VLLM_NEUTRAL_VALUES,
     VLLM_ONLY_OPTIONS,
     EngineConfig,
@@ -129,6 +130,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-memory-fraction", type=float,
                        default=_DEFAULTS["kv_cache_memory_fraction"], metavar="F",
                        help="KV pool as a fraction of free memory, in (0, 0.95]")
+    group.add_argument("--kv-cache-dtype", default=_DEFAULTS["kv_cache_dtype"],
+                       choices=KV_CACHE_DTYPES,
+                       help="KV pool element type: auto (the model's dtype) or bfloat16 "
+                            "(half a float32 model's bytes per token: twice the tokens in "
+                            "the same memory, keys and values rounded to bfloat16) "
+                            "(default: %(default)s)")
     group.add_argument("--max-model-len", type=context_length,
                        default=_DEFAULTS["max_model_len"], metavar="N",
                        help="context length limit, prompt plus completion, e.g. 4096 or 4K "

@@ -252,11 +252,13 @@ class LlamaForCausalLM(nn.Module):
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int]:
         return self.config.kv_cache_shape(num_blocks, block_size)
 
-    def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
-        """Zero-filled caches in the model's dtype and device, one per layer."""
+    def allocate_kv_caches(self, num_blocks: int, block_size: int,
+                           dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        """Zero-filled caches on the model's device, one per layer, of `dtype` (None: the
+        model's; see EngineConfig.kv_cache_dtype)."""
         weight = self.model.embed_tokens.weight
         shape = self.kv_cache_shape(num_blocks, block_size)
-        return allocate_kv_caches(self.num_layers, shape, weight.dtype, weight.device)
+        return allocate_kv_caches(self.num_layers, shape, dtype or weight.dtype, weight.device)
 
     def forward(
         self,

@@ -73,13 +73,13 @@ class KVCache:
     their keys and values there, where no request reads them."""
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
-                 padding_block: bool = False) -> None:
+                 dtype: torch.dtype, padding_block: bool = False) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.padding_block = num_blocks if padding_block else None
         try:
             self.tensors = model.allocate_kv_caches(num_blocks + int(padding_block),
-                                                    block_size)
+                                                    block_size, dtype)
         except RuntimeError as error:  # torch's CPU allocator; CUDA's is OutOfMemoryError
             if "can't allocate memory" not in str(error):
                 raise
@@ -90,8 +90,9 @@ class KVCache:
                              "--kv-cache-memory-fraction") from None
         total = sum(t.numel() * t.element_size() for t in self.tensors)
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB%s",
+            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB of %s%s",
             num_blocks, block_size, num_blocks * block_size, total / 2**20,
+            str(dtype).removeprefix("torch."),
             " (with a padding block)" if padding_block else "",
         )
 

@@ -734,3 +734,100 @@ def test_kv_write_kernel_stores_strided_rows_like_index_copy() -> None:
     with pytest.raises(RuntimeError, match="one per slot"):
         torch.ops.pagellm.write_kv_cache_(got, k[:2], v[:1], torch.tensor([3, 4]))
     assert torch.equal(got, before)
+
+
+# A bfloat16 pool (kv_cache_dtype="bfloat16"): keys and values are rounded once, where
+# they are stored, and read back exactly.
+def rounded_to_bf16(case: dict) -> dict:
+    """The case as a float32 pool holding what a bfloat16 pool would hold."""
+    return dict(case, cache=case["cache"].bfloat16().float(),
+                key=case["key"].bfloat16().float(), value=case["value"].bfloat16().float())
+
+
+@pytest.mark.parametrize("backend", [*BACKENDS, KERNELS])
+@pytest.mark.parametrize("scenario", [*sorted(SCENARIOS), *sorted(SHARED_PREFIX_SCENARIOS)])
+def test_bfloat16_pool_reads_as_the_float32_values_it_holds(backend: str, scenario: str) -> None:
+    """Every backend (torch's gathers, and each kernel: decode, cascade prefix, prefill)
+    gives over a bfloat16 pool, bit for bit, what it gives over a float32 pool holding the
+    same rounded values; the step's new rows are stored rounded as torch rounds them."""
+    head_dim = 64 if backend == KERNELS else None
+    shared = scenario in SHARED_PREFIX_SCENARIOS
+    shapes = SHARED_PREFIX_SCENARIOS[scenario] if shared else SCENARIOS[scenario]
+    for seed in range(3):
+        case = make_case(seed, shapes, shared_blocks=8 if shared else 0,
+                         block_size=4 if shared else None, head_dim=head_dim)
+        want_out, want_cache = run_backend(backend, rounded_to_bf16(case))
+        out, cache = run_backend(backend, dict(case, cache=case["cache"].bfloat16()))
+        assert cache.dtype == torch.bfloat16
+        assert torch.equal(cache.float(), want_cache)
+        assert torch.equal(out, want_out)
+        # Three significant digits of keys and values move the outputs by about as much.
+        torch.testing.assert_close(out.double(), case["expected"], atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bfloat16_decode_over_long_contexts_matches_float32(head_dim: int) -> None:
+    """Many blocks and key chunks (the prefix kernel widens a chunk of 48 keys at a
+    time, its last chunk partial), with and without a forced cascade, through the kernels
+    against the same kernels over the rounded float32 pool."""
+    if not kernels_loaded():
+        pytest.skip("the CPU kernels cannot be built or run on this machine")
+    shapes = [(150, 1), (171, 1), (133, 1), (149, 2)]
+    for shared_blocks in (0, 8):
+        case = make_case(3, shapes, shared_blocks=shared_blocks, block_size=16,
+                         head_dim=head_dim)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(batched, "MIN_DECODE_CASCADE_KEYS", 1)
+            want_out, _ = run_backend(KERNELS, rounded_to_bf16(case))
+            out, _ = run_backend(KERNELS, dict(case, cache=case["cache"].bfloat16()))
+        assert torch.equal(out, want_out)
+
+
+def test_kv_write_kernel_rounds_to_bfloat16_as_torch_does() -> None:
+    """The compiled store into a bfloat16 pool rounds every float as torch's `.bfloat16()`
+    does: ties to even, both signs, infinities, NaN kept a NaN, values past bfloat16's
+    range to infinity, subnormals, zeros of both signs."""
+    if not kernels_loaded():
+        pytest.skip("the CPU kernels cannot be built or run on this machine")
+    gen = torch.Generator().manual_seed(9)
+    bits = torch.randint(-2**31, 2**31, (600, 2, 64), generator=gen, dtype=torch.int64)
+    # Low halves at and around the tie (0x8000), on even and odd upper halves.
+    bits[:100] = (bits[:100] & ~0xFFFF) | torch.tensor([0x7FFF, 0x8000, 0x8001, 0])[
+        torch.randint(0, 4, (100, 2, 64), generator=gen)]
+    rows = bits.to(torch.int32).view(torch.float32)
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40,
+                            -1e-40, 3.4e38, -3.4e38, 3.3961e38, 1.0, -1.0, 65504.0, 1e-45,
+                            float(torch.finfo(torch.float32).max), 2.0**-133])
+    rows[100, 0, :16] = special
+    rows[101, 1, 16:32] = special
+    key, value = rows, rows.roll(1, 0)
+    slots = torch.randperm(80 * 8, generator=gen)[:600]
+    expected = torch.zeros(2, 80, 8, 2, 64, dtype=torch.bfloat16)
+    got = expected.clone()
+    attention.write_kv_cache(expected, key, value, slots)
+    torch.ops.pagellm.write_kv_cache_(got, key, value, slots)
+    # A NaN's payload differs between torch's own scalar and vector conversions.
+    nan = expected.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got.view(torch.int16)[~nan], expected.view(torch.int16)[~nan])
+    assert nan.sum() > 0 and expected.isinf().sum() > 0
+
+
+def test_attention_kernels_refuse_mixed_or_unkept_pool_dtypes() -> None:
+    """A pool whose K and V differ in dtype, or of a dtype the kernels do not read, is
+    refused with the op's message, not read as the wrong bytes."""
+    if not kernels_loaded():
+        pytest.skip("the CPU kernels cannot be built or run on this machine")
+    q = torch.randn(2, 4, 64)
+    tables = torch.zeros(2, 1, dtype=torch.int32)
+    lens = torch.ones(2, dtype=torch.int32)
+    k = torch.zeros(3, 16, 2, 64)
+    for k_cache, v_cache in ((k, k.bfloat16()), (k.half(), k.half())):
+        with pytest.raises(RuntimeError, match="float32 or bfloat16 .* both alike"):
+            torch.ops.pagellm.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.1)
+        with pytest.raises(RuntimeError, match="float32 or bfloat16 .* both alike"):
+            torch.ops.pagellm.paged_prefix_attention(q, k_cache, v_cache,
+                                                     torch.zeros(1, dtype=torch.int32), 0.1, 2)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.pagellm.write_kv_cache_(torch.zeros(2, 3, 16, 2, 64, dtype=torch.float16),
+                                          q[:, :2], q[:, 2:], torch.tensor([0, 1]))

@@ -263,9 +263,11 @@ class TorchBatchedBackend(AttentionBackend):
         )
 
     def _gather(
-        self, kv_cache: torch.Tensor, blocks: torch.Tensor, slot: str = "blocks"
+        self, kv_cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype,
+        slot: str = "blocks"
     ) -> torch.Tensor:
-        """Copy the listed blocks of K and V into the `slot` workspace: [2, n, B, Hkv, D]."""
+        """Copy the listed blocks of K and V into the `slot` workspace: [2, n, B, Hkv, D],
+        as `dtype` (the queries'; a copy more where the cache is kept in another)."""
         n = blocks.shape[0]
         per_block = kv_cache.shape[2:]
         ws = self._workspaces.get(slot)
@@ -281,7 +283,7 @@ class TorchBatchedBackend(AttentionBackend):
         out = ws[:, :n]
         for i in range(2):
             torch.index_select(kv_cache[i].flatten(1), 0, blocks, out=out[i].view(n, -1))
-        return out
+        return out.to(dtype)
 
     def write(
         self, kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: StepPlan
@@ -331,8 +333,10 @@ class TorchBatchedBackend(AttentionBackend):
         rows = meta.block_tables.shape[0]
         hkv, d = spec.num_kv_heads, spec.head_dim
         blocks = meta.block_tables.flatten()
-        keys = kv_cache[0].index_select(0, blocks).view(rows, -1, hkv, d).permute(0, 2, 3, 1)
-        values = kv_cache[1].index_select(0, blocks).view(rows, -1, hkv, d).transpose(1, 2)
+        keys = (kv_cache[0].index_select(0, blocks).to(query.dtype)
+                .view(rows, -1, hkv, d).permute(0, 2, 3, 1))
+        values = (kv_cache[1].index_select(0, blocks).to(query.dtype)
+                  .view(rows, -1, hkv, d).transpose(1, 2))
         folded = query.view(rows, hkv, spec.num_heads // hkv, d)
         scores = torch.matmul(folded, keys).float() * spec.scale
         scores += plan.additive_mask(spec.sliding_window, torch.float32)
@@ -351,7 +355,7 @@ class TorchBatchedBackend(AttentionBackend):
             q = query if in_place else query.index_select(0, group.q_src)
             return self._decode_with_kernel(q, kv_cache, group, spec)
         q = query.index_select(0, group.q_src)
-        kv = self._gather(kv_cache, group.blocks).view(2, r, -1, hkv, d).transpose(2, 3)
+        kv = self._gather(kv_cache, group.blocks, q.dtype).view(2, r, -1, hkv, d).transpose(2, 3)
         # Fresh prompts use the kernel's built-in causal mask, about 2x faster than an
         # explicit one; padded keys sit after every real query, so they stay masked.
         builtin_causal = q_len > 1 and group.fresh and spec.sliding_window is None
@@ -385,10 +389,10 @@ class TorchBatchedBackend(AttentionBackend):
         consecutive, and attended by SDPA."""
         assert group.prefix_blocks is not None
         if group.prefix_start is None:
-            prefix = self._gather(kv_cache, group.prefix_blocks, "prefix")
+            prefix = self._gather(kv_cache, group.prefix_blocks, shared_q.dtype, "prefix")
         else:
             end = group.prefix_start + group.prefix_blocks.shape[0]
-            prefix = kv_cache[:, group.prefix_start : end]
+            prefix = kv_cache[:, group.prefix_start : end].to(shared_q.dtype)
         prefix = prefix.reshape(2, -1, spec.num_kv_heads, spec.head_dim)
         out, lse = _attention_with_lse(
             shared_q[None], prefix[0].transpose(0, 1)[None], prefix[1].transpose(0, 1)[None],

@@ -31,8 +31,8 @@ class TorchRefBackend(AttentionBackend):
         ):
             n_blocks = -(-seq_len // block_size)
             blocks = meta.block_tables[r, :n_blocks].long()
-            keys = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
-            values = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
+            keys = kv_cache[0, blocks].flatten(0, 1)[:seq_len].to(query.dtype)
+            values = kv_cache[1, blocks].flatten(0, 1)[:seq_len].to(query.dtype)
             key_pos = torch.arange(seq_len, device=query.device)
             query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
             mask = window_mask(key_pos <= query_pos, key_pos, query_pos, spec.sliding_window)

@@ -18,6 +18,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "kv_element.h"
 #include "parallel.h"
 #include "vec_math.h"
 
@@ -27,11 +28,13 @@
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 using namespace pagellm_kernels::simd;
+using pagellm_kernels::bf16;
 using pagellm_kernels::exp16;
 using pagellm_kernels::for_each_task;
 
@@ -83,8 +86,8 @@ inline void finish(const vf* acc, float m, float l, const float* prior_out,
 }
 
 // One (request, kv head): G query heads of NV * 16 dims against `len` keys.
-template <int G, int NV>
-void attend(const float* q, const float* k_cache, const float* v_cache, const int32_t* blocks,
+template <typename KV, int G, int NV>
+void attend(const float* q, const KV* k_cache, const KV* v_cache, const int32_t* blocks,
             int64_t len, int64_t block_size, int64_t block_stride, int64_t token_stride,
             float scale, const float* prior_out, const float* prior_lse, float* out,
             float* lse) {
@@ -103,13 +106,13 @@ void attend(const float* q, const float* k_cache, const float* v_cache, const in
   alignas(64) float s[G][kMaxBlock];
   for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
     const int64_t n = std::min(block_size, len - start);
-    const float* kb = k_cache + blocks[b] * block_stride;
-    const float* vb = v_cache + blocks[b] * block_stride;
+    const KV* kb = k_cache + blocks[b] * block_stride;
+    const KV* vb = v_cache + blocks[b] * block_stride;
     // The next block lies anywhere in the pool, out of the hardware prefetcher's sight:
     // ask for its rows of this head while this block is computed.
     const bool more = start + block_size < len;
-    const float* next_k = more ? k_cache + blocks[b + 1] * block_stride : nullptr;
-    const float* next_v = more ? v_cache + blocks[b + 1] * block_stride : nullptr;
+    const KV* next_k = more ? k_cache + blocks[b + 1] * block_stride : nullptr;
+    const KV* next_v = more ? v_cache + blocks[b + 1] * block_stride : nullptr;
     for (int64_t t = 0; t < n; ++t) {
       if (more) {
         PAGELLM_UNROLL
@@ -120,10 +123,10 @@ void attend(const float* q, const float* k_cache, const float* v_cache, const in
                        _MM_HINT_T0);
         }
       }
-      const float* k = kb + t * token_stride;
+      const KV* k = kb + t * token_stride;
       vf kv[NV];
       PAGELLM_UNROLL
-      for (int v = 0; v < NV; ++v) kv[v] = loadu(k + v * 16);
+      for (int v = 0; v < NV; ++v) kv[v] = load_kv(k + v * 16);
       PAGELLM_UNROLL
       for (int g = 0; g < G; ++g) {
         vf dot = mul(qv[g][0], kv[0]);
@@ -139,10 +142,10 @@ void attend(const float* q, const float* k_cache, const float* v_cache, const in
       for (int v = 0; v < NV; ++v) acc[g][v] = mul(acc[g][v], c);
     }
     for (int64_t t = 0; t < n; ++t) {
-      const float* vt = vb + t * token_stride;
+      const KV* vt = vb + t * token_stride;
       PAGELLM_UNROLL
       for (int v = 0; v < NV; ++v) {
-        const vf val = loadu(vt + v * 16);
+        const vf val = load_kv(vt + v * 16);
         PAGELLM_UNROLL
         for (int g = 0; g < G; ++g) {
           acc[g][v] = fmadd(set1(s[g][t]), val, acc[g][v]);
@@ -177,8 +180,8 @@ constexpr int kNarrowDims = 4 * kRegisterLanes;
 
 // Heads [0, HP) of `qs` (rows q_stride apart) against the 4 key rows `keys`, of C
 // registers each: scores to s[h * s_stride + 0..3].
-template <int HP, int C>
-inline void narrow_scores(const float* qs, int64_t q_stride, const float* const* keys,
+template <typename KV, int HP, int C>
+inline void narrow_scores(const float* qs, int64_t q_stride, const KV* const* keys,
                           float* s, int64_t s_stride) {
   vreg acc[HP][kNarrowKeys];
   PAGELLM_UNROLL
@@ -195,7 +198,7 @@ inline void narrow_scores(const float* qs, int64_t q_stride, const float* const*
     }
     PAGELLM_UNROLL
     for (int j = 0; j < kNarrowKeys; ++j) {
-      const vreg kv = in_register(loadu_reg(keys[j] + c * kRegisterLanes));
+      const vreg kv = in_register(load_reg_kv(keys[j] + c * kRegisterLanes));
       PAGELLM_UNROLL
       for (int h = 0; h < HP; ++h) acc[h][j] = fmadd(qv[h], kv, acc[h][j]);
     }
@@ -208,8 +211,8 @@ inline void narrow_scores(const float* qs, int64_t q_stride, const float* const*
 
 // o[h][d0, d0 + kNarrowDims), rescaled by correction[h], plus p[h][t] * value row t for the
 // block's n keys, for heads [0, HP) (rows of p and o p_stride and o_stride apart).
-template <int HP>
-inline void narrow_values(const float* p, int64_t p_stride, const float* vb,
+template <typename KV, int HP>
+inline void narrow_values(const float* p, int64_t p_stride, const KV* vb,
                           int64_t token_stride, int64_t n, int d0, const float* correction,
                           float* o, int64_t o_stride) {
   constexpr int kVecs = kNarrowDims / kRegisterLanes;
@@ -228,10 +231,10 @@ inline void narrow_values(const float* p, int64_t p_stride, const float* vb,
     for (int h = 0; h < HP; ++h) {
       pt[h] = in_register(broadcast_reg(p + h * p_stride + t));
     }
-    const float* vt = vb + t * token_stride + d0;
+    const KV* vt = vb + t * token_stride + d0;
     PAGELLM_UNROLL
     for (int v = 0; v < kVecs; ++v) {
-      const vreg val = in_register(loadu_reg(vt + v * kRegisterLanes));
+      const vreg val = in_register(load_reg_kv(vt + v * kRegisterLanes));
       PAGELLM_UNROLL
       for (int h = 0; h < HP; ++h) acc[h][v] = fmadd(pt[h], val, acc[h][v]);
     }
@@ -243,8 +246,8 @@ inline void narrow_values(const float* p, int64_t p_stride, const float* vb,
   }
 }
 
-template <int G, int NV>
-void attend_narrow(const float* q, const float* k_cache, const float* v_cache,
+template <typename KV, int G, int NV>
+void attend_narrow(const float* q, const KV* k_cache, const KV* v_cache,
                    const int32_t* blocks, int64_t len, int64_t block_size, int64_t block_stride,
                    int64_t token_stride, float scale, int64_t count, const float* prior_out,
                    const float* prior_lse, int64_t prior_stride, float* out, float* lse) {
@@ -263,18 +266,18 @@ void attend_narrow(const float* q, const float* k_cache, const float* v_cache,
   }
   for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
     const int64_t n = std::min(block_size, len - start);
-    const float* kb = k_cache + blocks[b] * block_stride;
-    const float* vb = v_cache + blocks[b] * block_stride;
+    const KV* kb = k_cache + blocks[b] * block_stride;
+    const KV* vb = v_cache + blocks[b] * block_stride;
     // The next block, fetched into L2 (see `attend`); into L1, it evicted this block's
     // values before the value pass reached them (32 requests x 1,056 keys, one layer's
     // pool: 5.0-5.5 -> 3.1-4.0 ms).
     const bool more = start + block_size < len;
-    const float* next_k = more ? k_cache + blocks[b + 1] * block_stride : nullptr;
-    const float* next_v = more ? v_cache + blocks[b + 1] * block_stride : nullptr;
+    const KV* next_k = more ? k_cache + blocks[b + 1] * block_stride : nullptr;
+    const KV* next_v = more ? v_cache + blocks[b + 1] * block_stride : nullptr;
     for (int64_t t0 = 0; t0 < n; t0 += kNarrowKeys) {
       for (int64_t h = 0; h < count; ++h) {
         // Past the block's last key, its last key again: those scores are never read.
-        const float* keys[kNarrowKeys];
+        const KV* keys[kNarrowKeys];
         for (int j = 0; j < kNarrowKeys; ++j) {
           const int64_t t = std::min<int64_t>(t0 + j, n - 1);
           keys[j] = kb + t * token_stride + h * D;
@@ -288,10 +291,10 @@ void attend_narrow(const float* q, const float* k_cache, const float* v_cache,
         }
         const int64_t i = h * G;
         for (int g = 0; g < kFull; g += kNarrowHeads) {
-          narrow_scores<kNarrowHeads, C>(qs[i + g], D, keys, s[i + g] + t0, kMaxBlock);
+          narrow_scores<KV, kNarrowHeads, C>(qs[i + g], D, keys, s[i + g] + t0, kMaxBlock);
         }
         if constexpr (kFull < G) {
-          narrow_scores<G - kFull, C>(qs[i + kFull], D, keys, s[i + kFull] + t0, kMaxBlock);
+          narrow_scores<KV, G - kFull, C>(qs[i + kFull], D, keys, s[i + kFull] + t0, kMaxBlock);
         }
       }
     }
@@ -300,11 +303,11 @@ void attend_narrow(const float* q, const float* k_cache, const float* v_cache,
       const int64_t i = h * G;
       for (int d0 = 0; d0 < D; d0 += kNarrowDims) {
         for (int g = 0; g < kFull; g += kNarrowHeads) {
-          narrow_values<kNarrowHeads>(s[i + g], kMaxBlock, vb + h * D, token_stride, n, d0,
+          narrow_values<KV, kNarrowHeads>(s[i + g], kMaxBlock, vb + h * D, token_stride, n, d0,
                                       correction + i + g, o[i + g], D);
         }
         if constexpr (kFull < G) {
-          narrow_values<G - kFull>(s[i + kFull], kMaxBlock, vb + h * D, token_stride, n, d0,
+          narrow_values<KV, G - kFull>(s[i + kFull], kMaxBlock, vb + h * D, token_stride, n, d0,
                                    correction + i + kFull, o[i + kFull], D);
         }
       }
@@ -322,14 +325,14 @@ void attend_narrow(const float* q, const float* k_cache, const float* v_cache,
 
 #if PAGELLM_WIDE_REGISTERS
 // kv heads [0, count) of one request, one after the other.
-template <int G, int NV>
-void attend_heads(const float* q, const float* k_cache, const float* v_cache,
+template <typename KV, int G, int NV>
+void attend_heads(const float* q, const KV* k_cache, const KV* v_cache,
                   const int32_t* blocks, int64_t len, int64_t block_size, int64_t block_stride,
                   int64_t token_stride, float scale, int64_t count, const float* prior_out,
                   const float* prior_lse, int64_t prior_stride, float* out, float* lse) {
   constexpr int D = NV * 16;
   for (int64_t h = 0; h < count; ++h) {
-    attend<G, NV>(q + h * G * D, k_cache + h * D, v_cache + h * D, blocks, len, block_size,
+    attend<KV, G, NV>(q + h * G * D, k_cache + h * D, v_cache + h * D, blocks, len, block_size,
                   block_stride, token_stride, scale,
                   prior_out == nullptr ? nullptr : prior_out + h * prior_stride * D,
                   prior_lse == nullptr ? nullptr : prior_lse + h * prior_stride,
@@ -341,34 +344,36 @@ void attend_heads(const float* q, const float* k_cache, const float* v_cache,
 // One task: kv heads [0, count) of one request (q, out and lse at its first head, the
 // caches at its first head's dims, the prior's rows of successive kv heads prior_stride
 // rows apart).
-using AttendFn = void (*)(const float*, const float*, const float*, const int32_t*, int64_t,
-                          int64_t, int64_t, int64_t, float, int64_t, const float*, const float*,
+template <typename KV>
+using AttendFn = void (*)(const float*, const KV*, const KV*, const int32_t*, int64_t, int64_t,
+                          int64_t, int64_t, float, int64_t, const float*, const float*,
                           int64_t, float*, float*);
 
-template <int G>
-AttendFn pick_dims(int64_t nv) {
+template <typename KV, int G>
+AttendFn<KV> pick_dims(int64_t nv) {
   switch (nv) {
 #if PAGELLM_WIDE_REGISTERS
-    case 4: return attend_heads<G, 4>;
-    case 8: return attend_heads<G, 8>;
+    case 4: return attend_heads<KV, G, 4>;
+    case 8: return attend_heads<KV, G, 8>;
 #else
-    case 4: return attend_narrow<G, 4>;
-    case 8: return attend_narrow<G, 8>;
+    case 4: return attend_narrow<KV, G, 4>;
+    case 8: return attend_narrow<KV, G, 8>;
 #endif
     default: return nullptr;
   }
 }
 
-AttendFn pick(int64_t group, int64_t nv) {
+template <typename KV>
+AttendFn<KV> pick(int64_t group, int64_t nv) {
   switch (group) {
-    case 1: return pick_dims<1>(nv);
-    case 2: return pick_dims<2>(nv);
-    case 3: return pick_dims<3>(nv);
-    case 4: return pick_dims<4>(nv);
-    case 5: return pick_dims<5>(nv);
-    case 6: return pick_dims<6>(nv);
-    case 7: return pick_dims<7>(nv);
-    case 8: return pick_dims<8>(nv);
+    case 1: return pick_dims<KV, 1>(nv);
+    case 2: return pick_dims<KV, 2>(nv);
+    case 3: return pick_dims<KV, 3>(nv);
+    case 4: return pick_dims<KV, 4>(nv);
+    case 5: return pick_dims<KV, 5>(nv);
+    case 6: return pick_dims<KV, 6>(nv);
+    case 7: return pick_dims<KV, 7>(nv);
+    case 8: return pick_dims<KV, 8>(nv);
     default: return nullptr;
   }
 }
@@ -401,12 +406,30 @@ void check_queries(const char* op, const at::Tensor& q) {
               op, ": q must be float32 [rows, H, D] with contiguous heads");
 }
 
-// The paged pool every attention op reads: K and V, each contiguous float32 [N, B, Hkv, D].
+// The paged pool every attention op reads: K and V, each contiguous [N, B, Hkv, D], both
+// float32 or both bfloat16 (kv_element.h).
 void check_caches(const char* op, const at::Tensor& k_cache, const at::Tensor& v_cache) {
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat &&
+  const auto type = k_cache.scalar_type();
+  TORCH_CHECK(k_cache.dim() == 4 && (type == at::kFloat || type == at::kBFloat16) &&
                   k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
-              op, ": caches must be contiguous float32 [N, B, Hkv, D]");
+                  v_cache.scalar_type() == type && v_cache.is_contiguous(),
+              op, ": caches must be contiguous float32 or bfloat16 [N, B, Hkv, D], both alike");
+}
+
+// run(element) with a value of the pool's element type, float or bf16, so that an op's
+// body is written once for both (the element is only a tag for the type).
+template <typename Run>
+void with_elements(const at::Tensor& cache, Run&& run) {
+  if (cache.scalar_type() == at::kBFloat16) {
+    run(bf16{});
+  } else {
+    run(0.0f);
+  }
+}
+
+template <typename KV>
+const KV* elements(const at::Tensor& cache) {
+  return static_cast<const KV*>(cache.const_data_ptr());
 }
 
 // q [R, H, D] (check_queries); k_cache, v_cache [N, B, Hkv, D]; block_tables [R, W]
@@ -440,9 +463,9 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention(
                 "paged_decode_attention: prior_out must be contiguous float32 [Hkv, R * G, D] "
                 "and prior_lse [Hkv, R * G]");
   }
-  const AttendFn fn = dim % 16 == 0 ? pick(heads / kv_heads, dim / 16) : nullptr;
-  TORCH_CHECK(fn != nullptr, "paged_decode_attention: ", heads / kv_heads,
-              " query heads per kv head of ", dim, " dims are not supported");
+  TORCH_CHECK(dim % 16 == 0 && pick<float>(heads / kv_heads, dim / 16) != nullptr,
+              "paged_decode_attention: ", heads / kv_heads, " query heads per kv head of ",
+              dim, " dims are not supported");
   at::Tensor out = at::empty({requests, heads, dim}, q.options());
   at::Tensor lse = at::empty({requests, heads}, q.options());
   const int32_t* len_p = lens.data_ptr<int32_t>();
@@ -457,8 +480,6 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention(
   const int64_t group = heads / kv_heads;
   const float* qp = q.data_ptr<float>();
   const int64_t q_stride = q.stride(0);
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t table_stride = block_tables.stride(0);
   float* op = out.data_ptr<float>();
@@ -468,17 +489,23 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention(
   const int64_t token_stride = kv_heads * dim, block_stride = block_size * token_stride;
   const float s = static_cast<float>(scale);
   const int64_t run = kv_heads_per_task(requests, kv_heads, group,
-                                        2 * longest * token_stride * int64_t{sizeof(float)});
+                                        2 * longest * token_stride * k_cache.element_size());
   const int64_t runs = (kv_heads + run - 1) / run;
-  for_each_task(requests * runs, [&](int64_t i) {
-    const int64_t r = i / runs, h = i % runs * run;
-    const int64_t out_offset = (r * heads + h * group) * dim;
-    const int64_t prior_row = (h * requests + r) * group;
-    fn(qp + r * q_stride + h * group * dim, kp + h * dim, vp + h * dim,
-       tables + r * table_stride, len_p[r], block_size, block_stride, token_stride, s,
-       std::min(run, kv_heads - h), po == nullptr ? nullptr : po + prior_row * dim,
-       pl == nullptr ? nullptr : pl + prior_row, requests * group, op + out_offset,
-       lp + r * heads + h * group);
+  with_elements(k_cache, [&](auto element) {
+    using KV = decltype(element);
+    const AttendFn<KV> fn = pick<KV>(group, dim / 16);
+    const KV* kp = elements<KV>(k_cache);
+    const KV* vp = elements<KV>(v_cache);
+    for_each_task(requests * runs, [&](int64_t i) {
+      const int64_t r = i / runs, h = i % runs * run;
+      const int64_t out_offset = (r * heads + h * group) * dim;
+      const int64_t prior_row = (h * requests + r) * group;
+      fn(qp + r * q_stride + h * group * dim, kp + h * dim, vp + h * dim,
+         tables + r * table_stride, len_p[r], block_size, block_stride, token_stride, s,
+         std::min(run, kv_heads - h), po == nullptr ? nullptr : po + prior_row * dim,
+         pl == nullptr ? nullptr : pl + prior_row, requests * group, op + out_offset,
+         lp + r * heads + h * group);
+    });
   });
   return {out, lse};
 }
@@ -549,10 +576,12 @@ inline void score_pass(const float* qt, const float* const* keys, int r0, float*
 
 // One (kv head, tile of at most RV * 16 query rows, from row `first`) against the
 // prefix's keys; `limits`, when given, holds each row's number of visible keys
-// (ascending, causal attention).
-template <int NV, int RV>
+// (ascending, causal attention). A bfloat16 pool's chunk of keys and values is widened
+// into float32 rows once per chunk, for every row of the tile (the score pass reads keys
+// one scalar at a time), and the passes read those rows.
+template <typename KV, int NV, int RV>
 void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout, float scale,
-                   const float* k_cache, const float* v_cache, const int32_t* blocks,
+                   const KV* k_cache, const KV* v_cache, const int32_t* blocks,
                    int64_t keys, int64_t block_size, int64_t block_stride,
                    int64_t token_stride, const int64_t* limits, float* out, float* lse) {
   constexpr int D = NV * 16;
@@ -592,7 +621,7 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
   // Row pointers of a chunk's keys, walked block by block (no division per key). Keys
   // past the end point at the last one: computed, then masked or, in a chunk every row
   // sees whole, harmless duplicates of a real key.
-  const auto locate = [&](int64_t first, int count, const float** k_rows, const float** v_rows) {
+  const auto locate = [&](int64_t first, int count, const KV** k_rows, const KV** v_rows) {
     int64_t b = first / block_size, slot = first % block_size;
     for (int t = 0; t < kKeyChunk; ++t) {
       const int64_t offset = blocks[b] * block_stride + slot * token_stride;
@@ -606,14 +635,32 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
   };
   const float* kp[kKeyChunk];
   const float* vp[kKeyChunk];
-  const float* next_kp[kKeyChunk];
-  const float* next_vp[kKeyChunk];
+  const KV* next_kp[kKeyChunk];
+  const KV* next_vp[kKeyChunk];
+  constexpr bool kWiden = !std::is_same_v<KV, float>;
+  // The widened chunk (bfloat16 pools only; empty for float32).
+  alignas(64) float wide_k[kWiden ? kKeyChunk * D : 1], wide_v[kWiden ? kKeyChunk * D : 1];
   const vf neg_inf = set1(-std::numeric_limits<float>::infinity());
   if (end > 0) locate(0, static_cast<int>(std::min<int64_t>(kKeyChunk, end)), next_kp, next_vp);
   for (int64_t start = 0; start < end; start += kKeyChunk) {
     const int n = static_cast<int>(std::min<int64_t>(kKeyChunk, end - start));
-    std::copy(next_kp, next_kp + kKeyChunk, kp);
-    std::copy(next_vp, next_vp + kKeyChunk, vp);
+    if constexpr (kWiden) {
+      // Rows past the n-th point at the last one, as `locate` leaves them.
+      for (int t = 0; t < kKeyChunk; ++t) {
+        if (t < n) {
+          PAGELLM_UNROLL
+          for (int v = 0; v < NV; ++v) {
+            store(wide_k + t * D + v * 16, load_kv(next_kp[t] + v * 16));
+            store(wide_v + t * D + v * 16, load_kv(next_vp[t] + v * 16));
+          }
+        }
+        kp[t] = wide_k + std::min(t, n - 1) * D;
+        vp[t] = wide_v + std::min(t, n - 1) * D;
+      }
+    } else {
+      std::copy(next_kp, next_kp + kKeyChunk, kp);
+      std::copy(next_vp, next_vp + kKeyChunk, vp);
+    }
     // The next chunk's rows of this head, fetched while this chunk is computed: each
     // key's row is a short piece of a token's slot, too scattered for the hardware
     // prefetcher to run ahead of (a decode cascade, 96 rows x 768 keys, 30 layers
@@ -627,7 +674,7 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
       const int next_n = static_cast<int>(std::min<int64_t>(kKeyChunk, end - next));
       locate(next, next_n, next_kp, next_vp);
       for (int t = 0; t < next_n; ++t) {
-        for (int line = 0; line < D; line += 16) {
+        for (int line = 0; line < D; line += 64 / int{sizeof(KV)}) {
           _mm_prefetch(reinterpret_cast<const char*>(next_kp[t] + line), _MM_HINT_T1);
           _mm_prefetch(reinterpret_cast<const char*>(next_vp[t] + line), _MM_HINT_T1);
         }
@@ -726,17 +773,18 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
   }
 }
 
-using PrefixFn = void (*)(const float*, int64_t, int64_t, RowLayout, float, const float*,
-                          const float*, const int32_t*, int64_t, int64_t, int64_t, int64_t,
+template <typename KV>
+using PrefixFn = void (*)(const float*, int64_t, int64_t, RowLayout, float, const KV*,
+                          const KV*, const int32_t*, int64_t, int64_t, int64_t, int64_t,
                           const int64_t*, float*, float*);
 
-template <int NV>
-PrefixFn pick_prefix_rows(int64_t rows) {
+template <typename KV, int NV>
+PrefixFn<KV> pick_prefix_rows(int64_t rows) {
   switch ((rows + 15) / 16) {
-    case 1: return attend_prefix<NV, 1>;
-    case 2: return attend_prefix<NV, 2>;
-    case 3: return attend_prefix<NV, 3>;
-    default: return attend_prefix<NV, 4>;
+    case 1: return attend_prefix<KV, NV, 1>;
+    case 2: return attend_prefix<KV, NV, 2>;
+    case 3: return attend_prefix<KV, NV, 3>;
+    default: return attend_prefix<KV, NV, 4>;
   }
 }
 
@@ -764,8 +812,6 @@ std::tuple<at::Tensor, at::Tensor> paged_prefix_attention(
   at::Tensor out = at::empty({kv_heads, rows, dim}, q.options());
   at::Tensor lse = at::empty({kv_heads, rows}, q.options());
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   const int32_t* bp = blocks.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
@@ -793,20 +839,27 @@ std::tuple<at::Tensor, at::Tensor> paged_prefix_attention(
   float* plp = splits > 1 ? part_lse.data_ptr<float>() : nullptr;
   // Tasks go head by head, so a thread's next task mostly reads the keys its last one
   // left in L2.
-  for_each_task(tasks * splits, [&](int64_t i) {
-    const int64_t split = i % splits, task = i / splits;
-    const int64_t h = task / tiles, r0 = (task % tiles) * tile_rows;
-    const int64_t n = std::min(tile_rows, rows - r0);  // >= 1: (tiles - 1) * 64 < rows
-    // A head's output rows are one contiguous run.
-    const RowLayout layout{group, q.stride(0), group * dim};
-    const int64_t head_offset = h * rows * dim;
-    const float* head_q = qp + h * group * dim;
-    const PrefixFn fn = dim == 64 ? pick_prefix_rows<4>(n) : pick_prefix_rows<8>(n);
-    const int64_t b0 = n_blocks * split / splits, b1 = n_blocks * (split + 1) / splits;
-    float* o = splits > 1 ? pop + split * kv_heads * rows * dim + head_offset : op + head_offset;
-    float* l = splits > 1 ? plp + split * kv_heads * rows + h * rows + r0 : lp + h * rows + r0;
-    fn(head_q, r0, n, layout, sc, kp + h * dim, vp + h * dim, bp + b0,
-       (b1 - b0) * block_size, block_size, block_stride, token_stride, nullptr, o, l);
+  with_elements(k_cache, [&](auto element) {
+    using KV = decltype(element);
+    const KV* kp = elements<KV>(k_cache);
+    const KV* vp = elements<KV>(v_cache);
+    for_each_task(tasks * splits, [&](int64_t i) {
+      const int64_t split = i % splits, task = i / splits;
+      const int64_t h = task / tiles, r0 = (task % tiles) * tile_rows;
+      const int64_t n = std::min(tile_rows, rows - r0);  // >= 1: (tiles - 1) * 64 < rows
+      // A head's output rows are one contiguous run.
+      const RowLayout layout{group, q.stride(0), group * dim};
+      const int64_t head_offset = h * rows * dim;
+      const float* head_q = qp + h * group * dim;
+      const PrefixFn<KV> fn =
+          dim == 64 ? pick_prefix_rows<KV, 4>(n) : pick_prefix_rows<KV, 8>(n);
+      const int64_t b0 = n_blocks * split / splits, b1 = n_blocks * (split + 1) / splits;
+      float* o =
+          splits > 1 ? pop + split * kv_heads * rows * dim + head_offset : op + head_offset;
+      float* l = splits > 1 ? plp + split * kv_heads * rows + h * rows + r0 : lp + h * rows + r0;
+      fn(head_q, r0, n, layout, sc, kp + h * dim, vp + h * dim, bp + b0,
+         (b1 - b0) * block_size, block_size, block_stride, token_stride, nullptr, o, l);
+    });
   });
   if (splits > 1) {
     const int64_t part_stride = kv_heads * rows;
@@ -907,36 +960,43 @@ std::tuple<at::Tensor, at::Tensor> paged_prefill_attention(
     }
   }
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   const int64_t token_stride = kv_heads * dim, block_stride = block_size * token_stride;
   const RowLayout layout{group, q.stride(0), out.stride(0)};
-  for_each_task(static_cast<int64_t>(tasks.size()), [&](int64_t i) {
-    const Task& t = tasks[i];
-    int64_t limits[kPrefixRowTile];
-    for (int64_t j = 0; j < t.n; ++j) limits[j] = cp[t.r] + (t.r0 + j) / group + 1;
-    const PrefixFn fn = dim == 64 ? pick_prefix_rows<4>(t.n) : pick_prefix_rows<8>(t.n);
-    const int64_t head = t.h * group * dim;
-    fn(qp + sp[t.r] * q.stride(0) + head, t.r0, t.n, layout, sc, kp + t.h * dim,
-       vp + t.h * dim, tp + t.r * tables.size(1), cp[t.r] + np[t.r], block_size, block_stride,
-       token_stride, limits, op + first[t.r] * out.stride(0) + head,
-       lp + t.h * total * group + first[t.r] * group + t.r0);
+  with_elements(k_cache, [&](auto element) {
+    using KV = decltype(element);
+    const KV* kp = elements<KV>(k_cache);
+    const KV* vp = elements<KV>(v_cache);
+    for_each_task(static_cast<int64_t>(tasks.size()), [&](int64_t i) {
+      const Task& t = tasks[i];
+      int64_t limits[kPrefixRowTile];
+      for (int64_t j = 0; j < t.n; ++j) limits[j] = cp[t.r] + (t.r0 + j) / group + 1;
+      const PrefixFn<KV> fn =
+          dim == 64 ? pick_prefix_rows<KV, 4>(t.n) : pick_prefix_rows<KV, 8>(t.n);
+      const int64_t head = t.h * group * dim;
+      fn(qp + sp[t.r] * q.stride(0) + head, t.r0, t.n, layout, sc, kp + t.h * dim,
+         vp + t.h * dim, tp + t.r * tables.size(1), cp[t.r] + np[t.r], block_size,
+         block_stride, token_stride, limits, op + first[t.r] * out.stride(0) + head,
+         lp + t.h * total * group + first[t.r] * group + t.r0);
+    });
   });
   return {out, lse};
 }
 
 // Stores a step's new key and value rows [T, Hkv, D] (rows may be strided, as the k and v
-// column ranges of the fused qkv output are) at flat slots of kv_cache [2, N, B, Hkv, D].
-// Why: torch's two index_copy_ calls cost ~25 us each per layer even for a decode step's
-// few rows, in TensorIterator set-up; here a row is a memcpy.
+// column ranges of the fused qkv output are) at flat slots of kv_cache [2, N, B, Hkv, D],
+// rounded to bfloat16 for a bfloat16 pool. Why: torch's two index_copy_ calls cost ~25 us
+// each per layer even for a decode step's few rows, in TensorIterator set-up; here a
+// float32 row is a memcpy.
 void write_kv_cache_(at::Tensor kv_cache, const at::Tensor& key, const at::Tensor& value,
                      const at::Tensor& slots) {
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
-                  kv_cache.scalar_type() == at::kFloat,
-              "write_kv_cache_: kv_cache must be a contiguous float32 [2, N, B, Hkv, D] tensor");
+                  (kv_cache.scalar_type() == at::kFloat ||
+                   kv_cache.scalar_type() == at::kBFloat16),
+              "write_kv_cache_: kv_cache must be a contiguous float32 or bfloat16 "
+              "[2, N, B, Hkv, D] tensor");
   const int64_t kv_heads = kv_cache.size(3), dim = kv_cache.size(4);
   for (const at::Tensor* rows : {&key, &value}) {
     TORCH_CHECK(rows->dim() == 3 && rows->scalar_type() == at::kFloat &&
@@ -955,17 +1015,20 @@ void write_kv_cache_(at::Tensor kv_cache, const at::Tensor& key, const at::Tenso
     TORCH_CHECK(sp[t] >= 0 && sp[t] < capacity, "write_kv_cache_: slot ", sp[t],
                 " is outside the cache's ", capacity, " slots");
   }
-  float* kp = kv_cache.data_ptr<float>();
-  float* vp = kp + capacity * row;
   const float* keys = key.data_ptr<float>();
   const float* values = value.data_ptr<float>();
   const int64_t key_stride = key.stride(0), value_stride = value.stride(0);
-  // A decode step's rows stay on one thread: waking the pool costs more than the copy.
-  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      std::memcpy(kp + sp[t] * row, keys + t * key_stride, row * sizeof(float));
-      std::memcpy(vp + sp[t] * row, values + t * value_stride, row * sizeof(float));
-    }
+  with_elements(kv_cache, [&](auto element) {
+    using KV = decltype(element);
+    KV* kp = static_cast<KV*>(kv_cache.data_ptr());
+    KV* vp = kp + capacity * row;
+    // A decode step's rows stay on one thread: waking the pool costs more than the copy.
+    at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        pagellm_kernels::store_row(kp + sp[t] * row, keys + t * key_stride, row);
+        pagellm_kernels::store_row(vp + sp[t] * row, values + t * value_stride, row);
+      }
+    });
   });
 }
 

@@ -1,0 +1,111 @@
+"""`kv_cache_dtype="bfloat16"`: the KV pool in half the bytes. Caching stays exact (greedy
+tokens identical with the cache on and off, cold and warm, through preemption), the same
+memory holds twice the tokens, and outputs stay close to the float32 pool's."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pagellm import LLM, SamplingParams
+from tests.engine.conftest import assert_idle, make_tiny_model
+
+# Head dims of 16 (the torch attention paths) and 64 (the compiled kernels' decode,
+# cascade and prefill attention).
+MODELS: dict[str, dict[str, Any]] = {
+    "head-dim-16": {},
+    "head-dim-64": {"hidden_size": 256, "intermediate_size": 256, "num_attention_heads": 4,
+                    "num_key_value_heads": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("kv-dtype")
+    return {name: make_tiny_model(root / name, **kw) for name, kw in MODELS.items()}
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    """A shared 70-token beginning with suffixes of several lengths, and one prompt of
+    its own: prefix hits, block boundaries and a cascade among the decodes."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(2, 384) for _ in range(70)]
+    shared = [prefix + [rng.randrange(2, 384) for _ in range(n)] for n in (1, 5, 16, 23)]
+    return [*shared, [rng.randrange(2, 384) for _ in range(41)]]
+
+
+def _generate(llm: LLM, prompts: list[list[int]], **params: Any) -> list[Any]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                          **params), use_tqdm=False)
+    assert_idle(llm.llm_engine)
+    return outputs
+
+
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["kernels", "torch"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_bfloat16_pool_keeps_caching_exact(name: str, cpu_kernels: bool,
+                                           tiny_models: dict[str, Path]) -> None:
+    runs = {}
+    for caching in (False, True):
+        llm = LLM(str(tiny_models[name]), skip_tokenizer_init=True, kv_cache_dtype="bfloat16",
+                  enable_prefix_caching=caching, cpu_kernels=cpu_kernels,
+                  kv_cache_memory_bytes=2 << 20, max_num_batched_tokens=64)
+        assert all(t.dtype == torch.bfloat16 for t in llm.llm_engine.kv_cache.tensors)
+        cold = [o.outputs[0].token_ids for o in _generate(llm, _prompts(3))]
+        warm = [o.outputs[0].token_ids for o in _generate(llm, _prompts(3))]
+        assert warm == cold
+        runs[caching] = cold
+        if caching:
+            assert llm.llm_engine.get_stats().prefix_cache_hits > 0
+    assert runs[True] == runs[False]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_bfloat16_pool_holds_twice_the_tokens(name: str, tiny_models: dict[str, Path]) -> None:
+    engines = {dtype: LLM(str(tiny_models[name]), skip_tokenizer_init=True,
+                          kv_cache_dtype=dtype, kv_cache_memory_bytes=2 << 20).llm_engine
+               for dtype in ("auto", "bfloat16")}
+    assert engines["bfloat16"].kv_cache.num_blocks == 2 * engines["auto"].kv_cache.num_blocks
+    for dtype, engine in engines.items():
+        assert engine.get_stats().cache_config["cache_dtype"] == dtype
+
+
+@pytest.mark.slow
+def test_bfloat16_pool_stays_close_on_the_default_model(default_model_dir: Path) -> None:
+    """On real weights and text the rounding moves each greedy token's log-probability
+    by little: where the float32 and bfloat16 pools chose alike, within 0.05, and they
+    choose alike on most tokens. (A random tiny model, whose large weights amplify any
+    rounding, moved by 0.08: not a measure of what users see.)"""
+    prompts = [[{"role": "system", "content": "You are a concise assistant who answers "
+                 "questions about European cities with short, factual sentences."},
+                {"role": "user", "content": question}]
+               for question in ("What should I see in Paris?", "How do I get around Berlin?",
+                                "Which food is typical in Rome?", "Is Vienna expensive?")]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+    outs = {}
+    for dtype in ("auto", "bfloat16"):
+        llm = LLM(str(default_model_dir), kv_cache_dtype=dtype, kv_cache_memory_bytes=48 << 20)
+        outs[dtype] = llm.chat(prompts, params, use_tqdm=False)
+        assert_idle(llm.llm_engine)
+    alike = 0  # tokens before each request's first difference (all 96 here: 0.016 at most)
+    for a, b in zip(outs["auto"], outs["bfloat16"], strict=True):
+        pairs = zip(a.outputs[0].token_ids, b.outputs[0].token_ids,
+                    a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True)
+        for token_a, token_b, lp_a, lp_b in pairs:
+            if token_a != token_b:
+                break
+            assert abs(lp_a[token_a].logprob - lp_b[token_b].logprob) < 0.05
+            alike += 1
+    assert alike >= 0.75 * len(prompts) * 24
+
+
+def test_kv_cache_dtype_is_checked() -> None:
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16"):
+        LLM(kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="got 'float16'"):
+        LLM(kv_cache_dtype="float16")
