@@ -120,7 +120,7 @@ def _offline_contender(name: str, options: BenchOptions) -> Contender:
 def check_workload_fits(workload: Workload, options: BenchOptions) -> None:
     """Refuses, before any contender starts, requests the engines would refuse after
     loading: longer than the model's context, or than a KV pool given in bytes."""
-    from pagellm.bench.pagellm_runner import kv_bytes_per_token
+    from pagellm.bench.pagellm_runner import kv_bytes_per_token, kv_element_size
     from pagellm.model.model_config import load_model_config
 
     if not workload.prompts:
@@ -134,7 +134,12 @@ def check_workload_fits(workload: Workload, options: BenchOptions) -> None:
     budget = options.engine_kwargs.get("kv_cache_memory_bytes")
     if budget and workload.kv_cache_tokens is None:
         block = int(options.engine_setting("block_size"))
-        pool = int(budget) // (kv_bytes_per_token(options.model_dir) * block) * block
+        # The smallest pool in tokens of the contenders: PageLLM's elements may be
+        # bfloat16, the others' are float32.
+        element = max(kv_element_size(options.engine_kwargs)
+                      if name in (PAGELLM, PAGELLM_NOCACHE) else 4
+                      for name in options.contenders)
+        pool = int(budget) // (kv_bytes_per_token(options.model_dir, element) * block) * block
         if pool < longest:
             raise ValueError(f"--kv-cache-memory-bytes {budget:,} holds {pool:,} tokens, "
                              f"less than the workload's longest request ({longest:,} "

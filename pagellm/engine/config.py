@@ -221,6 +221,10 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} "
                              f"(auto: the model's dtype), got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "bfloat16" and self.dtype == "float16":
+            raise ValueError("kv_cache_dtype='bfloat16' with dtype='float16' saves no memory "
+                             "and rounds keys and values coarser than the model computes: "
+                             "leave kv_cache_dtype='auto' (a float16 pool)")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.num_threads is not None and (

@@ -125,6 +125,32 @@ def test_engine_options_reach_the_pagellm_server(tmp_path: Path) -> None:
     assert command[command.index("--max-num-seqs") + 1] == "4"
 
 
+def test_a_bfloat16_pool_is_sized_and_passed_on(model_dir: Path) -> None:
+    """`--kv-cache-dtype bfloat16` reaches the server, a pool given in tokens (eviction)
+    holds as many tokens in half the bytes, and a pool given in bytes is checked against
+    the smallest of the contenders' pools: twice the tokens for PageLLM alone, vLLM's
+    float32 pool where it runs too."""
+    from pagellm.bench.pagellm_runner import kv_bytes_per_token
+    from pagellm.bench.suite import BenchOptions, _server, check_workload_fits
+    from pagellm.bench.workloads import Workload
+
+    per_token = kv_bytes_per_token(model_dir)  # float32
+    budget = 64 * per_token  # 64 float32 tokens, 128 bfloat16 ones
+    options = BenchOptions(model_dir=model_dir, contenders=("pagellm",),
+                           engine_kwargs={"kv_cache_dtype": "bfloat16",
+                                          "kv_cache_memory_bytes": budget})
+    evicting = Workload("eviction", {}, 2, prompts=((1, 2, 3),), kv_cache_tokens=64)
+    command = _server("pagellm", options, evicting).command
+    assert command[command.index("--kv-cache-dtype") + 1] == "bfloat16"
+    assert int(command[command.index("--kv-cache-memory-bytes") + 1]) == 64 * per_token // 2
+    long = Workload("shared-prefix", {}, 10, prompts=(tuple(range(100)),))
+    check_workload_fits(long, options)  # 110 tokens fit 128
+    with_vllm = BenchOptions(model_dir=model_dir, contenders=("pagellm", "vllm"),
+                             engine_kwargs=options.engine_kwargs, vllm_python="python")
+    with pytest.raises(ValueError, match="holds 64 tokens"):
+        check_workload_fits(long, with_vllm)
+
+
 def test_transformers_runs_where_pagellm_runs(model_dir: Path) -> None:
     """A ratio between PageLLM and transformers means something only on one device: the
     transformers contenders take the bench's device, which is the engine's default unless

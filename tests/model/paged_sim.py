@@ -57,11 +57,12 @@ class PagedSim:
     """Owns a model's KV caches and the block bookkeeping of a few requests."""
 
     def __init__(
-        self, model: torch.nn.Module, num_blocks: int = 96, block_size: int = 4, seed: int = 0
+        self, model: torch.nn.Module, num_blocks: int = 96, block_size: int = 4, seed: int = 0,
+        kv_dtype: torch.dtype | None = None,
     ):
         self.model = model
         self.block_size = block_size
-        self.kv_caches = model.allocate_kv_caches(num_blocks, block_size)
+        self.kv_caches = model.allocate_kv_caches(num_blocks, block_size, kv_dtype)
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)
         self.reqs: dict[str, _Req] = {}

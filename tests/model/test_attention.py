@@ -747,9 +747,10 @@ def rounded_to_bf16(case: dict) -> dict:
 @pytest.mark.parametrize("backend", [*BACKENDS, KERNELS])
 @pytest.mark.parametrize("scenario", [*sorted(SCENARIOS), *sorted(SHARED_PREFIX_SCENARIOS)])
 def test_bfloat16_pool_reads_as_the_float32_values_it_holds(backend: str, scenario: str) -> None:
-    """Every backend (torch's gathers, and each kernel: decode, cascade prefix, prefill)
-    gives over a bfloat16 pool, bit for bit, what it gives over a float32 pool holding the
-    same rounded values; the step's new rows are stored rounded as torch rounds them."""
+    """Every backend (torch's gathers and cascades; the decode and prefill kernels, whose
+    cascade these few shared keys do not reach: see the next test) gives over a bfloat16
+    pool, bit for bit, what it gives over a float32 pool holding the same rounded values;
+    the step's new rows are stored rounded as torch rounds them."""
     head_dim = 64 if backend == KERNELS else None
     shared = scenario in SHARED_PREFIX_SCENARIOS
     shapes = SHARED_PREFIX_SCENARIOS[scenario] if shared else SCENARIOS[scenario]
@@ -773,14 +774,27 @@ def test_bfloat16_decode_over_long_contexts_matches_float32(head_dim: int) -> No
     if not kernels_loaded():
         pytest.skip("the CPU kernels cannot be built or run on this machine")
     shapes = [(150, 1), (171, 1), (133, 1), (149, 2)]
+    prefix = TorchBatchedBackend._decode_prefix
+    calls: list[torch.dtype] = []
+
+    def counting_prefix(self: TorchBatchedBackend, q: torch.Tensor, kv: torch.Tensor,
+                        *args: Any) -> Any:
+        calls.append(kv.dtype)
+        return prefix(self, q, kv, *args)
+
     for shared_blocks in (0, 8):
         case = make_case(3, shapes, shared_blocks=shared_blocks, block_size=16,
                          head_dim=head_dim)
+        calls.clear()
+
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(batched, "MIN_DECODE_CASCADE_KEYS", 1)
+            patch.setattr(TorchBatchedBackend, "_decode_prefix", counting_prefix)
             want_out, _ = run_backend(KERNELS, rounded_to_bf16(case))
             out, _ = run_backend(KERNELS, dict(case, cache=case["cache"].bfloat16()))
         assert torch.equal(out, want_out)
+        # The cascade's prefix kernel ran over both pools exactly when a prefix is shared.
+        assert calls == ([torch.float32, torch.bfloat16] if shared_blocks else [])
 
 
 def test_kv_write_kernel_rounds_to_bfloat16_as_torch_does() -> None:

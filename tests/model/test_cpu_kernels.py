@@ -411,13 +411,15 @@ def _checkpoint_shards(name: str, rows: int, config: ModelConfig) -> list[tuple[
     return [(name, rows)]
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_fused_layers_match_the_module_path_bit_for_bit(
-        kernels: bool, fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        kernels: bool, fmt: str, kv_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """The compiled layer ops are the same kernels in the same order as the modules'
     calls, so mixed steps (a prompt, a chunk after cached context, decodes), steps of
     decodes only (one `decode_layer` call a layer) with and without a shared prefix's
-    cascade, and the K/V they store must be identical either way."""
+    cascade, and the K/V they store must be identical either way, over a float32 or a
+    bfloat16 pool."""
     monkeypatch.setattr(batched, "MIN_DECODE_CASCADE_KEYS", 1)  # a cascade of 2 requests
     model, _ = _quantized_tiny_llama(fmt)
     layers = list(model.model.layers)
@@ -446,7 +448,8 @@ def test_fused_layers_match_the_module_path_bit_for_bit(
             layer.fused_weights = weights if fused else None
         plans.clear()
         calls.clear()
-        sim = PagedSim(model, num_blocks=64, block_size=16)
+        sim = PagedSim(model, num_blocks=64, block_size=16, kv_dtype=kv_dtype)
+        assert sim.kv_caches[0].dtype == kv_dtype
         steps = [sim.step([("a", list(range(1, 40)))]),
                  sim.step([("a", [7]), ("b", list(range(3, 70)))]),
                  sim.step([("a", [9]), ("b", [11]), ("c", list(range(5, 30)))]),

@@ -22,6 +22,10 @@ struct bf16 {
 };
 static_assert(sizeof(bf16) == 2);
 
+// Elements of a 64-byte cache line: the step of a loop that prefetches a row.
+template <typename KV>
+constexpr int kLineElements = 64 / static_cast<int>(sizeof(KV));
+
 inline float to_float(float x) { return x; }
 inline float to_float(bf16 x) {
   const uint32_t wide = static_cast<uint32_t>(x.bits) << 16;

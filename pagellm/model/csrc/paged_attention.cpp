@@ -35,6 +35,7 @@ namespace {
 
 using namespace pagellm_kernels::simd;
 using pagellm_kernels::bf16;
+using pagellm_kernels::kLineElements;
 using pagellm_kernels::exp16;
 using pagellm_kernels::for_each_task;
 
@@ -116,10 +117,10 @@ void attend(const float* q, const KV* k_cache, const KV* v_cache, const int32_t*
     for (int64_t t = 0; t < n; ++t) {
       if (more) {
         PAGELLM_UNROLL
-        for (int v = 0; v < NV; ++v) {
-          _mm_prefetch(reinterpret_cast<const char*>(next_k + t * token_stride + v * 16),
+        for (int e = 0; e < NV * 16; e += kLineElements<KV>) {
+          _mm_prefetch(reinterpret_cast<const char*>(next_k + t * token_stride + e),
                        _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(next_v + t * token_stride + v * 16),
+          _mm_prefetch(reinterpret_cast<const char*>(next_v + t * token_stride + e),
                        _MM_HINT_T0);
         }
       }
@@ -282,8 +283,8 @@ void attend_narrow(const float* q, const KV* k_cache, const KV* v_cache,
           const int64_t t = std::min<int64_t>(t0 + j, n - 1);
           keys[j] = kb + t * token_stride + h * D;
           if (more && t0 + j < n) {
-            for (int v = 0; v < NV; ++v) {
-              const int64_t at = t * token_stride + h * D + v * 16;
+            for (int e = 0; e < D; e += kLineElements<KV>) {
+              const int64_t at = t * token_stride + h * D + e;
               _mm_prefetch(reinterpret_cast<const char*>(next_k + at), _MM_HINT_T1);
               _mm_prefetch(reinterpret_cast<const char*>(next_v + at), _MM_HINT_T1);
             }
@@ -576,9 +577,9 @@ inline void score_pass(const float* qt, const float* const* keys, int r0, float*
 
 // One (kv head, tile of at most RV * 16 query rows, from row `first`) against the
 // prefix's keys; `limits`, when given, holds each row's number of visible keys
-// (ascending, causal attention). A bfloat16 pool's chunk of keys and values is widened
-// into float32 rows once per chunk, for every row of the tile (the score pass reads keys
-// one scalar at a time), and the passes read those rows.
+// (ascending, causal attention). A bfloat16 pool's chunk of keys is widened into float32
+// rows once per chunk, for every row of the tile, since the score pass reads keys one
+// scalar at a time; values are read as vectors, widened as they are loaded.
 template <typename KV, int NV, int RV>
 void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout, float scale,
                    const KV* k_cache, const KV* v_cache, const int32_t* blocks,
@@ -634,12 +635,12 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
     }
   };
   const float* kp[kKeyChunk];
-  const float* vp[kKeyChunk];
+  const KV* vp[kKeyChunk];
   const KV* next_kp[kKeyChunk];
   const KV* next_vp[kKeyChunk];
   constexpr bool kWiden = !std::is_same_v<KV, float>;
-  // The widened chunk (bfloat16 pools only; empty for float32).
-  alignas(64) float wide_k[kWiden ? kKeyChunk * D : 1], wide_v[kWiden ? kKeyChunk * D : 1];
+  // The widened chunk of keys (bfloat16 pools only; a float32 pool's are read in place).
+  alignas(64) float wide_k[kWiden ? kKeyChunk * D : 1];
   const vf neg_inf = set1(-std::numeric_limits<float>::infinity());
   if (end > 0) locate(0, static_cast<int>(std::min<int64_t>(kKeyChunk, end)), next_kp, next_vp);
   for (int64_t start = 0; start < end; start += kKeyChunk) {
@@ -651,16 +652,14 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
           PAGELLM_UNROLL
           for (int v = 0; v < NV; ++v) {
             store(wide_k + t * D + v * 16, load_kv(next_kp[t] + v * 16));
-            store(wide_v + t * D + v * 16, load_kv(next_vp[t] + v * 16));
           }
         }
         kp[t] = wide_k + std::min(t, n - 1) * D;
-        vp[t] = wide_v + std::min(t, n - 1) * D;
       }
     } else {
       std::copy(next_kp, next_kp + kKeyChunk, kp);
-      std::copy(next_vp, next_vp + kKeyChunk, vp);
     }
+    std::copy(next_vp, next_vp + kKeyChunk, vp);
     // The next chunk's rows of this head, fetched while this chunk is computed: each
     // key's row is a short piece of a token's slot, too scattered for the hardware
     // prefetcher to run ahead of (a decode cascade, 96 rows x 768 keys, 30 layers
@@ -674,7 +673,7 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
       const int next_n = static_cast<int>(std::min<int64_t>(kKeyChunk, end - next));
       locate(next, next_n, next_kp, next_vp);
       for (int t = 0; t < next_n; ++t) {
-        for (int line = 0; line < D; line += 64 / int{sizeof(KV)}) {
+        for (int line = 0; line < D; line += kLineElements<KV>) {
           _mm_prefetch(reinterpret_cast<const char*>(next_kp[t] + line), _MM_HINT_T1);
           _mm_prefetch(reinterpret_cast<const char*>(next_vp[t] + line), _MM_HINT_T1);
         }
@@ -745,7 +744,7 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
           vf val[kPvDims];
           PAGELLM_UNROLL
           for (int v = 0; v < kPvDims; ++v) {
-            val[v] = in_register(loadu(vp[t] + d0 + v * 16));
+            val[v] = in_register(load_kv(vp[t] + d0 + v * 16));
           }
           const float* p = st + t * W + r0;
           PAGELLM_UNROLL
