@@ -169,8 +169,10 @@ class EngineConfig:
     `kv_cache_dtype` (vLLM's name): the KV pool's element type, "auto" (the model's
     dtype) or "bfloat16": half the bytes of a float32 model's pool per token, so the
     same memory holds twice the tokens, at the cost of keys and values rounded to
-    bfloat16 (about 3 significant digits) where they are stored. Caching stays exact
-    (a cached block holds what recomputing it would store).
+    bfloat16 (about 3 significant digits) where they are stored. A cached block serves
+    the exact bits its request stored, but a recomputed token's float32 noise can tip a
+    key or value to the next bfloat16 step, so greedy outputs with caching on and off
+    agree except at near-ties (the float32 pool keeps them identical; see the README).
     `enable_kv_cache_events` (vLLM's name): record how the prefix cache's content changes
     (blocks stored, evicted, all cleared) for `LLMEngine.take_kv_cache_events`, so that
     a router can send each request to the engine already holding its prefix. Off by

@@ -1,6 +1,8 @@
-"""`kv_cache_dtype="bfloat16"`: the KV pool in half the bytes. Caching stays exact (greedy
-tokens identical with the cache on and off, cold and warm), the same memory holds twice
-the tokens, and outputs stay close to the float32 pool's."""
+"""`kv_cache_dtype="bfloat16"`: the KV pool in half the bytes. On these small models
+greedy tokens are identical with the cache on and off, cold and warm (on real models they
+may part at near-ties: a recomputed token's float32 noise can tip a key to the next
+bfloat16 step; see the README), the same memory holds twice the tokens, and outputs stay
+close to the float32 pool's."""
 
 from __future__ import annotations
 
@@ -50,8 +52,8 @@ def _generate(llm: LLM, prompts: list[list[int]], **params: Any) -> list[Any]:
 
 @pytest.mark.parametrize("cpu_kernels", [True, False], ids=["kernels", "torch"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_bfloat16_pool_keeps_caching_exact(name: str, cpu_kernels: bool,
-                                           tiny_models: dict[str, Path]) -> None:
+def test_bfloat16_pool_agrees_with_caching_on_and_off(name: str, cpu_kernels: bool,
+                                                     tiny_models: dict[str, Path]) -> None:
     runs = {}
     for caching in (False, True):
         llm = LLM(str(tiny_models[name]), skip_tokenizer_init=True, kv_cache_dtype="bfloat16",
@@ -136,3 +138,27 @@ def test_kv_cache_dtype_is_checked() -> None:
         LLM(kv_cache_dtype="float16")
     with pytest.raises(ValueError, match="with dtype='float16' saves no memory"):
         LLM(dtype="half", kv_cache_dtype="bfloat16")
+
+
+@pytest.mark.slow
+def test_bfloat16_pool_parts_from_caching_off_only_at_near_ties(
+        default_model_dir: Path) -> None:
+    """The README's caveat, measured: a warm request (its prompt's tail computed again in
+    a smaller batch) against caching off, on a chat a review found to part. Until they
+    part, each token's log-probability agrees within 0.05; where they part, the two
+    tokens were within 0.02 of each other under caching off (a near-tie)."""
+    chat = [{"role": "user", "content": "Write a short story involving photosynthesis."}]
+    params = SamplingParams(temperature=0, max_tokens=40, logprobs=2)
+    off = LLM(str(default_model_dir), kv_cache_dtype="bfloat16", enable_prefix_caching=False,
+              kv_cache_memory_bytes=48 << 20).chat(chat, params, use_tqdm=False)[0].outputs[0]
+    llm = LLM(str(default_model_dir), kv_cache_dtype="bfloat16", kv_cache_memory_bytes=48 << 20)
+    llm.chat(chat, params, use_tqdm=False)
+    warm = llm.chat(chat, params, use_tqdm=False)[0]
+    assert warm.num_cached_tokens > 0
+    ours = warm.outputs[0]
+    for i, (a, b) in enumerate(zip(off.token_ids, ours.token_ids, strict=True)):
+        if a != b:
+            assert b in off.logprobs[i], "parted on a token caching off ranked below 2nd"
+            assert off.logprobs[i][a].logprob - off.logprobs[i][b].logprob < 0.02
+            break
+        assert abs(off.logprobs[i][a].logprob - ours.logprobs[i][b].logprob) < 0.05
