@@ -47,7 +47,7 @@ def write_kv_cache(
     """Store new key/value rows [T, Hkv, D] at flat slots of a [2, N, B, Hkv, D] cache,
     rounded to the cache's dtype where it is kept in another (kv_cache_dtype). Every
     backend reads a step's own keys back from the cache, never the unrounded rows, so a
-    cached block and a recomputed one are read alike."""
+    step attends to its new keys exactly as later steps will read them there."""
     flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
     flat[0].index_copy_(0, slot_mapping, key.to(flat.dtype))
     flat[1].index_copy_(0, slot_mapping, value.to(flat.dtype))
