@@ -120,7 +120,7 @@ def _offline_contender(name: str, options: BenchOptions) -> Contender:
 def check_workload_fits(workload: Workload, options: BenchOptions) -> None:
     """Refuses, before any contender starts, requests the engines would refuse after
     loading: longer than the model's context, or than a KV pool given in bytes."""
-    from pagellm.bench.pagellm_runner import kv_bytes_per_token, kv_element_size
+    from pagellm.bench.pagellm_runner import kv_bytes_per_token
     from pagellm.model.model_config import load_model_config
 
     if not workload.prompts:
@@ -134,11 +134,8 @@ def check_workload_fits(workload: Workload, options: BenchOptions) -> None:
     budget = options.engine_kwargs.get("kv_cache_memory_bytes")
     if budget and workload.kv_cache_tokens is None:
         block = int(options.engine_setting("block_size"))
-        # The smallest pool in tokens of the contenders: PageLLM's elements may be
-        # bfloat16, the others' are float32.
-        element = max(kv_element_size(options.engine_kwargs)
-                      if name in (PAGELLM, PAGELLM_NOCACHE) else 4
-                      for name in options.contenders)
+        # The smallest pool in tokens of the contenders.
+        element = max(_pool_element_size(name, options) for name in options.contenders)
         pool = int(budget) // (kv_bytes_per_token(options.model_dir, element) * block) * block
         if pool < longest:
             raise ValueError(f"--kv-cache-memory-bytes {budget:,} holds {pool:,} tokens, "
@@ -161,8 +158,16 @@ def _skip_reason(name: str, mode: str, options: BenchOptions) -> str | None:
     return None
 
 
+def _pool_element_size(name: str, options: BenchOptions) -> int:
+    """Bytes of one element of contender `name`'s KV pool: PageLLM's may be bfloat16
+    (`kv_cache_dtype`), the others' are float32."""
+    from pagellm.bench.pagellm_runner import kv_element_size
+
+    return kv_element_size(options.engine_kwargs) if name in (PAGELLM, PAGELLM_NOCACHE) else 4
+
+
 def _server(name: str, options: BenchOptions, workload: Workload) -> ServerProcess:
-    from pagellm.bench.pagellm_runner import kv_cache_bytes_for_tokens, kv_element_size
+    from pagellm.bench.pagellm_runner import kv_cache_bytes_for_tokens
     from pagellm.bench.vllm_runner import DEFAULT_POOL_BYTES, vllm_cpu_env
 
     port = free_port()
@@ -171,10 +176,8 @@ def _server(name: str, options: BenchOptions, workload: Workload) -> ServerProce
     block_size = int(options.engine_kwargs.get("block_size", 16))
     kv_bytes = options.engine_kwargs.get("kv_cache_memory_bytes")
     if workload.kv_cache_tokens is not None:
-        element_size = 4 if name in (VLLM, VLLM_NOCACHE) else kv_element_size(
-            options.engine_kwargs)
         kv_bytes = kv_cache_bytes_for_tokens(options.model_dir, workload.kv_cache_tokens,
-                                             block_size, element_size)
+                                             block_size, _pool_element_size(name, options))
     if name in (VLLM, VLLM_NOCACHE):
         assert options.vllm_python is not None
         # PageLLM's default pool is capped at 1 GiB; vLLM gets the same unless told. Its
