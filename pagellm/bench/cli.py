@@ -160,6 +160,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     engine.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
                         help="PageLLM's KV pool element type (default: auto, the model's); "
                         "a pool given in tokens (eviction) holds as many either way")
+    engine.add_argument("--quantize-activations", action="store_true", default=None,
+                        help="PageLLM quantizes its Q4_1 matmuls' inputs to int8 (see "
+                        "pagellm serve --help); the other contenders stay float32")
     engine.add_argument("--scheduling-policy", choices=get_args(SchedulingPolicy), default=None,
                         help="PageLLM's admission order (default: the engine's, cache_aware)")
     engine.add_argument("--enforce-eager", action="store_true", default=None,
@@ -173,7 +176,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     from pagellm.engine.config import EngineConfig
     from pagellm.model.resolve import resolve_model_path
 
-    names = (*_ENGINE_OPTIONS, "kv_cache_dtype", "scheduling_policy", "device", "enforce_eager")
+    names = (*_ENGINE_OPTIONS, "kv_cache_dtype", "quantize_activations", "scheduling_policy",
+             "device", "enforce_eager")
     engine_kwargs = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
     # The engine's own checks of these values, before anything runs.
     cache_dir = EngineConfig(cache_dir=args.cache_dir, **engine_kwargs).cache_dir

@@ -200,8 +200,9 @@ def _server(name: str, options: BenchOptions, workload: Workload) -> ServerProce
             args += [flag, str(options.engine_kwargs[key])]
     if kv_bytes:
         args += ["--kv-cache-memory-bytes", str(kv_bytes)]
-    if options.engine_kwargs.get("enforce_eager"):
-        args.append("--enforce-eager")
+    for key in ("enforce_eager", "quantize_activations"):
+        if options.engine_kwargs.get(key):
+            args.append("--" + key.replace("_", "-"))
     return ServerProcess(pagellm_server_command(options.model_dir, port, name == PAGELLM,
                                                 args), port, env)
 

@@ -213,7 +213,8 @@ class LLMEngine:
             self.model = load_model(
                 model_path, dtype=self.dtype, device=self.device,
                 attention_backend=config.attention_backend,
-                kernel_dir=config.cache_dir / "kernels" if config.cpu_kernels else None)
+                kernel_dir=config.cache_dir / "kernels" if config.cpu_kernels else None,
+                quantize_activations=config.quantize_activations)
         except CorruptModelError as error:
             if model_path.parent != config.cache_dir / "gguf":
                 raise

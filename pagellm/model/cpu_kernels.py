@@ -35,8 +35,8 @@ build_logger = logging.getLogger(f"{__name__}.build")
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = tuple(_CSRC / name
-                 for name in ("quant_linear.cpp", "paged_attention.cpp", "fused_ops.cpp",
-                              "decoder_layer.cpp"))
+                 for name in ("quant_linear.cpp", "int8_linear.cpp", "paged_attention.cpp",
+                              "fused_ops.cpp", "decoder_layer.cpp"))
 _HEADERS = (_CSRC / "amx_matmul.h", _CSRC / "kv_element.h", _CSRC / "parallel.h",
             _CSRC / "simd.h", _CSRC / "vec_math.h")
 _LIBRARY_NAME = "libpagellm_cpu_kernels.so"

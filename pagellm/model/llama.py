@@ -369,11 +369,13 @@ class LlamaForCausalLM(nn.Module):
             if filled.get(target, 0) != self._shard_count(target):
                 raise CorruptModelError(f"checkpoint is missing weights for {target!r}")
 
-    def attach_quantized(self, blocks: Iterable[tuple[str, str, torch.Tensor]]) -> int:
+    def attach_quantized(self, blocks: Iterable[tuple[str, str, torch.Tensor]],
+                         int8_activations: bool = False) -> int:
         """Give linear layers (and a tied head) their checkpoint's raw quantized blocks,
         as (HF name, GGUF format, blocks in GGUF byte order), for the kernels;
         returns how many weights got them. A fused layer gets them only when every shard
-        has them, in one format.
+        has them, in one format. With `int8_activations`, Q4_1 blocks go to the kernel
+        that quantizes its inputs to int8 (see EngineConfig.quantize_activations).
 
         Call after load_weights and before pack_weights: rows sampled from every weight are
         dequantized and must equal the loaded float32 weights bit for bit, else this raises
@@ -410,6 +412,8 @@ class LlamaForCausalLM(nn.Module):
                 raise CorruptModelError(
                     f"the {fmt.name} blocks of {target!r} do not match its float32 weights")
             packed = quant_kernels.pack(fmt, raw, weight.shape[1])
+            if int8_activations and fmt.name == "Q4_1":
+                packed = quant_kernels.int8_activation_layout(packed)
             if isinstance(module, Linear):
                 module.quantized = packed
             else:
@@ -420,6 +424,12 @@ class LlamaForCausalLM(nn.Module):
                 module.use_gated_kernel()
         self._use_fused_layers()
         return attached
+
+    def int8_activation_weights(self) -> int:
+        """How many weights run on the int8-activation kernel (attach_quantized)."""
+        weights = [module.quantized for module in self.modules() if isinstance(module, Linear)]
+        return sum(weight is not None and weight.int8_activations
+                   for weight in (*weights, self.quantized_head))
 
     @staticmethod
     def _target(name: str) -> tuple[str, int | None]:

@@ -124,13 +124,17 @@ def load_model(
     device: str | torch.device = "cpu",
     attention_backend: str | None = None,
     kernel_dir: Path | None = None,
+    quantize_activations: bool = False,
 ) -> LlamaForCausalLM:
     """Build the model of an HF directory and load its weights, ready for inference.
 
     With `kernel_dir` (where compiled kernels are kept), a float32 CPU model runs decode
     attention through the compiled paged kernel and, when its directory has raw quantized
     blocks (a converted GGUF), its matmuls on them (see cpu_kernels,
-    quant_kernels); None keeps everything on torch ops and float32 weights."""
+    quant_kernels); None keeps everything on torch ops and float32 weights.
+    `quantize_activations` puts the Q4_1 blocks on the int8-activation kernel (see
+    EngineConfig.quantize_activations); ValueError where that cannot run: the reason named.
+    """
     directory = Path(path)
     config = load_model_config(directory)
     torch_dtype = resolve_dtype(dtype, config)
@@ -143,12 +147,18 @@ def load_model(
     # load_weights for which are adopted as they are and which are copied (fused, cast).
     model.load_weights(iter_safetensors(files, target if target.type == "cuda" else "cpu"))
     model.requires_grad_(False)
+    blocks_file = directory / QUANTIZED_DIR / BLOCKS_FILE
     if (kernel_dir is not None and target.type == "cpu" and torch_dtype == torch.float32
             and cpu_kernels.load(kernel_dir)):
         model.use_cpu_kernels()
-        blocks_file = directory / QUANTIZED_DIR / BLOCKS_FILE
         if blocks_file.is_file():
-            model.attach_quantized(iter_quantized_blocks(blocks_file))
+            model.attach_quantized(iter_quantized_blocks(blocks_file), quantize_activations)
+    if quantize_activations and not model.int8_activation_weights():
+        raise ValueError(
+            "quantize_activations needs Q4_1 weights on the CPU kernels: "
+            + ("the CPU kernels are off or could not be built here (see the log)"
+               if not cpu_kernels.loaded() or kernel_dir is None
+               else f"{directory} has no Q4_1 blocks (a Q4_1 GGUF has them)"))
     model.pack_weights()
     return model.eval()
 

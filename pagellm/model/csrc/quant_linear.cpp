@@ -723,6 +723,8 @@ at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& scales, const at::
                   mins.scalar_type() == at::kFloat,
               "q4_1_linear: mins must match scales");
   TORCH_CHECK(codes.scalar_type() == at::kByte, "q4_1_linear: codes must be uint8");
+  TORCH_CHECK(codes.dim() == 4 && codes.size(2) == kLanes, "q4_1_linear: codes must be "
+              "[tiles, blocks, 16, 16] (codes in the int8 layout go to q4_1_int8_linear)");
   return quantized_linear<Q4_1>("q4_1_linear", x, scales, mins.data_ptr<float>(), codes, gated);
 }
 

@@ -111,6 +111,36 @@ inline void from_nibbles(const uint8_t* p, vf& lo, vf& hi) {
   hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
 }
 
+// Bytes, for the int8 matmul (int8_linear.cpp): a vi as 16 lanes of 4 bytes.
+inline vi load_bytes(const uint8_t* p) { return _mm512_loadu_si512(p); }  // 64 bytes
+inline vi low_nibbles(vi v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+inline vi high_nibbles(vi v) {
+  return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+}
+// The 4 bytes at p in every lane.
+inline vi broadcast4(const int8_t* p) {
+  int32_t word;
+  __builtin_memcpy(&word, p, 4);
+  return _mm512_set1_epi32(word);
+}
+// Integer dot products of 4 bytes a lane, unsigned weights w (at most 15) by signed x,
+// summed: dot_add at most 8 times between dot_start and dot_finish, which gives int32
+// lanes. With VNNI one instruction a step; without, pairs add up in int16 lanes (8 steps
+// of 2 x 15 x 127 stay below 32,767) and are widened once. Both give the same integers.
+inline vi dot_start() { return _mm512_setzero_si512(); }
+#ifdef __AVX512VNNI__
+inline vi dot_add(vi acc, vi w, vi x) { return _mm512_dpbusd_epi32(acc, w, x); }
+inline vi dot_finish(vi acc) { return acc; }
+#else
+inline vi dot_add(vi acc, vi w, vi x) { return _mm512_add_epi16(acc, _mm512_maddubs_epi16(w, x)); }
+inline vi dot_finish(vi acc) { return _mm512_madd_epi16(acc, _mm512_set1_epi16(1)); }
+#endif
+inline vf to_float(vi v) { return _mm512_cvtepi32_ps(v); }
+// 16 lanes rounded to the nearest whole number (ties to even) and saturated to int8.
+inline void store_i8(int8_t* p, vf v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
+}
+
 #elif defined(__AVX2__) && defined(__FMA__)
 
 constexpr bool kWideRegisters = false;
@@ -289,6 +319,44 @@ inline void from_nibbles(const uint8_t* p, vf& lo, vf& hi) {
   const __m256i low = _mm256_set1_epi32(0xF);
   lo = {_mm256_cvtepi32_ps(_mm256_and_si256(a, low)), _mm256_cvtepi32_ps(_mm256_and_si256(b, low))};
   hi = {_mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4))};
+}
+
+// Bytes, for the int8 matmul (see the AVX-512 half).
+inline vi load_bytes(const uint8_t* p) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+}
+inline vi low_nibbles(vi v) {
+  const __m256i m = _mm256_set1_epi8(0x0F);
+  return {_mm256_and_si256(v.lo, m), _mm256_and_si256(v.hi, m)};
+}
+inline vi high_nibbles(vi v) {
+  const __m256i m = _mm256_set1_epi8(0x0F);
+  return {_mm256_and_si256(_mm256_srli_epi16(v.lo, 4), m),
+          _mm256_and_si256(_mm256_srli_epi16(v.hi, 4), m)};
+}
+inline vi broadcast4(const int8_t* p) {
+  int32_t word;
+  __builtin_memcpy(&word, p, 4);
+  const __m256i v = _mm256_set1_epi32(word);
+  return {v, v};
+}
+inline vi dot_start() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline vi dot_add(vi acc, vi w, vi x) {
+  return {_mm256_add_epi16(acc.lo, _mm256_maddubs_epi16(w.lo, x.lo)),
+          _mm256_add_epi16(acc.hi, _mm256_maddubs_epi16(w.hi, x.hi))};
+}
+inline vi dot_finish(vi acc) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  return {_mm256_madd_epi16(acc.lo, ones), _mm256_madd_epi16(acc.hi, ones)};
+}
+inline vf to_float(vi v) { return {_mm256_cvtepi32_ps(v.lo), _mm256_cvtepi32_ps(v.hi)}; }
+inline void store_i8(int8_t* p, vf v) {
+  // packs interleave 128-bit halves: lanes 0-3, 8-11, 4-7, 12-15 after the two packs
+  const __m256i words = _mm256_packs_epi32(_mm256_cvtps_epi32(v.lo), _mm256_cvtps_epi32(v.hi));
+  const __m256i bytes = _mm256_packs_epi16(words, words);
+  const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 0, 0, 0, 0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(ordered));
 }
 
 #else
