@@ -10,6 +10,7 @@ the backend chosen at start-up; everything else is per-token and batch-agnostic.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -28,6 +29,8 @@ from pagellm.model.errors import CorruptModelError
 from pagellm.model.layers import Embedding, GatedMLP, Linear, RMSNorm
 from pagellm.model.model_config import ModelConfig
 from pagellm.model.rotary import RotaryEmbedding, apply_rotary
+
+logger = logging.getLogger(__name__)
 
 
 class LlamaAttention(nn.Module):
@@ -422,6 +425,9 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, GatedMLP):
                 module.use_gated_kernel()
+        if self.int8_activation_weights() and not self.attn_backend.use_row_invariant_attention():
+            logger.warning("quantize_activations: the attention kernels do not serve every "
+                           "layer of this model, so caching may change outputs")
         self._use_fused_layers()
         return attached
 

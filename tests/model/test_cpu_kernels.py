@@ -376,7 +376,9 @@ def _quantized_tiny_llama(
 ) -> tuple[LlamaForCausalLM, list[tuple[str, torch.Tensor]]]:
     """A 3-layer random Llama whose every linear weight is exactly its `fmt` blocks (64-dim
     heads, 2 kv heads), with the kernels on and the blocks attached, as the loader does;
-    and its checkpoint (HF names)."""
+    and its checkpoint (HF names). "Q4_1-int8": Q4_1 on the int8-activation kernel."""
+    int8 = fmt == "Q4_1-int8"
+    fmt = fmt.removesuffix("-int8")
     config = ModelConfig.from_dict({
         "architectures": ["LlamaForCausalLM"], "hidden_size": 256, "intermediate_size": 320,
         "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -395,7 +397,8 @@ def _quantized_tiny_llama(
                 blocks.append((part, fmt, raw))
     model.load_weights(weights)
     model.use_cpu_kernels()
-    assert model.attach_quantized(blocks) == 4 * config.num_hidden_layers
+    assert model.attach_quantized(blocks, int8) == 4 * config.num_hidden_layers
+    assert model.int8_activation_weights() == (4 * config.num_hidden_layers if int8 else 0)
     return model, weights
 
 
@@ -412,7 +415,7 @@ def _checkpoint_shards(name: str, rows: int, config: ModelConfig) -> list[tuple[
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", [*FORMATS, "Q4_1-int8"])
 def test_fused_layers_match_the_module_path_bit_for_bit(
         kernels: bool, fmt: str, kv_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """The compiled layer ops are the same kernels in the same order as the modules'
@@ -519,7 +522,8 @@ def test_a_narrower_build_passes_the_kernel_tests(kernels: bool, isa: str) -> No
     tests = Path(__file__).parent
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-rs", "-p", "no:cacheprovider",
-         str(tests / "test_cpu_kernels.py"), str(tests / "test_attention.py"),
+         str(tests / "test_cpu_kernels.py"), str(tests / "test_int8_linear.py"),
+         str(tests / "test_attention.py"),
          "-k", "not narrower_build"],
         env={**os.environ, "PAGELLM_CPU_ISA": isa}, capture_output=True, text=True,
         timeout=900, check=False)

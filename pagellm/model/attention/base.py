@@ -115,6 +115,16 @@ class AttentionBackend(ABC):
         a backend that has paths using them (the default has none); only for a float32
         model on the CPU, the one case the kernels serve."""
 
+    def use_row_invariant_attention(self) -> bool:
+        """Called by the model when its matmuls quantize their inputs to int8
+        (EngineConfig.quantize_activations): attend every token, decodes included, by one
+        kernel whose result for a query does not depend on the step around it; returns
+        whether every step can (the default backend cannot). Why: int8 rounding turns
+        the ~1e-7 by which two attention paths differ into whole int8 steps, so a token
+        computed in another batch (caching on or off) would part at far more than
+        float32's near-ties."""
+        return False
+
     def forward(
         self,
         query: torch.Tensor,

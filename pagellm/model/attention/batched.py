@@ -115,6 +115,7 @@ class TorchBatchedBackend(AttentionBackend):
         self._specs: list[AttentionSpec] = []
         self._decode_kernel = False
         self._write_kernel = False
+        self._row_invariant = False
 
     def configure(self, specs: list[AttentionSpec]) -> None:
         # A shared prefix is attended whole, which a sliding-window layer must not do.
@@ -140,6 +141,16 @@ class TorchBatchedBackend(AttentionBackend):
             and spec.num_heads // spec.num_kv_heads <= 8
             for spec in self._specs)
 
+    def use_row_invariant_attention(self) -> bool:
+        """Every token, decodes included, through the prefill kernel, with no cascade:
+        that kernel computes a query's row with the same float32 steps whatever rows,
+        chunk or context share its call (its keys in chunks of 48 from the first, its
+        scores one chain of FMAs over the dims), where the decode kernel and a cascade's
+        merge add in other orders. Only where the kernels serve every layer; a step of
+        blocks past MAX_KERNEL_BLOCK_SIZE goes to the torch paths."""
+        self._row_invariant = self._decode_kernel
+        return self._row_invariant
+
     def prepare(self, meta: AttentionMetadata) -> StepPlan:
         device = meta.slot_mapping.device
         buckets: dict[tuple[int, int, int], list[int]] = {}
@@ -147,13 +158,13 @@ class TorchBatchedBackend(AttentionBackend):
         # this engine is bound by kernel launches, not traffic: on an H200 (SmolLM2-135M
         # shape, float32) decode with a shared prefix ran 1.1-2.1x slower with it, from
         # 8 x 256 to 64 x 4,096 shared tokens, so only the CPU cascades.
-        cascade = self._cascade and device.type == "cpu"
+        cascade = self._cascade and device.type == "cpu" and not self._row_invariant
         kernel = self._decode_kernel and meta.block_size <= MAX_KERNEL_BLOCK_SIZE
         first_blocks = self._shared_first_blocks(meta, cascade, kernel)
         lengths = zip(meta.query_lens_list, meta.seq_lens_list, strict=True)
         for r, (q_len, seq_len) in enumerate(lengths):
             shared = first_blocks.get(r, -1)
-            if kernel and q_len > 1:
+            if kernel and (q_len > 1 or self._row_invariant):
                 key = _PREFILL_CALL
             elif kernel and q_len == 1 and shared < 0:
                 key = _DECODE_CALL
