@@ -845,3 +845,100 @@ def test_attention_kernels_refuse_mixed_or_unkept_pool_dtypes() -> None:
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         torch.ops.pagellm.write_kv_cache_(torch.zeros(2, 3, 16, 2, 64, dtype=torch.float16),
                                           q[:, :2], q[:, 2:], torch.tensor([0, 1]))
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 48])
+def test_prefill_kernel_goes_on_from_a_prefix_state_bit_for_bit(
+        kv_dtype: torch.dtype, head_dim: int, block_size: int) -> None:
+    """paged_prefix_state over a shared prefix of P keys (P a multiple of the 48-key
+    chunk), then paged_prefill_attention from that state over each request's own keys,
+    gives the very bits of one prefill call over all the keys, for decodes (one query)
+    and chunks of several queries, each request alone or in a batch: what row-invariant
+    attention's cascade relies on."""
+    if not kernels_loaded():
+        pytest.skip("the CPU kernels cannot be built or run on this machine")
+    gen = torch.Generator().manual_seed(block_size + head_dim)
+    kv_heads, group = 3, 3
+    cache = torch.randn(2, 300, block_size, kv_heads, head_dim, generator=gen).to(kv_dtype)
+    for prior_keys in (48, 144):
+        shared = torch.randperm(300, generator=gen)[: prior_keys // block_size].to(torch.int32)
+        cases = [(prior_keys + 5, 1), (prior_keys, 1), (prior_keys + 100, 1), (prior_keys + 7, 20)]
+        width = -(-(prior_keys + 130) // block_size)
+        tables = torch.zeros(len(cases), width, dtype=torch.int32)
+        for r, (context, n) in enumerate(cases):
+            need = -(-(context + n) // block_size)
+            own = torch.randperm(300, generator=gen)[: need - len(shared)]
+            tables[r, :need] = torch.cat([shared, own.to(torch.int32)])
+        lens = torch.tensor([n for _, n in cases])
+        starts = torch.cumsum(lens, 0) - lens
+        contexts = torch.tensor([c for c, _ in cases])
+        q = torch.randn(int(lens.sum()), kv_heads * group, head_dim, generator=gen)
+        one_pass = torch.ops.pagellm.paged_prefill_attention(
+            q, cache[0], cache[1], tables, starts, lens, contexts, 0.2, group)[0]
+        state = torch.ops.pagellm.paged_prefix_state(q, cache[0], cache[1], shared, 0.2, group)
+        assert state.shape == (kv_heads, int(lens.sum()) * group, head_dim + 2)
+        resumed = torch.ops.pagellm.paged_prefill_attention(
+            q, cache[0], cache[1], tables, starts, lens, contexts, 0.2, group, state, prior_keys)[0]
+        assert torch.equal(resumed, one_pass)
+        # A request alone (its own prefix state) gives the same bits as in the batch.
+        alone = torch.ops.pagellm.paged_prefill_attention(
+            q[2:3], cache[0], cache[1], tables[2:3], torch.tensor([0]), lens[2:3],
+            contexts[2:3], 0.2, group)[0]
+        assert torch.equal(alone, one_pass[2:3])
+
+
+def test_prefix_state_is_refused_where_it_cannot_go_on() -> None:
+    if not kernels_loaded():
+        pytest.skip("the CPU kernels cannot be built or run on this machine")
+    cache = torch.randn(2, 20, 16, 2, 64)
+    q = torch.randn(2, 4, 64)
+    tables = torch.arange(20, dtype=torch.int32).view(2, 10)
+    shared = torch.arange(3, dtype=torch.int32)
+    state = torch.ops.pagellm.paged_prefix_state(q, cache[0], cache[1], shared, 0.1, 2)
+    args = (q, cache[0], cache[1], tables, torch.tensor([0, 1]), torch.tensor([1, 1]))
+
+    def call(contexts: list[int], prior: torch.Tensor, keys: int) -> None:
+        torch.ops.pagellm.paged_prefill_attention(*args, torch.tensor(contexts), 0.1, 2,
+                                                  prior, keys)
+
+    with pytest.raises(RuntimeError, match="multiple of 48"):
+        call([60, 60], state, 40)
+    with pytest.raises(RuntimeError, match="fewer than the prior state's 48"):
+        call([60, 30], state, 48)
+    with pytest.raises(RuntimeError, match=r"\[Hkv, rows, D \+ 2\]"):
+        call([60, 60], state[:, :2], 48)
+    call([60, 60], state, 48)
+
+
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_row_invariant_attention_gives_each_request_its_bits_alone(block_size: int) -> None:
+    """With use_row_invariant_attention, a step of decodes sharing a long prefix (the
+    state cascade), decodes of their own and a prompt chunk gives every request the same
+    bits as a step holding it alone; and the cascade runs."""
+    if not kernels_loaded():
+        pytest.skip("the CPU kernels cannot be built or run on this machine")
+    shared_blocks = -(-256 // block_size)
+    shared = shared_blocks * block_size
+    shapes = [(shared + 3, 1)] * 12 + [(shared + 40, 1), (shared + 20, 9)]
+    case = make_case(4, shapes, shared_blocks=shared_blocks, block_size=block_size,
+                     head_dim=64)
+    backend = get_attention_backend("torch_batched")
+    backend.configure([case["spec"]])
+    backend.use_cpu_kernels()
+    assert backend.use_row_invariant_attention()
+    cache = case["cache"].clone()
+    plan = backend.prepare(case["meta"])
+    assert len(plan.cascades) == 1 and plan.cascades[0].prior_keys == shared // 48 * 48
+    assert plan.groups == [] and plan.decode_call is None
+    out = backend.forward(case["query"], case["key"], case["value"], cache, plan, case["spec"])
+    torch.testing.assert_close(out.double(), case["expected"], atol=2e-5, rtol=1e-5)
+    row = 0
+    for r, (context, n) in enumerate(shapes):
+        alone_meta = build_metadata([case["tables"][r]], [context], [n], block_size)
+        alone_plan = backend.prepare(alone_meta)
+        assert not alone_plan.cascades
+        got = backend.attend(case["query"][row:row + n], cache, alone_plan, case["spec"])
+        assert torch.equal(got, out[row:row + n]), r
+        row += n

@@ -425,6 +425,7 @@ def test_fused_layers_match_the_module_path_bit_for_bit(
     bfloat16 pool."""
     monkeypatch.setattr(batched, "MIN_DECODE_CASCADE_KEYS", 1)  # a cascade of 2 requests
     model, _ = _quantized_tiny_llama(fmt)
+    int8 = fmt.endswith("-int8")
     layers = list(model.model.layers)
     assert all(layer.fused_weights is not None for layer in layers)
     saved = [layer.fused_weights for layer in layers]
@@ -461,16 +462,19 @@ def test_fused_layers_match_the_module_path_bit_for_bit(
             sim.share_prefix("b", name, 64)
         steps += [sim.step([("d", [21, 22, 23]), ("e", [31])]),
                   sim.step([("b", [13]), ("d", [24]), ("e", [32])])]
-        if fused:
+        if fused and not int8:
             decode_calls = [plan.decode_call for plan in plans]
             # One call a layer in the two decode-only steps (the 4th and 6th plans).
             assert calls == [4] * len(layers) + [6] * len(layers)
         else:
+            # Row-invariant attention (int8 activations) sends decodes to the prefill
+            # kernel: no step is one decode-kernel call.
             assert calls == []
         results.append((steps, [cache.clone() for cache in sim.kv_caches]))
-    assert [call is not None for call in decode_calls] == [False] * 3 + [True, False, True]
-    assert decode_calls[3] is not None and decode_calls[3][2] is None
-    assert decode_calls[5] is not None and decode_calls[5][2] is not None  # the cascade
+    if not int8:
+        assert [call is not None for call in decode_calls] == [False] * 3 + [True, False, True]
+        assert decode_calls[3] is not None and decode_calls[3][2] is None
+        assert decode_calls[5] is not None and decode_calls[5][2] is not None  # the cascade
     (fused_steps, fused_caches), (module_steps, module_caches) = results
     for ours, theirs in zip(fused_steps + fused_caches, module_steps + module_caches,
                             strict=True):

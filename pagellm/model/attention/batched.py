@@ -4,6 +4,7 @@ the fixed-shape decode of a CUDA graph."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -86,9 +87,22 @@ class _PrefillCall:
 
 
 @dataclass
+class _StateCascade:
+    """Row-invariant attention's cascade (see use_row_invariant_attention): decodes that
+    share a prefix get its softmax state in one call for all of them (the prefix read
+    once), then the prefill kernel goes on from it over each one's own keys."""
+
+    call: _PrefillCall  # the decodes, each request's keys after the prefix's
+    prefix_ids: torch.Tensor  # [n] int32: the shared prefix's blocks
+    prior_keys: int  # the prefix's keys: a multiple of the prefill kernel's key chunk
+    q_rows: torch.Tensor | None  # batch rows of the decodes' queries; None: the whole batch
+
+
+@dataclass
 class _BatchedPlan(StepPlan):
     groups: list[_Group] = field(default_factory=list)
     prefill: _PrefillCall | None = None
+    cascades: list[_StateCascade] = field(default_factory=list)
 
 
 class TorchBatchedBackend(AttentionBackend):
@@ -142,16 +156,21 @@ class TorchBatchedBackend(AttentionBackend):
             for spec in self._specs)
 
     def use_row_invariant_attention(self) -> bool:
-        """Every token, decodes included, through the prefill kernel, with no cascade:
-        that kernel computes a query's row with the same float32 steps whatever rows,
-        chunk or context share its call (its keys in chunks of 48 from the first, its
-        scores one chain of FMAs over the dims), where the decode kernel and a cascade's
-        merge add in other orders. Only where the kernels serve every layer; a step of
-        blocks past MAX_KERNEL_BLOCK_SIZE goes to the torch paths."""
+        """Every token, decodes included, through the prefill kernel: it computes a
+        query's row with the same float32 steps whatever rows, chunk or context share
+        its call (its keys in chunks of 48 from the first, its scores one chain of FMAs
+        over the dims), where the decode kernel and a cascade's merge add in other
+        orders. Decodes sharing a long prefix still read it once for all: the prefix
+        kernel gives their softmax state after it, and the prefill kernel goes on from
+        there (`_StateCascade`), which is the same arithmetic as one pass. Only where the
+        kernels serve every layer; a step of blocks past MAX_KERNEL_BLOCK_SIZE goes to
+        the torch paths."""
         self._row_invariant = self._decode_kernel
         return self._row_invariant
 
     def prepare(self, meta: AttentionMetadata) -> StepPlan:
+        if self._row_invariant and meta.block_size <= MAX_KERNEL_BLOCK_SIZE:
+            return self._prepare_row_invariant(meta)
         device = meta.slot_mapping.device
         buckets: dict[tuple[int, int, int], list[int]] = {}
         # The cascade saves memory traffic for a few more ops per layer. A GPU step of
@@ -195,6 +214,34 @@ class TorchBatchedBackend(AttentionBackend):
         return _BatchedPlan(meta, groups,
                             None if prefill is None else _prefill_call(meta, prefill, whole),
                             decode_call=decode_call)
+
+    def _prepare_row_invariant(self, meta: AttentionMetadata) -> StepPlan:
+        """Every request through the prefill kernel, except decodes sharing a prefix
+        worth a cascade (as `_fold_small_decode_groups` decides it), which go on from its
+        state. The prefix is cut to a multiple of the kernel's key chunk, so that going
+        on from it is the same arithmetic as one pass."""
+        sharing: dict[int, list[int]] = {}
+        for r, block in self._shared_first_blocks(meta, self._cascade, True).items():
+            sharing.setdefault(block, []).append(r)
+        step = math.lcm(meta.block_size, PREFILL_KEY_CHUNK)
+        alone = set(range(meta.num_requests))
+        cascades = []
+        for members in sharing.values():
+            keys = _shared_prefix_blocks(meta, members) * meta.block_size // step * step
+            if keys == 0 or len(members) * keys < MIN_DECODE_CASCADE_KEYS:
+                continue
+            alone -= set(members)
+            cascades.append((sorted(members), keys))
+        whole = not cascades or (len(cascades) == 1 and not alone)
+        plans = []
+        for members, keys in cascades:
+            index = torch.tensor(members, device=meta.slot_mapping.device)
+            plans.append(_StateCascade(
+                _prefill_call(meta, members, whole),
+                meta.block_tables[members[0], :keys // meta.block_size].contiguous(), keys,
+                None if whole else meta.query_start_loc[index].long()))
+        prefill = _prefill_call(meta, sorted(alone), whole) if alone else None
+        return _BatchedPlan(meta, [], prefill, cascades=plans)
 
     @staticmethod
     def _shared_first_blocks(meta: AttentionMetadata, cascade: bool,
@@ -313,6 +360,8 @@ class TorchBatchedBackend(AttentionBackend):
         num_tokens = query.shape[0]
         parts = [(self._attend(query, kv_cache, group, spec), group.out_dst)
                  for group in plan.groups]
+        parts += [(self._state_cascade(query, kv_cache, cascade, spec), cascade.call.out_dst)
+                  for cascade in plan.cascades]
         if plan.prefill is not None:
             parts.append((self._prefill_with_kernel(query, kv_cache, plan.prefill, spec),
                           plan.prefill.out_dst))
@@ -409,6 +458,21 @@ class TorchBatchedBackend(AttentionBackend):
             shared_q[None], prefix[0].transpose(0, 1)[None], prefix[1].transpose(0, 1)[None],
             None, spec.scale)
         return out[0], lse[0]
+
+    @staticmethod
+    def _state_cascade(query: torch.Tensor, kv_cache: torch.Tensor, cascade: _StateCascade,
+                       spec: AttentionSpec) -> torch.Tensor:
+        """The cascade's decodes: the prefix's state for all of them, then each one's own
+        keys from it: [members, H, D]. The same bits as attending each alone."""
+        group = spec.num_heads // spec.num_kv_heads
+        q = query if cascade.q_rows is None else query.index_select(0, cascade.q_rows)
+        state = torch.ops.pagellm.paged_prefix_state(q, kv_cache[0], kv_cache[1],
+                                                     cascade.prefix_ids, spec.scale, group)
+        call = cascade.call
+        result: tuple[torch.Tensor, torch.Tensor] = torch.ops.pagellm.paged_prefill_attention(
+            query, kv_cache[0], kv_cache[1], call.tables, call.starts, call.lens,
+            call.contexts, spec.scale, group, state, cascade.prior_keys)
+        return result[0]
 
     @staticmethod
     def _prefill_with_kernel(
@@ -522,6 +586,10 @@ def _attention_with_lse(
 
 # The paged decode kernel's largest block (tokens per KV block).
 MAX_KERNEL_BLOCK_SIZE = 64
+
+# The prefill kernel's chunk of keys (kKeyChunk in csrc/paged_attention.cpp): a state it
+# goes on from must end at a multiple of it.
+PREFILL_KEY_CHUNK = 48
 
 # A shared prefix shorter than this is not worth a second gather and softmax pass.
 MIN_CASCADE_BLOCKS = 4

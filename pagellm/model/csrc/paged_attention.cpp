@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <limits>
 #include <optional>
 #include <tuple>
@@ -577,14 +578,20 @@ inline void score_pass(const float* qt, const float* const* keys, int r0, float*
 
 // One (kv head, tile of at most RV * 16 query rows, from row `first`) against the
 // prefix's keys; `limits`, when given, holds each row's number of visible keys
-// (ascending, causal attention). A bfloat16 pool's chunk of keys is widened into float32
+// (ascending, causal attention).
+// A row's softmax state after keys [0, key_begin) can come in (`state_in`: its unscaled
+// output, running max and sum, D + 2 floats a row from the tile's first) and the state
+// after the last key can go out (`state_out`) instead of the result: keys walked in two
+// calls split at a multiple of kKeyChunk give the same bits as one call, since every
+// chunk's steps are the same (a row never depends on the rest of its tile). A bfloat16 pool's chunk of keys is widened into float32
 // rows once per chunk, for every row of the tile, since the score pass reads keys one
 // scalar at a time; values are read as vectors, widened as they are loaded.
 template <typename KV, int NV, int RV>
 void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout, float scale,
                    const KV* k_cache, const KV* v_cache, const int32_t* blocks,
                    int64_t keys, int64_t block_size, int64_t block_stride,
-                   int64_t token_stride, const int64_t* limits, float* out, float* lse) {
+                   int64_t token_stride, const int64_t* limits, float* out, float* lse,
+                   int64_t key_begin, const float* state_in, float* state_out) {
   constexpr int D = NV * 16;
   constexpr int W = RV * 16;                   // rows, padded to whole vectors
   constexpr int kPvDims = std::min(NV, kPvVecs);
@@ -615,6 +622,14 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
   }
   if (limits != nullptr) end = std::min(keys, limits[rows - 1]);
   std::fill(acc, acc + (W + kPvRows) * D, 0.0f);
+  if (state_in != nullptr) {
+    for (int64_t row = 0; row < rows; ++row) {
+      const float* s = state_in + row * (D + 2);
+      std::copy(s, s + D, acc + row * D);
+      m[row] = s[D];
+      l[row] = s[D + 1];
+    }
+  }
   std::fill(corr, corr + W + kPvRows, 0.0f);
   // The output passes read up to kPvRows - 1 rows past the last real one, into padding,
   // the next key's row or the tail: all of it starts as zeros, never as stale bits.
@@ -642,8 +657,11 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
   // The widened chunk of keys (bfloat16 pools only; a float32 pool's are read in place).
   alignas(64) float wide_k[kWiden ? kKeyChunk * D : 1];
   const vf neg_inf = set1(-std::numeric_limits<float>::infinity());
-  if (end > 0) locate(0, static_cast<int>(std::min<int64_t>(kKeyChunk, end)), next_kp, next_vp);
-  for (int64_t start = 0; start < end; start += kKeyChunk) {
+  if (end > key_begin) {
+    locate(key_begin, static_cast<int>(std::min<int64_t>(kKeyChunk, end - key_begin)), next_kp,
+           next_vp);
+  }
+  for (int64_t start = key_begin; start < end; start += kKeyChunk) {
     const int n = static_cast<int>(std::min<int64_t>(kKeyChunk, end - start));
     if constexpr (kWiden) {
       // Rows past the n-th point at the last one, as `locate` leaves them.
@@ -763,6 +781,13 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
     }
   }
   for (int64_t row = 0; row < rows; ++row) {
+    if (state_out != nullptr) {
+      float* s = state_out + row * (D + 2);
+      std::copy(acc + row * D, acc + (row + 1) * D, s);
+      s[D] = m[row];
+      s[D + 1] = l[row];
+      continue;
+    }
     const vf inv = set1(1.0f / l[row]);
     PAGELLM_UNROLL
     for (int v = 0; v < NV; ++v) {
@@ -775,7 +800,7 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
 template <typename KV>
 using PrefixFn = void (*)(const float*, int64_t, int64_t, RowLayout, float, const KV*,
                           const KV*, const int32_t*, int64_t, int64_t, int64_t, int64_t,
-                          const int64_t*, float*, float*);
+                          const int64_t*, float*, float*, int64_t, const float*, float*);
 
 template <typename KV, int NV>
 PrefixFn<KV> pick_prefix_rows(int64_t rows) {
@@ -792,9 +817,12 @@ PrefixFn<KV> pick_prefix_rows(int64_t rows) {
 // v_cache [N, B, Hkv, D]; blocks [nb] int32. Returns out [Hkv, M, D], lse [Hkv, M]. Why
 // in place: a decode cascade had copied its queries into [Hkv, M, D] every layer (~12 us,
 // with the Python around it ~25 us a layer).
-std::tuple<at::Tensor, at::Tensor> paged_prefix_attention(
+// With `with_state`, returns instead each row's softmax state after the prefix (see
+// attend_prefix) as state [Hkv, M, D + 2], and an empty tensor: for
+// paged_prefill_attention to go on from (`prior_state`).
+std::tuple<at::Tensor, at::Tensor> prefix_attention(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-    const at::Tensor& blocks, double scale, int64_t group) {
+    const at::Tensor& blocks, double scale, int64_t group, bool with_state) {
   check_queries("paged_prefix_attention", q);
   TORCH_CHECK(group >= 1 && q.size(1) % group == 0,
               "paged_prefix_attention: rows must be whole groups of query heads");
@@ -808,8 +836,9 @@ std::tuple<at::Tensor, at::Tensor> paged_prefix_attention(
               "paged_prefix_attention: shapes do not match");
   TORCH_CHECK(dim == 64 || dim == 128, "paged_prefix_attention: ", dim,
               " dims are not supported");
-  at::Tensor out = at::empty({kv_heads, rows, dim}, q.options());
-  at::Tensor lse = at::empty({kv_heads, rows}, q.options());
+  at::Tensor out = at::empty({kv_heads, rows, with_state ? dim + 2 : dim}, q.options());
+  at::Tensor lse = at::empty({with_state ? 0 : kv_heads, rows}, q.options());
+  float* state = with_state ? out.data_ptr<float>() : nullptr;
   const float* qp = q.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   const int32_t* bp = blocks.data_ptr<int32_t>();
@@ -823,11 +852,12 @@ std::tuple<at::Tensor, at::Tensor> paged_prefix_attention(
   // log-sum-exp. Why: 3 tasks on 2 threads left one thread idle half the time; 30
   // layers, in-process A/B: 6 rows x 1,024 keys 4.71 -> 3.87 ms, 48 rows x 2,048 keys
   // 14.4 -> 10.7 ms. The count is fixed, not taken from the thread pool, so a result
-  // does not depend on how many threads computed it.
+  // does not depend on how many threads computed it. A state is never split: the merge
+  // rounds otherwise than one pass.
   const int64_t tiles = (rows + kPrefixRowTile - 1) / kPrefixRowTile;
   const int64_t tile_rows = ((rows + tiles - 1) / tiles + 15) / 16 * 16;
   const int64_t n_blocks = blocks.numel(), tasks = kv_heads * tiles;
-  const int64_t splits = tasks >= kMinPrefixTasks
+  const int64_t splits = tasks >= kMinPrefixTasks || with_state
       ? 1 : std::min(n_blocks, (kMinPrefixTasks + tasks - 1) / tasks);
   at::Tensor part_out, part_lse;
   if (splits > 1) {
@@ -857,7 +887,8 @@ std::tuple<at::Tensor, at::Tensor> paged_prefix_attention(
           splits > 1 ? pop + split * kv_heads * rows * dim + head_offset : op + head_offset;
       float* l = splits > 1 ? plp + split * kv_heads * rows + h * rows + r0 : lp + h * rows + r0;
       fn(head_q, r0, n, layout, sc, kp + h * dim, vp + h * dim, bp + b0,
-         (b1 - b0) * block_size, block_size, block_stride, token_stride, nullptr, o, l);
+         (b1 - b0) * block_size, block_size, block_stride, token_stride, nullptr, o, l, 0,
+         nullptr, state == nullptr ? nullptr : state + (h * rows + r0) * (dim + 2));
     });
   });
   if (splits > 1) {
@@ -885,11 +916,29 @@ std::tuple<at::Tensor, at::Tensor> paged_prefix_attention(
   return {out, lse};
 }
 
+std::tuple<at::Tensor, at::Tensor> paged_prefix_attention(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const at::Tensor& blocks, double scale, int64_t group) {
+  return prefix_attention(q, k_cache, v_cache, blocks, scale, group, false);
+}
+
+// Each row's softmax state over the prefix, [Hkv, M, D + 2] (see prefix_attention).
+at::Tensor paged_prefix_state(const at::Tensor& q, const at::Tensor& k_cache,
+                              const at::Tensor& v_cache, const at::Tensor& blocks, double scale,
+                              int64_t group) {
+  return std::get<0>(prefix_attention(q, k_cache, v_cache, blocks, scale, group, true));
+}
+
 // Every prompt chunk of a step in one call: request r's queries are rows starts[r] ..
 // starts[r] + lens[r] of q [T, H, D] (the model's layout: rows may be strided, each
 // query's heads contiguous), at positions contexts[r] + i, each seeing keys 0 ..
 // contexts[r] + i of its row of `tables` [R, W] int32, read in place. Returns out
 // [sum(lens), H, D], request after request, and lse [Hkv, sum(lens) * group].
+// With `prior_state` [Hkv, sum(lens) * group, D + 2] (rows as lse's: paged_prefix_state of
+// these queries over each request's first `prior_keys` keys, a multiple of 48 below every
+// query's position), each row goes on from that state at key `prior_keys`: the same bits
+// as attending all its keys here (a cascade that keeps every token's result the same
+// whatever shares its step; see use_row_invariant_attention in attention/batched.py).
 // Why: a step's chunks had gone through one padded SDPA call per shape bucket (keys
 // gathered, an additive mask, padded rows and keys computed and thrown away), or a cascade
 // of the shared prefix plus each request's own keys merged by log-sum-exp. Here each
@@ -899,7 +948,8 @@ std::tuple<at::Tensor, at::Tensor> paged_prefix_attention(
 std::tuple<at::Tensor, at::Tensor> paged_prefill_attention(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& tables, const at::Tensor& starts, const at::Tensor& lens,
-    const at::Tensor& contexts, double scale, int64_t group) {
+    const at::Tensor& contexts, double scale, int64_t group,
+    const std::optional<at::Tensor>& prior_state, int64_t prior_keys) {
   check_queries("paged_prefill_attention", q);
   check_caches("paged_prefill_attention", k_cache, v_cache);
   TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == at::kInt && tables.is_contiguous(),
@@ -934,6 +984,21 @@ std::tuple<at::Tensor, at::Tensor> paged_prefill_attention(
     first[r + 1] = first[r] + np[r];
   }
   const int64_t total = first[requests];
+  const float* prior = nullptr;
+  if (prior_state) {
+    TORCH_CHECK(prior_state->dim() == 3 && prior_state->size(0) == kv_heads &&
+                    prior_state->size(1) == total * group && prior_state->size(2) == dim + 2 &&
+                    prior_state->scalar_type() == at::kFloat && prior_state->is_contiguous(),
+                "paged_prefill_attention: prior_state must be float32 [Hkv, rows, D + 2]");
+    TORCH_CHECK(prior_keys > 0 && prior_keys % kKeyChunk == 0,
+                "paged_prefill_attention: prior_keys must be a positive multiple of ",
+                kKeyChunk);
+    for (int64_t r = 0; r < requests; ++r) {
+      TORCH_CHECK(cp[r] >= prior_keys, "paged_prefill_attention: request ", r, " has ", cp[r],
+                  " keys before its queries, fewer than the prior state's ", prior_keys);
+    }
+    prior = prior_state->data_ptr<float>();
+  }
   at::Tensor out = at::empty({total, q.size(1), dim}, q.options());
   at::Tensor lse = at::empty({kv_heads, total * group}, q.options());
   // (request, kv head, first row, rows): requests with the most keys first, so the
@@ -978,7 +1043,10 @@ std::tuple<at::Tensor, at::Tensor> paged_prefill_attention(
       fn(qp + sp[t.r] * q.stride(0) + head, t.r0, t.n, layout, sc, kp + t.h * dim,
          vp + t.h * dim, tp + t.r * tables.size(1), cp[t.r] + np[t.r], block_size,
          block_stride, token_stride, limits, op + first[t.r] * out.stride(0) + head,
-         lp + t.h * total * group + first[t.r] * group + t.r0);
+         lp + t.h * total * group + first[t.r] * group + t.r0, prior ? prior_keys : 0,
+         prior ? prior + (t.h * total * group + first[t.r] * group + t.r0) * (dim + 2)
+               : nullptr,
+         nullptr);
     });
   });
   return {out, lse};
@@ -1039,15 +1107,18 @@ TORCH_LIBRARY_FRAGMENT(pagellm, m) {
         "-> (Tensor, Tensor)");
   m.def("paged_prefix_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor blocks, "
         "float scale, int group) -> (Tensor, Tensor)");
+  m.def("paged_prefix_state(Tensor q, Tensor k_cache, Tensor v_cache, Tensor blocks, "
+        "float scale, int group) -> Tensor");
   m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, "
-        "Tensor starts, Tensor lens, Tensor contexts, float scale, int group) "
-        "-> (Tensor, Tensor)");
+        "Tensor starts, Tensor lens, Tensor contexts, float scale, int group, "
+        "Tensor? prior_state=None, int prior_keys=0) -> (Tensor, Tensor)");
   m.def("write_kv_cache_(Tensor(a!) kv_cache, Tensor key, Tensor value, Tensor slots) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("paged_prefix_attention", &paged_prefix_attention);
+  m.impl("paged_prefix_state", &paged_prefix_state);
   m.impl("paged_prefill_attention", &paged_prefill_attention);
   m.impl("write_kv_cache_", &write_kv_cache_);
 }
