@@ -377,8 +377,8 @@ class LlamaForCausalLM(nn.Module):
         """Give linear layers (and a tied head) their checkpoint's raw quantized blocks,
         as (HF name, GGUF format, blocks in GGUF byte order), for the kernels;
         returns how many weights got them. A fused layer gets them only when every shard
-        has them, in one format. With `int8_activations`, Q4_1 blocks go to the kernel
-        that quantizes its inputs to int8 (see EngineConfig.quantize_activations).
+        has them, in one format. With `int8_activations`, the blocks go to the kernel that
+        quantizes its inputs to int8 (see EngineConfig.quantize_activations).
 
         Call after load_weights and before pack_weights: rows sampled from every weight are
         dequantized and must equal the loaded float32 weights bit for bit, else this raises
@@ -415,7 +415,7 @@ class LlamaForCausalLM(nn.Module):
                 raise CorruptModelError(
                     f"the {fmt.name} blocks of {target!r} do not match its float32 weights")
             packed = quant_kernels.pack(fmt, raw, weight.shape[1])
-            if int8_activations and fmt.name == "Q4_1":
+            if int8_activations:
                 packed = quant_kernels.int8_activation_layout(packed)
             if isinstance(module, Linear):
                 module.quantized = packed

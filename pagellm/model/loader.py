@@ -132,7 +132,7 @@ def load_model(
     attention through the compiled paged kernel and, when its directory has raw quantized
     blocks (a converted GGUF), its matmuls on them (see cpu_kernels,
     quant_kernels); None keeps everything on torch ops and float32 weights.
-    `quantize_activations` puts the Q4_1 blocks on the int8-activation kernel (see
+    `quantize_activations` puts the blocks on the int8-activation kernel (see
     EngineConfig.quantize_activations); ValueError where that cannot run: the reason named.
     """
     directory = Path(path)
@@ -155,10 +155,10 @@ def load_model(
             model.attach_quantized(iter_quantized_blocks(blocks_file), quantize_activations)
     if quantize_activations and not model.int8_activation_weights():
         raise ValueError(
-            "quantize_activations needs Q4_1 weights on the CPU kernels: "
+            "quantize_activations needs Q4_1 or Q8_0 weights on the CPU kernels: "
             + ("the CPU kernels are off or could not be built here (see the log)"
                if not cpu_kernels.loaded() or kernel_dir is None
-               else f"{directory} has no Q4_1 blocks (a Q4_1 GGUF has them)"))
+               else f"{directory} has no Q4_1 or Q8_0 blocks (a GGUF of either has them)"))
     model.pack_weights()
     return model.eval()
 

@@ -83,8 +83,9 @@ class QuantizedWeight:
     @property
     def int8_activations(self) -> bool:
         """Whether the codes are in the layout of the int8-activation kernel (see
-        int8_activation_layout): [tiles, blocks, 4, 64] where Q4_1's own is [.., 16, 16]."""
-        return self.codes.dim() == 4 and int(self.codes.shape[2]) == 4
+        int8_activation_layout): [tiles, blocks, groups, 64] where the float32 kernels'
+        own is [tiles, blocks, inputs, 16]."""
+        return self.codes.dim() == 4 and int(self.codes.shape[3]) == 64
 
     def op_args(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """(scales, mins, codes) as the compiled layer ops take a weight: Q4_1 when mins
@@ -161,16 +162,16 @@ def gate_up_pairs(weight: QuantizedWeight) -> QuantizedWeight:
 
 
 def int8_activation_layout(weight: QuantizedWeight) -> QuantizedWeight:
-    """A Q4_1 weight's codes rearranged for the kernel that quantizes the activations to
-    int8 (csrc/int8_linear.cpp): byte j of lane n (inputs j and j + 16) moves to group
-    j // 4, byte 4n + j % 4, so each lane's 4 consecutive inputs are one 32-bit word, as
-    the integer dot-product instructions read them. The nibbles are the same bytes."""
-    if weight.mins is None or weight.int8_activations:
-        raise ValueError("only a Q4_1 weight in the float32 kernels' layout can be rearranged "
-                         "for int8 activations")
-    tiles, blocks = int(weight.codes.shape[0]), int(weight.codes.shape[1])
-    codes = (weight.codes.view(tiles, blocks, 4, 4, _LANES).transpose(3, 4)
-             .reshape(tiles, blocks, 4, 4 * _LANES).contiguous())
+    """A weight's codes rearranged for the kernel that quantizes the activations to int8
+    (csrc/int8_linear.cpp): byte j of lane n (Q4_1: the nibbles of inputs j and j + 16;
+    Q8_0: input j) moves to group j // 4, byte 4n + j % 4, so each lane's 4 consecutive
+    inputs are one 32-bit word, as the integer dot-product instructions read them. The
+    codes are the same bytes."""
+    if weight.int8_activations:
+        raise ValueError("this weight is in the int8 layout already")
+    tiles, blocks, inputs = (int(n) for n in weight.codes.shape[:3])
+    codes = (weight.codes.view(tiles, blocks, inputs // 4, 4, _LANES).transpose(3, 4)
+             .reshape(tiles, blocks, inputs // 4, 4 * _LANES).contiguous())
     return QuantizedWeight(weight.format, weight.scales, codes, weight.mins, weight.gated)
 
 
@@ -179,9 +180,11 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     gated weight, silu(gate) * up of that product."""
     x = x.contiguous()
     out: torch.Tensor
-    if weight.int8_activations:
+    if weight.int8_activations and weight.mins is not None:
         out = torch.ops.pagellm.q4_1_int8_linear(x, weight.scales, weight.mins, weight.codes,
                                                  weight.gated)
+    elif weight.int8_activations:
+        out = torch.ops.pagellm.q8_0_int8_linear(x, weight.scales, weight.codes, weight.gated)
     elif weight.mins is not None:
         out = torch.ops.pagellm.q4_1_linear(x, weight.scales, weight.mins, weight.codes,
                                             weight.gated)

@@ -66,6 +66,19 @@ def test_caching_and_chunking_never_change_an_output(kv_cache_dtype: str) -> Non
 
 
 @pytest.mark.slow
+def test_every_quantized_weight_takes_the_int8_kernel() -> None:
+    """The default model's 4 x 30 Q4_1 layer weights and its Q8_0 head (the tied
+    embedding's blocks), the fused layers included."""
+    llm = LLM(quantize_activations=True, kv_cache_memory_bytes=16 << 20)
+    model = llm.llm_engine.model
+    assert model.int8_activation_weights() == 4 * 30 + 1
+    assert model.quantized_head is not None and model.quantized_head.int8_activations
+    layers = list(model.model.layers)
+    assert all(layer.fused_weights is not None for layer in layers)
+    assert all(w.int8_activations for layer in layers for w in layer.fused_weights or ())
+
+
+@pytest.mark.slow
 def test_outputs_stay_close_to_float32() -> None:
     """The same text's prompt logprobs under both: int8 inputs move each by ~0.1 nat
     (measured: 0.11 here, 0.13 over 1,169 tokens of the README, whose mean logprob went
@@ -97,7 +110,7 @@ def test_refused_where_it_cannot_run(tmp_path: Path) -> None:
         EngineConfig(quantize_activations="yes")  # type: ignore[arg-type]
     # A float32 checkpoint has no blocks to multiply.
     tiny = make_tiny_model(tmp_path / "tiny")
-    with pytest.raises(ValueError, match="no Q4_1 blocks|CPU kernels are off"):
+    with pytest.raises(ValueError, match="no Q4_1 or Q8_0 blocks|CPU kernels are off"):
         LLM(str(tiny), skip_tokenizer_init=True, quantize_activations=True)
 
 

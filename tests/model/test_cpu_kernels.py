@@ -376,8 +376,9 @@ def _quantized_tiny_llama(
 ) -> tuple[LlamaForCausalLM, list[tuple[str, torch.Tensor]]]:
     """A 3-layer random Llama whose every linear weight is exactly its `fmt` blocks (64-dim
     heads, 2 kv heads), with the kernels on and the blocks attached, as the loader does;
-    and its checkpoint (HF names). "Q4_1-int8": Q4_1 on the int8-activation kernel."""
-    int8 = fmt == "Q4_1-int8"
+    and its checkpoint (HF names). "Q4_1-int8", "Q8_0-int8": on the int8-activation
+    kernel."""
+    int8 = fmt.endswith("-int8")
     fmt = fmt.removesuffix("-int8")
     config = ModelConfig.from_dict({
         "architectures": ["LlamaForCausalLM"], "hidden_size": 256, "intermediate_size": 320,
@@ -415,7 +416,7 @@ def _checkpoint_shards(name: str, rows: int, config: ModelConfig) -> list[tuple[
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("fmt", [*FORMATS, "Q4_1-int8"])
+@pytest.mark.parametrize("fmt", [*FORMATS, "Q4_1-int8", "Q8_0-int8"])
 def test_fused_layers_match_the_module_path_bit_for_bit(
         kernels: bool, fmt: str, kv_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """The compiled layer ops are the same kernels in the same order as the modules'

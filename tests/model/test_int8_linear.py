@@ -1,6 +1,7 @@
-"""The int8-activation Q4_1 kernel (csrc/int8_linear.cpp, EngineConfig.quantize_activations):
-its arithmetic against a float64 model of it, its error against the float32 product, rows
-that never depend on their batch, the gated epilogue, and its layout's refusals."""
+"""The int8-activation kernels for Q4_1 and Q8_0 (csrc/int8_linear.cpp,
+EngineConfig.quantize_activations): their arithmetic against a float64 model of it, their
+error against the float32 product, rows that never depend on their batch, the gated
+epilogue, and the layouts' refusals."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pagellm.cache_dir import resolve_cache_dir
 from pagellm.model import cpu_kernels
 from pagellm.model import quant_kernels as qk
 
-Q4_1 = qk.FORMATS["Q4_1"]
+FORMATS = sorted(qk.FORMATS)
 
 
 @pytest.fixture(scope="module")
@@ -24,16 +25,17 @@ def kernels() -> bool:
     return True
 
 
-def _weight(out: int, inp: int, seed: int) -> tuple[qk.QuantizedWeight, torch.Tensor]:
-    raw, dense = _blocks("Q4_1", out, inp, seed=seed)
-    return qk.int8_activation_layout(qk.pack(Q4_1, raw, inp)), dense
+def _weight(fmt: str, out: int, inp: int,
+            seed: int) -> tuple[qk.QuantizedWeight, torch.Tensor]:
+    raw, dense = _blocks(fmt, out, inp, seed=seed)
+    return qk.int8_activation_layout(qk.pack(qk.FORMATS[fmt], raw, inp)), dense
 
 
 def _model_of_the_kernel(x: torch.Tensor, weight: qk.QuantizedWeight) -> torch.Tensor:
     """What the kernel computes, in float64: each row's block of 32 inputs rounded to
     int8 at 127 / (its largest magnitude), the block's integer dot product with the
-    codes times the weight's scale and the row's (largest / 127), plus the weight's min
-    times the block's float32 sum of inputs."""
+    codes times the weight's scale and the row's (largest / 127), plus (Q4_1) the
+    weight's min times the block's float32 sum of inputs."""
     rows, inp = x.shape
     blocks = inp // 32
     xb = x.view(rows, blocks, 32)
@@ -43,26 +45,30 @@ def _model_of_the_kernel(x: torch.Tensor, weight: qk.QuantizedWeight) -> torch.T
     q = torch.round(xb * inv[..., None]).double()
     scale = (amax / 127.0).double()
     sums = xb.sum(-1).double()
-    tiles = weight.scales.shape[0]
+    tiles, groups = weight.scales.shape[0], weight.codes.shape[2]
     # The int8 layout back to codes [tiles, blocks, 16 lanes, 32 inputs].
-    packed = weight.codes.view(tiles, blocks, 4, 16, 4).long()
-    low, high = packed & 0xF, packed >> 4
-    codes = torch.cat([low.permute(0, 1, 3, 2, 4).reshape(tiles, blocks, 16, 16),
-                       high.permute(0, 1, 3, 2, 4).reshape(tiles, blocks, 16, 16)], -1).double()
-    dots = torch.einsum("rbi,tbni->rtbn", q, codes)  # exact integers
-    d, m = weight.scales.double(), weight.mins.double()
-    out = (dots * d[None] * scale[:, None, :, None]).sum(2) + (
-        m[None] * sums[:, None, :, None]).sum(2)
+    packed = weight.codes.view(tiles, blocks, groups, 16, 4).permute(0, 1, 3, 2, 4).long()
+    if weight.mins is None:
+        codes = packed.reshape(tiles, blocks, 16, 32)
+    else:
+        codes = torch.cat([(packed & 0xF).reshape(tiles, blocks, 16, 16),
+                           (packed >> 4).reshape(tiles, blocks, 16, 16)], -1)
+    dots = torch.einsum("rbi,tbni->rtbn", q, codes.double())  # exact integers
+    out = (dots * weight.scales.double()[None] * scale[:, None, :, None]).sum(2)
+    if weight.mins is not None:
+        out += (weight.mins.double()[None] * sums[:, None, :, None]).sum(2)
     return out.reshape(rows, tiles * 16)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 12, 13, 47, 48, 49, 100, 600])
 @pytest.mark.parametrize("out", [96, 48])
-def test_kernel_computes_its_model_at_every_row_count(kernels: bool, rows: int, out: int) -> None:
+def test_kernel_computes_its_model_at_every_row_count(kernels: bool, fmt: str, rows: int,
+                                                      out: int) -> None:
     """Passes of up to 6 rows (2 with AVX2) against pairs of tiles and, at 48 outputs,
     a last odd tile; tasks of 48 rows (16 with AVX2). The float32 steps add ~1e-7
     relative error per block to the exact value of the kernel's own formula."""
-    weight, _ = _weight(out, 576, seed=rows)
+    weight, _ = _weight(fmt, out, 576, seed=rows)
     x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
     got = qk.quantized_linear(x, weight)
     assert got.dtype == torch.float32 and got.shape == (rows, out)
@@ -70,11 +76,12 @@ def test_kernel_computes_its_model_at_every_row_count(kernels: bool, rows: int, 
     assert (got.double() - expected).abs().max().item() < 2e-5
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("inp", [32, 576, 1536])
-def test_error_against_float32_is_the_inputs_rounding(kernels: bool, inp: int) -> None:
+def test_error_against_float32_is_the_inputs_rounding(kernels: bool, fmt: str, inp: int) -> None:
     """Rounding an input to int8 moves it at most half a step, (largest / 127) / 2, in its
     block, so |y - x W^T| is at most the sum over inputs of |weight| x half a step."""
-    weight, dense = _weight(64, inp, seed=inp)
+    weight, dense = _weight(fmt, 64, inp, seed=inp)
     x = torch.randn(33, inp, generator=torch.Generator().manual_seed(inp))
     x[3, :32] *= 100  # one block of large inputs: its step is large, the others' are not
     got = qk.quantized_linear(x, weight).double()
@@ -86,14 +93,15 @@ def test_error_against_float32_is_the_inputs_rounding(kernels: bool, inp: int) -
     assert (got - exact).abs().mean() < 0.05 * exact.abs().mean()
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("gated", [False, True])
-def test_a_row_never_depends_on_its_batch(kernels: bool, gated: bool) -> None:
+def test_a_row_never_depends_on_its_batch(kernels: bool, fmt: str, gated: bool) -> None:
     """A row's result is the same bits alone, in any pass, task or position: the integer
     sums are exact and the float32 steps per block are the same in every pass. (The
     float32 kernels promise this only past their register tiles.) So caching, which
     computes a token in batches of other sizes, never changes a result."""
-    raw, _ = _blocks("Q4_1", 2 * 96, 1536, seed=7)
-    packed = qk.pack(Q4_1, raw, 1536)
+    raw, _ = _blocks(fmt, 2 * 96, 1536, seed=7)
+    packed = qk.pack(qk.FORMATS[fmt], raw, 1536)
     weight = qk.int8_activation_layout(qk.gate_up_pairs(packed) if gated else packed)
     x = torch.randn(300, 1536, generator=torch.Generator().manual_seed(7))
     full = qk.quantized_linear(x, weight)
@@ -103,10 +111,12 @@ def test_a_row_never_depends_on_its_batch(kernels: bool, gated: bool) -> None:
         assert torch.equal(part, full[start:start + rows]), (start, rows)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rows", [1, 6, 7, 50])
-def test_gated_kernel_is_silu_mul_of_the_product_bit_for_bit(kernels: bool, rows: int) -> None:
-    raw, _ = _blocks("Q4_1", 2 * 96, 64, seed=rows)
-    packed = qk.pack(Q4_1, raw, 64)
+def test_gated_kernel_is_silu_mul_of_the_product_bit_for_bit(kernels: bool, fmt: str,
+                                                            rows: int) -> None:
+    raw, _ = _blocks(fmt, 2 * 96, 64, seed=rows)
+    packed = qk.pack(qk.FORMATS[fmt], raw, 64)
     plain = qk.int8_activation_layout(packed)
     gated = qk.int8_activation_layout(qk.gate_up_pairs(packed))
     assert gated.gated and gated.int8_activations and gated.out_features == 96
@@ -115,19 +125,21 @@ def test_gated_kernel_is_silu_mul_of_the_product_bit_for_bit(kernels: bool, rows
     assert torch.equal(qk.quantized_linear(x, gated), expected)
 
 
-def test_layout_holds_the_same_codes(kernels: bool) -> None:
-    """A one-hot row reads back each weight's code times scale plus min exactly: the
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_layout_holds_the_same_codes(kernels: bool, fmt: str) -> None:
+    """A one-hot row reads back each weight (code times scale, plus Q4_1's min): the
     lone input is 127 (scale 1/127 of it), its block's sum is itself."""
-    weight, dense = _weight(32, 64, seed=3)
+    weight, dense = _weight(fmt, 32, 64, seed=3)
     x = torch.zeros(64, 64)
     x[torch.arange(64), torch.arange(64)] = 127.0
     got = qk.quantized_linear(x, weight)
     assert torch.allclose(got, 127.0 * dense.T, rtol=1e-6, atol=0)
 
 
-def test_zero_and_non_finite_rows(kernels: bool) -> None:
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_zero_and_non_finite_rows(kernels: bool, fmt: str) -> None:
     """A row of zeros gives zeros; a NaN or an infinity spoils its own row only."""
-    weight, _ = _weight(32, 64, seed=4)
+    weight, _ = _weight(fmt, 32, 64, seed=4)
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(4))
     x[0] = 0
     x[1, 5] = math.nan
@@ -138,25 +150,27 @@ def test_zero_and_non_finite_rows(kernels: bool) -> None:
     assert torch.equal(got[3], qk.quantized_linear(x[3:].contiguous(), weight)[0])
 
 
-def test_layouts_are_refused_by_the_other_kernel(kernels: bool) -> None:
-    raw, _ = _blocks("Q4_1", 32, 64)
-    plain = qk.pack(Q4_1, raw, 64)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_layouts_are_refused_by_the_other_kernel(kernels: bool, fmt: str) -> None:
+    raw, _ = _blocks(fmt, 32, 64)
+    plain = qk.pack(qk.FORMATS[fmt], raw, 64)
     int8 = qk.int8_activation_layout(plain)
     assert int8.int8_activations and not plain.int8_activations
-    assert int8.codes.shape == (2, 2, 4, 64)
+    assert int8.codes.shape == (2, 2, 4 if fmt == "Q4_1" else 8, 64)
     assert torch.equal(int8.codes.flatten().sort().values, plain.codes.flatten().sort().values)
     x = torch.randn(2, 64)
+    name = fmt.lower()
     with pytest.raises(RuntimeError, match="int8 layout"):
-        torch.ops.pagellm.q4_1_int8_linear(x, *plain.op_args(), False)
-    with pytest.raises(RuntimeError, match="q4_1_int8_linear"):
-        torch.ops.pagellm.q4_1_linear(x, *int8.op_args(), False)
+        getattr(torch.ops.pagellm, f"{name}_int8_linear")(x, *plain.op_args()[::2]
+                                                          if fmt == "Q8_0" else plain.op_args(),
+                                                          False)
+    with pytest.raises(RuntimeError, match=f"{name}_int8_linear"):
+        getattr(torch.ops.pagellm, f"{name}_linear")(x, *int8.op_args()[::2]
+                                                     if fmt == "Q8_0" else int8.op_args(), False)
     with pytest.raises(RuntimeError, match="inputs"):
         qk.quantized_linear(torch.randn(2, 32), int8)
     with pytest.raises(RuntimeError, match="float32"):
         qk.quantized_linear(x.double(), int8)
-    with pytest.raises(ValueError, match="only a Q4_1 weight"):
+    with pytest.raises(ValueError, match="int8 layout already"):
         qk.int8_activation_layout(int8)
-    q8, _ = _blocks("Q8_0", 32, 64)
-    with pytest.raises(ValueError, match="only a Q4_1 weight"):
-        qk.int8_activation_layout(qk.pack(qk.FORMATS["Q8_0"], q8, 64))
     assert qk.quantized_linear(torch.zeros(0, 64), int8).shape == (0, 32)

@@ -19,9 +19,9 @@ namespace {
 
 using TensorPair = std::tuple<at::Tensor, at::Tensor>;
 
-// A quantized weight as the matmul ops take it: Q4_1 when `mins` is given (on the
-// int8-activation kernel when its codes are in that kernel's [tiles, blocks, 4, 64]
-// layout: quant_kernels.int8_activation_layout), else Q8_0.
+// A quantized weight as the matmul ops take it: Q4_1 when `mins` is given, else Q8_0; on
+// the int8-activation kernels when its codes are in their [tiles, blocks, groups, 64]
+// layout (quant_kernels.int8_activation_layout).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& scales,
                   const std::optional<at::Tensor>& mins, const at::Tensor& codes, bool gated) {
   using Q4_1 = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -32,13 +32,16 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& scales,
   static const auto q4_1_int8 = c10::Dispatcher::singleton()
                                     .findSchemaOrThrow("pagellm::q4_1_int8_linear", "")
                                     .typed<Q4_1>();
-  static const auto q8_0 =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("pagellm::q8_0_linear", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool)>();
+  using Q8_0 = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool);
+  static const auto q8_0 = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("pagellm::q8_0_linear", "")
+                               .typed<Q8_0>();
+  static const auto q8_0_int8 = c10::Dispatcher::singleton()
+                                    .findSchemaOrThrow("pagellm::q8_0_int8_linear", "")
+                                    .typed<Q8_0>();
   const at::Tensor rows = x.contiguous();
-  if (!mins) return q8_0.call(rows, scales, codes, gated);
-  const bool int8 = codes.dim() == 4 && codes.size(2) == 4;
+  const bool int8 = codes.dim() == 4 && codes.size(3) == 64;
+  if (!mins) return (int8 ? q8_0_int8 : q8_0).call(rows, scales, codes, gated);
   return (int8 ? q4_1_int8 : q4_1).call(rows, scales, *mins, codes, gated);
 }
 

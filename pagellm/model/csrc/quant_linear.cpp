@@ -723,7 +723,7 @@ at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& scales, const at::
                   mins.scalar_type() == at::kFloat,
               "q4_1_linear: mins must match scales");
   TORCH_CHECK(codes.scalar_type() == at::kByte, "q4_1_linear: codes must be uint8");
-  TORCH_CHECK(codes.dim() == 4 && codes.size(2) == kLanes, "q4_1_linear: codes must be "
+  TORCH_CHECK(codes.dim() == 4 && codes.size(3) == kLanes, "q4_1_linear: codes must be "
               "[tiles, blocks, 16, 16] (codes in the int8 layout go to q4_1_int8_linear)");
   return quantized_linear<Q4_1>("q4_1_linear", x, scales, mins.data_ptr<float>(), codes, gated);
 }
@@ -731,6 +731,8 @@ at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& scales, const at::
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& scales, const at::Tensor& codes,
                        bool gated) {
   TORCH_CHECK(codes.scalar_type() == at::kChar, "q8_0_linear: codes must be int8");
+  TORCH_CHECK(codes.dim() == 4 && codes.size(2) == kBlock, "q8_0_linear: codes must be "
+              "[tiles, blocks, 32, 16] (codes in the int8 layout go to q8_0_int8_linear)");
   return quantized_linear<Q8_0>("q8_0_linear", x, scales, nullptr, codes, gated);
 }
 

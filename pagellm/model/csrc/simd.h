@@ -135,6 +135,31 @@ inline vi dot_finish(vi acc) { return acc; }
 inline vi dot_add(vi acc, vi w, vi x) { return _mm512_add_epi16(acc, _mm512_maddubs_epi16(w, x)); }
 inline vi dot_finish(vi acc) { return _mm512_madd_epi16(acc, _mm512_set1_epi16(1)); }
 #endif
+// The same for signed weights (Q8_0's codes) by signed x, summed over any number of
+// steps. With VNNI (kSignedDotOffset) the x codes must be stored offset by 128 (as
+// unsigned bytes): vpdpbusd sums (x + 128) * w, and signed_dot_finish takes 128 x the
+// weights' sum (signed_weight_sum, over the same steps) off. Without, each step
+// multiplies |w| by x with w's sign (byte pairs at most 2 x 128 x 127) and widens at
+// once. Both give the same integers.
+#ifdef __AVX512VNNI__
+constexpr bool kSignedDotOffset = true;
+inline vi signed_dot_add(vi acc, vi w, vi x) { return _mm512_dpbusd_epi32(acc, x, w); }
+inline vi signed_weight_sum(vi sum, vi w) {
+  return _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(1), w);
+}
+inline vi signed_dot_finish(vi acc, vi weight_sum) {
+  return _mm512_sub_epi32(acc, _mm512_slli_epi32(weight_sum, 7));
+}
+#else
+constexpr bool kSignedDotOffset = false;
+inline vi signed_dot_add(vi acc, vi w, vi x) {
+  const vi signed_x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+  const vi pairs = _mm512_maddubs_epi16(_mm512_abs_epi8(w), signed_x);
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+}
+inline vi signed_weight_sum(vi sum, vi) { return sum; }
+inline vi signed_dot_finish(vi acc, vi) { return acc; }
+#endif
 inline vf to_float(vi v) { return _mm512_cvtepi32_ps(v); }
 // 16 lanes rounded to the nearest whole number (ties to even) and saturated to int8.
 inline void store_i8(int8_t* p, vf v) {
@@ -350,6 +375,17 @@ inline vi dot_finish(vi acc) {
   const __m256i ones = _mm256_set1_epi16(1);
   return {_mm256_madd_epi16(acc.lo, ones), _mm256_madd_epi16(acc.hi, ones)};
 }
+constexpr bool kSignedDotOffset = false;
+inline vi signed_dot_add(vi acc, vi w, vi x) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const auto half = [&](__m256i a, __m256i wv, __m256i xv) {
+    const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv));
+    return _mm256_add_epi32(a, _mm256_madd_epi16(pairs, ones));
+  };
+  return {half(acc.lo, w.lo, x.lo), half(acc.hi, w.hi, x.hi)};
+}
+inline vi signed_weight_sum(vi sum, vi) { return sum; }
+inline vi signed_dot_finish(vi acc, vi) { return acc; }
 inline vf to_float(vi v) { return {_mm256_cvtepi32_ps(v.lo), _mm256_cvtepi32_ps(v.hi)}; }
 inline void store_i8(int8_t* p, vf v) {
   // packs interleave 128-bit halves: lanes 0-3, 8-11, 4-7, 12-15 after the two packs
