@@ -161,7 +161,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="PageLLM's KV pool element type (default: auto, the model's); "
                         "a pool given in tokens (eviction) holds as many either way")
     engine.add_argument("--quantize-activations", action="store_true", default=None,
-                        help="PageLLM quantizes its Q4_1 matmuls' inputs to int8 (see "
+                        help="PageLLM quantizes its GGUF matmuls' inputs to int8 (see "
                         "pagellm serve --help); the other contenders stay float32")
     engine.add_argument("--scheduling-policy", choices=get_args(SchedulingPolicy), default=None,
                         help="PageLLM's admission order (default: the engine's, cache_aware)")

@@ -173,11 +173,12 @@ class EngineConfig:
     the exact bits its request stored, but a recomputed token's float32 noise can tip a
     key or value to the next bfloat16 step, so greedy outputs with caching on and off
     agree except at near-ties (the float32 pool keeps them identical; see the README).
-    `quantize_activations` (off by default): for a Q4_1 GGUF on the CPU kernels,
+    `quantize_activations` (off by default): for a Q4_1 or Q8_0 GGUF on the CPU kernels,
     quantize each matmul's inputs to int8 per block of 32 (a scale each, as llama.cpp
     and vLLM's GGUF kernels do) and multiply in integers: 2.4-2.9x the float32 kernels'
     matmul speed from 32 rows (AVX-512 VNNI), at the cost of the inputs rounded to 1/127
-    of their block's largest. A row's result never depends on the rest of its batch, so
+    of their block's largest. A row's result never depends on the rest of its batch, and
+    attention keeps to one kernel for every token (see use_row_invariant_attention), so
     caching stays exact; outputs differ from float32's as llama.cpp's do (see the
     README). Layers in other formats stay float32.
     `enable_kv_cache_events` (vLLM's name): record how the prefix cache's content changes

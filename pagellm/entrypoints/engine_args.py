@@ -173,7 +173,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "AVX2 with FMA; built once into the cache dir) (default: on)")
     group.add_argument("--quantize-activations", action=argparse.BooleanOptionalAction,
                        default=_DEFAULTS["quantize_activations"],
-                       help="for a Q4_1 GGUF on the CPU kernels, quantize the matmuls' "
+                       help="for a Q4_1 or Q8_0 GGUF on the CPU kernels, quantize the matmuls' "
                             "inputs to int8 per block of 32 and multiply in integers, as "
                             "llama.cpp does: ~2.5x faster matmuls, outputs as close to "
                             "float32's as llama.cpp's; caching stays exact (default: off)")
