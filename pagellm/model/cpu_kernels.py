@@ -37,8 +37,8 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = tuple(_CSRC / name
                  for name in ("quant_linear.cpp", "int8_linear.cpp", "paged_attention.cpp",
                               "fused_ops.cpp", "decoder_layer.cpp"))
-_HEADERS = (_CSRC / "amx_matmul.h", _CSRC / "kv_element.h", _CSRC / "parallel.h",
-            _CSRC / "simd.h", _CSRC / "vec_math.h")
+_HEADERS = (_CSRC / "amx_matmul.h", _CSRC / "kv_element.h", _CSRC / "linear_args.h",
+            _CSRC / "parallel.h", _CSRC / "simd.h", _CSRC / "vec_math.h")
 _LIBRARY_NAME = "libpagellm_cpu_kernels.so"
 # What the AMX matmul (csrc/amx_matmul.h) needs, as /proc/cpuinfo names it.
 _AMX_FLAGS = frozenset({"amx_tile", "amx_bf16", "avx512_bf16"})

@@ -29,6 +29,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "linear_args.h"
 #include "parallel.h"
 #include "vec_math.h"
 
@@ -41,6 +42,8 @@
 namespace {
 
 using namespace pagellm_kernels::simd;
+using pagellm_kernels::check_linear_args;
+using pagellm_kernels::check_mins;
 using pagellm_kernels::for_each_task;
 using pagellm_kernels::silu_mul16;
 
@@ -198,11 +201,7 @@ constexpr std::array<std::array<PassFn, kPassRows>, 2> kPasses = {
 template <class Format>
 at::Tensor int8_linear(const char* name, const at::Tensor& x, const at::Tensor& scales,
                        const float* mins, const at::Tensor& codes, bool gated) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), name,
-              ": x must be a contiguous float32 [rows, in] tensor");
-  TORCH_CHECK(scales.dim() == 3 && scales.size(2) == kLanes && scales.is_contiguous() &&
-                  scales.scalar_type() == at::kFloat,
-              name, ": scales must be float32 [tiles, blocks, 16]");
+  const int64_t width = check_linear_args(name, x, scales, gated);
   constexpr int64_t groups = Format::kCodeBytes / 64;
   TORCH_CHECK(codes.dim() == 4 && codes.size(0) == scales.size(0) &&
                   codes.size(1) == scales.size(1) && codes.size(2) == groups &&
@@ -210,12 +209,7 @@ at::Tensor int8_linear(const char* name, const at::Tensor& x, const at::Tensor& 
               name, ": codes must be bytes [tiles, blocks, ", groups,
               ", 64] (the int8 layout)");
   const int64_t tiles = scales.size(0), blocks = scales.size(1);
-  const int64_t rows = x.size(0), in = x.size(1), out = tiles * kLanes;
-  TORCH_CHECK(in == blocks * kBlock, name, ": x has ", in, " inputs, the weight ",
-              blocks * kBlock);
-  TORCH_CHECK(blocks > 0, name, ": a weight needs at least one block of inputs");
-  TORCH_CHECK(!gated || tiles % 2 == 0, name, ": a gated weight has (gate, up) pairs of tiles");
-  const int64_t width = gated ? out / 2 : out;
+  const int64_t rows = x.size(0), in = x.size(1);
   at::Tensor y = at::empty({rows, width}, x.options());
   if (rows == 0) return y;
   at::Tensor q = at::empty({rows * in}, x.options().dtype(at::kChar));
@@ -253,9 +247,7 @@ at::Tensor int8_linear(const char* name, const at::Tensor& x, const at::Tensor& 
 
 at::Tensor q4_1_int8_linear(const at::Tensor& x, const at::Tensor& scales, const at::Tensor& mins,
                             const at::Tensor& codes, bool gated) {
-  TORCH_CHECK(mins.sizes() == scales.sizes() && mins.is_contiguous() &&
-                  mins.scalar_type() == at::kFloat,
-              "q4_1_int8_linear: mins must match scales");
+  check_mins("q4_1_int8_linear", mins, scales);
   TORCH_CHECK(codes.scalar_type() == at::kByte, "q4_1_int8_linear: codes must be uint8");
   return int8_linear<Q4_1>("q4_1_int8_linear", x, scales, mins.data_ptr<float>(), codes, gated);
 }

@@ -25,6 +25,7 @@
 #include <torch/library.h>
 
 #include "amx_matmul.h"
+#include "linear_args.h"
 #include "parallel.h"
 #include "vec_math.h"
 
@@ -37,6 +38,8 @@
 namespace {
 
 using namespace pagellm_kernels::simd;
+using pagellm_kernels::check_linear_args;
+using pagellm_kernels::check_mins;
 using pagellm_kernels::for_each_task;
 using pagellm_kernels::silu_mul16;
 #ifdef PAGELLM_AMX
@@ -637,23 +640,13 @@ void amx_linear(const float* x, int64_t rows, int64_t in, int64_t tiles, const f
 template <class Format>
 at::Tensor quantized_linear(const char* name, const at::Tensor& x, const at::Tensor& scales,
                             const float* mins, const at::Tensor& codes, bool gated) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), name,
-              ": x must be a contiguous float32 [rows, in] tensor");
-  TORCH_CHECK(scales.dim() == 3 && scales.size(2) == kLanes && scales.is_contiguous() &&
-                  scales.scalar_type() == at::kFloat,
-              name, ": scales must be float32 [tiles, blocks, 16]");
+  const int64_t width = check_linear_args(name, x, scales, gated);
   TORCH_CHECK(codes.size(0) == scales.size(0) && codes.size(1) == scales.size(1) &&
                   codes.numel() == scales.numel() / kLanes * Format::kCodeBytes &&
                   codes.is_contiguous() && codes.element_size() == 1,
               name, ": codes do not match the scales");
   const int64_t tiles = scales.size(0), blocks = scales.size(1);
   const int64_t rows = x.size(0), in = x.size(1), out = tiles * kLanes;
-  TORCH_CHECK(in == blocks * kBlock, name, ": x has ", in, " inputs, the weight ",
-              blocks * kBlock);
-  TORCH_CHECK(blocks > 0, name, ": a weight needs at least one block of inputs");
-  TORCH_CHECK(!gated || tiles % kPanel == 0, name,
-              ": a gated weight has (gate, up) pairs of tiles");
-  const int64_t width = gated ? out / 2 : out;
   at::Tensor y = at::empty({rows, width}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* sp = scales.data_ptr<float>();
@@ -719,9 +712,7 @@ at::Tensor quantized_linear(const char* name, const at::Tensor& x, const at::Ten
 
 at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& scales, const at::Tensor& mins,
                        const at::Tensor& codes, bool gated) {
-  TORCH_CHECK(mins.sizes() == scales.sizes() && mins.is_contiguous() &&
-                  mins.scalar_type() == at::kFloat,
-              "q4_1_linear: mins must match scales");
+  check_mins("q4_1_linear", mins, scales);
   TORCH_CHECK(codes.scalar_type() == at::kByte, "q4_1_linear: codes must be uint8");
   TORCH_CHECK(codes.dim() == 4 && codes.size(3) == kLanes, "q4_1_linear: codes must be "
               "[tiles, blocks, 16, 16] (codes in the int8 layout go to q4_1_int8_linear)");
