@@ -237,7 +237,7 @@ class EngineConfig:
                              "and rounds keys and values coarser than the model computes: "
                              "leave kv_cache_dtype='auto' (a float16 pool)")
         if self.quantize_activations and (self.dtype != "float32" or not self.cpu_kernels
-                                          or not str(self.device or "cpu").startswith("cpu")):
+                                          or default_device(self.device) != "cpu"):
             raise ValueError("quantize_activations runs on the CPU kernels of a float32 "
                              "model: it needs dtype='float32', cpu_kernels=True and the "
                              f"CPU (got dtype={self.dtype!r}, cpu_kernels={self.cpu_kernels}, "

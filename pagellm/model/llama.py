@@ -425,11 +425,26 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, GatedMLP):
                 module.use_gated_kernel()
-        if self.int8_activation_weights() and not self.attn_backend.use_row_invariant_attention():
-            logger.warning("quantize_activations: the attention kernels do not serve every "
-                           "layer of this model, so caching may change outputs")
+        if int8_activations:
+            self._check_row_invariance()
         self._use_fused_layers()
         return attached
+
+    def _check_row_invariance(self) -> None:
+        """With int8 activations, every layer's result for a token must not depend on the
+        batch it is computed in (int8 rounding would turn float32 noise into whole
+        steps): says in the log where that cannot hold, so that caching may change
+        outputs. The head only makes logits, which no layer reads again."""
+        floats = [name for name, module in self.named_modules()
+                  if name.startswith("model.layers.") and isinstance(module, Linear)
+                  and (module.quantized is None or not module.quantized.int8_activations)]
+        if floats:
+            logger.warning("quantize_activations: %d layer weights have no Q4_1 or Q8_0 "
+                           "blocks the kernels take (e.g. %s) and stay float32, so caching "
+                           "may change outputs", len(floats), floats[0])
+        if not self.attn_backend.use_row_invariant_attention():
+            logger.warning("quantize_activations: the attention kernels do not serve every "
+                           "layer of this model, so caching may change outputs")
 
     def int8_activation_weights(self) -> int:
         """How many weights run on the int8-activation kernel (attach_quantized)."""

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from pagellm import LLM, SamplingParams
 from pagellm.engine.config import EngineConfig
@@ -119,3 +120,12 @@ def test_command_line_flag() -> None:
                             (["--no-quantize-activations"], False)):
         args: Any = build_parser().parse_args(["serve", *flags])
         assert EngineArgs.from_cli_args(args).quantize_activations is expected
+
+
+def test_a_gpu_by_default_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """device=None means the GPU where torch sees one: refused there before loading."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match="device=None"):
+        EngineConfig(quantize_activations=True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert EngineConfig(quantize_activations=True, device="auto").quantize_activations

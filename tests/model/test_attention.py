@@ -9,6 +9,7 @@ attention over each request's logical K/V history.
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from typing import Any
 
@@ -912,7 +913,7 @@ def test_prefix_state_is_refused_where_it_cannot_go_on() -> None:
     call([60, 60], state, 48)
 
 
-@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("block_size", [16, 5, 80])
 def test_row_invariant_attention_gives_each_request_its_bits_alone(block_size: int) -> None:
     """With use_row_invariant_attention, a step of decodes sharing a long prefix (the
     state cascade), decodes of their own and a prompt chunk gives every request the same
@@ -930,7 +931,8 @@ def test_row_invariant_attention_gives_each_request_its_bits_alone(block_size: i
     assert backend.use_row_invariant_attention()
     cache = case["cache"].clone()
     plan = backend.prepare(case["meta"])
-    assert len(plan.cascades) == 1 and plan.cascades[0].prior_keys == shared // 48 * 48
+    step = math.lcm(block_size, 48)  # whole blocks, whole 48-key chunks of the kernel
+    assert len(plan.cascades) == 1 and plan.cascades[0].prior_keys == shared // step * step
     assert plan.groups == [] and plan.decode_call is None
     out = backend.forward(case["query"], case["key"], case["value"], cache, plan, case["spec"])
     torch.testing.assert_close(out.double(), case["expected"], atol=2e-5, rtol=1e-5)
@@ -942,3 +944,21 @@ def test_row_invariant_attention_gives_each_request_its_bits_alone(block_size: i
         got = backend.attend(case["query"][row:row + n], cache, alone_plan, case["spec"])
         assert torch.equal(got, out[row:row + n]), r
         row += n
+
+
+def test_prefix_kernel_refuses_no_queries_and_blocks_outside_the_cache() -> None:
+    if not kernels_loaded():
+        pytest.skip("the CPU kernels cannot be built or run on this machine")
+    cache = torch.randn(2, 4, 16, 2, 64)
+    for op in (torch.ops.pagellm.paged_prefix_attention, torch.ops.pagellm.paged_prefix_state):
+        with pytest.raises(RuntimeError, match="no queries"):
+            op(torch.randn(0, 4, 64), cache[0], cache[1], torch.zeros(1, dtype=torch.int32),
+               0.1, 2)
+        for bad in (4, -1):
+            with pytest.raises(RuntimeError, match=f"block {bad} is outside the cache"):
+                op(torch.randn(1, 4, 64), cache[0], cache[1],
+                   torch.tensor([0, bad], dtype=torch.int32), 0.1, 2)
+    with pytest.raises(RuntimeError, match="prior_keys without a prior_state"):
+        torch.ops.pagellm.paged_prefill_attention(
+            torch.randn(1, 4, 64), cache[0], cache[1], torch.zeros(1, 4, dtype=torch.int32),
+            torch.tensor([0]), torch.tensor([1]), torch.tensor([50]), 0.1, 2, None, 48)

@@ -372,12 +372,12 @@ def test_argmax_rows_rejects_bad_inputs(kernels: bool) -> None:
 
 
 def _quantized_tiny_llama(
-    fmt: str,
+    fmt: str, without_blocks: str | None = None,
 ) -> tuple[LlamaForCausalLM, list[tuple[str, torch.Tensor]]]:
     """A 3-layer random Llama whose every linear weight is exactly its `fmt` blocks (64-dim
     heads, 2 kv heads), with the kernels on and the blocks attached, as the loader does;
     and its checkpoint (HF names). "Q4_1-int8", "Q8_0-int8": on the int8-activation
-    kernel."""
+    kernel. `without_blocks`: a checkpoint tensor left without blocks (float32)."""
     int8 = fmt.endswith("-int8")
     fmt = fmt.removesuffix("-int8")
     config = ModelConfig.from_dict({
@@ -395,10 +395,14 @@ def _quantized_tiny_llama(
             for part, rows in _checkpoint_shards(name, param.shape[0], config):
                 raw, dense = _blocks(fmt, rows, param.shape[1], seed=seed * 3 + len(weights))
                 weights.append((part, dense))
-                blocks.append((part, fmt, raw))
+                if part != without_blocks:
+                    blocks.append((part, fmt, raw))
     model.load_weights(weights)
     model.use_cpu_kernels()
-    assert model.attach_quantized(blocks, int8) == 4 * config.num_hidden_layers
+    attached = model.attach_quantized(blocks, int8)
+    if without_blocks is not None:
+        return model, weights
+    assert attached == 4 * config.num_hidden_layers
     assert model.int8_activation_weights() == (4 * config.num_hidden_layers if int8 else 0)
     return model, weights
 
@@ -497,6 +501,21 @@ def test_decode_layer_refuses_a_cache_it_cannot_read(kernels: bool) -> None:
     with pytest.raises(RuntimeError, match="num_heads must be a multiple"):
         torch.ops.pagellm.decode_layer(hidden, None, cos, cos, cache, torch.zeros(1).long(),
                                        table, lens, None, *bad_heads)
+
+
+def test_int8_activations_say_where_a_layer_stays_float32(
+        kernels: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """A weight without blocks runs in float32, whose results depend on the batch: with
+    int8 activations that can change outputs with caching, so the log says so."""
+    with caplog.at_level("WARNING"):
+        model, _ = _quantized_tiny_llama("Q4_1-int8", "model.layers.1.mlp.down_proj.weight")
+    assert "1 layer weights have no Q4_1 or Q8_0 blocks" in caplog.text
+    assert "layers.1.mlp.down_proj" in caplog.text
+    assert model.int8_activation_weights() == 11
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        _quantized_tiny_llama("Q4_1-int8")
+    assert "stay float32" not in caplog.text
 
 
 def test_a_layer_without_every_kernel_is_not_fused(kernels: bool) -> None:

@@ -6,6 +6,10 @@ epilogue, and the layouts' refusals."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -174,3 +178,41 @@ def test_layouts_are_refused_by_the_other_kernel(kernels: bool, fmt: str) -> Non
     with pytest.raises(ValueError, match="int8 layout already"):
         qk.int8_activation_layout(int8)
     assert qk.quantized_linear(torch.zeros(0, 64), int8).shape == (0, 32)
+
+
+_CROSS_ISA = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from test_int8_linear import _cross_isa_outputs
+from pagellm.cache_dir import resolve_cache_dir
+from pagellm.model import cpu_kernels
+assert cpu_kernels.load(resolve_cache_dir() / "kernels")
+torch.save(_cross_isa_outputs(), {out!r})
+"""
+
+
+def _cross_isa_outputs() -> list[torch.Tensor]:
+    outputs = []
+    for fmt in FORMATS:
+        for rows in (1, 5, 50):
+            weight, _ = _weight(fmt, 96, 576, seed=rows)
+            x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
+            outputs.append(qk.quantized_linear(x, weight))
+    return outputs
+
+
+@pytest.mark.slow
+def test_the_avx2_build_gives_the_same_bits(kernels: bool, tmp_path: Path) -> None:
+    """The integer sums are the same whichever instructions make them (VNNI, byte
+    multiply-adds in 512 or 256 bits) and the float32 steps after them too, so a row's
+    result does not depend on the machine's instruction set either."""
+    if cpu_kernels._instruction_set()[0] not in ("avx512", "amx"):
+        pytest.skip("this CPU runs the AVX2 build anyway")
+    out = tmp_path / "avx2.pt"
+    script = _CROSS_ISA.format(tests=str(Path(__file__).parent), out=str(out))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env={**os.environ, "PAGELLM_CPU_ISA": "avx2"}, timeout=900,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for ours, theirs in zip(_cross_isa_outputs(), torch.load(out), strict=True):
+        assert torch.equal(ours, theirs)

@@ -163,13 +163,12 @@ class TorchBatchedBackend(AttentionBackend):
         orders. Decodes sharing a long prefix still read it once for all: the prefix
         kernel gives their softmax state after it, and the prefill kernel goes on from
         there (`_StateCascade`), which is the same arithmetic as one pass. Only where the
-        kernels serve every layer; a step of blocks past MAX_KERNEL_BLOCK_SIZE goes to
-        the torch paths."""
+        kernels serve every layer (the prefill kernel takes blocks of any size)."""
         self._row_invariant = self._decode_kernel
         return self._row_invariant
 
     def prepare(self, meta: AttentionMetadata) -> StepPlan:
-        if self._row_invariant and meta.block_size <= MAX_KERNEL_BLOCK_SIZE:
+        if self._row_invariant:
             return self._prepare_row_invariant(meta)
         device = meta.slot_mapping.device
         buckets: dict[tuple[int, int, int], list[int]] = {}

@@ -13,9 +13,11 @@
 //     acc = fma(float(sum of code * q), d * s, acc);  acc = fma(m, sum of inputs, acc)
 // The integer sum is exact, and these float32 steps are the same for a row whatever rows
 // share its pass, whatever instruction set: a row's result never depends on its batch
-// (tested), which the float32 kernels' few-row tiles cannot promise. Its error against
+// (tested, AVX2 against AVX-512 too), which the float32 kernels' few-row tiles cannot
+// promise. Its error against
 // the float32 product is the activations' rounding to int8 (at most half a step of 1/127
-// of the block's largest input), the min's term is exact in float32.
+// of the block's largest input); Q4_1's min term takes the inputs' float32 sum, not
+// their int8 codes.
 //
 // Codes layout (quant_kernels.int8_activation_layout), per (tile of 16 output lanes,
 // block of 32 inputs), so that each lane's codes of 4 consecutive inputs are one 32-bit
@@ -101,11 +103,12 @@ void quantize_rows(const float* x, int64_t in, int64_t begin, int64_t end, int8_
       const float* p = x + r * in + b * kBlock;
       const vf a = loadu(p), c = loadu(p + kLanes);
       const float amax = reduce_max(max(max(a, sub(zero(), a)), max(c, sub(zero(), c))));
-      const float sum = reduce_add(add(a, c));
-      // A NaN or an infinity makes the sum non-finite: the block's scale then carries a
-      // NaN into every output of the row (for Q8_0 too, which has no sum term).
-      const bool finite = std::isfinite(sum);
-      const vf inv = set1(finite && amax > 0.0f ? 127.0f / amax : 0.0f);
+      // A NaN or an infinity among the inputs: the block's scale is then NaN, which
+      // spoils every output of the row (for Q8_0 too, which has no sum term). Inputs all
+      // below ~3.7e-37 in magnitude, whose 127 / amax overflows, become codes of 0.
+      const bool finite = std::isfinite(amax) && bits(is_nan(a)) == 0 && bits(is_nan(c)) == 0;
+      const float step = 127.0f / amax;
+      const vf inv = set1(finite && amax > 0.0f && std::isfinite(step) ? step : 0.0f);
       int8_t* q = codes + (b * rows + r) * kBlock;
       store_i8(q, mul(a, inv));
       store_i8(q + kLanes, mul(c, inv));
@@ -113,7 +116,7 @@ void quantize_rows(const float* x, int64_t in, int64_t begin, int64_t end, int8_
         for (int j = 0; j < kBlock; ++j) q[j] = static_cast<int8_t>(q[j] ^ 0x80);
       }
       scales[b * rows + r] = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
-      sums[b * rows + r] = sum;
+      sums[b * rows + r] = reduce_add(add(a, c));
     }
   }
 }

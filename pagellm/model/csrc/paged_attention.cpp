@@ -25,7 +25,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <optional>
 #include <limits>
 #include <optional>
 #include <tuple>
@@ -836,6 +835,12 @@ std::tuple<at::Tensor, at::Tensor> prefix_attention(
               "paged_prefix_attention: shapes do not match");
   TORCH_CHECK(dim == 64 || dim == 128, "paged_prefix_attention: ", dim,
               " dims are not supported");
+  TORCH_CHECK(rows >= 1, "paged_prefix_attention: no queries");
+  const int32_t* ids = blocks.data_ptr<int32_t>();
+  for (int64_t b = 0; b < blocks.numel(); ++b) {
+    TORCH_CHECK(ids[b] >= 0 && ids[b] < k_cache.size(0), "paged_prefix_attention: block ",
+                ids[b], " is outside the cache");
+  }
   at::Tensor out = at::empty({kv_heads, rows, with_state ? dim + 2 : dim}, q.options());
   at::Tensor lse = at::empty({with_state ? 0 : kv_heads, rows}, q.options());
   float* state = with_state ? out.data_ptr<float>() : nullptr;
@@ -985,6 +990,8 @@ std::tuple<at::Tensor, at::Tensor> paged_prefill_attention(
   }
   const int64_t total = first[requests];
   const float* prior = nullptr;
+  TORCH_CHECK(prior_state || prior_keys == 0,
+              "paged_prefill_attention: prior_keys without a prior_state");
   if (prior_state) {
     TORCH_CHECK(prior_state->dim() == 3 && prior_state->size(0) == kv_heads &&
                     prior_state->size(1) == total * group && prior_state->size(2) == dim + 2 &&
