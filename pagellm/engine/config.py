@@ -236,7 +236,9 @@ class EngineConfig:
             raise ValueError("kv_cache_dtype='bfloat16' with dtype='float16' saves no memory "
                              "and rounds keys and values coarser than the model computes: "
                              "leave kv_cache_dtype='auto' (a float16 pool)")
-        if self.quantize_activations and (self.dtype != "float32" or not self.cpu_kernels
+        # (dtype "auto" is float32 here.)
+        if self.quantize_activations and (self.dtype not in ("float32", "auto")
+                                          or not self.cpu_kernels
                                           or default_device(self.device) != "cpu"):
             raise ValueError("quantize_activations runs on the CPU kernels of a float32 "
                              "model: it needs dtype='float32', cpu_kernels=True and the "

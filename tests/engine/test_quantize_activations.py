@@ -107,6 +107,9 @@ def test_refused_where_it_cannot_run(tmp_path: Path) -> None:
                            ({"device": "cuda"}, "device='cuda'")):
         with pytest.raises(ValueError, match=reason):
             EngineConfig(quantize_activations=True, **kwargs)
+    for dtype in ("auto", "float", "float32"):  # "auto" is float32 here
+        assert EngineConfig(quantize_activations=True, device="cpu", dtype=dtype).dtype in (
+            "auto", "float32")
     with pytest.raises(ValueError, match="must be True or False"):
         EngineConfig(quantize_activations="yes")  # type: ignore[arg-type]
     # A float32 checkpoint has no blocks to multiply.

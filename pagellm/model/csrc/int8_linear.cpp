@@ -14,10 +14,9 @@
 // The integer sum is exact, and these float32 steps are the same for a row whatever rows
 // share its pass, whatever instruction set: a row's result never depends on its batch
 // (tested, AVX2 against AVX-512 too), which the float32 kernels' few-row tiles cannot
-// promise. Its error against
-// the float32 product is the activations' rounding to int8 (at most half a step of 1/127
-// of the block's largest input); Q4_1's min term takes the inputs' float32 sum, not
-// their int8 codes.
+// promise. Its error against the float32 product is the activations' rounding to int8
+// (at most half a step of 1/127 of the block's largest input); Q4_1's min term takes the
+// inputs' float32 sum, not their int8 codes.
 //
 // Codes layout (quant_kernels.int8_activation_layout), per (tile of 16 output lanes,
 // block of 32 inputs), so that each lane's codes of 4 consecutive inputs are one 32-bit
