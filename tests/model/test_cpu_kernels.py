@@ -467,19 +467,26 @@ def test_fused_layers_match_the_module_path_bit_for_bit(
             sim.share_prefix("b", name, 64)
         steps += [sim.step([("d", [21, 22, 23]), ("e", [31])]),
                   sim.step([("b", [13]), ("d", [24]), ("e", [32])])]
-        if fused and not int8:
+        if not fused:
+            assert calls == []
+        elif not int8:
             decode_calls = [plan.decode_call for plan in plans]
             # One call a layer in the two decode-only steps (the 4th and 6th plans).
             assert calls == [4] * len(layers) + [6] * len(layers)
         else:
-            # Row-invariant attention (int8 activations) sends decodes to the prefill
-            # kernel: no step is one decode-kernel call.
-            assert calls == []
+            # Row-invariant attention (int8 activations): decodes through the prefill
+            # kernel, in one call a layer where no cascade runs (the 6th step's is a
+            # state cascade).
+            decode_calls = [plan.decode_call for plan in plans]
+            assert calls == [4] * len(layers)
         results.append((steps, [cache.clone() for cache in sim.kv_caches]))
     if not int8:
         assert [call is not None for call in decode_calls] == [False] * 3 + [True, False, True]
         assert decode_calls[3] is not None and decode_calls[3][2] is None
         assert decode_calls[5] is not None and decode_calls[5][2] is not None  # the cascade
+    else:
+        assert [call is not None for call in decode_calls] == [False] * 3 + [True, False, False]
+        assert decode_calls[3] is not None and decode_calls[3][3]  # the prefill kernel
     (fused_steps, fused_caches), (module_steps, module_caches) = results
     for ours, theirs in zip(fused_steps + fused_caches, module_steps + module_caches,
                             strict=True):
@@ -495,12 +502,12 @@ def test_decode_layer_refuses_a_cache_it_cannot_read(kernels: bool) -> None:
     cache = torch.zeros(2, 4, 16, 2, 64)
     with pytest.raises(RuntimeError, match=r"kv_cache must be \[2, N, B, Hkv, D\]"):
         torch.ops.pagellm.decode_layer(hidden, None, cos, cos, cache[0], torch.zeros(1).long(),
-                                       table, lens, None, *layer.decode_args)
+                                       table, lens, None, False, *layer.decode_args)
     bad_heads = list(layer.decode_args)
     bad_heads[5] = 3  # num_heads, not a multiple of the 2 kv heads
     with pytest.raises(RuntimeError, match="num_heads must be a multiple"):
         torch.ops.pagellm.decode_layer(hidden, None, cos, cos, cache, torch.zeros(1).long(),
-                                       table, lens, None, *bad_heads)
+                                       table, lens, None, False, *bad_heads)
 
 
 def test_int8_activations_say_where_a_layer_stays_float32(

@@ -34,10 +34,11 @@ class StepPlan:
 
     `decode_call`: set where the whole step is one call of the compiled decode kernel,
     every request one query in batch order: (block tables, key lengths, the shared
-    prefix's blocks or None), so that a layer may run as the one `decode_layer` op."""
+    prefix's blocks or None, whether the prefill kernel attends instead: row-invariant
+    attention), so that a layer may run as the one `decode_layer` op."""
 
     meta: AttentionMetadata
-    decode_call: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = field(
+    decode_call: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool] | None = field(
         default=None, kw_only=True)
 
 

@@ -209,7 +209,7 @@ class TorchBatchedBackend(AttentionBackend):
             (only,) = groups
             if only.tables is not None and only.out_dst is None:
                 assert only.key_lens is not None
-                decode_call = (only.tables, only.key_lens, only.prefix_ids)
+                decode_call = (only.tables, only.key_lens, only.prefix_ids, False)
         return _BatchedPlan(meta, groups,
                             None if prefill is None else _prefill_call(meta, prefill, whole),
                             decode_call=decode_call)
@@ -240,7 +240,11 @@ class TorchBatchedBackend(AttentionBackend):
                 meta.block_tables[members[0], :keys // meta.block_size].contiguous(), keys,
                 None if whole else meta.query_start_loc[index].long()))
         prefill = _prefill_call(meta, sorted(alone), whole) if alone else None
-        return _BatchedPlan(meta, [], prefill, cascades=plans)
+        decode_call = None
+        if prefill is not None and whole and max(meta.query_lens_list) == 1:
+            # Decodes only, no cascade: the layer may run as one decode_layer call.
+            decode_call = (prefill.tables, meta.seq_lens, None, True)
+        return _BatchedPlan(meta, [], prefill, cascades=plans, decode_call=decode_call)
 
     @staticmethod
     def _shared_first_blocks(meta: AttentionMetadata, cascade: bool,

@@ -10,6 +10,8 @@
 // get faster by that much; the kernels and their roundings are the very same.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/ones_like.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -112,14 +114,16 @@ TensorPair attention_output(const at::Tensor& attn, const at::Tensor& residual,
 // A decode step's whole layer, where the step is one decode-kernel call over the batch in
 // order: attention_input, the paged decode attention of each request's blocks (merged
 // with the prefix kernel's attention over a shared prefix when `prefix_blocks` is given),
-// and attention_output, from one Python call. The very ops the three calls made, in the
+// and attention_output, from one Python call. With `prefill_kernel` (row-invariant
+// attention, see attention/batched.py), the prefill kernel attends instead, each request
+// a chunk of one query at position key_lens - 1, as the module path calls it. The very ops the three calls made, in the
 // same order, so the same bits. Why: the Python between them (the backend's plan, views of
 // q and the caches, three dispatches) was ~40 us a layer, 4-8% of a decode step.
 TensorPair decode_layer(const at::Tensor& hidden, const std::optional<at::Tensor>& residual,
                         const at::Tensor& cos, const at::Tensor& sin, at::Tensor kv_cache,
                         const at::Tensor& slots, const at::Tensor& tables,
                         const at::Tensor& key_lens,
-                        const std::optional<at::Tensor>& prefix_blocks,
+                        const std::optional<at::Tensor>& prefix_blocks, bool prefill_kernel,
                         const at::Tensor& input_norm, double input_eps,
                         const at::Tensor& qkv_scales, const std::optional<at::Tensor>& qkv_mins,
                         const at::Tensor& qkv_codes, int64_t num_heads, double scale,
@@ -142,6 +146,13 @@ TensorPair decode_layer(const at::Tensor& hidden, const std::optional<at::Tensor
           .findSchemaOrThrow("pagellm::paged_prefix_attention", "")
           .typed<TensorPair(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                             const at::Tensor&, double, int64_t)>();
+  static const auto prefill =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("pagellm::paged_prefill_attention", "")
+          .typed<TensorPair(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, double, int64_t,
+                            const std::optional<at::Tensor>&, int64_t)>();
   TORCH_CHECK(kv_cache.dim() == 5, "decode_layer: kv_cache must be [2, N, B, Hkv, D]");
   const int64_t kv_heads = kv_cache.size(3), dim = kv_cache.size(4);
   TORCH_CHECK(kv_heads > 0 && num_heads > 0 && num_heads % kv_heads == 0,
@@ -152,6 +163,16 @@ TensorPair decode_layer(const at::Tensor& hidden, const std::optional<at::Tensor
   const int64_t tokens = qkv.size(0);
   const at::Tensor q = qkv.narrow(1, 0, num_heads * dim).view({tokens, num_heads, dim});
   const at::Tensor k_cache = kv_cache.select(0, 0), v_cache = kv_cache.select(0, 1);
+  if (prefill_kernel) {
+    TORCH_CHECK(!prefix_blocks, "decode_layer: the prefill kernel takes no prefix_blocks");
+    const at::Tensor starts = at::arange(tokens, key_lens.options().dtype(at::kLong));
+    const at::Tensor attn = std::get<0>(prefill.call(
+        q, k_cache, v_cache, tables, starts, at::ones_like(starts),
+        key_lens.to(at::kLong).sub(1), scale, num_heads / kv_heads, std::nullopt, 0));
+    return attention_output(attn.view({tokens, num_heads * dim}), stream, o_scales, o_mins,
+                            o_codes, post_norm, post_eps, gate_up_scales, gate_up_mins,
+                            gate_up_codes, down_scales, down_mins, down_codes);
+  }
   std::optional<at::Tensor> prior_out, prior_lse;
   if (prefix_blocks) {
     std::tie(prior_out, prior_lse) =
@@ -176,7 +197,8 @@ TORCH_LIBRARY_FRAGMENT(pagellm, m) {
         "Tensor down_codes) -> (Tensor, Tensor)");
   m.def("decode_layer(Tensor hidden, Tensor? residual, Tensor cos, Tensor sin, "
         "Tensor(a!) kv_cache, Tensor slots, Tensor tables, Tensor key_lens, "
-        "Tensor? prefix_blocks, Tensor input_norm, float input_eps, Tensor qkv_scales, "
+        "Tensor? prefix_blocks, bool prefill_kernel, Tensor input_norm, float input_eps, "
+        "Tensor qkv_scales, "
         "Tensor? qkv_mins, Tensor qkv_codes, int num_heads, float scale, Tensor o_scales, "
         "Tensor? o_mins, Tensor o_codes, Tensor post_norm, float post_eps, "
         "Tensor gate_up_scales, Tensor? gate_up_mins, Tensor gate_up_codes, "
