@@ -426,15 +426,16 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, GatedMLP):
                 module.use_gated_kernel()
         if int8_activations:
-            self._check_row_invariance()
+            self._make_rows_invariant()
         self._use_fused_layers()
         return attached
 
-    def _check_row_invariance(self) -> None:
+    def _make_rows_invariant(self) -> None:
         """With int8 activations, every layer's result for a token must not depend on the
         batch it is computed in (int8 rounding would turn float32 noise into whole
-        steps): says in the log where that cannot hold, so that caching may change
-        outputs. The head only makes logits, which no layer reads again."""
+        steps): puts attention on its row-invariant path, and says in the log where that
+        cannot hold, so that caching may change outputs. The head only makes logits,
+        which no layer reads again."""
         floats = [name for name, module in self.named_modules()
                   if name.startswith("model.layers.") and isinstance(module, Linear)
                   and (module.quantized is None or not module.quantized.int8_activations)]

@@ -176,13 +176,13 @@ class TorchBatchedBackend(AttentionBackend):
         # this engine is bound by kernel launches, not traffic: on an H200 (SmolLM2-135M
         # shape, float32) decode with a shared prefix ran 1.1-2.1x slower with it, from
         # 8 x 256 to 64 x 4,096 shared tokens, so only the CPU cascades.
-        cascade = self._cascade and device.type == "cpu" and not self._row_invariant
+        cascade = self._cascade and device.type == "cpu"
         kernel = self._decode_kernel and meta.block_size <= MAX_KERNEL_BLOCK_SIZE
         first_blocks = self._shared_first_blocks(meta, cascade, kernel)
         lengths = zip(meta.query_lens_list, meta.seq_lens_list, strict=True)
         for r, (q_len, seq_len) in enumerate(lengths):
             shared = first_blocks.get(r, -1)
-            if kernel and (q_len > 1 or self._row_invariant):
+            if kernel and q_len > 1:
                 key = _PREFILL_CALL
             elif kernel and q_len == 1 and shared < 0:
                 key = _DECODE_CALL

@@ -15,11 +15,20 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 
 namespace {
 
 using TensorPair = std::tuple<at::Tensor, at::Tensor>;
+
+// The library's op `name` (pagellm::name), typed `Signature`, for calls from C++.
+template <class Signature>
+c10::TypedOperatorHandle<Signature> op(const char* name) {
+  return c10::Dispatcher::singleton()
+      .findSchemaOrThrow((std::string("pagellm::") + name).c_str(), "")
+      .template typed<Signature>();
+}
 
 // A quantized weight as the matmul ops take it: Q4_1 when `mins` is given, else Q8_0; on
 // the int8-activation kernels when its codes are in their [tiles, blocks, groups, 64]
@@ -28,19 +37,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& scales,
                   const std::optional<at::Tensor>& mins, const at::Tensor& codes, bool gated) {
   using Q4_1 = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                           const at::Tensor&, bool);
-  static const auto q4_1 = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("pagellm::q4_1_linear", "")
-                               .typed<Q4_1>();
-  static const auto q4_1_int8 = c10::Dispatcher::singleton()
-                                    .findSchemaOrThrow("pagellm::q4_1_int8_linear", "")
-                                    .typed<Q4_1>();
+  static const auto q4_1 = op<Q4_1>("q4_1_linear");
+  static const auto q4_1_int8 = op<Q4_1>("q4_1_int8_linear");
   using Q8_0 = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool);
-  static const auto q8_0 = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("pagellm::q8_0_linear", "")
-                               .typed<Q8_0>();
-  static const auto q8_0_int8 = c10::Dispatcher::singleton()
-                                    .findSchemaOrThrow("pagellm::q8_0_int8_linear", "")
-                                    .typed<Q8_0>();
+  static const auto q8_0 = op<Q8_0>("q8_0_linear");
+  static const auto q8_0_int8 = op<Q8_0>("q8_0_int8_linear");
   const at::Tensor rows = x.contiguous();
   const bool int8 = codes.dim() == 4 && codes.size(3) == 64;
   if (!mins) return (int8 ? q8_0_int8 : q8_0).call(rows, scales, codes, gated);
@@ -49,11 +50,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& scales,
 
 TensorPair add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
                         double eps) {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("pagellm::add_rms_norm", "")
-          .typed<TensorPair(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>();
-  return op.call(x, residual, weight, eps);
+  static const auto add_norm =
+      op<TensorPair(const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>(
+          "add_rms_norm");
+  return add_norm.call(x, residual, weight, eps);
 }
 
 // (qkv [T, (H + 2 Hkv) D] with q and k rotated, the residual stream): the stream is
@@ -65,17 +65,12 @@ TensorPair attention_input(const at::Tensor& hidden, const std::optional<at::Ten
                            const at::Tensor& cos, const at::Tensor& sin, int64_t rotated_heads,
                            at::Tensor kv_cache, const at::Tensor& slots) {
   static const auto rms_norm =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("pagellm::rms_norm", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
+      op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("rms_norm");
   static const auto rotary =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("pagellm::rotary_", "")
-          .typed<void(at::Tensor, int64_t, const at::Tensor&, const at::Tensor&)>();
+      op<void(at::Tensor, int64_t, const at::Tensor&, const at::Tensor&)>("rotary_");
   static const auto write_kv =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("pagellm::write_kv_cache_", "")
-          .typed<void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+      op<void(at::Tensor, const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
+          "write_kv_cache_");
   TORCH_CHECK(kv_cache.dim() == 5, "attention_input: kv_cache must be [2, N, B, Hkv, D]");
   at::Tensor normed, stream;
   if (residual) {
@@ -116,9 +111,10 @@ TensorPair attention_output(const at::Tensor& attn, const at::Tensor& residual,
 // with the prefix kernel's attention over a shared prefix when `prefix_blocks` is given),
 // and attention_output, from one Python call. With `prefill_kernel` (row-invariant
 // attention, see attention/batched.py), the prefill kernel attends instead, each request
-// a chunk of one query at position key_lens - 1, as the module path calls it. The very ops the three calls made, in the
-// same order, so the same bits. Why: the Python between them (the backend's plan, views of
-// q and the caches, three dispatches) was ~40 us a layer, 4-8% of a decode step.
+// a chunk of one query at position key_lens - 1, as the module path calls it. The very
+// ops the three calls made, in the same order, so the same bits. Why: the Python between
+// them (the backend's plan, views of q and the caches, three dispatches) was ~40 us a
+// layer, 4-8% of a decode step.
 TensorPair decode_layer(const at::Tensor& hidden, const std::optional<at::Tensor>& residual,
                         const at::Tensor& cos, const at::Tensor& sin, at::Tensor kv_cache,
                         const at::Tensor& slots, const at::Tensor& tables,
@@ -135,24 +131,16 @@ TensorPair decode_layer(const at::Tensor& hidden, const std::optional<at::Tensor
                         const std::optional<at::Tensor>& down_mins,
                         const at::Tensor& down_codes) {
   static const auto decode =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("pagellm::paged_decode_attention", "")
-          .typed<TensorPair(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, const at::Tensor&, double,
-                            const std::optional<at::Tensor>&,
-                            const std::optional<at::Tensor>&)>();
+      op<TensorPair(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                    const at::Tensor&, double, const std::optional<at::Tensor>&,
+                    const std::optional<at::Tensor>&)>("paged_decode_attention");
   static const auto prefix =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("pagellm::paged_prefix_attention", "")
-          .typed<TensorPair(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, double, int64_t)>();
+      op<TensorPair(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                    double, int64_t)>("paged_prefix_attention");
   static const auto prefill =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("pagellm::paged_prefill_attention", "")
-          .typed<TensorPair(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, double, int64_t,
-                            const std::optional<at::Tensor>&, int64_t)>();
+      op<TensorPair(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                    const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t,
+                    const std::optional<at::Tensor>&, int64_t)>("paged_prefill_attention");
   TORCH_CHECK(kv_cache.dim() == 5, "decode_layer: kv_cache must be [2, N, B, Hkv, D]");
   const int64_t kv_heads = kv_cache.size(3), dim = kv_cache.size(4);
   TORCH_CHECK(kv_heads > 0 && num_heads > 0 && num_heads % kv_heads == 0,

@@ -582,9 +582,10 @@ inline void score_pass(const float* qt, const float* const* keys, int r0, float*
 // output, running max and sum, D + 2 floats a row from the tile's first) and the state
 // after the last key can go out (`state_out`) instead of the result: keys walked in two
 // calls split at a multiple of kKeyChunk give the same bits as one call, since every
-// chunk's steps are the same (a row never depends on the rest of its tile). A bfloat16 pool's chunk of keys is widened into float32
-// rows once per chunk, for every row of the tile, since the score pass reads keys one
-// scalar at a time; values are read as vectors, widened as they are loaded.
+// chunk's steps are the same (a row never depends on the rest of its tile).
+// A bfloat16 pool's chunk of keys is widened into float32 rows once per chunk, for every
+// row of the tile, since the score pass reads keys one scalar at a time; values are read
+// as vectors, widened as they are loaded.
 template <typename KV, int NV, int RV>
 void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout, float scale,
                    const KV* k_cache, const KV* v_cache, const int32_t* blocks,
@@ -836,17 +837,16 @@ std::tuple<at::Tensor, at::Tensor> prefix_attention(
   TORCH_CHECK(dim == 64 || dim == 128, "paged_prefix_attention: ", dim,
               " dims are not supported");
   TORCH_CHECK(rows >= 1, "paged_prefix_attention: no queries");
-  const int32_t* ids = blocks.data_ptr<int32_t>();
+  const int32_t* bp = blocks.data_ptr<int32_t>();
   for (int64_t b = 0; b < blocks.numel(); ++b) {
-    TORCH_CHECK(ids[b] >= 0 && ids[b] < k_cache.size(0), "paged_prefix_attention: block ",
-                ids[b], " is outside the cache");
+    TORCH_CHECK(bp[b] >= 0 && bp[b] < k_cache.size(0), "paged_prefix_attention: block ",
+                bp[b], " is outside the cache");
   }
   at::Tensor out = at::empty({kv_heads, rows, with_state ? dim + 2 : dim}, q.options());
   at::Tensor lse = at::empty({with_state ? 0 : kv_heads, rows}, q.options());
   float* state = with_state ? out.data_ptr<float>() : nullptr;
   const float* qp = q.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  const int32_t* bp = blocks.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
   const int64_t token_stride = kv_heads * dim, block_stride = block_size * token_stride;
