@@ -433,9 +433,11 @@ class LlamaForCausalLM(nn.Module):
     def _make_rows_invariant(self) -> None:
         """With int8 activations, every layer's result for a token must not depend on the
         batch it is computed in (int8 rounding would turn float32 noise into whole
-        steps): puts attention on its row-invariant path, and says in the log where that
-        cannot hold, so that caching may change outputs. The head only makes logits,
-        which no layer reads again."""
+        steps): puts attention on its row-invariant path, with its products in bfloat16
+        where the kernels have them (AVX-512 BF16: twice an FMA's work per instruction;
+        llama.cpp's CPU attention rounds queries and keys to float16 likewise), and says
+        in the log where that cannot hold, so that caching may change outputs. The head
+        only makes logits, which no layer reads again."""
         floats = [name for name, module in self.named_modules()
                   if name.startswith("model.layers.") and isinstance(module, Linear)
                   and (module.quantized is None or not module.quantized.int8_activations)]
@@ -443,9 +445,12 @@ class LlamaForCausalLM(nn.Module):
             logger.warning("quantize_activations: %d layer weights have no Q4_1 or Q8_0 "
                            "blocks the kernels take (e.g. %s) and stay float32, so caching "
                            "may change outputs", len(floats), floats[0])
-        if not self.attn_backend.use_row_invariant_attention():
+        bf16_products = bool(torch.ops.pagellm.bf16_products_available())
+        if not self.attn_backend.use_row_invariant_attention(bf16_products):
             logger.warning("quantize_activations: the attention kernels do not serve every "
                            "layer of this model, so caching may change outputs")
+        elif bf16_products:
+            logger.info("quantize_activations: attention's products in bfloat16")
 
     def int8_activation_weights(self) -> int:
         """How many weights run on the int8-activation kernel (attach_quantized)."""

@@ -503,11 +503,11 @@ def test_prompt_chunks_take_one_prefill_kernel_call(monkeypatch: pytest.MonkeyPa
     calls: list[int] = []
     prefill = TorchBatchedBackend._prefill_with_kernel
 
-    def counting(*args: Any) -> Any:
+    def counting(self: TorchBatchedBackend, *args: Any) -> Any:
         calls.append(int(args[2].lens.numel()))
-        return prefill(*args)
+        return prefill(self, *args)
 
-    monkeypatch.setattr(TorchBatchedBackend, "_prefill_with_kernel", staticmethod(counting))
+    monkeypatch.setattr(TorchBatchedBackend, "_prefill_with_kernel", counting)
     cases = [
         ([(0, 70)], 4, 0, 1),
         ([(40, 9)], 16, 0, 1),
@@ -848,18 +848,25 @@ def test_attention_kernels_refuse_mixed_or_unkept_pool_dtypes() -> None:
                                           q[:, :2], q[:, 2:], torch.tensor([0, 1]))
 
 
+def bf16_products_or_skip(wanted: bool) -> None:
+    if not kernels_loaded():
+        pytest.skip("the CPU kernels cannot be built or run on this machine")
+    if wanted and not torch.ops.pagellm.bf16_products_available():
+        pytest.skip("this build of the kernels has no bfloat16 products (AVX-512 BF16)")
+
+
+@pytest.mark.parametrize("bf16", [False, True])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [16, 48])
 def test_prefill_kernel_goes_on_from_a_prefix_state_bit_for_bit(
-        kv_dtype: torch.dtype, head_dim: int, block_size: int) -> None:
+        kv_dtype: torch.dtype, head_dim: int, block_size: int, bf16: bool) -> None:
     """paged_prefix_state over a shared prefix of P keys (P a multiple of the 48-key
     chunk), then paged_prefill_attention from that state over each request's own keys,
     gives the very bits of one prefill call over all the keys, for decodes (one query)
     and chunks of several queries, each request alone or in a batch: what row-invariant
-    attention's cascade relies on."""
-    if not kernels_loaded():
-        pytest.skip("the CPU kernels cannot be built or run on this machine")
+    attention's cascade relies on; with float32 or bfloat16 products."""
+    bf16_products_or_skip(bf16)
     gen = torch.Generator().manual_seed(block_size + head_dim)
     kv_heads, group = 3, 3
     cache = torch.randn(2, 300, block_size, kv_heads, head_dim, generator=gen).to(kv_dtype)
@@ -877,17 +884,89 @@ def test_prefill_kernel_goes_on_from_a_prefix_state_bit_for_bit(
         contexts = torch.tensor([c for c, _ in cases])
         q = torch.randn(int(lens.sum()), kv_heads * group, head_dim, generator=gen)
         one_pass = torch.ops.pagellm.paged_prefill_attention(
-            q, cache[0], cache[1], tables, starts, lens, contexts, 0.2, group)[0]
-        state = torch.ops.pagellm.paged_prefix_state(q, cache[0], cache[1], shared, 0.2, group)
+            q, cache[0], cache[1], tables, starts, lens, contexts, 0.2, group, None, 0, bf16)[0]
+        state = torch.ops.pagellm.paged_prefix_state(q, cache[0], cache[1], shared, 0.2, group,
+                                                     bf16)
         assert state.shape == (kv_heads, int(lens.sum()) * group, head_dim + 2)
         resumed = torch.ops.pagellm.paged_prefill_attention(
-            q, cache[0], cache[1], tables, starts, lens, contexts, 0.2, group, state, prior_keys)[0]
+            q, cache[0], cache[1], tables, starts, lens, contexts, 0.2, group, state, prior_keys,
+            bf16)[0]
         assert torch.equal(resumed, one_pass)
         # A request alone (its own prefix state) gives the same bits as in the batch.
         alone = torch.ops.pagellm.paged_prefill_attention(
             q[2:3], cache[0], cache[1], tables[2:3], torch.tensor([0]), lens[2:3],
-            contexts[2:3], 0.2, group)[0]
+            contexts[2:3], 0.2, group, None, 0, bf16)[0]
         assert torch.equal(alone, one_pass[2:3])
+        if bf16:  # not the float32 kernel's bits, but close to them
+            floats = torch.ops.pagellm.paged_prefill_attention(
+                q, cache[0], cache[1], tables, starts, lens, contexts, 0.2, group)[0]
+            assert not torch.equal(floats, one_pass)
+            torch.testing.assert_close(one_pass, floats, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [5, 16])
+def test_bf16_products_are_attention_over_bfloat16_inputs(
+        kv_dtype: torch.dtype, head_dim: int, block_size: int) -> None:
+    """With bf16_products, the prefill kernel (causal chunks of one query to several
+    row tiles, after a context or none, keys past several 48-key chunks, odd counts of
+    keys in a chunk) and the prefix state it goes on from are float64 attention over the
+    scaled queries, keys and values rounded to bfloat16, within the rounding of the
+    probabilities to bfloat16; the log-sum-exp too."""
+    bf16_products_or_skip(True)
+    gen = torch.Generator().manual_seed(head_dim + block_size)
+    kv_heads, group, scale = 2, 3, 0.3
+    cache = torch.randn(2, 200, block_size, kv_heads, head_dim, generator=gen)
+    # Keys drifting along the queries' shared direction: the maximum moves every chunk.
+    cache[0] += torch.linspace(0, 2, block_size)[:, None, None] / head_dim**0.5
+    cache = cache.to(kv_dtype)
+    cases = [(0, 1), (0, 49), (95, 1), (300, 70), (7, 23)]  # (context, queries)
+    width = -(-max(c + n for c, n in cases) // block_size)
+    tables = torch.stack([torch.randperm(200, generator=gen)[:width] for _ in cases]).int()
+    lens = torch.tensor([n for _, n in cases])
+    starts = torch.cumsum(lens, 0) - lens
+    contexts = torch.tensor([c for c, _ in cases])
+    q = torch.randn(int(lens.sum()), kv_heads * group, head_dim, generator=gen) + 0.5
+    out, lse = torch.ops.pagellm.paged_prefill_attention(
+        q, cache[0], cache[1], tables, starts, lens, contexts, scale, group, None, 0, True)
+    rounded = (q * scale).bfloat16().double()
+    for r, (context, n) in enumerate(cases):
+        k, v = (cache[i][tables[r].long()].reshape(-1, kv_heads, head_dim)[: context + n]
+                .bfloat16().double() for i in range(2))
+        queries = rounded[starts[r] : starts[r] + n].view(n, kv_heads, group, head_dim)
+        scores = torch.einsum("nhgd,khd->nhgk", queries, k)
+        limits = context + torch.arange(n) + 1
+        scores = scores.masked_fill(torch.arange(context + n) >= limits[:, None, None, None],
+                                    float("-inf"))
+        expected = torch.einsum("nhgk,khd->nhgd", scores.softmax(-1), v)
+        got = out[starts[r] : starts[r] + n].double().view(n, kv_heads, group, head_dim)
+        # Probabilities rounded to 8 significant bits: ~0.2% of an output's scale.
+        torch.testing.assert_close(got, expected, atol=6e-3, rtol=1e-2)
+        assert (got - expected).abs().mean() < 5e-4
+        rows = slice(int(starts[r]) * group, int(starts[r] + n) * group)
+        torch.testing.assert_close(
+            lse[:, rows].double(),
+            torch.logsumexp(scores, -1).permute(1, 0, 2).reshape(kv_heads, -1),
+            atol=3e-3, rtol=1e-3)
+
+
+def test_bf16_products_are_refused_where_the_build_has_none() -> None:
+    """Without AVX-512 BF16 (an AVX2 or older AVX-512 build: see the narrower-build
+    test), asking for bfloat16 products is an error that says why, not float32 quietly."""
+    if not kernels_loaded():
+        pytest.skip("the CPU kernels cannot be built or run on this machine")
+    if torch.ops.pagellm.bf16_products_available():
+        pytest.skip("this build has bfloat16 products")
+    cache = torch.randn(2, 4, 16, 2, 64)
+    q = torch.randn(1, 4, 64)
+    with pytest.raises(RuntimeError, match="bf16_products needs AVX-512 BF16"):
+        torch.ops.pagellm.paged_prefix_state(q, cache[0], cache[1],
+                                             torch.zeros(1, dtype=torch.int32), 0.1, 2, True)
+    with pytest.raises(RuntimeError, match="bf16_products needs AVX-512 BF16"):
+        torch.ops.pagellm.paged_prefill_attention(
+            q, cache[0], cache[1], torch.zeros(1, 4, dtype=torch.int32), torch.tensor([0]),
+            torch.tensor([1]), torch.tensor([5]), 0.1, 2, None, 0, True)
 
 
 def test_prefix_state_is_refused_where_it_cannot_go_on() -> None:
@@ -913,13 +992,15 @@ def test_prefix_state_is_refused_where_it_cannot_go_on() -> None:
     call([60, 60], state, 48)
 
 
+@pytest.mark.parametrize("bf16", [False, True])
 @pytest.mark.parametrize("block_size", [16, 5, 80])
-def test_row_invariant_attention_gives_each_request_its_bits_alone(block_size: int) -> None:
+def test_row_invariant_attention_gives_each_request_its_bits_alone(
+        block_size: int, bf16: bool) -> None:
     """With use_row_invariant_attention, a step of decodes sharing a long prefix (the
     state cascade), decodes of their own and a prompt chunk gives every request the same
-    bits as a step holding it alone; and the cascade runs."""
-    if not kernels_loaded():
-        pytest.skip("the CPU kernels cannot be built or run on this machine")
+    bits as a step holding it alone; and the cascade runs. With float32 or bfloat16
+    products."""
+    bf16_products_or_skip(bf16)
     shared_blocks = -(-256 // block_size)
     shared = shared_blocks * block_size
     shapes = [(shared + 3, 1)] * 12 + [(shared + 40, 1), (shared + 20, 9)]
@@ -928,14 +1009,15 @@ def test_row_invariant_attention_gives_each_request_its_bits_alone(block_size: i
     backend = get_attention_backend("torch_batched")
     backend.configure([case["spec"]])
     backend.use_cpu_kernels()
-    assert backend.use_row_invariant_attention()
+    assert backend.use_row_invariant_attention(bf16)
     cache = case["cache"].clone()
     plan = backend.prepare(case["meta"])
     step = math.lcm(block_size, 48)  # whole blocks, whole 48-key chunks of the kernel
     assert len(plan.cascades) == 1 and plan.cascades[0].prior_keys == shared // step * step
     assert plan.groups == [] and plan.decode_call is None
     out = backend.forward(case["query"], case["key"], case["value"], cache, plan, case["spec"])
-    torch.testing.assert_close(out.double(), case["expected"], atol=2e-5, rtol=1e-5)
+    tolerance = 1e-2 if bf16 else 2e-5  # bfloat16 probabilities: ~0.2% of the scale
+    torch.testing.assert_close(out.double(), case["expected"], atol=tolerance, rtol=1e-5)
     row = 0
     for r, (context, n) in enumerate(shapes):
         alone_meta = build_metadata([case["tables"][r]], [context], [n], block_size)

@@ -487,6 +487,8 @@ def test_fused_layers_match_the_module_path_bit_for_bit(
     else:
         assert [call is not None for call in decode_calls] == [False] * 3 + [True, False, False]
         assert decode_calls[3] is not None and decode_calls[3][3]  # the prefill kernel
+        # with bfloat16 products where the kernels have them
+        assert decode_calls[3][4] == torch.ops.pagellm.bf16_products_available()
     (fused_steps, fused_caches), (module_steps, module_caches) = results
     for ours, theirs in zip(fused_steps + fused_caches, module_steps + module_caches,
                             strict=True):
@@ -502,12 +504,19 @@ def test_decode_layer_refuses_a_cache_it_cannot_read(kernels: bool) -> None:
     cache = torch.zeros(2, 4, 16, 2, 64)
     with pytest.raises(RuntimeError, match=r"kv_cache must be \[2, N, B, Hkv, D\]"):
         torch.ops.pagellm.decode_layer(hidden, None, cos, cos, cache[0], torch.zeros(1).long(),
-                                       table, lens, None, False, *layer.decode_args)
+                                       table, lens, None, False, False, *layer.decode_args)
     bad_heads = list(layer.decode_args)
     bad_heads[5] = 3  # num_heads, not a multiple of the 2 kv heads
     with pytest.raises(RuntimeError, match="num_heads must be a multiple"):
         torch.ops.pagellm.decode_layer(hidden, None, cos, cos, cache, torch.zeros(1).long(),
-                                       table, lens, None, False, *bad_heads)
+                                       table, lens, None, False, False, *bad_heads)
+    args = (hidden, None, cos, cos, cache, torch.zeros(1).long(), table, lens)
+    with pytest.raises(RuntimeError, match="bf16_products is for the prefill kernel"):
+        torch.ops.pagellm.decode_layer(*args, None, False, True, *layer.decode_args)
+    with pytest.raises(RuntimeError, match="the prefill kernel takes no prefix_blocks"):
+        torch.ops.pagellm.decode_layer(*args, torch.zeros(1, dtype=torch.int32), True, False,
+                                       *layer.decode_args)
+    assert torch.equal(cache, torch.zeros_like(cache))  # refused before any row is stored
 
 
 def test_int8_activations_say_where_a_layer_stays_float32(

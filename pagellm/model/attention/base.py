@@ -35,11 +35,12 @@ class StepPlan:
     `decode_call`: set where the whole step is one call of the compiled decode kernel,
     every request one query in batch order: (block tables, key lengths, the shared
     prefix's blocks or None, whether the prefill kernel attends instead: row-invariant
-    attention), so that a layer may run as the one `decode_layer` op."""
+    attention, whether with bfloat16 products), so that a layer may run as the one
+    `decode_layer` op."""
 
     meta: AttentionMetadata
-    decode_call: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool] | None = field(
-        default=None, kw_only=True)
+    decode_call: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool, bool] | None = (
+        field(default=None, kw_only=True))
 
 
 def write_kv_cache(
@@ -116,14 +117,14 @@ class AttentionBackend(ABC):
         a backend that has paths using them (the default has none); only for a float32
         model on the CPU, the one case the kernels serve."""
 
-    def use_row_invariant_attention(self) -> bool:
+    def use_row_invariant_attention(self, bf16_products: bool) -> bool:
         """Called by the model when its matmuls quantize their inputs to int8
         (EngineConfig.quantize_activations): attend every token, decodes included, by one
-        kernel whose result for a query does not depend on the step around it; returns
-        whether every step can (the default backend cannot). Why: int8 rounding turns
-        the ~1e-7 by which two attention paths differ into whole int8 steps, so a token
-        computed in another batch (caching on or off) would part at far more than
-        float32's near-ties."""
+        kernel whose result for a query does not depend on the step around it, with its
+        products in bfloat16 where `bf16_products`; returns whether every step can (the
+        default backend cannot). Why: int8 rounding turns the ~1e-7 by which two
+        attention paths differ into whole int8 steps, so a token computed in another
+        batch (caching on or off) would part at far more than float32's near-ties."""
         return False
 
     def forward(

@@ -130,6 +130,7 @@ class TorchBatchedBackend(AttentionBackend):
         self._decode_kernel = False
         self._write_kernel = False
         self._row_invariant = False
+        self._bf16_products = False
 
     def configure(self, specs: list[AttentionSpec]) -> None:
         # A shared prefix is attended whole, which a sliding-window layer must not do.
@@ -155,7 +156,7 @@ class TorchBatchedBackend(AttentionBackend):
             and spec.num_heads // spec.num_kv_heads <= 8
             for spec in self._specs)
 
-    def use_row_invariant_attention(self) -> bool:
+    def use_row_invariant_attention(self, bf16_products: bool) -> bool:
         """Every token, decodes included, through the prefill kernel: it computes a
         query's row with the same float32 steps whatever rows, chunk or context share
         its call (its keys in chunks of 48 from the first, its scores one chain of FMAs
@@ -163,8 +164,12 @@ class TorchBatchedBackend(AttentionBackend):
         orders. Decodes sharing a long prefix still read it once for all: the prefix
         kernel gives their softmax state after it, and the prefill kernel goes on from
         there (`_StateCascade`), which is the same arithmetic as one pass. Only where the
-        kernels serve every layer (the prefill kernel takes blocks of any size)."""
+        kernels serve every layer (the prefill kernel takes blocks of any size).
+        With `bf16_products` (where bf16_products_available), both kernels round queries,
+        keys, probabilities and values to bfloat16 and take their products in pairs,
+        twice an FMA's work per instruction; still the same steps for every row."""
         self._row_invariant = self._decode_kernel
+        self._bf16_products = self._row_invariant and bf16_products
         return self._row_invariant
 
     def prepare(self, meta: AttentionMetadata) -> StepPlan:
@@ -209,7 +214,7 @@ class TorchBatchedBackend(AttentionBackend):
             (only,) = groups
             if only.tables is not None and only.out_dst is None:
                 assert only.key_lens is not None
-                decode_call = (only.tables, only.key_lens, only.prefix_ids, False)
+                decode_call = (only.tables, only.key_lens, only.prefix_ids, False, False)
         return _BatchedPlan(meta, groups,
                             None if prefill is None else _prefill_call(meta, prefill, whole),
                             decode_call=decode_call)
@@ -243,7 +248,7 @@ class TorchBatchedBackend(AttentionBackend):
         decode_call = None
         if prefill is not None and whole and max(meta.query_lens_list) == 1:
             # Decodes only, no cascade: the layer may run as one decode_layer call.
-            decode_call = (prefill.tables, meta.seq_lens, None, True)
+            decode_call = (prefill.tables, meta.seq_lens, None, True, self._bf16_products)
         return _BatchedPlan(meta, [], prefill, cascades=plans, decode_call=decode_call)
 
     @staticmethod
@@ -462,24 +467,24 @@ class TorchBatchedBackend(AttentionBackend):
             None, spec.scale)
         return out[0], lse[0]
 
-    @staticmethod
-    def _state_cascade(query: torch.Tensor, kv_cache: torch.Tensor, cascade: _StateCascade,
-                       spec: AttentionSpec) -> torch.Tensor:
+    def _state_cascade(self, query: torch.Tensor, kv_cache: torch.Tensor,
+                       cascade: _StateCascade, spec: AttentionSpec) -> torch.Tensor:
         """The cascade's decodes: the prefix's state for all of them, then each one's own
         keys from it: [members, H, D]. The same bits as attending each alone."""
         group = spec.num_heads // spec.num_kv_heads
         q = query if cascade.q_rows is None else query.index_select(0, cascade.q_rows)
-        state = torch.ops.pagellm.paged_prefix_state(q, kv_cache[0], kv_cache[1],
-                                                     cascade.prefix_ids, spec.scale, group)
+        state = torch.ops.pagellm.paged_prefix_state(
+            q, kv_cache[0], kv_cache[1], cascade.prefix_ids, spec.scale, group,
+            self._bf16_products)
         call = cascade.call
         result: tuple[torch.Tensor, torch.Tensor] = torch.ops.pagellm.paged_prefill_attention(
             query, kv_cache[0], kv_cache[1], call.tables, call.starts, call.lens,
-            call.contexts, spec.scale, group, state, cascade.prior_keys)
+            call.contexts, spec.scale, group, state, cascade.prior_keys, self._bf16_products)
         return result[0]
 
-    @staticmethod
     def _prefill_with_kernel(
-        query: torch.Tensor, kv_cache: torch.Tensor, call: _PrefillCall, spec: AttentionSpec
+        self, query: torch.Tensor, kv_cache: torch.Tensor, call: _PrefillCall,
+        spec: AttentionSpec
     ) -> torch.Tensor:
         """Every prompt chunk's queries against its whole table, causally: [sum(lens), H,
         D]. The kernel reads the queries where they are (a strided view of the qkv output)
@@ -491,7 +496,8 @@ class TorchBatchedBackend(AttentionBackend):
         compute-bound)."""
         result: tuple[torch.Tensor, torch.Tensor] = torch.ops.pagellm.paged_prefill_attention(
             query, kv_cache[0], kv_cache[1], call.tables, call.starts, call.lens,
-            call.contexts, spec.scale, spec.num_heads // spec.num_kv_heads)
+            call.contexts, spec.scale, spec.num_heads // spec.num_kv_heads, None, 0,
+            self._bf16_products)
         return result[0]
 
     def _decode_with_kernel(

@@ -111,7 +111,8 @@ TensorPair attention_output(const at::Tensor& attn, const at::Tensor& residual,
 // with the prefix kernel's attention over a shared prefix when `prefix_blocks` is given),
 // and attention_output, from one Python call. With `prefill_kernel` (row-invariant
 // attention, see attention/batched.py), the prefill kernel attends instead, each request
-// a chunk of one query at position key_lens - 1, as the module path calls it. The very
+// a chunk of one query at position key_lens - 1, as the module path calls it, with its
+// products in bfloat16 where `bf16_products`. The very
 // ops the three calls made, in the same order, so the same bits. Why: the Python between
 // them (the backend's plan, views of q and the caches, three dispatches) was ~40 us a
 // layer, 4-8% of a decode step.
@@ -120,7 +121,7 @@ TensorPair decode_layer(const at::Tensor& hidden, const std::optional<at::Tensor
                         const at::Tensor& slots, const at::Tensor& tables,
                         const at::Tensor& key_lens,
                         const std::optional<at::Tensor>& prefix_blocks, bool prefill_kernel,
-                        const at::Tensor& input_norm, double input_eps,
+                        bool bf16_products, const at::Tensor& input_norm, double input_eps,
                         const at::Tensor& qkv_scales, const std::optional<at::Tensor>& qkv_mins,
                         const at::Tensor& qkv_codes, int64_t num_heads, double scale,
                         const at::Tensor& o_scales, const std::optional<at::Tensor>& o_mins,
@@ -140,11 +141,15 @@ TensorPair decode_layer(const at::Tensor& hidden, const std::optional<at::Tensor
   static const auto prefill =
       op<TensorPair(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                     const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t,
-                    const std::optional<at::Tensor>&, int64_t)>("paged_prefill_attention");
+                    const std::optional<at::Tensor>&, int64_t, bool)>("paged_prefill_attention");
   TORCH_CHECK(kv_cache.dim() == 5, "decode_layer: kv_cache must be [2, N, B, Hkv, D]");
   const int64_t kv_heads = kv_cache.size(3), dim = kv_cache.size(4);
   TORCH_CHECK(kv_heads > 0 && num_heads > 0 && num_heads % kv_heads == 0,
               "decode_layer: num_heads must be a multiple of the cache's kv heads");
+  TORCH_CHECK(!prefill_kernel || !prefix_blocks,
+              "decode_layer: the prefill kernel takes no prefix_blocks");
+  TORCH_CHECK(prefill_kernel || !bf16_products,
+              "decode_layer: bf16_products is for the prefill kernel");
   auto [qkv, stream] = attention_input(hidden, residual, input_norm, input_eps, qkv_scales,
                                        qkv_mins, qkv_codes, cos, sin, num_heads + kv_heads,
                                        kv_cache, slots);
@@ -152,11 +157,11 @@ TensorPair decode_layer(const at::Tensor& hidden, const std::optional<at::Tensor
   const at::Tensor q = qkv.narrow(1, 0, num_heads * dim).view({tokens, num_heads, dim});
   const at::Tensor k_cache = kv_cache.select(0, 0), v_cache = kv_cache.select(0, 1);
   if (prefill_kernel) {
-    TORCH_CHECK(!prefix_blocks, "decode_layer: the prefill kernel takes no prefix_blocks");
     const at::Tensor starts = at::arange(tokens, key_lens.options().dtype(at::kLong));
     const at::Tensor attn = std::get<0>(prefill.call(
         q, k_cache, v_cache, tables, starts, at::ones_like(starts),
-        key_lens.to(at::kLong).sub(1), scale, num_heads / kv_heads, std::nullopt, 0));
+        key_lens.to(at::kLong).sub(1), scale, num_heads / kv_heads, std::nullopt, 0,
+        bf16_products));
     return attention_output(attn.view({tokens, num_heads * dim}), stream, o_scales, o_mins,
                             o_codes, post_norm, post_eps, gate_up_scales, gate_up_mins,
                             gate_up_codes, down_scales, down_mins, down_codes);
@@ -185,7 +190,8 @@ TORCH_LIBRARY_FRAGMENT(pagellm, m) {
         "Tensor down_codes) -> (Tensor, Tensor)");
   m.def("decode_layer(Tensor hidden, Tensor? residual, Tensor cos, Tensor sin, "
         "Tensor(a!) kv_cache, Tensor slots, Tensor tables, Tensor key_lens, "
-        "Tensor? prefix_blocks, bool prefill_kernel, Tensor input_norm, float input_eps, "
+        "Tensor? prefix_blocks, bool prefill_kernel, bool bf16_products, Tensor input_norm, "
+        "float input_eps, "
         "Tensor qkv_scales, "
         "Tensor? qkv_mins, Tensor qkv_codes, int num_heads, float scale, Tensor o_scales, "
         "Tensor? o_mins, Tensor o_codes, Tensor post_norm, float post_eps, "

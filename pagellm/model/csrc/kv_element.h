@@ -69,5 +69,43 @@ inline vreg load_reg_kv(const float* p) { return loadu_reg(p); }
 inline vreg load_reg_kv(const bf16* p) { return widen8(p); }
 #endif
 
+// Attention's products in bfloat16 (quantize_activations, where the CPU has AVX-512 BF16):
+// queries, keys, probabilities and values rounded to bfloat16, each pair of products taken
+// by one vdpbf16ps into float32 sums, twice the multiply-adds of an FMA per instruction.
+// A pair is two bfloat16 in the 32 bits of a lane, the first in the low half; `vf`
+// registers carry pairs as bits.
+#if PAGELLM_WIDE_REGISTERS && defined(__AVX512BF16__)
+constexpr bool kBf16Products = true;
+// v rounded to bfloat16 (to nearest, ties to even; vcvtneps2bf16 flushes denormals to
+// zero), as float32 lanes.
+inline vf to_bf16_values(vf v) {
+  const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+// Lanes of pairs (first[i], second[i]) from two vectors of bfloat16 values (to_bf16_values).
+inline vf pack_bf16_pairs(vf first, vf second) {
+  const __m512i high = _mm512_castps_si512(second);
+  const __m512i low = _mm512_srli_epi32(_mm512_castps_si512(first), 16);
+  return _mm512_castsi512_ps(_mm512_or_si512(high, low));
+}
+// acc + a.first * b.first + a.second * b.second, lane by lane (a, b vectors of pairs).
+inline vf dot_bf16_pairs(vf acc, vf a, vf b) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
+}
+// 16 float32 lanes rounded as to_bf16_values, stored as 16 bfloat16 at p.
+inline void store_bf16(bf16* p, vf v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+}
+#else
+constexpr bool kBf16Products = false;
+// Declared only, so that the kernels' bfloat16 branches, never instantiated in this build,
+// still compile.
+vf to_bf16_values(vf v);
+vf pack_bf16_pairs(vf first, vf second);
+vf dot_bf16_pairs(vf acc, vf a, vf b);
+void store_bf16(bf16* p, vf v);
+#endif
+
 }  // namespace simd
 }  // namespace pagellm_kernels

@@ -543,16 +543,19 @@ struct RowLayout {
 // Scores of kKeysPerPass keys (rows `keys`) against C row vectors from vector r0 of the
 // d-major queries `qt`, stored key-major at `st` (a key's W rows); `top` gathers each row
 // vector's largest score when the whole pass is visible.
-template <int D, int W, int C>
-inline void score_pass(const float* qt, const float* const* keys, int r0, float* st,
+// With bfloat16 keys (K = bf16: bfloat16 products, see kBf16Products), `qt` holds pairs of
+// dims, and each step takes a pair: D / 2 steps of one vdpbf16ps where float32 takes D FMAs.
+template <int D, int W, int C, typename K>
+inline void score_pass(const float* qt, const K* const* keys, int r0, float* st,
                        bool whole, vf* top) {
+  constexpr bool kPairs = std::is_same_v<K, bf16>;
   vf s[kKeysPerPass][C];
   PAGELLM_UNROLL
   for (int j = 0; j < kKeysPerPass; ++j) {
     PAGELLM_UNROLL
     for (int r = 0; r < C; ++r) s[j][r] = zero();
   }
-  for (int d = 0; d < D; ++d) {
+  for (int d = 0; d < (kPairs ? D / 2 : D); ++d) {
     vf qv[C];
     PAGELLM_UNROLL
     for (int r = 0; r < C; ++r) {
@@ -560,9 +563,17 @@ inline void score_pass(const float* qt, const float* const* keys, int r0, float*
     }
     PAGELLM_UNROLL
     for (int j = 0; j < kKeysPerPass; ++j) {
-      const vf k = set1(keys[j][d]);
-      PAGELLM_UNROLL
-      for (int r = 0; r < C; ++r) s[j][r] = fmadd(k, qv[r], s[j][r]);
+      if constexpr (kPairs) {
+        float pair;  // dims 2d and 2d + 1 of key j, as bits
+        std::memcpy(&pair, keys[j] + 2 * d, sizeof pair);
+        const vf k = set1(pair);
+        PAGELLM_UNROLL
+        for (int r = 0; r < C; ++r) s[j][r] = dot_bf16_pairs(s[j][r], k, qv[r]);
+      } else {
+        const vf k = set1(keys[j][d]);
+        PAGELLM_UNROLL
+        for (int r = 0; r < C; ++r) s[j][r] = fmadd(k, qv[r], s[j][r]);
+      }
     }
   }
   PAGELLM_UNROLL
@@ -586,7 +597,15 @@ inline void score_pass(const float* qt, const float* const* keys, int r0, float*
 // A bfloat16 pool's chunk of keys is widened into float32 rows once per chunk, for every
 // row of the tile, since the score pass reads keys one scalar at a time; values are read
 // as vectors, widened as they are loaded.
-template <typename KV, int NV, int RV>
+// With Bf16 (bfloat16 products, kv_element.h), queries, keys, probabilities and values
+// are rounded to bfloat16 and both products take pairs: of dims for the scores (queries
+// paired once per tile, a bfloat16 pool's keys read in place, a float32 pool's rounded
+// once per chunk), of successive keys for the output (probabilities and values paired
+// once per chunk, an odd last key beside a zero). The softmax state stays float32, and
+// its sum takes the rounded probabilities, the ones the output is weighted by. A row's
+// steps still do not depend on its tile or chunk split, so a state split at a multiple of
+// kKeyChunk gives one pass's bits here too.
+template <typename KV, int NV, int RV, bool Bf16>
 void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout, float scale,
                    const KV* k_cache, const KV* v_cache, const int32_t* blocks,
                    int64_t keys, int64_t block_size, int64_t block_stride,
@@ -596,8 +615,13 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
   constexpr int W = RV * 16;                   // rows, padded to whole vectors
   constexpr int kPvDims = std::min(NV, kPvVecs);
   constexpr int kPvRows = kWideRegisters ? 24 / NV : 6;  // output rows per pass
-  alignas(64) float qt[D * W];                 // scaled queries, d-major: qt[d * W + row]
+  // Scaled queries, d-major: qt[d * W + row]; with Bf16, pairs of dims: qt[d / 2 * W + row].
+  alignas(64) float qt[D * W];
   alignas(64) float st[kKeyChunk * W + kPvRows];  // scores, then probabilities: [key][row]
+  // With Bf16, pairs of successive keys' probabilities ([key / 2][row], and as st a tail
+  // for the output passes to read past the last row) and values ([key / 2][dim]).
+  alignas(64) float pair_p[Bf16 ? kKeyChunk / 2 * W + kPvRows : 1];
+  alignas(64) float pair_v[Bf16 ? kKeyChunk / 2 * D : 1];
   alignas(64) float acc[(W + kPvRows) * D];    // unnormalised outputs
   alignas(64) float m[W], l[W], corr[W + kPvRows];
   alignas(64) int32_t lim[W];
@@ -607,9 +631,24 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
     q_at[row] = query * layout.q_stride + head * D;
     out_at[row] = query * layout.out_stride + head * D;
   }
-  for (int d = 0; d < D; ++d) {
-    for (int row = 0; row < W; ++row) {
-      qt[d * W + row] = row < rows ? q[q_at[row] + d] * scale : 0.0f;
+  if constexpr (Bf16) {
+    for (int d = 0; d < D; d += 2) {
+      for (int row = 0; row < W; ++row) {
+        uint32_t pair = 0;
+        if (row < rows) {
+          const float* x = q + q_at[row] + d;
+          pair = pagellm_kernels::round_bf16(x[0] * scale).bits |
+                 static_cast<uint32_t>(pagellm_kernels::round_bf16(x[1] * scale).bits) << 16;
+        }
+        std::memcpy(qt + d / 2 * W + row, &pair, sizeof pair);
+      }
+    }
+    std::fill(pair_p, pair_p + kKeyChunk / 2 * W + kPvRows, 0.0f);
+  } else {
+    for (int d = 0; d < D; ++d) {
+      for (int row = 0; row < W; ++row) {
+        qt[d * W + row] = row < rows ? q[q_at[row] + d] * scale : 0.0f;
+      }
     }
   }
   int64_t end = keys;
@@ -649,13 +688,16 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
       }
     }
   };
-  const float* kp[kKeyChunk];
+  using KeyRow = std::conditional_t<Bf16, bf16, float>;  // keys as the score pass reads them
+  const KeyRow* kp[kKeyChunk];
   const KV* vp[kKeyChunk];
   const KV* next_kp[kKeyChunk];
   const KV* next_vp[kKeyChunk];
-  constexpr bool kWiden = !std::is_same_v<KV, float>;
-  // The widened chunk of keys (bfloat16 pools only; a float32 pool's are read in place).
-  alignas(64) float wide_k[kWiden ? kKeyChunk * D : 1];
+  constexpr bool kConvert = !std::is_same_v<KV, KeyRow>;
+  // The chunk's keys as KeyRow, where the pool holds the other type (a bfloat16 pool's
+  // widened for float32 products, a float32 pool's rounded for bfloat16 ones); otherwise
+  // they are read in place.
+  alignas(64) KeyRow chunk_k[kConvert ? kKeyChunk * D : 1];
   const vf neg_inf = set1(-std::numeric_limits<float>::infinity());
   if (end > key_begin) {
     locate(key_begin, static_cast<int>(std::min<int64_t>(kKeyChunk, end - key_begin)), next_kp,
@@ -663,16 +705,21 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
   }
   for (int64_t start = key_begin; start < end; start += kKeyChunk) {
     const int n = static_cast<int>(std::min<int64_t>(kKeyChunk, end - start));
-    if constexpr (kWiden) {
+    if constexpr (kConvert) {
       // Rows past the n-th point at the last one, as `locate` leaves them.
       for (int t = 0; t < kKeyChunk; ++t) {
         if (t < n) {
           PAGELLM_UNROLL
           for (int v = 0; v < NV; ++v) {
-            store(wide_k + t * D + v * 16, load_kv(next_kp[t] + v * 16));
+            const vf key = load_kv(next_kp[t] + v * 16);
+            if constexpr (Bf16) {
+              store_bf16(chunk_k + t * D + v * 16, key);
+            } else {
+              store(chunk_k + t * D + v * 16, key);
+            }
           }
         }
-        kp[t] = wide_k + std::min(t, n - 1) * D;
+        kp[t] = chunk_k + std::min(t, n - 1) * D;
       }
     } else {
       std::copy(next_kp, next_kp + kKeyChunk, kp);
@@ -706,10 +753,10 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
     for (int t0 = 0; t0 < n; t0 += kKeysPerPass) {
       int r0 = 0;
       for (; r0 + kScoreVecs <= RV; r0 += kScoreVecs) {
-        score_pass<D, W, kScoreVecs>(qt, kp + t0, r0, st + t0 * W, whole, top);
+        score_pass<D, W, kScoreVecs, KeyRow>(qt, kp + t0, r0, st + t0 * W, whole, top);
       }
       if constexpr (RV % kScoreVecs != 0) {
-        score_pass<D, W, RV % kScoreVecs>(qt, kp + t0, r0, st + t0 * W, whole, top);
+        score_pass<D, W, RV % kScoreVecs, KeyRow>(qt, kp + t0, r0, st + t0 * W, whole, top);
       }
     }
     for (int r = 0; r < RV; ++r) {
@@ -726,11 +773,16 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
       // A row with nothing visible yet keeps m = -inf; shifting it by 0 keeps exp at 0.
       const vf shift = select(eq(new_m, neg_inf), zero(), new_m);
       const vf c = exp16(sub(old_m, shift));
+      // A probability as the output is weighted by it.
+      const auto weight = [](vf e) {
+        if constexpr (Bf16) return to_bf16_values(e);
+        else return e;
+      };
       vf sum = zero();
       if (whole) {
         for (int t = 0; t < n; ++t) {
           float* p = st + t * W + r * 16;
-          const vf e = exp16(sub(load(p), shift));
+          const vf e = weight(exp16(sub(load(p), shift)));
           store(p, e);
           sum = add(sum, e);
         }
@@ -738,7 +790,7 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
         for (int t = 0; t < n; ++t) {
           const vmask mask = gt_i(visible, set1_i(t));
           float* p = st + t * W + r * 16;
-          const vf e = keep(mask, exp16(sub(load(p), shift)));
+          const vf e = keep(mask, weight(exp16(sub(load(p), shift))));
           store(p, e);
           sum = add(sum, e);
         }
@@ -747,6 +799,24 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
       store(l + r * 16, fmadd(load(l + r * 16), c, sum));
       store(corr + r * 16, c);
     }
+    if constexpr (Bf16) {
+      for (int t = 0; t < n; t += 2) {
+        const bool second = t + 1 < n;
+        PAGELLM_UNROLL
+        for (int r = 0; r < RV; ++r) {
+          store(pair_p + t / 2 * W + r * 16,
+                pack_bf16_pairs(load(st + t * W + r * 16),
+                                second ? load(st + (t + 1) * W + r * 16) : zero()));
+        }
+        PAGELLM_UNROLL
+        for (int v = 0; v < NV; ++v) {
+          store(pair_v + t / 2 * D + v * 16,
+                pack_bf16_pairs(to_bf16_values(load_kv(vp[t] + v * 16)),
+                                second ? to_bf16_values(load_kv(vp[t + 1] + v * 16)) : zero()));
+        }
+      }
+    }
+    const int steps = Bf16 ? (n + 1) / 2 : n;  // output steps: keys, or pairs of keys
     for (int64_t r0 = 0; r0 < rows; r0 += kPvRows) {
       for (int d0 = 0; d0 < D; d0 += kPvDims * 16) {
         vf o[kPvRows][kPvDims];
@@ -758,18 +828,28 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
             o[i][v] = mul(load(acc + (r0 + i) * D + d0 + v * 16), c);
           }
         }
-        for (int t = 0; t < n; ++t) {
+        for (int t = 0; t < steps; ++t) {
           vf val[kPvDims];
           PAGELLM_UNROLL
           for (int v = 0; v < kPvDims; ++v) {
-            val[v] = in_register(load_kv(vp[t] + d0 + v * 16));
+            if constexpr (Bf16) {
+              val[v] = in_register(load(pair_v + t * D + d0 + v * 16));
+            } else {
+              val[v] = in_register(load_kv(vp[t] + d0 + v * 16));
+            }
           }
-          const float* p = st + t * W + r0;
+          const float* p = (Bf16 ? pair_p : st) + t * W + r0;
           PAGELLM_UNROLL
           for (int i = 0; i < kPvRows; ++i) {
             const vf pt = set1(p[i]);
             PAGELLM_UNROLL
-            for (int v = 0; v < kPvDims; ++v) o[i][v] = fmadd(pt, val[v], o[i][v]);
+            for (int v = 0; v < kPvDims; ++v) {
+              if constexpr (Bf16) {
+                o[i][v] = dot_bf16_pairs(o[i][v], pt, val[v]);
+              } else {
+                o[i][v] = fmadd(pt, val[v], o[i][v]);
+              }
+            }
           }
         }
         PAGELLM_UNROLL
@@ -802,15 +882,36 @@ using PrefixFn = void (*)(const float*, int64_t, int64_t, RowLayout, float, cons
                           const KV*, const int32_t*, int64_t, int64_t, int64_t, int64_t,
                           const int64_t*, float*, float*, int64_t, const float*, float*);
 
-template <typename KV, int NV>
+template <typename KV, int NV, bool Bf16>
 PrefixFn<KV> pick_prefix_rows(int64_t rows) {
   switch ((rows + 15) / 16) {
-    case 1: return attend_prefix<KV, NV, 1>;
-    case 2: return attend_prefix<KV, NV, 2>;
-    case 3: return attend_prefix<KV, NV, 3>;
-    default: return attend_prefix<KV, NV, 4>;
+    case 1: return attend_prefix<KV, NV, 1, Bf16>;
+    case 2: return attend_prefix<KV, NV, 2, Bf16>;
+    case 3: return attend_prefix<KV, NV, 3, Bf16>;
+    default: return attend_prefix<KV, NV, 4, Bf16>;
   }
 }
+
+// The prefix kernel for a tile of `rows` rows of `dim` dims; with bfloat16 products only
+// where this build has them (check_bf16_products), the only builds that instantiate them.
+template <typename KV>
+PrefixFn<KV> pick_prefix(int64_t dim, int64_t rows, bool bf16_products) {
+  if constexpr (kBf16Products) {
+    if (bf16_products) {
+      return dim == 64 ? pick_prefix_rows<KV, 4, true>(rows) : pick_prefix_rows<KV, 8, true>(rows);
+    }
+  }
+  return dim == 64 ? pick_prefix_rows<KV, 4, false>(rows) : pick_prefix_rows<KV, 8, false>(rows);
+}
+
+void check_bf16_products(const char* op, bool bf16_products) {
+  TORCH_CHECK(!bf16_products || kBf16Products, op,
+              ": bf16_products needs AVX-512 BF16, which this build of the kernels has not "
+              "(see bf16_products_available)");
+}
+
+// Whether the kernels take bf16_products here: built for a CPU with AVX-512 BF16.
+bool bf16_products_available() { return kBf16Products; }
 
 // q [R, H, D], the model's queries in place (check_queries), kv head h's rows being heads
 // hG .. hG + G - 1 of each query (G = group), so M = R * G rows a kv head. k_cache,
@@ -819,11 +920,14 @@ PrefixFn<KV> pick_prefix_rows(int64_t rows) {
 // with the Python around it ~25 us a layer).
 // With `with_state`, returns instead each row's softmax state after the prefix (see
 // attend_prefix) as state [Hkv, M, D + 2], and an empty tensor: for
-// paged_prefill_attention to go on from (`prior_state`).
+// paged_prefill_attention to go on from (`prior_state`), which must take the same
+// `bf16_products` (see attend_prefix).
 std::tuple<at::Tensor, at::Tensor> prefix_attention(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-    const at::Tensor& blocks, double scale, int64_t group, bool with_state) {
+    const at::Tensor& blocks, double scale, int64_t group, bool with_state,
+    bool bf16_products) {
   check_queries("paged_prefix_attention", q);
+  check_bf16_products("paged_prefix_attention", bf16_products);
   TORCH_CHECK(group >= 1 && q.size(1) % group == 0,
               "paged_prefix_attention: rows must be whole groups of query heads");
   check_caches("paged_prefix_attention", k_cache, v_cache);
@@ -885,8 +989,7 @@ std::tuple<at::Tensor, at::Tensor> prefix_attention(
       const RowLayout layout{group, q.stride(0), group * dim};
       const int64_t head_offset = h * rows * dim;
       const float* head_q = qp + h * group * dim;
-      const PrefixFn<KV> fn =
-          dim == 64 ? pick_prefix_rows<KV, 4>(n) : pick_prefix_rows<KV, 8>(n);
+      const PrefixFn<KV> fn = pick_prefix<KV>(dim, n, bf16_products);
       const int64_t b0 = n_blocks * split / splits, b1 = n_blocks * (split + 1) / splits;
       float* o =
           splits > 1 ? pop + split * kv_heads * rows * dim + head_offset : op + head_offset;
@@ -924,14 +1027,15 @@ std::tuple<at::Tensor, at::Tensor> prefix_attention(
 std::tuple<at::Tensor, at::Tensor> paged_prefix_attention(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& blocks, double scale, int64_t group) {
-  return prefix_attention(q, k_cache, v_cache, blocks, scale, group, false);
+  return prefix_attention(q, k_cache, v_cache, blocks, scale, group, false, false);
 }
 
 // Each row's softmax state over the prefix, [Hkv, M, D + 2] (see prefix_attention).
 at::Tensor paged_prefix_state(const at::Tensor& q, const at::Tensor& k_cache,
                               const at::Tensor& v_cache, const at::Tensor& blocks, double scale,
-                              int64_t group) {
-  return std::get<0>(prefix_attention(q, k_cache, v_cache, blocks, scale, group, true));
+                              int64_t group, bool bf16_products) {
+  return std::get<0>(
+      prefix_attention(q, k_cache, v_cache, blocks, scale, group, true, bf16_products));
 }
 
 // Every prompt chunk of a step in one call: request r's queries are rows starts[r] ..
@@ -943,7 +1047,8 @@ at::Tensor paged_prefix_state(const at::Tensor& q, const at::Tensor& k_cache,
 // these queries over each request's first `prior_keys` keys, a multiple of 48 below every
 // query's position), each row goes on from that state at key `prior_keys`: the same bits
 // as attending all its keys here (a cascade that keeps every token's result the same
-// whatever shares its step; see use_row_invariant_attention in attention/batched.py).
+// whatever shares its step; see use_row_invariant_attention in attention/batched.py),
+// given the same `bf16_products` (attend_prefix) as the state.
 // Why: a step's chunks had gone through one padded SDPA call per shape bucket (keys
 // gathered, an additive mask, padded rows and keys computed and thrown away), or a cascade
 // of the shared prefix plus each request's own keys merged by log-sum-exp. Here each
@@ -954,8 +1059,9 @@ std::tuple<at::Tensor, at::Tensor> paged_prefill_attention(
     const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& tables, const at::Tensor& starts, const at::Tensor& lens,
     const at::Tensor& contexts, double scale, int64_t group,
-    const std::optional<at::Tensor>& prior_state, int64_t prior_keys) {
+    const std::optional<at::Tensor>& prior_state, int64_t prior_keys, bool bf16_products) {
   check_queries("paged_prefill_attention", q);
+  check_bf16_products("paged_prefill_attention", bf16_products);
   check_caches("paged_prefill_attention", k_cache, v_cache);
   TORCH_CHECK(tables.dim() == 2 && tables.scalar_type() == at::kInt && tables.is_contiguous(),
               "paged_prefill_attention: tables must be contiguous int32 [R, W]");
@@ -1044,8 +1150,7 @@ std::tuple<at::Tensor, at::Tensor> paged_prefill_attention(
       const Task& t = tasks[i];
       int64_t limits[kPrefixRowTile];
       for (int64_t j = 0; j < t.n; ++j) limits[j] = cp[t.r] + (t.r0 + j) / group + 1;
-      const PrefixFn<KV> fn =
-          dim == 64 ? pick_prefix_rows<KV, 4>(t.n) : pick_prefix_rows<KV, 8>(t.n);
+      const PrefixFn<KV> fn = pick_prefix<KV>(dim, t.n, bf16_products);
       const int64_t head = t.h * group * dim;
       fn(qp + sp[t.r] * q.stride(0) + head, t.r0, t.n, layout, sc, kp + t.h * dim,
          vp + t.h * dim, tp + t.r * tables.size(1), cp[t.r] + np[t.r], block_size,
@@ -1115,10 +1220,12 @@ TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.def("paged_prefix_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor blocks, "
         "float scale, int group) -> (Tensor, Tensor)");
   m.def("paged_prefix_state(Tensor q, Tensor k_cache, Tensor v_cache, Tensor blocks, "
-        "float scale, int group) -> Tensor");
+        "float scale, int group, bool bf16_products=False) -> Tensor");
   m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, "
         "Tensor starts, Tensor lens, Tensor contexts, float scale, int group, "
-        "Tensor? prior_state=None, int prior_keys=0) -> (Tensor, Tensor)");
+        "Tensor? prior_state=None, int prior_keys=0, bool bf16_products=False) "
+        "-> (Tensor, Tensor)");
+  m.def("bf16_products_available() -> bool", &bf16_products_available);
   m.def("write_kv_cache_(Tensor(a!) kv_cache, Tensor key, Tensor value, Tensor slots) -> ()");
 }
 
