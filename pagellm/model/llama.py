@@ -450,7 +450,9 @@ class LlamaForCausalLM(nn.Module):
             logger.warning("quantize_activations: the attention kernels do not serve every "
                            "layer of this model, so caching may change outputs")
         elif bf16_products:
-            logger.info("quantize_activations: attention's products in bfloat16")
+            logger.info("quantize_activations: attention's products in bfloat16, so "
+                        "kv_cache_dtype='bfloat16' holds twice the tokens with the same "
+                        "outputs")
 
     def int8_activation_weights(self) -> int:
         """How many weights run on the int8-activation kernel (attach_quantized)."""

@@ -67,6 +67,26 @@ def test_caching_and_chunking_never_change_an_output(kv_cache_dtype: str) -> Non
 
 
 @pytest.mark.slow
+def test_a_bfloat16_pool_changes_nothing_where_attention_rounds_to_it() -> None:
+    """With bfloat16 products (AVX-512 BF16), attention rounds keys and values to
+    bfloat16 whatever the pool holds, so kv_cache_dtype="bfloat16" gives the very tokens
+    and logprobs of the float32 pool in half the memory."""
+    chats = _chats(6)
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=2, prompt_logprobs=1)
+    results = []
+    for kv_cache_dtype in ("auto", "bfloat16"):
+        llm = LLM(quantize_activations=True, kv_cache_dtype=kv_cache_dtype,
+                  kv_cache_memory_bytes=32 << 20)
+        if not torch.ops.pagellm.bf16_products_available():  # loaded with the model
+            pytest.skip("this build of the kernels has no bfloat16 products (AVX-512 BF16)")
+        outs = llm.chat(chats, params, use_tqdm=False)
+        results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs, o.prompt_logprobs)
+                        for o in outs])
+        assert_idle(llm.llm_engine)
+    assert results[0] == results[1]
+
+
+@pytest.mark.slow
 def test_every_quantized_weight_takes_the_int8_kernel() -> None:
     """The default model's 4 x 30 Q4_1 layer weights and its Q8_0 head (the tied
     embedding's blocks), the fused layers included."""
