@@ -171,7 +171,13 @@ def _compile_command(compiler: str, isa: str) -> list[str]:
     # (AMX does not depend on AVX-512 in GCC's options, so it is named where the CPU has
     # it: GCC before 11 knows no -mno-amx-* and builds for CPUs without it as before).
     no_amx = _NO_AMX if isa != "amx" and "amx_tile" in _cpu_flags() else []
-    narrow = [*(["-mno-avx512f"] if isa == "avx2" else []), *no_amx]
+    # PAGELLM_CPU_ISA=avx512 asks for AVX-512 as CPUs before AVX-512 BF16 have it (Skylake,
+    # Ice Lake), so that a CPU with BF16 can build and test that case too (attention's
+    # bfloat16 products refused, float32 attention kept); chosen on its own, avx512
+    # keeps BF16.
+    no_bf16 = (["-mno-avx512bf16"] if isa == "avx512" and "avx512_bf16" in _cpu_flags()
+               and os.environ.get("PAGELLM_CPU_ISA") == "avx512" else [])
+    narrow = [*(["-mno-avx512f"] if isa == "avx2" else []), *no_amx, *no_bf16]
     return [
         compiler, "-O3", "-march=native", *narrow, "-ffp-contract=off", "-std=c++20", "-shared",
         "-fPIC", "-fopenmp", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w",

@@ -435,7 +435,8 @@ class LlamaForCausalLM(nn.Module):
         batch it is computed in (int8 rounding would turn float32 noise into whole
         steps): puts attention on its row-invariant path, with its products in bfloat16
         where the kernels have them (AVX-512 BF16: twice an FMA's work per instruction;
-        llama.cpp's CPU attention rounds queries and keys to float16 likewise), and says
+        llama.cpp's CPU attention rounds queries and keys to float16, 11 significant bits
+        where bfloat16 keeps 8), and says
         in the log where that cannot hold, so that caching may change outputs. The head
         only makes logits, which no layer reads again."""
         floats = [name for name, module in self.named_modules()

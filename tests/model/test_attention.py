@@ -892,7 +892,7 @@ def test_prefill_kernel_goes_on_from_a_prefix_state_bit_for_bit(
             q, cache[0], cache[1], tables, starts, lens, contexts, 0.2, group, state, prior_keys,
             bf16)[0]
         assert torch.equal(resumed, one_pass)
-        # A request alone (its own prefix state) gives the same bits as in the batch.
+        # A request alone (in a call of its own) gives the same bits as in the batch.
         alone = torch.ops.pagellm.paged_prefill_attention(
             q[2:3], cache[0], cache[1], tables[2:3], torch.tensor([0]), lens[2:3],
             contexts[2:3], 0.2, group, None, 0, bf16)[0]
@@ -911,19 +911,28 @@ def test_bf16_products_are_attention_over_bfloat16_inputs(
         kv_dtype: torch.dtype, head_dim: int, block_size: int) -> None:
     """With bf16_products, the prefill kernel (causal chunks of one query to several
     row tiles, after a context or none, keys past several 48-key chunks, odd counts of
-    keys in a chunk) and the prefix state it goes on from are float64 attention over the
-    scaled queries, keys and values rounded to bfloat16, within the rounding of the
-    probabilities to bfloat16; the log-sum-exp too."""
+    keys in a chunk) is float64 attention over the scaled queries, keys and values
+    rounded to bfloat16, within the rounding of the probabilities to bfloat16; the
+    log-sum-exp too. (The prefix state it goes on from is checked against this kernel's
+    one pass, bit for bit, above.)"""
     bf16_products_or_skip(True)
     gen = torch.Generator().manual_seed(head_dim + block_size)
     kv_heads, group, scale = 2, 3, 0.3
     cache = torch.randn(2, 200, block_size, kv_heads, head_dim, generator=gen)
-    # Keys drifting along the queries' shared direction: the maximum moves every chunk.
-    cache[0] += torch.linspace(0, 2, block_size)[:, None, None] / head_dim**0.5
-    cache = cache.to(kv_dtype)
     cases = [(0, 1), (0, 49), (95, 1), (300, 70), (7, 23)]  # (context, queries)
     width = -(-max(c + n for c, n in cases) // block_size)
-    tables = torch.stack([torch.randperm(200, generator=gen)[:width] for _ in cases]).int()
+    tables = torch.zeros(len(cases), width, dtype=torch.int32)
+    pool = torch.randperm(200, generator=gen).int()
+    used = 0
+    for r, (context, n) in enumerate(cases):  # blocks of their own
+        need = -(-(context + n) // block_size)
+        tables[r, :need] = pool[used : used + need]
+        used += need
+        # Keys turning along the queries' shared direction with their position: each
+        # chunk's scores are larger than the last's, so the running maximum moves on.
+        ramp = torch.linspace(0, 3, need * block_size).view(need, block_size, 1, 1)
+        cache[0][tables[r, :need].long()] += ramp / head_dim**0.5
+    cache = cache.to(kv_dtype)
     lens = torch.tensor([n for _, n in cases])
     starts = torch.cumsum(lens, 0) - lens
     contexts = torch.tensor([c for c, _ in cases])
@@ -949,6 +958,34 @@ def test_bf16_products_are_attention_over_bfloat16_inputs(
             lse[:, rows].double(),
             torch.logsumexp(scores, -1).permute(1, 0, 2).reshape(kv_heads, -1),
             atol=3e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_a_prompt_row_never_depends_on_its_tile_or_chunk(kv_dtype: torch.dtype,
+                                                         bf16: bool) -> None:
+    """A query's bits are the same in a 30-query chunk (two row tiles), in a chunk cut
+    elsewhere, and alone: its tile's rows reach different keys, so the tile's last key
+    chunk holds an odd or an even number of keys (with bfloat16 products, an odd last
+    key is paired with a zero in one tile and with a masked key in another)."""
+    bf16_products_or_skip(bf16)
+    gen = torch.Generator().manual_seed(7)
+    kv_heads, group, context, n = 3, 3, 100, 30
+    cache = torch.randn(2, 20, 16, kv_heads, 64, generator=gen).to(kv_dtype)
+    table = torch.randperm(20, generator=gen)[:9].int()[None]
+    q = torch.randn(n, kv_heads * group, 64, generator=gen)
+
+    def attend(first: int, count: int) -> torch.Tensor:
+        result: torch.Tensor = torch.ops.pagellm.paged_prefill_attention(
+            q[first : first + count], cache[0], cache[1], table, torch.tensor([0]),
+            torch.tensor([count]), torch.tensor([context + first]), 0.125, group, None, 0,
+            bf16)[0]
+        return result
+
+    whole = attend(0, n)
+    assert torch.equal(torch.cat([attend(0, 13), attend(13, n - 13)]), whole)
+    for i in range(n):
+        assert torch.equal(attend(i, 1), whole[i : i + 1]), i
 
 
 def test_bf16_products_are_refused_where_the_build_has_none() -> None:
@@ -1010,6 +1047,7 @@ def test_row_invariant_attention_gives_each_request_its_bits_alone(
     backend.configure([case["spec"]])
     backend.use_cpu_kernels()
     assert backend.use_row_invariant_attention(bf16)
+    assert backend._bf16_products == bf16
     cache = case["cache"].clone()
     plan = backend.prepare(case["meta"])
     step = math.lcm(block_size, 48)  # whole blocks, whole 48-key chunks of the kernel

@@ -516,6 +516,9 @@ def test_decode_layer_refuses_a_cache_it_cannot_read(kernels: bool) -> None:
     with pytest.raises(RuntimeError, match="the prefill kernel takes no prefix_blocks"):
         torch.ops.pagellm.decode_layer(*args, torch.zeros(1, dtype=torch.int32), True, False,
                                        *layer.decode_args)
+    if not torch.ops.pagellm.bf16_products_available():
+        with pytest.raises(RuntimeError, match="bf16_products needs AVX-512 BF16"):
+            torch.ops.pagellm.decode_layer(*args, None, True, True, *layer.decode_args)
     assert torch.equal(cache, torch.zeros_like(cache))  # refused before any row is stored
 
 
@@ -548,7 +551,9 @@ def test_a_layer_without_every_kernel_is_not_fused(kernels: bool) -> None:
     assert all(layer.fused_weights is None for layer in model.model.layers)
 
 
-_NARROWER = {"amx": ["avx512", "avx2"], "avx512": ["avx2"]}
+# Under avx512, an avx512 build is narrower where the CPU has AVX-512 BF16: asked for by
+# name, it is built without (see _compile_command).
+_NARROWER = {"amx": ["avx512", "avx2"], "avx512": ["avx512", "avx2"]}
 
 
 @pytest.mark.slow
@@ -557,7 +562,9 @@ def test_a_narrower_build_passes_the_kernel_tests(kernels: bool, isa: str) -> No
     """The kernels are one source for several instruction sets; CI on an AMX or AVX-512
     machine would otherwise never run the builds that CPUs without them get (the AVX-512
     panels where there is no AMX, AVX2 where there is no AVX-512)."""
-    if isa not in _NARROWER.get(cpu_kernels._instruction_set()[0], []):
+    widest = cpu_kernels._instruction_set()[0]
+    if isa not in _NARROWER.get(widest, []) or (
+            widest == isa and "avx512_bf16" not in cpu_kernels._cpu_flags()):
         pytest.skip(f"this CPU runs no wider build than {isa} anyway (or none)")
     tests = Path(__file__).parent
     done = subprocess.run(
@@ -603,6 +610,11 @@ def test_the_instruction_set_is_the_widest_the_cpu_has(monkeypatch: pytest.Monke
     # A narrower build turns AMX off by name: it does not follow from -mno-avx512f; a CPU
     # without AMX needs no such option (which GCC before 11 would refuse).
     assert "-mno-amx-tile" in cpu_kernels._compile_command("g++", "avx512")
+    # avx512 by name: without AVX-512 BF16 too (the default on such a CPU keeps it).
+    monkeypatch.setenv("PAGELLM_CPU_ISA", "avx512")
+    assert "-mno-avx512bf16" in cpu_kernels._compile_command("g++", "avx512")
+    monkeypatch.delenv("PAGELLM_CPU_ISA")
+    assert "-mno-avx512bf16" not in cpu_kernels._compile_command("g++", "avx512")
     assert {"-mno-avx512f", "-mno-amx-tile"} <= set(cpu_kernels._compile_command("g++", "avx2"))
     assert not any(part.startswith("-mno-") for part in cpu_kernels._compile_command("g++", "amx"))
     monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: frozenset(amx - {"amx_tile"}))

@@ -14,6 +14,8 @@
 #include <ATen/ops/ones_like.h>
 #include <torch/library.h>
 
+#include "kv_element.h"
+
 #include <optional>
 #include <string>
 #include <tuple>
@@ -112,10 +114,9 @@ TensorPair attention_output(const at::Tensor& attn, const at::Tensor& residual,
 // and attention_output, from one Python call. With `prefill_kernel` (row-invariant
 // attention, see attention/batched.py), the prefill kernel attends instead, each request
 // a chunk of one query at position key_lens - 1, as the module path calls it, with its
-// products in bfloat16 where `bf16_products`. The very
-// ops the three calls made, in the same order, so the same bits. Why: the Python between
-// them (the backend's plan, views of q and the caches, three dispatches) was ~40 us a
-// layer, 4-8% of a decode step.
+// products in bfloat16 where `bf16_products`. The very ops the three calls made, in the
+// same order, so the same bits. Why: the Python between them (the backend's plan, views
+// of q and the caches, three dispatches) was ~40 us a layer, 4-8% of a decode step.
 TensorPair decode_layer(const at::Tensor& hidden, const std::optional<at::Tensor>& residual,
                         const at::Tensor& cos, const at::Tensor& sin, at::Tensor kv_cache,
                         const at::Tensor& slots, const at::Tensor& tables,
@@ -150,6 +151,9 @@ TensorPair decode_layer(const at::Tensor& hidden, const std::optional<at::Tensor
               "decode_layer: the prefill kernel takes no prefix_blocks");
   TORCH_CHECK(prefill_kernel || !bf16_products,
               "decode_layer: bf16_products is for the prefill kernel");
+  TORCH_CHECK(!bf16_products || pagellm_kernels::simd::kBf16Products,
+              "decode_layer: bf16_products needs AVX-512 BF16, which this build of the "
+              "kernels has not");
   auto [qkv, stream] = attention_input(hidden, residual, input_norm, input_eps, qkv_scales,
                                        qkv_mins, qkv_codes, cos, sin, num_heads + kv_heads,
                                        kv_cache, slots);
@@ -191,8 +195,7 @@ TORCH_LIBRARY_FRAGMENT(pagellm, m) {
   m.def("decode_layer(Tensor hidden, Tensor? residual, Tensor cos, Tensor sin, "
         "Tensor(a!) kv_cache, Tensor slots, Tensor tables, Tensor key_lens, "
         "Tensor? prefix_blocks, bool prefill_kernel, bool bf16_products, Tensor input_norm, "
-        "float input_eps, "
-        "Tensor qkv_scales, "
+        "float input_eps, Tensor qkv_scales, "
         "Tensor? qkv_mins, Tensor qkv_codes, int num_heads, float scale, Tensor o_scales, "
         "Tensor? o_mins, Tensor o_codes, Tensor post_norm, float post_eps, "
         "Tensor gate_up_scales, Tensor? gate_up_mins, Tensor gate_up_codes, "

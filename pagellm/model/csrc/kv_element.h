@@ -7,7 +7,8 @@
 // widening is exact), and everything after the load is the float32 kernel unchanged. So
 // attention over a bfloat16 pool gives, bit for bit, what the float32 kernel gives over a
 // pool holding the same values (tested). Rounding happens once, where a step's new rows
-// are stored (`round_bf16`, torch's rounding: to nearest, ties to even, NaN kept a NaN).
+// are stored (`round_bf16`, torch's rounding: to nearest, ties to even, NaN kept a NaN);
+// attention with bfloat16 products (below) also rounds what it multiplies, the same way.
 #pragma once
 
 #include "simd.h"
@@ -74,13 +75,19 @@ inline vreg load_reg_kv(const bf16* p) { return widen8(p); }
 // by one vdpbf16ps into float32 sums, twice the multiply-adds of an FMA per instruction.
 // A pair is two bfloat16 in the 32 bits of a lane, the first in the low half; `vf`
 // registers carry pairs as bits.
+// Rounding is round_bf16's (not vcvtneps2bf16's, which flushes denormals): a float32
+// pool's keys and values then round to the very bits a bfloat16 pool stores, so the two
+// pools give the same results.
 #if PAGELLM_WIDE_REGISTERS && defined(__AVX512BF16__)
 constexpr bool kBf16Products = true;
-// v rounded to bfloat16 (to nearest, ties to even; vcvtneps2bf16 flushes denormals to
-// zero), as float32 lanes.
+// v rounded to bfloat16 as round_bf16 does, as float32 lanes.
 inline vf to_bf16_values(vf v) {
-  const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i up = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd);
+  const vf rounded =
+      _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  return select(is_nan(v), _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)), rounded);
 }
 // Lanes of pairs (first[i], second[i]) from two vectors of bfloat16 values (to_bf16_values).
 inline vf pack_bf16_pairs(vf first, vf second) {
@@ -88,14 +95,16 @@ inline vf pack_bf16_pairs(vf first, vf second) {
   const __m512i low = _mm512_srli_epi32(_mm512_castps_si512(first), 16);
   return _mm512_castsi512_ps(_mm512_or_si512(high, low));
 }
-// acc + a.first * b.first + a.second * b.second, lane by lane (a, b vectors of pairs).
+// Lane by lane (a, b vectors of pairs), acc + a.second * b.second, rounded, then
+// + a.first * b.first, rounded (products of bfloat16 are exact in float32; vdpbf16ps
+// reads denormal inputs as zero and flushes denormal results).
 inline vf dot_bf16_pairs(vf acc, vf a, vf b) {
   return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
 }
 // 16 float32 lanes rounded as to_bf16_values, stored as 16 bfloat16 at p.
 inline void store_bf16(bf16* p, vf v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                      reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+  const __m512i high = _mm512_srli_epi32(_mm512_castps_si512(to_bf16_values(v)), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(high));
 }
 #else
 constexpr bool kBf16Products = false;

@@ -619,7 +619,8 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
   alignas(64) float qt[D * W];
   alignas(64) float st[kKeyChunk * W + kPvRows];  // scores, then probabilities: [key][row]
   // With Bf16, pairs of successive keys' probabilities ([key / 2][row], and as st a tail
-  // for the output passes to read past the last row) and values ([key / 2][dim]).
+  // for the output passes to read past the last row, see below) and values
+  // ([key / 2][dim]).
   alignas(64) float pair_p[Bf16 ? kKeyChunk / 2 * W + kPvRows : 1];
   alignas(64) float pair_v[Bf16 ? kKeyChunk / 2 * D : 1];
   alignas(64) float acc[(W + kPvRows) * D];    // unnormalised outputs
@@ -671,7 +672,8 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
   }
   std::fill(corr, corr + W + kPvRows, 0.0f);
   // The output passes read up to kPvRows - 1 rows past the last real one, into padding,
-  // the next key's row or the tail: all of it starts as zeros, never as stale bits.
+  // the next key's row or the tail: zeros at first, later what earlier chunks left. Only
+  // rows past the last real one take them in, into acc rows that are never written out.
   std::fill(st, st + kKeyChunk * W + kPvRows, 0.0f);
   // Row pointers of a chunk's keys, walked block by block (no division per key). Keys
   // past the end point at the last one: computed, then masked or, in a chunk every row
