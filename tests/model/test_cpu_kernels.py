@@ -486,8 +486,8 @@ def test_fused_layers_match_the_module_path_bit_for_bit(
         assert decode_calls[5] is not None and decode_calls[5][2] is not None  # the cascade
     else:
         assert [call is not None for call in decode_calls] == [False] * 3 + [True, False, False]
-        assert decode_calls[3] is not None and decode_calls[3][3]  # the prefill kernel
-        # with bfloat16 products where the kernels have them
+        # The prefill kernel's rows, with bfloat16 products where the kernels have them.
+        assert decode_calls[3] is not None and decode_calls[3][3] is not None
         assert decode_calls[3][4] == torch.ops.pagellm.bf16_products_available()
     (fused_steps, fused_caches), (module_steps, module_caches) = results
     for ours, theirs in zip(fused_steps + fused_caches, module_steps + module_caches,
@@ -504,21 +504,24 @@ def test_decode_layer_refuses_a_cache_it_cannot_read(kernels: bool) -> None:
     cache = torch.zeros(2, 4, 16, 2, 64)
     with pytest.raises(RuntimeError, match=r"kv_cache must be \[2, N, B, Hkv, D\]"):
         torch.ops.pagellm.decode_layer(hidden, None, cos, cos, cache[0], torch.zeros(1).long(),
-                                       table, lens, None, False, False, *layer.decode_args)
+                                       table, lens, None, None, False, *layer.decode_args)
     bad_heads = list(layer.decode_args)
     bad_heads[5] = 3  # num_heads, not a multiple of the 2 kv heads
     with pytest.raises(RuntimeError, match="num_heads must be a multiple"):
         torch.ops.pagellm.decode_layer(hidden, None, cos, cos, cache, torch.zeros(1).long(),
-                                       table, lens, None, False, False, *bad_heads)
+                                       table, lens, None, None, False, *bad_heads)
     args = (hidden, None, cos, cos, cache, torch.zeros(1).long(), table, lens)
+    rows = torch.tensor([[0], [1], [0]])  # the prefill kernel's starts, lens, contexts
     with pytest.raises(RuntimeError, match="bf16_products is for the prefill kernel"):
-        torch.ops.pagellm.decode_layer(*args, None, False, True, *layer.decode_args)
+        torch.ops.pagellm.decode_layer(*args, None, None, True, *layer.decode_args)
     with pytest.raises(RuntimeError, match="the prefill kernel takes no prefix_blocks"):
-        torch.ops.pagellm.decode_layer(*args, torch.zeros(1, dtype=torch.int32), True, False,
+        torch.ops.pagellm.decode_layer(*args, torch.zeros(1, dtype=torch.int32), rows, False,
                                        *layer.decode_args)
+    with pytest.raises(RuntimeError, match=r"prefill_rows must be contiguous int64 \[3, R\]"):
+        torch.ops.pagellm.decode_layer(*args, None, rows.int(), False, *layer.decode_args)
     if not torch.ops.pagellm.bf16_products_available():
         with pytest.raises(RuntimeError, match="bf16_products needs AVX-512 BF16"):
-            torch.ops.pagellm.decode_layer(*args, None, True, True, *layer.decode_args)
+            torch.ops.pagellm.decode_layer(*args, None, rows, True, *layer.decode_args)
     assert torch.equal(cache, torch.zeros_like(cache))  # refused before any row is stored
 
 

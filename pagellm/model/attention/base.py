@@ -34,13 +34,13 @@ class StepPlan:
 
     `decode_call`: set where the whole step is one call of the compiled decode kernel,
     every request one query in batch order: (block tables, key lengths, the shared
-    prefix's blocks or None, whether the prefill kernel attends instead: row-invariant
-    attention, whether with bfloat16 products), so that a layer may run as the one
-    `decode_layer` op."""
+    prefix's blocks or None, the prefill kernel's [3, R] starts, lens and contexts where
+    it attends instead (row-invariant attention) or None, whether with bfloat16
+    products), so that a layer may run as the one `decode_layer` op."""
 
     meta: AttentionMetadata
-    decode_call: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool, bool] | None = (
-        field(default=None, kw_only=True))
+    decode_call: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+                       bool] | None = field(default=None, kw_only=True)
 
 
 def write_kv_cache(

@@ -214,7 +214,7 @@ class TorchBatchedBackend(AttentionBackend):
             (only,) = groups
             if only.tables is not None and only.out_dst is None:
                 assert only.key_lens is not None
-                decode_call = (only.tables, only.key_lens, only.prefix_ids, False, False)
+                decode_call = (only.tables, only.key_lens, only.prefix_ids, None, False)
         return _BatchedPlan(meta, groups,
                             None if prefill is None else _prefill_call(meta, prefill, whole),
                             decode_call=decode_call)
@@ -248,7 +248,8 @@ class TorchBatchedBackend(AttentionBackend):
         decode_call = None
         if prefill is not None and whole and max(meta.query_lens_list) == 1:
             # Decodes only, no cascade: the layer may run as one decode_layer call.
-            decode_call = (prefill.tables, meta.seq_lens, None, True, self._bf16_products)
+            rows = torch.stack([prefill.starts, prefill.lens, prefill.contexts])
+            decode_call = (prefill.tables, meta.seq_lens, None, rows, self._bf16_products)
         return _BatchedPlan(meta, [], prefill, cascades=plans, decode_call=decode_call)
 
     @staticmethod

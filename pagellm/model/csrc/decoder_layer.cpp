@@ -10,8 +10,6 @@
 // get faster by that much; the kernels and their roundings are the very same.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/ops/arange.h>
-#include <ATen/ops/ones_like.h>
 #include <torch/library.h>
 
 #include "kv_element.h"
@@ -111,18 +109,20 @@ TensorPair attention_output(const at::Tensor& attn, const at::Tensor& residual,
 // A decode step's whole layer, where the step is one decode-kernel call over the batch in
 // order: attention_input, the paged decode attention of each request's blocks (merged
 // with the prefix kernel's attention over a shared prefix when `prefix_blocks` is given),
-// and attention_output, from one Python call. With `prefill_kernel` (row-invariant
+// and attention_output, from one Python call. With `prefill_rows` (row-invariant
 // attention, see attention/batched.py), the prefill kernel attends instead, each request
-// a chunk of one query at position key_lens - 1, as the module path calls it, with its
-// products in bfloat16 where `bf16_products`. The very ops the three calls made, in the
+// a chunk of one query: [3, R] int64, the kernel's starts, lens and contexts, made once a
+// step (made here, they were four small tensor ops a layer, ~4% of a one-request decode),
+// as the module path calls it, with its products in bfloat16 where `bf16_products`. The very ops the three calls made, in the
 // same order, so the same bits. Why: the Python between them (the backend's plan, views
 // of q and the caches, three dispatches) was ~40 us a layer, 4-8% of a decode step.
 TensorPair decode_layer(const at::Tensor& hidden, const std::optional<at::Tensor>& residual,
                         const at::Tensor& cos, const at::Tensor& sin, at::Tensor kv_cache,
                         const at::Tensor& slots, const at::Tensor& tables,
                         const at::Tensor& key_lens,
-                        const std::optional<at::Tensor>& prefix_blocks, bool prefill_kernel,
-                        bool bf16_products, const at::Tensor& input_norm, double input_eps,
+                        const std::optional<at::Tensor>& prefix_blocks,
+                        const std::optional<at::Tensor>& prefill_rows, bool bf16_products,
+                        const at::Tensor& input_norm, double input_eps,
                         const at::Tensor& qkv_scales, const std::optional<at::Tensor>& qkv_mins,
                         const at::Tensor& qkv_codes, int64_t num_heads, double scale,
                         const at::Tensor& o_scales, const std::optional<at::Tensor>& o_mins,
@@ -147,10 +147,14 @@ TensorPair decode_layer(const at::Tensor& hidden, const std::optional<at::Tensor
   const int64_t kv_heads = kv_cache.size(3), dim = kv_cache.size(4);
   TORCH_CHECK(kv_heads > 0 && num_heads > 0 && num_heads % kv_heads == 0,
               "decode_layer: num_heads must be a multiple of the cache's kv heads");
-  TORCH_CHECK(!prefill_kernel || !prefix_blocks,
+  TORCH_CHECK(!prefill_rows || !prefix_blocks,
               "decode_layer: the prefill kernel takes no prefix_blocks");
-  TORCH_CHECK(prefill_kernel || !bf16_products,
+  TORCH_CHECK(prefill_rows || !bf16_products,
               "decode_layer: bf16_products is for the prefill kernel");
+  TORCH_CHECK(!prefill_rows ||
+                  (prefill_rows->dim() == 2 && prefill_rows->size(0) == 3 &&
+                   prefill_rows->scalar_type() == at::kLong && prefill_rows->is_contiguous()),
+              "decode_layer: prefill_rows must be contiguous int64 [3, R]");
   TORCH_CHECK(!bf16_products || pagellm_kernels::simd::kBf16Products,
               "decode_layer: bf16_products needs AVX-512 BF16, which this build of the "
               "kernels has not");
@@ -160,11 +164,10 @@ TensorPair decode_layer(const at::Tensor& hidden, const std::optional<at::Tensor
   const int64_t tokens = qkv.size(0);
   const at::Tensor q = qkv.narrow(1, 0, num_heads * dim).view({tokens, num_heads, dim});
   const at::Tensor k_cache = kv_cache.select(0, 0), v_cache = kv_cache.select(0, 1);
-  if (prefill_kernel) {
-    const at::Tensor starts = at::arange(tokens, key_lens.options().dtype(at::kLong));
+  if (prefill_rows) {
     const at::Tensor attn = std::get<0>(prefill.call(
-        q, k_cache, v_cache, tables, starts, at::ones_like(starts),
-        key_lens.to(at::kLong).sub(1), scale, num_heads / kv_heads, std::nullopt, 0,
+        q, k_cache, v_cache, tables, prefill_rows->select(0, 0), prefill_rows->select(0, 1),
+        prefill_rows->select(0, 2), scale, num_heads / kv_heads, std::nullopt, 0,
         bf16_products));
     return attention_output(attn.view({tokens, num_heads * dim}), stream, o_scales, o_mins,
                             o_codes, post_norm, post_eps, gate_up_scales, gate_up_mins,
@@ -194,7 +197,7 @@ TORCH_LIBRARY_FRAGMENT(pagellm, m) {
         "Tensor down_codes) -> (Tensor, Tensor)");
   m.def("decode_layer(Tensor hidden, Tensor? residual, Tensor cos, Tensor sin, "
         "Tensor(a!) kv_cache, Tensor slots, Tensor tables, Tensor key_lens, "
-        "Tensor? prefix_blocks, bool prefill_kernel, bool bf16_products, Tensor input_norm, "
+        "Tensor? prefix_blocks, Tensor? prefill_rows, bool bf16_products, Tensor input_norm, "
         "float input_eps, Tensor qkv_scales, "
         "Tensor? qkv_mins, Tensor qkv_codes, int num_heads, float scale, Tensor o_scales, "
         "Tensor? o_mins, Tensor o_codes, Tensor post_norm, float post_eps, "
