@@ -89,6 +89,10 @@ inline vf to_bf16_values(vf v) {
       _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
   return select(is_nan(v), _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)), rounded);
 }
+// 16 pool elements at p as bfloat16 values in float32 lanes: a float32 pool's rounded, a
+// bfloat16 pool's only widened (they are bfloat16 values already).
+inline vf load_bf16_values(const float* p) { return to_bf16_values(loadu(p)); }
+inline vf load_bf16_values(const bf16* p) { return load_kv(p); }
 // Lanes of pairs (first[i], second[i]) from two vectors of bfloat16 values (to_bf16_values).
 inline vf pack_bf16_pairs(vf first, vf second) {
   const __m512i high = _mm512_castps_si512(second);
@@ -111,6 +115,8 @@ constexpr bool kBf16Products = false;
 // Declared only, so that the kernels' bfloat16 branches, never instantiated in this build,
 // still compile.
 vf to_bf16_values(vf v);
+vf load_bf16_values(const float* p);
+vf load_bf16_values(const bf16* p);
 vf pack_bf16_pairs(vf first, vf second);
 vf dot_bf16_pairs(vf acc, vf a, vf b);
 void store_bf16(bf16* p, vf v);

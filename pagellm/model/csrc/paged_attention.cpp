@@ -813,8 +813,8 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
         PAGELLM_UNROLL
         for (int v = 0; v < NV; ++v) {
           store(pair_v + t / 2 * D + v * 16,
-                pack_bf16_pairs(to_bf16_values(load_kv(vp[t] + v * 16)),
-                                second ? to_bf16_values(load_kv(vp[t + 1] + v * 16)) : zero()));
+                pack_bf16_pairs(load_bf16_values(vp[t] + v * 16),
+                                second ? load_bf16_values(vp[t + 1] + v * 16) : zero()));
         }
       }
     }
