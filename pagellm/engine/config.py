@@ -173,6 +173,9 @@ class EngineConfig:
     the exact bits its request stored, but a recomputed token's float32 noise can tip a
     key or value to the next bfloat16 step, so greedy outputs with caching on and off
     agree except at near-ties (the float32 pool keeps them identical; see the README).
+    With `quantize_activations` they are identical over a bfloat16 pool too, and where
+    attention takes its products in bfloat16 (AVX-512 BF16), a bfloat16 pool gives the
+    float32 pool's very outputs in half the memory.
     `quantize_activations` (off by default): for a Q4_1 or Q8_0 GGUF on the CPU kernels,
     quantize each matmul's inputs to int8 per block of 32 (a scale each, as llama.cpp
     and vLLM's GGUF kernels do) and multiply in integers: 2.4-2.9x the float32 kernels'

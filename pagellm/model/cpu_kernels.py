@@ -38,7 +38,8 @@ _SOURCES = tuple(_CSRC / name
                  for name in ("quant_linear.cpp", "int8_linear.cpp", "paged_attention.cpp",
                               "fused_ops.cpp", "decoder_layer.cpp"))
 _HEADERS = (_CSRC / "amx_matmul.h", _CSRC / "kv_element.h", _CSRC / "linear_args.h",
-            _CSRC / "parallel.h", _CSRC / "simd.h", _CSRC / "vec_math.h")
+            _CSRC / "parallel.h", _CSRC / "simd.h", _CSRC / "vec_math.h",
+            _CSRC / "weight_prefetch.h")
 _LIBRARY_NAME = "libpagellm_cpu_kernels.so"
 # What the AMX matmul (csrc/amx_matmul.h) needs, as /proc/cpuinfo names it.
 _AMX_FLAGS = frozenset({"amx_tile", "amx_bf16", "avx512_bf16"})
@@ -108,7 +109,8 @@ def _build_and_load(build_root: Path) -> bool:
 def _instruction_set() -> tuple[str, str | None]:
     """(the vector instructions the kernels will be built for, why they cannot be): the
     widest the CPU has (amx: AVX-512 with AMX's bfloat16 tiles, then avx512, then avx2),
-    or `PAGELLM_CPU_ISA` (avx512 or avx2 on a CPU with more tests those builds).
+    or `PAGELLM_CPU_ISA` (avx512 or avx2 on a CPU with more tests those builds; avx512 by
+    name also leaves AVX-512 BF16 out, see `_without_bf16`).
 
     The set reaches the build's key through the compile command (a narrower build adds
     `-mno-...` options); the CPU's whole flag list is in the key too (see `_build_key`)."""
@@ -171,12 +173,7 @@ def _compile_command(compiler: str, isa: str) -> list[str]:
     # (AMX does not depend on AVX-512 in GCC's options, so it is named where the CPU has
     # it: GCC before 11 knows no -mno-amx-* and builds for CPUs without it as before).
     no_amx = _NO_AMX if isa != "amx" and "amx_tile" in _cpu_flags() else []
-    # PAGELLM_CPU_ISA=avx512 asks for AVX-512 as CPUs before AVX-512 BF16 have it (Skylake,
-    # Ice Lake), so that a CPU with BF16 can build and test that case too (attention's
-    # bfloat16 products refused, float32 attention kept); chosen on its own, avx512
-    # keeps BF16.
-    no_bf16 = (["-mno-avx512bf16"] if isa == "avx512" and "avx512_bf16" in _cpu_flags()
-               and os.environ.get("PAGELLM_CPU_ISA") == "avx512" else [])
+    no_bf16 = ["-mno-avx512bf16"] if _without_bf16(isa) else []
     narrow = [*(["-mno-avx512f"] if isa == "avx2" else []), *no_amx, *no_bf16]
     return [
         compiler, "-O3", "-march=native", *narrow, "-ffp-contract=off", "-std=c++20", "-shared",
@@ -184,6 +181,15 @@ def _compile_command(compiler: str, isa: str) -> list[str]:
         *[f"-I{path}" for path in include_paths()],
         *[str(source) for source in _SOURCES], f"-L{torch_lib}", "-lc10", "-ltorch_cpu",
     ]
+
+
+def _without_bf16(isa: str) -> bool:
+    """Whether the build for `isa` leaves out this CPU's AVX-512 BF16: PAGELLM_CPU_ISA=avx512
+    asks for AVX-512 as CPUs before BF16 have it (Skylake, Ice Lake), so that a CPU with
+    BF16 can build and test that case too (attention's bfloat16 products refused, float32
+    attention kept); chosen on its own, avx512 keeps BF16."""
+    return (isa == "avx512" and os.environ.get("PAGELLM_CPU_ISA") == "avx512"
+            and "avx512_bf16" in _cpu_flags())
 
 
 def _compiler_version(compiler: str) -> str:
@@ -214,7 +220,15 @@ def instruction_set() -> str:
         return f"none ({reason})"
     if isa == "amx" and loaded() and not amx_in_use():
         return "amx build, AMX refused by Linux: avx512 panels"
+    if _without_bf16(isa):
+        return "avx512 without AVX-512 BF16"
     return isa
+
+
+def bf16_products() -> bool:
+    """Whether the loaded kernels take attention's products in bfloat16 where asked
+    (built with AVX-512 BF16); False where the kernels are not loaded."""
+    return loaded() and bool(torch.ops.pagellm.bf16_products_available())
 
 
 def amx_in_use() -> bool:

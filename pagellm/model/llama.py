@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from pagellm.model import cpu_matmul, quant_kernels
+from pagellm.model import cpu_kernels, cpu_matmul, quant_kernels
 from pagellm.model.attention import (
     AttentionBackend,
     AttentionSpec,
@@ -436,9 +436,9 @@ class LlamaForCausalLM(nn.Module):
         steps): puts attention on its row-invariant path, with its products in bfloat16
         where the kernels have them (AVX-512 BF16: twice an FMA's work per instruction;
         llama.cpp's CPU attention rounds queries and keys to float16, 11 significant bits
-        where bfloat16 keeps 8), and says
-        in the log where that cannot hold, so that caching may change outputs. The head
-        only makes logits, which no layer reads again."""
+        where bfloat16 keeps 8), and says in the log where that cannot hold, so that
+        caching may change outputs. The head only makes logits, which no layer reads
+        again."""
         floats = [name for name, module in self.named_modules()
                   if name.startswith("model.layers.") and isinstance(module, Linear)
                   and (module.quantized is None or not module.quantized.int8_activations)]
@@ -446,7 +446,7 @@ class LlamaForCausalLM(nn.Module):
             logger.warning("quantize_activations: %d layer weights have no Q4_1 or Q8_0 "
                            "blocks the kernels take (e.g. %s) and stay float32, so caching "
                            "may change outputs", len(floats), floats[0])
-        bf16_products = bool(torch.ops.pagellm.bf16_products_available())
+        bf16_products = cpu_kernels.bf16_products()
         if not self.attn_backend.use_row_invariant_attention(bf16_products):
             logger.warning("quantize_activations: the attention kernels do not serve every "
                            "layer of this model, so caching may change outputs")

@@ -960,6 +960,36 @@ def test_bf16_products_are_attention_over_bfloat16_inputs(
             atol=3e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bf16_products_read_a_float32_pool_as_its_bfloat16_copy(head_dim: int) -> None:
+    """With bf16_products, a float32 pool gives the very bits of its `.bfloat16()` copy
+    (torch's rounding, which the bfloat16 pool's store uses), exact ties, values rounding
+    up to the next power of two and denormals included: the prefill kernel and the prefix
+    state. What lets a bfloat16 pool change no output in this mode."""
+    bf16_products_or_skip(True)
+    gen = torch.Generator().manual_seed(head_dim)
+    cache = torch.randn(2, 30, 16, 2, head_dim, generator=gen)
+    flat = cache.view(-1)
+    bits = flat.view(torch.int32)
+    picks = torch.randperm(flat.numel(), generator=gen)
+    quarter = flat.numel() // 4
+    ties, carries, tiny = picks[:quarter], picks[quarter:2 * quarter], picks[2 * quarter:3 * quarter]
+    bits[ties] = (bits[ties] & -65536) | 0x8000  # halfway between two bfloat16
+    bits[carries] = (bits[carries] & -8388608) | 0x7FFFFF  # rounds up to the next power of 2
+    flat[tiny] = torch.randn(quarter, generator=gen) * 1e-39  # float32 denormals
+    copy = cache.bfloat16()
+    table = torch.randperm(30, generator=gen)[:20].int()[None]
+    q = torch.randn(40, 6, head_dim, generator=gen)
+    args = (table, torch.tensor([0]), torch.tensor([40]), torch.tensor([250]), 0.125, 3)
+    ours, theirs = (torch.ops.pagellm.paged_prefill_attention(q, c[0], c[1], *args, None, 0,
+                                                              True)
+                    for c in (cache, copy))
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    states = [torch.ops.pagellm.paged_prefix_state(q, c[0], c[1], table[0, :6], 0.125, 3,
+                                                   True) for c in (cache, copy)]
+    assert torch.equal(states[0], states[1])
+
+
 @pytest.mark.parametrize("bf16", [False, True])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_a_prompt_row_never_depends_on_its_tile_or_chunk(kv_dtype: torch.dtype,

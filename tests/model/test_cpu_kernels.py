@@ -495,7 +495,7 @@ def test_fused_layers_match_the_module_path_bit_for_bit(
         assert torch.equal(ours, theirs)
 
 
-def test_decode_layer_refuses_a_cache_it_cannot_read(kernels: bool) -> None:
+def test_decode_layer_refuses_bad_inputs_before_storing_rows(kernels: bool) -> None:
     model, _ = _quantized_tiny_llama("Q4_1")
     layer = model.model.layers[0]
     assert layer.decode_args is not None
@@ -517,8 +517,13 @@ def test_decode_layer_refuses_a_cache_it_cannot_read(kernels: bool) -> None:
     with pytest.raises(RuntimeError, match="the prefill kernel takes no prefix_blocks"):
         torch.ops.pagellm.decode_layer(*args, torch.zeros(1, dtype=torch.int32), rows, False,
                                        *layer.decode_args)
-    with pytest.raises(RuntimeError, match=r"prefill_rows must be contiguous int64 \[3, R\]"):
-        torch.ops.pagellm.decode_layer(*args, None, rows.int(), False, *layer.decode_args)
+    for bad in (rows.int(), rows[:2], rows[:, 0], torch.zeros(3, 2).long()[:, :1]):
+        with pytest.raises(RuntimeError,
+                           match=r"prefill_rows must be contiguous int64 \[3, R\]"):
+            torch.ops.pagellm.decode_layer(*args, None, bad, False, *layer.decode_args)
+    with pytest.raises(RuntimeError, match="one request per token"):
+        torch.ops.pagellm.decode_layer(*args, None, torch.tensor([[0, 1], [1, 1], [0, 0]]),
+                                       False, *layer.decode_args)
     if not torch.ops.pagellm.bf16_products_available():
         with pytest.raises(RuntimeError, match="bf16_products needs AVX-512 BF16"):
             torch.ops.pagellm.decode_layer(*args, None, rows, True, *layer.decode_args)
@@ -564,7 +569,8 @@ _NARROWER = {"amx": ["avx512", "avx2"], "avx512": ["avx512", "avx2"]}
 def test_a_narrower_build_passes_the_kernel_tests(kernels: bool, isa: str) -> None:
     """The kernels are one source for several instruction sets; CI on an AMX or AVX-512
     machine would otherwise never run the builds that CPUs without them get (the AVX-512
-    panels where there is no AMX, AVX2 where there is no AVX-512)."""
+    panels where there is no AMX, AVX2 where there is no AVX-512, AVX-512 without
+    AVX-512 BF16 and so float32 attention under quantize_activations)."""
     widest = cpu_kernels._instruction_set()[0]
     if isa not in _NARROWER.get(widest, []) or (
             widest == isa and "avx512_bf16" not in cpu_kernels._cpu_flags()):
@@ -616,6 +622,7 @@ def test_the_instruction_set_is_the_widest_the_cpu_has(monkeypatch: pytest.Monke
     # avx512 by name: without AVX-512 BF16 too (the default on such a CPU keeps it).
     monkeypatch.setenv("PAGELLM_CPU_ISA", "avx512")
     assert "-mno-avx512bf16" in cpu_kernels._compile_command("g++", "avx512")
+    assert cpu_kernels.instruction_set() == "avx512 without AVX-512 BF16"
     monkeypatch.delenv("PAGELLM_CPU_ISA")
     assert "-mno-avx512bf16" not in cpu_kernels._compile_command("g++", "avx512")
     assert {"-mno-avx512f", "-mno-amx-tile"} <= set(cpu_kernels._compile_command("g++", "avx2"))

@@ -109,11 +109,12 @@ TensorPair attention_output(const at::Tensor& attn, const at::Tensor& residual,
 // A decode step's whole layer, where the step is one decode-kernel call over the batch in
 // order: attention_input, the paged decode attention of each request's blocks (merged
 // with the prefix kernel's attention over a shared prefix when `prefix_blocks` is given),
-// and attention_output, from one Python call. With `prefill_rows` (row-invariant
-// attention, see attention/batched.py), the prefill kernel attends instead, each request
-// a chunk of one query: [3, R] int64, the kernel's starts, lens and contexts, made once a
-// step (made here, they were four small tensor ops a layer, ~4% of a one-request decode),
-// as the module path calls it, with its products in bfloat16 where `bf16_products`. The very ops the three calls made, in the
+// and attention_output, from one Python call. With `prefill_rows` ([3, R] int64: the
+// prefill kernel's starts, lens and contexts, made once a step; made here, they were four
+// small tensor ops a layer, ~4% of a one-request decode), the prefill kernel attends
+// instead (row-invariant attention, see attention/batched.py), each request a chunk of
+// one query as the module path calls it, with its products in bfloat16 where
+// `bf16_products`. The very ops the three calls made, in the
 // same order, so the same bits. Why: the Python between them (the backend's plan, views
 // of q and the caches, three dispatches) was ~40 us a layer, 4-8% of a decode step.
 TensorPair decode_layer(const at::Tensor& hidden, const std::optional<at::Tensor>& residual,
@@ -151,10 +152,14 @@ TensorPair decode_layer(const at::Tensor& hidden, const std::optional<at::Tensor
               "decode_layer: the prefill kernel takes no prefix_blocks");
   TORCH_CHECK(prefill_rows || !bf16_products,
               "decode_layer: bf16_products is for the prefill kernel");
+  // As the ops would refuse them, but before attention_input stores the step's rows.
   TORCH_CHECK(!prefill_rows ||
                   (prefill_rows->dim() == 2 && prefill_rows->size(0) == 3 &&
                    prefill_rows->scalar_type() == at::kLong && prefill_rows->is_contiguous()),
               "decode_layer: prefill_rows must be contiguous int64 [3, R]");
+  TORCH_CHECK(!prefill_rows || (prefill_rows->size(1) == hidden.size(0) &&
+                                tables.size(0) == hidden.size(0)),
+              "decode_layer: prefill_rows and tables must hold one request per token");
   TORCH_CHECK(!bf16_products || pagellm_kernels::simd::kBf16Products,
               "decode_layer: bf16_products needs AVX-512 BF16, which this build of the "
               "kernels has not");

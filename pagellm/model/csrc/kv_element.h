@@ -2,13 +2,14 @@
 // halves the pool's bytes, so it holds twice the tokens (twice the prefixes to find again)
 // and a decode step reads half the bytes per key.
 //
-// The attention kernels are written once over the element type: keys and values are
-// widened to float32 as they are loaded (a bfloat16 is a float32's upper 16 bits, so
-// widening is exact), and everything after the load is the float32 kernel unchanged. So
-// attention over a bfloat16 pool gives, bit for bit, what the float32 kernel gives over a
-// pool holding the same values (tested). Rounding happens once, where a step's new rows
-// are stored (`round_bf16`, torch's rounding: to nearest, ties to even, NaN kept a NaN);
-// attention with bfloat16 products (below) also rounds what it multiplies, the same way.
+// The attention kernels are written once over the element type: with float32 products,
+// keys and values are widened to float32 as they are loaded (a bfloat16 is a float32's
+// upper 16 bits, so widening is exact), and everything after the load is the float32
+// kernel unchanged. So attention over a bfloat16 pool gives, bit for bit, what the
+// float32 kernel gives over a pool holding the same values (tested). Rounding happens
+// once, where a step's new rows are stored (`round_bf16`, torch's rounding: to nearest,
+// ties to even, NaN kept a NaN); attention with bfloat16 products (below) also rounds
+// what it multiplies, the same way.
 #pragma once
 
 #include "simd.h"

@@ -594,9 +594,9 @@ inline void score_pass(const float* qt, const K* const* keys, int r0, float* st,
 // after the last key can go out (`state_out`) instead of the result: keys walked in two
 // calls split at a multiple of kKeyChunk give the same bits as one call, since every
 // chunk's steps are the same (a row never depends on the rest of its tile).
-// A bfloat16 pool's chunk of keys is widened into float32 rows once per chunk, for every
-// row of the tile, since the score pass reads keys one scalar at a time; values are read
-// as vectors, widened as they are loaded.
+// With float32 products, a bfloat16 pool's chunk of keys is widened into float32 rows
+// once per chunk, for every row of the tile, since the score pass reads keys one scalar
+// at a time; values are read as vectors, widened as they are loaded.
 // With Bf16 (bfloat16 products, kv_element.h), queries, keys, probabilities and values
 // are rounded to bfloat16 and both products take pairs: of dims for the scores (queries
 // paired once per tile, a bfloat16 pool's keys read in place, a float32 pool's rounded

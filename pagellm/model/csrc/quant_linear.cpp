@@ -28,6 +28,7 @@
 #include "linear_args.h"
 #include "parallel.h"
 #include "vec_math.h"
+#include "weight_prefetch.h"
 
 #include <algorithm>
 #include <array>
@@ -41,6 +42,7 @@ using namespace pagellm_kernels::simd;
 using pagellm_kernels::check_linear_args;
 using pagellm_kernels::check_mins;
 using pagellm_kernels::for_each_task;
+using pagellm_kernels::Prefetch;
 using pagellm_kernels::silu_mul16;
 #ifdef PAGELLM_AMX
 namespace amx = pagellm_kernels::amx;
@@ -309,42 +311,6 @@ float* thread_scratch(int slot, int64_t floats) {
   }
   return s.data;
 }
-
-// The next task's blocks (codes, scales, mins), fetched into L2 a cache line at a time
-// while this task computes. Why: a task's blocks are read in one burst at its unpack,
-// after work that touched none of them, so the hardware prefetcher has not run ahead and
-// the unpack waited on memory: on the panels, 32 rows took 21.4 ms without this, 17.6
-// with.
-struct Prefetch {
-  const char* region[3] = {nullptr, nullptr, nullptr};
-  int64_t lines[3] = {0, 0, 0};
-
-  // The blocks of `count` tiles from tile `first`.
-  Prefetch(const float* scales, const float* mins, const uint8_t* codes, int64_t tile_scales,
-           int64_t tile_codes, int64_t first, int64_t count) {
-    const int64_t scale_bytes = count * tile_scales * static_cast<int64_t>(sizeof(float));
-    region[0] = reinterpret_cast<const char*>(codes + first * tile_codes);
-    lines[0] = count * tile_codes / 64;
-    region[1] = reinterpret_cast<const char*>(scales + first * tile_scales);
-    lines[1] = scale_bytes / 64;
-    if (mins != nullptr) {
-      region[2] = reinterpret_cast<const char*>(mins + first * tile_scales);
-      lines[2] = scale_bytes / 64;
-    }
-  }
-
-  int64_t total() const { return lines[0] + lines[1] + lines[2]; }
-
-  void line(int64_t i) const {
-    for (int j = 0; j < 3; ++j) {
-      if (i < lines[j]) {
-        _mm_prefetch(region[j] + i * 64, _MM_HINT_T1);
-        return;
-      }
-      i -= lines[j];
-    }
-  }
-};
 
 // R rows against inputs [0, depth) of a panel, from the partial sums at `partial` (R x
 // the panel's lanes) unless `first`; the sums go back to `partial`, or, when `y` is given
