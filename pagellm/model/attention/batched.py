@@ -477,15 +477,12 @@ class TorchBatchedBackend(AttentionBackend):
         state = torch.ops.pagellm.paged_prefix_state(
             q, kv_cache[0], kv_cache[1], cascade.prefix_ids, spec.scale, group,
             self._bf16_products)
-        call = cascade.call
-        result: tuple[torch.Tensor, torch.Tensor] = torch.ops.pagellm.paged_prefill_attention(
-            query, kv_cache[0], kv_cache[1], call.tables, call.starts, call.lens,
-            call.contexts, spec.scale, group, state, cascade.prior_keys, self._bf16_products)
-        return result[0]
+        return self._prefill_with_kernel(query, kv_cache, cascade.call, spec,
+                                         (state, cascade.prior_keys))
 
     def _prefill_with_kernel(
         self, query: torch.Tensor, kv_cache: torch.Tensor, call: _PrefillCall,
-        spec: AttentionSpec
+        spec: AttentionSpec, prior: tuple[torch.Tensor, int] | None = None
     ) -> torch.Tensor:
         """Every prompt chunk's queries against its whole table, causally: [sum(lens), H,
         D]. The kernel reads the queries where they are (a strided view of the qkv output)
@@ -494,10 +491,12 @@ class TorchBatchedBackend(AttentionBackend):
         cascades), on AVX2: multi-turn's prompt attention 1.30 -> 0.80 s in a profile, its
         prefill steps 5.6-5.9 -> 5.1 s; shared-prefix's 4.2-4.3 -> 3.9-4.0 s (the shared
         prefix, read once per request instead of once, costs nothing seen: the chunks are
-        compute-bound)."""
+        compute-bound). With `prior` (a prefix state and its keys, from `_state_cascade`),
+        each row goes on from that state."""
+        state, prior_keys = prior if prior is not None else (None, 0)
         result: tuple[torch.Tensor, torch.Tensor] = torch.ops.pagellm.paged_prefill_attention(
             query, kv_cache[0], kv_cache[1], call.tables, call.starts, call.lens,
-            call.contexts, spec.scale, spec.num_heads // spec.num_kv_heads, None, 0,
+            call.contexts, spec.scale, spec.num_heads // spec.num_kv_heads, state, prior_keys,
             self._bf16_products)
         return result[0]
 
