@@ -992,18 +992,22 @@ def test_bf16_products_read_a_float32_pool_as_its_bfloat16_copy(head_dim: int) -
 
 @pytest.mark.parametrize("bf16", [False, True])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-def test_a_prompt_row_never_depends_on_its_tile_or_chunk(kv_dtype: torch.dtype,
-                                                         bf16: bool) -> None:
-    """A query's bits are the same in a 30-query chunk (two row tiles), in a chunk cut
-    elsewhere, and alone: its tile's rows reach different keys, so the tile's last key
-    chunk holds an odd or an even number of keys (with bfloat16 products, an odd last
-    key is paired with a zero in one tile and with a masked key in another)."""
+@pytest.mark.parametrize(("group", "head_dim"), [(3, 64), (1, 64), (4, 128), (8, 64), (9, 64)])
+def test_a_prompt_row_never_depends_on_its_tile_or_chunk(kv_dtype: torch.dtype, bf16: bool,
+                                                         group: int, head_dim: int) -> None:
+    """A query's bits are the same in a 30-query chunk (row tiles of up to 64 rows), in
+    a chunk cut elsewhere, alone and beside its neighbour: its tile's rows reach
+    different keys, so the tile's last key chunk holds an odd or an even number of keys
+    (with bfloat16 products, an odd last key is paired with a zero in one tile and with a
+    masked key in another). With bfloat16 products, a tile of at most 8 rows (one or two
+    queries' heads here, a decode's) takes its scores with keys in the lanes, and its
+    rows may see different numbers of keys (masks); 9 rows go the other way."""
     bf16_products_or_skip(bf16)
-    gen = torch.Generator().manual_seed(7)
-    kv_heads, group, context, n = 3, 3, 100, 30
-    cache = torch.randn(2, 20, 16, kv_heads, 64, generator=gen).to(kv_dtype)
+    gen = torch.Generator().manual_seed(7 + group)
+    kv_heads, context, n = 3, 100, 30
+    cache = torch.randn(2, 20, 16, kv_heads, head_dim, generator=gen).to(kv_dtype)
     table = torch.randperm(20, generator=gen)[:9].int()[None]
-    q = torch.randn(n, kv_heads * group, 64, generator=gen)
+    q = torch.randn(n, kv_heads * group, head_dim, generator=gen)
 
     def attend(first: int, count: int) -> torch.Tensor:
         result: torch.Tensor = torch.ops.pagellm.paged_prefill_attention(
@@ -1016,6 +1020,8 @@ def test_a_prompt_row_never_depends_on_its_tile_or_chunk(kv_dtype: torch.dtype,
     assert torch.equal(torch.cat([attend(0, 13), attend(13, n - 13)]), whole)
     for i in range(n):
         assert torch.equal(attend(i, 1), whole[i : i + 1]), i
+    for i in range(0, n, 2):
+        assert torch.equal(attend(i, 2), whole[i : i + 2]), i
 
 
 def test_bf16_products_are_refused_where_the_build_has_none() -> None:

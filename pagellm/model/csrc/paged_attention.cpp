@@ -531,6 +531,9 @@ constexpr int kKeysPerPass = 6;
 constexpr int kScoreVecs = kWideRegisters ? 4 : 1;  // row vectors per score pass
 constexpr int kPvVecs = kWideRegisters ? 8 : 1;     // output vectors of a row per pass
 constexpr int64_t kPrefixRowTile = 64;
+// Tiles of at most this many rows take their bfloat16 scores with keys in the lanes (see
+// attend_prefix).
+constexpr int64_t kLaneRows = 8;
 constexpr int64_t kMinPrefixTasks = 4;  // see paged_prefix_attention
 
 // Where a kv head's query and output rows lie: row r is head r % group of query
@@ -583,6 +586,90 @@ inline void score_pass(const float* qt, const K* const* keys, int r0, float* st,
       store(st + j * W + (r0 + r) * 16, s[j][r]);
       if (whole) top[r0 + r] = max(top[r0 + r], s[j][r]);
     }
+  }
+}
+
+// pass.template operator()<rows>(0), for 1 <= rows < Max (at most 6): a pass of exactly a
+// small tile's rows.
+template <int Max, typename Pass>
+inline void few_rows_pass(int64_t rows, const Pass& pass) {
+  switch (rows) {
+    case 1: pass.template operator()<1>(0); break;
+    case 2: if constexpr (Max > 2) pass.template operator()<2>(0); break;
+    case 3: if constexpr (Max > 3) pass.template operator()<3>(0); break;
+    case 4: if constexpr (Max > 4) pass.template operator()<4>(0); break;
+    default: if constexpr (Max > 5) pass.template operator()<5>(0); break;
+  }
+}
+
+// Lanes [0, count) of a vector, none where count <= 0.
+inline vmask lanes_below(int64_t count) {
+  return first_lanes(static_cast<int>(std::clamp<int64_t>(count, 0, 16)));
+}
+
+// A chunk's scores with keys in the lanes, for a tile of `rows` <= kLaneRows rows with
+// bfloat16 products (see attend_prefix): row r's score of key t at lane_s[r * kKeyChunk +
+// t], and in `top` lane r the largest of those it sees (-inf in padding lanes). `keys`
+// holds kKeyChunk rows of pairs of dims (those past the chunk's n point at a real key).
+// Lane t of row r takes the steps of score_pass's lane r for key t: from zero, one
+// vdpbf16ps a pair of dims in order, whose two products are the same either way round.
+template <int D, int W>
+inline void lane_scores(const float* qt, const bf16* const* keys, int64_t rows,
+                        const int32_t* lim, int64_t start, int n, float* key_t, float* lane_s,
+                        vf* top) {
+  constexpr int kPairs = D / 2, kVecs = kKeyChunk / 16;
+  const void* rows_at[16];
+  for (int kb = 0; kb < kVecs; ++kb) {
+    for (int i = 0; i < 16; ++i) rows_at[i] = keys[kb * 16 + i];
+    for (int e0 = 0; e0 < kPairs; e0 += 16) {
+      transpose_words16(rows_at, e0, key_t + e0 * kKeyChunk + kb * 16, kKeyChunk);
+    }
+  }
+  const vf neg_inf = set1(-std::numeric_limits<float>::infinity());
+  alignas(64) float tops[16];
+  std::fill(tops, tops + 16, -std::numeric_limits<float>::infinity());
+  for (int64_t row = 0; row < rows; ++row) {
+    vf s[kVecs];
+    PAGELLM_UNROLL
+    for (int kb = 0; kb < kVecs; ++kb) s[kb] = zero();
+    for (int e = 0; e < kPairs; ++e) {
+      const vf q = set1(qt[e * W + row]);
+      PAGELLM_UNROLL
+      for (int kb = 0; kb < kVecs; ++kb) {
+        s[kb] = dot_bf16_pairs(s[kb], q, load(key_t + e * kKeyChunk + kb * 16));
+      }
+    }
+    const int64_t visible = std::clamp<int64_t>(lim[row] - start, 0, n);
+    vf best = neg_inf;
+    PAGELLM_UNROLL
+    for (int kb = 0; kb < kVecs; ++kb) {
+      store(lane_s + row * kKeyChunk + kb * 16, s[kb]);
+      best = max(best, select(lanes_below(visible - kb * 16), s[kb], neg_inf));
+    }
+    tops[row] = reduce_max(best);
+  }
+  top[0] = load(tops);
+}
+
+// The probabilities of lane_scores' rows, as attend_prefix's softmax computes them (each
+// row's `shift` lane subtracted, exp16, rounded to bfloat16, zero where a row does not
+// see a key), laid out in st as the output pass reads them: st[t * W + row], t < n.
+template <int W>
+inline void lane_probabilities(float* lane_s, int64_t rows, const int32_t* lim, int64_t start,
+                               int n, vf shift, float* st) {
+  constexpr int kVecs = kKeyChunk / 16;
+  alignas(64) float shifts[16];
+  store(shifts, shift);
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t visible = std::clamp<int64_t>(lim[row] - start, 0, n);
+    const vf sh = set1(shifts[row]);
+    for (int kb = 0; kb * 16 < n; ++kb) {
+      float* p = lane_s + row * kKeyChunk + kb * 16;
+      store(p, keep(lanes_below(visible - kb * 16), to_bf16_values(exp16(sub(load(p), sh)))));
+    }
+  }
+  for (int t = 0; t < n; ++t) {
+    for (int64_t row = 0; row < rows; ++row) st[t * W + row] = lane_s[row * kKeyChunk + t];
   }
 }
 
@@ -701,6 +788,20 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
   // they are read in place.
   alignas(64) KeyRow chunk_k[kConvert ? kKeyChunk * D : 1];
   const vf neg_inf = set1(-std::numeric_limits<float>::infinity());
+  // A tile of a few rows (a decode's query heads) with bfloat16 products takes its scores
+  // with keys in the lanes: the chunk's keys transposed to pairs of dims, key_t[pair][key],
+  // then each row's scores, 16 keys a vdpbf16ps, at lane_s[row][key]; its probabilities
+  // are computed there too and only then laid out in st as the output pass reads them.
+  // Each score, probability and sum takes the very steps of the rows-in-lanes way, so a
+  // row's bits do not depend on which way its tile went. Why: a decode's 3 rows against
+  // a broadcast key used 3 of each instruction's 16 lanes, for the scores, the softmax
+  // and (in passes of kPvRows rows) the output. 30 layers, 2 threads, bfloat16 pool:
+  // 32 decodes over 1,100 keys 59-65 -> 38 ms (the float32 decode kernel, which reads
+  // the same pool: 35 ms), 64 over 600 keys 73-80 -> 45 ms, 8 over 300 keys 3.5 -> 2.3.
+  constexpr bool kLaneKernel = Bf16 && RV == 1;
+  const bool lanes = kLaneKernel && rows <= kLaneRows;
+  alignas(64) float key_t[kLaneKernel ? D / 2 * kKeyChunk : 1];
+  alignas(64) float lane_s[kLaneKernel ? kLaneRows * kKeyChunk : 1];
   if (end > key_begin) {
     locate(key_begin, static_cast<int>(std::min<int64_t>(kKeyChunk, end - key_begin)), next_kp,
            next_vp);
@@ -752,7 +853,10 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
     vf top[RV];
     PAGELLM_UNROLL
     for (int r = 0; r < RV; ++r) top[r] = neg_inf;
-    for (int t0 = 0; t0 < n; t0 += kKeysPerPass) {
+    if constexpr (kLaneKernel) {
+      if (lanes) lane_scores<D, W>(qt, kp, rows, lim, start, n, key_t, lane_s, top);
+    }
+    for (int t0 = 0; t0 < (lanes ? 0 : n); t0 += kKeysPerPass) {
       int r0 = 0;
       for (; r0 + kScoreVecs <= RV; r0 += kScoreVecs) {
         score_pass<D, W, kScoreVecs, KeyRow>(qt, kp + t0, r0, st + t0 * W, whole, top);
@@ -764,7 +868,7 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
     for (int r = 0; r < RV; ++r) {
       // Key start + t is visible to a row while start + t < its limit.
       const vi visible = sub_i(load_i(lim + r * 16), set1_i(static_cast<int32_t>(start)));
-      if (!whole) {
+      if (!whole && !lanes) {
         for (int t = 0; t < n; ++t) {
           const vmask mask = gt_i(visible, set1_i(t));
           top[r] = max(top[r], select(mask, load(st + t * W + r * 16), neg_inf));
@@ -781,7 +885,12 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
         else return e;
       };
       vf sum = zero();
-      if (whole) {
+      if (lanes) {
+        if constexpr (kLaneKernel) {
+          lane_probabilities<W>(lane_s, rows, lim, start, n, shift, st);
+          for (int t = 0; t < n; ++t) sum = add(sum, load(st + t * W));
+        }
+      } else if (whole) {
         for (int t = 0; t < n; ++t) {
           float* p = st + t * W + r * 16;
           const vf e = weight(exp16(sub(load(p), shift)));
@@ -819,11 +928,13 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
       }
     }
     const int steps = Bf16 ? (n + 1) / 2 : n;  // output steps: keys, or pairs of keys
-    for (int64_t r0 = 0; r0 < rows; r0 += kPvRows) {
+    // P rows from r0 a pass. A row's steps are the same whatever P, so a tile of fewer
+    // rows than a full pass (a decode's query heads) takes a pass of just its rows.
+    const auto output_pass = [&]<int P>(int64_t r0) {
       for (int d0 = 0; d0 < D; d0 += kPvDims * 16) {
-        vf o[kPvRows][kPvDims];
+        vf o[P][kPvDims];
         PAGELLM_UNROLL
-        for (int i = 0; i < kPvRows; ++i) {
+        for (int i = 0; i < P; ++i) {
           const vf c = set1(corr[r0 + i]);
           PAGELLM_UNROLL
           for (int v = 0; v < kPvDims; ++v) {
@@ -842,7 +953,7 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
           }
           const float* p = (Bf16 ? pair_p : st) + t * W + r0;
           PAGELLM_UNROLL
-          for (int i = 0; i < kPvRows; ++i) {
+          for (int i = 0; i < P; ++i) {
             const vf pt = set1(p[i]);
             PAGELLM_UNROLL
             for (int v = 0; v < kPvDims; ++v) {
@@ -855,12 +966,19 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
           }
         }
         PAGELLM_UNROLL
-        for (int i = 0; i < kPvRows; ++i) {
+        for (int i = 0; i < P; ++i) {
           PAGELLM_UNROLL
           for (int v = 0; v < kPvDims; ++v) store(acc + (r0 + i) * D + d0 + v * 16, o[i][v]);
         }
       }
+    };
+    if constexpr (RV == 1) {
+      if (rows < kPvRows) {
+        few_rows_pass<kPvRows>(rows, output_pass);
+        continue;
+      }
     }
+    for (int64_t r0 = 0; r0 < rows; r0 += kPvRows) output_pass.template operator()<kPvRows>(r0);
   }
   for (int64_t row = 0; row < rows; ++row) {
     if (state_out != nullptr) {
