@@ -892,6 +892,13 @@ def test_prefill_kernel_goes_on_from_a_prefix_state_bit_for_bit(
             q, cache[0], cache[1], tables, starts, lens, contexts, 0.2, group, state, prior_keys,
             bf16)[0]
         assert torch.equal(resumed, one_pass)
+        # A decode's state taken alone (a tile of its 3 rows: keys in the lanes) is its
+        # rows of the batch's state.
+        first_decode = int(starts[2])
+        alone_state = torch.ops.pagellm.paged_prefix_state(
+            q[first_decode : first_decode + 1], cache[0], cache[1], shared, 0.2, group, bf16)
+        assert torch.equal(alone_state,
+                           state[:, first_decode * group : (first_decode + 1) * group])
         # A request alone (in a call of its own) gives the same bits as in the batch.
         alone = torch.ops.pagellm.paged_prefill_attention(
             q[2:3], cache[0], cache[1], tables[2:3], torch.tensor([0]), lens[2:3],
@@ -992,19 +999,24 @@ def test_bf16_products_read_a_float32_pool_as_its_bfloat16_copy(head_dim: int) -
 
 @pytest.mark.parametrize("bf16", [False, True])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("group", "head_dim"), [(3, 64), (1, 64), (4, 128), (8, 64), (9, 64)])
+@pytest.mark.parametrize(("group", "head_dim"), [(3, 64), (1, 64), (2, 64), (5, 64), (8, 64),
+                                               (9, 64), (1, 128), (4, 128), (9, 128)])
+@pytest.mark.parametrize("context", [100, 95])
 def test_a_prompt_row_never_depends_on_its_tile_or_chunk(kv_dtype: torch.dtype, bf16: bool,
-                                                         group: int, head_dim: int) -> None:
+                                                         group: int, head_dim: int,
+                                                         context: int) -> None:
     """A query's bits are the same in a 30-query chunk (row tiles of up to 64 rows), in
     a chunk cut elsewhere, alone and beside its neighbour: its tile's rows reach
     different keys, so the tile's last key chunk holds an odd or an even number of keys
     (with bfloat16 products, an odd last key is paired with a zero in one tile and with a
-    masked key in another). With bfloat16 products, a tile of at most 8 rows (one or two
-    queries' heads here, a decode's) takes its scores with keys in the lanes, and its
-    rows may see different numbers of keys (masks); 9 rows go the other way."""
+    masked key in another). A tile of at most 8 rows (one or two queries' heads here, a
+    decode's) takes its scores with keys in the lanes, and its rows may see different
+    numbers of keys (masks; after 95 keys, the first query's rows none of the second's
+    last chunk), in output passes of just its rows where it has fewer than a pass's (6
+    rows for 64 dims, 3 for 128); 9 rows go the other way."""
     bf16_products_or_skip(bf16)
     gen = torch.Generator().manual_seed(7 + group)
-    kv_heads, context, n = 3, 100, 30
+    kv_heads, n = 3, 30
     cache = torch.randn(2, 20, 16, kv_heads, head_dim, generator=gen).to(kv_dtype)
     table = torch.randperm(20, generator=gen)[:9].int()[None]
     q = torch.randn(n, kv_heads * group, head_dim, generator=gen)

@@ -111,45 +111,6 @@ inline void store_bf16(bf16* p, vf v) {
   const __m512i high = _mm512_srli_epi32(_mm512_castps_si512(to_bf16_values(v)), 16);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(high));
 }
-// 16 lanes of `offset` 32-bit words on from each of rows[0..15] (a pair of bfloat16 each,
-// or a float), transposed: out[j * stride + i] = word offset + j of rows[i], for j < 16.
-// Why: a tile of a few query rows (a decode's heads) takes its scores with keys in the
-// lanes, 16 keys a vdpbf16ps, where a broadcast key against rows in the lanes left most
-// lanes idle; its keys' pairs of dims must then lie key by key in a register.
-inline void transpose_words16(const void* const* rows, int64_t offset, float* out,
-                              int64_t stride) {
-  __m512 r[16], t[16];
-  PAGELLM_UNROLL
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(static_cast<const float*>(rows[i]) + offset);
-  // Within each 128-bit lane L: t[2i], t[2i + 1] interleave rows 2i and 2i + 1's words
-  // 4L.. 4L + 1 and 4L + 2.. 4L + 3.
-  PAGELLM_UNROLL
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  // r[4g + c], lane L: word 4L + c of rows 4g .. 4g + 3.
-  PAGELLM_UNROLL
-  for (int g = 0; g < 4; ++g) {
-    const auto pd = [](__m512 v) { return _mm512_castps_pd(v); };
-    r[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * g]), pd(t[4 * g + 2])));
-    r[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * g]), pd(t[4 * g + 2])));
-    r[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * g + 1]), pd(t[4 * g + 3])));
-    r[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * g + 1]), pd(t[4 * g + 3])));
-  }
-  // Word 4L + c of all 16 rows: lane L of r[c], r[4 + c], r[8 + c], r[12 + c].
-  PAGELLM_UNROLL
-  for (int c = 0; c < 4; ++c) {
-    const __m512 a0 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x44);
-    const __m512 a1 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xEE);
-    const __m512 b0 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x44);
-    const __m512 b1 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xEE);
-    _mm512_store_ps(out + c * stride, _mm512_shuffle_f32x4(a0, b0, 0x88));
-    _mm512_store_ps(out + (4 + c) * stride, _mm512_shuffle_f32x4(a0, b0, 0xDD));
-    _mm512_store_ps(out + (8 + c) * stride, _mm512_shuffle_f32x4(a1, b1, 0x88));
-    _mm512_store_ps(out + (12 + c) * stride, _mm512_shuffle_f32x4(a1, b1, 0xDD));
-  }
-}
 #else
 constexpr bool kBf16Products = false;
 // Declared only, so that the kernels' bfloat16 branches, never instantiated in this build,
@@ -160,7 +121,6 @@ vf load_bf16_values(const bf16* p);
 vf pack_bf16_pairs(vf first, vf second);
 vf dot_bf16_pairs(vf acc, vf a, vf b);
 void store_bf16(bf16* p, vf v);
-void transpose_words16(const void* const* rows, int64_t offset, float* out, int64_t stride);
 #endif
 
 }  // namespace simd

@@ -521,7 +521,10 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention(
 // query rows at once, 6 keys x 4 row vectors per pass), so the online softmax runs down
 // each row vector with vertical max and sum; then the output takes 6 rows (3 for 128
 // dims) x the whole head per pass, each value row loaded once for all of them. The
-// softmax is rescaled once per chunk of 48 keys.
+// softmax is rescaled once per chunk of 48 keys. A tile of a few rows (a decode's query
+// heads, at most kLaneRows) goes the other way round for its scores: keys transposed
+// into the lanes, a horizontal max; and its output passes take just its rows (see
+// attend_prefix).
 // With AVX2's 16 registers of 8 lanes, the passes are narrower: 6 keys x 1 row vector of
 // scores, and 6 rows x 16 dims of output, 12 registers each, beside the 2 registers of
 // the vector every FMA reads (kept in registers: folded into the FMAs as memory operands,
@@ -531,8 +534,11 @@ constexpr int kKeysPerPass = 6;
 constexpr int kScoreVecs = kWideRegisters ? 4 : 1;  // row vectors per score pass
 constexpr int kPvVecs = kWideRegisters ? 8 : 1;     // output vectors of a row per pass
 constexpr int64_t kPrefixRowTile = 64;
-// Tiles of at most this many rows take their bfloat16 scores with keys in the lanes (see
-// attend_prefix).
+// Tiles of at most this many rows take their scores with keys in the lanes (see
+// attend_prefix). Why 8: the rows-in-lanes way costs a 48-key chunk 48 instructions a dim
+// (or pair of dims) for any number of rows up to 16, keys in the lanes 3 a row, plus the
+// transpose and the copy of the probabilities into st: a gain for few rows, none short
+// of 16.
 constexpr int64_t kLaneRows = 8;
 constexpr int64_t kMinPrefixTasks = 4;  // see paged_prefix_attention
 
@@ -589,16 +595,15 @@ inline void score_pass(const float* qt, const K* const* keys, int r0, float* st,
   }
 }
 
-// pass.template operator()<rows>(0), for 1 <= rows < Max (at most 6): a pass of exactly a
-// small tile's rows.
-template <int Max, typename Pass>
+// pass.template operator()<rows>(0) for P <= rows < Max: a pass of exactly a small
+// tile's rows.
+template <int P, int Max, typename Pass>
 inline void few_rows_pass(int64_t rows, const Pass& pass) {
-  switch (rows) {
-    case 1: pass.template operator()<1>(0); break;
-    case 2: if constexpr (Max > 2) pass.template operator()<2>(0); break;
-    case 3: if constexpr (Max > 3) pass.template operator()<3>(0); break;
-    case 4: if constexpr (Max > 4) pass.template operator()<4>(0); break;
-    default: if constexpr (Max > 5) pass.template operator()<5>(0); break;
+  if constexpr (P < Max) {
+    if (rows == P) return pass.template operator()<P>(0);
+    few_rows_pass<P + 1, Max>(rows, pass);
+  } else {
+    TORCH_CHECK(false, "few_rows_pass: ", rows, " rows are not fewer than a pass's ", Max);
   }
 }
 
@@ -607,21 +612,25 @@ inline vmask lanes_below(int64_t count) {
   return first_lanes(static_cast<int>(std::clamp<int64_t>(count, 0, 16)));
 }
 
-// A chunk's scores with keys in the lanes, for a tile of `rows` <= kLaneRows rows with
-// bfloat16 products (see attend_prefix): row r's score of key t at lane_s[r * kKeyChunk +
-// t], and in `top` lane r the largest of those it sees (-inf in padding lanes). `keys`
-// holds kKeyChunk rows of pairs of dims (those past the chunk's n point at a real key).
-// Lane t of row r takes the steps of score_pass's lane r for key t: from zero, one
-// vdpbf16ps a pair of dims in order, whose two products are the same either way round.
-template <int D, int W>
-inline void lane_scores(const float* qt, const bf16* const* keys, int64_t rows,
+// A chunk's scores with keys in the lanes, for a tile of `rows` <= kLaneRows rows (see
+// attend_prefix): row r's score of key t at lane_s[r * kKeyChunk + t], and in `top` lane
+// r the largest of those it sees (-inf in padding lanes). `keys` holds kKeyChunk rows
+// (those past the chunk's n point at a real key) of float32 dims or, with K = bf16,
+// pairs of dims. Lane t of row r takes the steps of score_pass's lane r for key t: from
+// zero, one FMA a dim (or one vdpbf16ps a pair of dims) in order, whose products are the
+// same either way round. The largest score is the same value as score_pass's running
+// maximum (only the sign of a zero or which NaN could differ: a zero's exp is 1 either
+// way, and a NaN spoils its row either way).
+template <int D, int W, typename K>
+inline void lane_scores(const float* qt, const K* const* keys, int64_t rows,
                         const int32_t* lim, int64_t start, int n, float* key_t, float* lane_s,
                         vf* top) {
-  constexpr int kPairs = D / 2, kVecs = kKeyChunk / 16;
+  constexpr bool kPairs = std::is_same_v<K, bf16>;
+  constexpr int kWords = kPairs ? D / 2 : D, kVecs = kKeyChunk / 16;
   const void* rows_at[16];
   for (int kb = 0; kb < kVecs; ++kb) {
     for (int i = 0; i < 16; ++i) rows_at[i] = keys[kb * 16 + i];
-    for (int e0 = 0; e0 < kPairs; e0 += 16) {
+    for (int e0 = 0; e0 < kWords; e0 += 16) {
       transpose_words16(rows_at, e0, key_t + e0 * kKeyChunk + kb * 16, kKeyChunk);
     }
   }
@@ -632,11 +641,16 @@ inline void lane_scores(const float* qt, const bf16* const* keys, int64_t rows,
     vf s[kVecs];
     PAGELLM_UNROLL
     for (int kb = 0; kb < kVecs; ++kb) s[kb] = zero();
-    for (int e = 0; e < kPairs; ++e) {
+    for (int e = 0; e < kWords; ++e) {
       const vf q = set1(qt[e * W + row]);
       PAGELLM_UNROLL
       for (int kb = 0; kb < kVecs; ++kb) {
-        s[kb] = dot_bf16_pairs(s[kb], q, load(key_t + e * kKeyChunk + kb * 16));
+        const vf k = load(key_t + e * kKeyChunk + kb * 16);
+        if constexpr (kPairs) {
+          s[kb] = dot_bf16_pairs(s[kb], q, k);
+        } else {
+          s[kb] = fmadd(q, k, s[kb]);
+        }
       }
     }
     const int64_t visible = std::clamp<int64_t>(lim[row] - start, 0, n);
@@ -652,12 +666,12 @@ inline void lane_scores(const float* qt, const bf16* const* keys, int64_t rows,
 }
 
 // The probabilities of lane_scores' rows, as attend_prefix's softmax computes them (each
-// row's `shift` lane subtracted, exp16, rounded to bfloat16, zero where a row does not
-// see a key), laid out in st as the output pass reads them: st[t * W + row], t < n.
-template <int W>
+// row's `shift` lane subtracted, exp16, with Bf16 rounded to bfloat16, zero where a row
+// does not see a key), laid out in st as the output pass reads them: st[t * W + row], t <
+// n.
+template <int W, bool Bf16>
 inline void lane_probabilities(float* lane_s, int64_t rows, const int32_t* lim, int64_t start,
                                int n, vf shift, float* st) {
-  constexpr int kVecs = kKeyChunk / 16;
   alignas(64) float shifts[16];
   store(shifts, shift);
   for (int64_t row = 0; row < rows; ++row) {
@@ -665,7 +679,9 @@ inline void lane_probabilities(float* lane_s, int64_t rows, const int32_t* lim, 
     const vf sh = set1(shifts[row]);
     for (int kb = 0; kb * 16 < n; ++kb) {
       float* p = lane_s + row * kKeyChunk + kb * 16;
-      store(p, keep(lanes_below(visible - kb * 16), to_bf16_values(exp16(sub(load(p), sh)))));
+      vf e = exp16(sub(load(p), sh));
+      if constexpr (Bf16) e = to_bf16_values(e);
+      store(p, keep(lanes_below(visible - kb * 16), e));
     }
   }
   for (int t = 0; t < n; ++t) {
@@ -788,19 +804,21 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
   // they are read in place.
   alignas(64) KeyRow chunk_k[kConvert ? kKeyChunk * D : 1];
   const vf neg_inf = set1(-std::numeric_limits<float>::infinity());
-  // A tile of a few rows (a decode's query heads) with bfloat16 products takes its scores
-  // with keys in the lanes: the chunk's keys transposed to pairs of dims, key_t[pair][key],
-  // then each row's scores, 16 keys a vdpbf16ps, at lane_s[row][key]; its probabilities
-  // are computed there too and only then laid out in st as the output pass reads them.
-  // Each score, probability and sum takes the very steps of the rows-in-lanes way, so a
-  // row's bits do not depend on which way its tile went. Why: a decode's 3 rows against
-  // a broadcast key used 3 of each instruction's 16 lanes, for the scores, the softmax
-  // and (in passes of kPvRows rows) the output. 30 layers, 2 threads, bfloat16 pool:
-  // 32 decodes over 1,100 keys 59-65 -> 38 ms (the float32 decode kernel, which reads
-  // the same pool: 35 ms), 64 over 600 keys 73-80 -> 45 ms, 8 over 300 keys 3.5 -> 2.3.
-  constexpr bool kLaneKernel = Bf16 && RV == 1;
+  // A tile of a few rows (a decode's query heads) takes its scores with keys in the
+  // lanes: the chunk's keys transposed, key_t[dim or pair of dims][key], then each row's
+  // scores, 16 keys an FMA or vdpbf16ps, at lane_s[row][key]; its probabilities are
+  // computed there too and only then laid out in st as the output pass reads them. Each
+  // score, probability and sum takes the very steps of the rows-in-lanes way, so a row's
+  // bits do not depend on which way its tile went. Why: a decode's 3 rows against a
+  // broadcast key used 3 of each instruction's 16 lanes, for the scores, the softmax and
+  // (in passes of kPvRows rows) the output. 30 layers, 2 threads, bfloat16 pool,
+  // bfloat16 products: 32 decodes over 1,100 keys 59-65 -> 38 ms (the float32 decode
+  // kernel, which reads the same pool: 35 ms), 64 over 600 keys 73-80 -> 45 ms, 8 over
+  // 300 keys 3.5 -> 2.3; with float32 products, 32 over 1,100 keys 72 -> 53 ms (AVX-512)
+  // and 82 -> 54 ms (AVX2).
+  constexpr bool kLaneKernel = RV == 1;
   const bool lanes = kLaneKernel && rows <= kLaneRows;
-  alignas(64) float key_t[kLaneKernel ? D / 2 * kKeyChunk : 1];
+  alignas(64) float key_t[kLaneKernel ? (Bf16 ? D / 2 : D) * kKeyChunk : 1];
   alignas(64) float lane_s[kLaneKernel ? kLaneRows * kKeyChunk : 1];
   if (end > key_begin) {
     locate(key_begin, static_cast<int>(std::min<int64_t>(kKeyChunk, end - key_begin)), next_kp,
@@ -854,7 +872,7 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
     PAGELLM_UNROLL
     for (int r = 0; r < RV; ++r) top[r] = neg_inf;
     if constexpr (kLaneKernel) {
-      if (lanes) lane_scores<D, W>(qt, kp, rows, lim, start, n, key_t, lane_s, top);
+      if (lanes) lane_scores<D, W, KeyRow>(qt, kp, rows, lim, start, n, key_t, lane_s, top);
     }
     for (int t0 = 0; t0 < (lanes ? 0 : n); t0 += kKeysPerPass) {
       int r0 = 0;
@@ -887,7 +905,7 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
       vf sum = zero();
       if (lanes) {
         if constexpr (kLaneKernel) {
-          lane_probabilities<W>(lane_s, rows, lim, start, n, shift, st);
+          lane_probabilities<W, Bf16>(lane_s, rows, lim, start, n, shift, st);
           for (int t = 0; t < n; ++t) sum = add(sum, load(st + t * W));
         }
       } else if (whole) {
@@ -974,7 +992,7 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
     };
     if constexpr (RV == 1) {
       if (rows < kPvRows) {
-        few_rows_pass<kPvRows>(rows, output_pass);
+        few_rows_pass<1, kPvRows>(rows, output_pass);
         continue;
       }
     }

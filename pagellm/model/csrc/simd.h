@@ -166,6 +166,46 @@ inline void store_i8(int8_t* p, vf v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
 }
 
+// 16 lanes of `offset` 32-bit words on from each of rows[0..15] (floats, or pairs of
+// bfloat16), transposed: out[j * stride + i] = word offset + j of rows[i], j < 16 (out
+// and stride keep 64-byte alignment). Why: a tile of a few query rows (a decode's heads)
+// takes its scores with keys in the lanes (attend_prefix), so its keys' dims must lie
+// key by key in a register.
+inline void transpose_words16(const void* const* rows, int64_t offset, float* out,
+                              int64_t stride) {
+  __m512 r[16], t[16];
+  PAGELLM_UNROLL
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(static_cast<const float*>(rows[i]) + offset);
+  // Within each 128-bit lane L: t[2i], t[2i + 1] interleave rows 2i and 2i + 1's words
+  // 4L.. 4L + 1 and 4L + 2.. 4L + 3.
+  PAGELLM_UNROLL
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  // r[4g + c], lane L: word 4L + c of rows 4g .. 4g + 3.
+  PAGELLM_UNROLL
+  for (int g = 0; g < 4; ++g) {
+    const auto pd = [](__m512 v) { return _mm512_castps_pd(v); };
+    r[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * g]), pd(t[4 * g + 2])));
+    r[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * g]), pd(t[4 * g + 2])));
+    r[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * g + 1]), pd(t[4 * g + 3])));
+    r[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * g + 1]), pd(t[4 * g + 3])));
+  }
+  // Word 4L + c of all 16 rows: lane L of r[c], r[4 + c], r[8 + c], r[12 + c].
+  PAGELLM_UNROLL
+  for (int c = 0; c < 4; ++c) {
+    const __m512 a0 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x44);
+    const __m512 a1 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xEE);
+    const __m512 b0 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x44);
+    const __m512 b1 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xEE);
+    _mm512_store_ps(out + c * stride, _mm512_shuffle_f32x4(a0, b0, 0x88));
+    _mm512_store_ps(out + (4 + c) * stride, _mm512_shuffle_f32x4(a0, b0, 0xDD));
+    _mm512_store_ps(out + (8 + c) * stride, _mm512_shuffle_f32x4(a1, b1, 0x88));
+    _mm512_store_ps(out + (12 + c) * stride, _mm512_shuffle_f32x4(a1, b1, 0xDD));
+  }
+}
+
 #elif defined(__AVX2__) && defined(__FMA__)
 
 constexpr bool kWideRegisters = false;
@@ -393,6 +433,43 @@ inline void store_i8(int8_t* p, vf v) {
   const __m256i bytes = _mm256_packs_epi16(words, words);
   const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 0, 0, 0, 0));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(ordered));
+}
+
+// transpose_words16 (see the AVX-512 half) as four 8 x 8 transposes.
+inline void transpose_words16(const void* const* rows, int64_t offset, float* out,
+                              int64_t stride) {
+  PAGELLM_UNROLL
+  for (int rb = 0; rb < 16; rb += 8) {
+    PAGELLM_UNROLL
+    for (int wb = 0; wb < 16; wb += 8) {
+      __m256 r[8], t[8], u[8];
+      PAGELLM_UNROLL
+      for (int i = 0; i < 8; ++i) {
+        r[i] = _mm256_loadu_ps(static_cast<const float*>(rows[rb + i]) + offset + wb);
+      }
+      // Within each 128-bit half h: t[2i] and t[2i + 1] interleave rows 2i and 2i + 1's
+      // words 4h.. 4h + 1 and 4h + 2.. 4h + 3.
+      PAGELLM_UNROLL
+      for (int i = 0; i < 4; ++i) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+      }
+      // u[4g + c], half h: word 4h + c of rows 4g .. 4g + 3.
+      PAGELLM_UNROLL
+      for (int g = 0; g < 2; ++g) {
+        u[4 * g] = _mm256_shuffle_ps(t[4 * g], t[4 * g + 2], 0x44);
+        u[4 * g + 1] = _mm256_shuffle_ps(t[4 * g], t[4 * g + 2], 0xEE);
+        u[4 * g + 2] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);
+        u[4 * g + 3] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xEE);
+      }
+      PAGELLM_UNROLL
+      for (int c = 0; c < 4; ++c) {
+        _mm256_store_ps(out + (wb + c) * stride + rb, _mm256_permute2f128_ps(u[c], u[4 + c], 0x20));
+        _mm256_store_ps(out + (wb + 4 + c) * stride + rb,
+                        _mm256_permute2f128_ps(u[c], u[4 + c], 0x31));
+      }
+    }
+  }
 }
 
 #else
