@@ -4,7 +4,8 @@ They are compiled on first use with the machine's g++ for its own CPU (`-march=n
 into `<cache_dir>/kernels/`, keyed by the sources, torch, the compiler and the CPU's
 flags, and loaded into torch as `torch.ops.pagellm.*` (they run on torch's own thread
 pool). Building takes about 10 s, once per machine. They are written once in 16-lane
-vectors (csrc/simd.h) and built for AVX-512 or, where the CPU has none, AVX2 with FMA;
+vectors (csrc/simd.h) and built for AVX-512 or, where the CPU has none, AVX2 with FMA
+(and F16C, for the weights' float16 scales);
 where it also has AMX's bfloat16 tiles, matmuls of many rows run on them (exactly:
 csrc/amx_matmul.h says how).
 Where they cannot be built (no compiler, neither instruction set, not Linux on x86-64),
@@ -132,9 +133,9 @@ def _instruction_set() -> tuple[str, str | None]:
         return "avx512", None
     if wanted == "avx512":
         return "", "PAGELLM_CPU_ISA=avx512, but this CPU has no AVX-512"
-    if {"avx2", "fma"} <= flags:
+    if {"avx2", "fma", "f16c"} <= flags:
         return "avx2", None
-    return "", "this CPU has neither AVX-512 nor AVX2 with FMA"
+    return "", "this CPU has neither AVX-512 nor AVX2 with FMA and F16C"
 
 
 def _cpu_flags() -> frozenset[str]:

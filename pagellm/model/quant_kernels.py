@@ -63,9 +63,11 @@ class QuantizedWeight:
 
     format: BlockFormat
     # tiles = the weight's rows / 16 (when gated, twice out_features / 16)
-    scales: torch.Tensor  # float32 [tiles, in / 32, 16]
+    # The GGUF's own float16 (the kernels widen them exactly as they load them: see
+    # csrc/quant_linear.cpp)
+    scales: torch.Tensor  # float16 [tiles, in / 32, 16]
     codes: torch.Tensor  # Q4_1: uint8 [tiles, in / 32, 16, 16]; Q8_0: int8 [.., 32, 16]
-    mins: torch.Tensor | None = None  # Q4_1: float32 like scales
+    mins: torch.Tensor | None = None  # Q4_1: float16 like scales
     # A gated MLP's gate and up halves, tiles in (gate, up) pairs: the kernel returns
     # silu(gate) * up [rows, out / 2] (see gate_up_pairs).
     gated: bool = False
@@ -134,7 +136,7 @@ def pack(fmt: BlockFormat, blocks: torch.Tensor, in_features: int) -> QuantizedW
     tiled = raw.reshape(out_features // _LANES, _LANES, in_features // BLOCK, fmt.block_bytes)
 
     def per_lane(field: torch.Tensor) -> torch.Tensor:  # [t, lanes, b, 2] -> [t, b, lanes]
-        return _half(field).transpose(1, 2).contiguous()
+        return field.contiguous().view(torch.float16).squeeze(-1).transpose(1, 2).contiguous()
 
     if fmt.name == "Q4_1":
         return QuantizedWeight(fmt, per_lane(tiled[..., 0:2]),

@@ -603,11 +603,15 @@ def test_the_instruction_set_is_the_widest_the_cpu_has(monkeypatch: pytest.Monke
     monkeypatch.delenv("PAGELLM_CPU_ISA", raising=False)
     monkeypatch.setattr(cpu_kernels.platform, "system", lambda: "Linux")
     monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
-    amx = {"avx2", "fma", "avx512f", "avx512bw", "amx_tile", "amx_bf16", "avx512_bf16"}
+    amx = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "amx_tile", "amx_bf16", "avx512_bf16"}
     for flags, expected in [(amx, "amx"), (amx - {"avx512_bf16"}, "avx512"),
-                            ({"avx2", "fma", "amx_tile", "amx_bf16"}, "avx2")]:
+                            ({"avx2", "fma", "f16c", "amx_tile", "amx_bf16"}, "avx2")]:
         monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda flags=flags: frozenset(flags))
         assert cpu_kernels._instruction_set() == (expected, None)
+    # The weights' scales are float16, which AVX2 builds widen with F16C.
+    monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert cpu_kernels._instruction_set() == (
+        "", "this CPU has neither AVX-512 nor AVX2 with FMA and F16C")
     monkeypatch.setenv("PAGELLM_CPU_ISA", "avx512")
     monkeypatch.setattr(cpu_kernels, "_cpu_flags", lambda: frozenset(amx))
     assert cpu_kernels._instruction_set() == ("avx512", None)

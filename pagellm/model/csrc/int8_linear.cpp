@@ -46,6 +46,7 @@ namespace {
 using namespace pagellm_kernels::simd;
 using pagellm_kernels::check_linear_args;
 using pagellm_kernels::check_mins;
+using pagellm_kernels::halves;
 using pagellm_kernels::for_each_task;
 using pagellm_kernels::Prefetch;
 using pagellm_kernels::silu_mul16;
@@ -129,8 +130,8 @@ void quantize_rows(const float* x, int64_t in, int64_t begin, int64_t end, int8_
 // R rows from `r0` against T tiles (T = 2: a pair, which is (gate, up) when gated), over
 // every block: y[r, 0 : 16 T] (gated: silu(gate) * up, y[r, 0:16]).
 template <class Format, int R, int T>
-void pass(const QuantizedRows& x, int64_t r0, int64_t blocks, const float* scales,
-          const float* mins, const uint8_t* codes, float* y, int64_t ldy, bool gated) {
+void pass(const QuantizedRows& x, int64_t r0, int64_t blocks, const uint16_t* scales,
+          const uint16_t* mins, const uint8_t* codes, float* y, int64_t ldy, bool gated) {
   const int64_t tile_scales = blocks * kLanes, tile_codes = blocks * Format::kCodeBytes;
   vf acc[R][T];
   PAGELLM_UNROLL
@@ -166,14 +167,14 @@ void pass(const QuantizedRows& x, int64_t r0, int64_t blocks, const float* scale
     }
     PAGELLM_UNROLL
     for (int t = 0; t < T; ++t) {
-      const vf d = loadu(scales + t * tile_scales + b * kLanes);
+      const vf d = load_halves(scales + t * tile_scales + b * kLanes);
       PAGELLM_UNROLL
       for (int r = 0; r < R; ++r) {
         const int64_t at = b * x.rows + r0 + r;
         acc[r][t] = fmadd(to_float(Format::finish(sum[r][t], weight_sum[t])),
                           mul(d, set1(x.scales[at])), acc[r][t]);
         if (mins != nullptr) {
-          acc[r][t] = fmadd(loadu(mins + t * tile_scales + b * kLanes), set1(x.sums[at]),
+          acc[r][t] = fmadd(load_halves(mins + t * tile_scales + b * kLanes), set1(x.sums[at]),
                             acc[r][t]);
         }
       }
@@ -192,7 +193,7 @@ void pass(const QuantizedRows& x, int64_t r0, int64_t blocks, const float* scale
   }
 }
 
-using PassFn = void (*)(const QuantizedRows&, int64_t, int64_t, const float*, const float*,
+using PassFn = void (*)(const QuantizedRows&, int64_t, int64_t, const uint16_t*, const uint16_t*,
                         const uint8_t*, float*, int64_t, bool);
 
 template <class Format, int T, std::size_t... R>
@@ -208,7 +209,7 @@ constexpr std::array<std::array<PassFn, kPassRows>, 2> kPasses = {
 
 template <class Format>
 at::Tensor int8_linear(const char* name, const at::Tensor& x, const at::Tensor& scales,
-                       const float* mins, const at::Tensor& codes, bool gated) {
+                       const uint16_t* mins, const at::Tensor& codes, bool gated) {
   const int64_t width = check_linear_args(name, x, scales, gated);
   constexpr int64_t groups = Format::kCodeBytes / 64;
   TORCH_CHECK(codes.dim() == 4 && codes.size(0) == scales.size(0) &&
@@ -229,7 +230,7 @@ at::Tensor int8_linear(const char* name, const at::Tensor& x, const at::Tensor& 
     quantize_rows(xp, in, begin, end, qp, rs, rs + blocks * rows, rows, Format::kOffsetInputs);
   });
   const QuantizedRows quantized{qp, rs, rs + blocks * rows, rows};
-  const float* sp = scales.data_ptr<float>();
+  const uint16_t* sp = halves(scales);
   const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
   float* yp = y.data_ptr<float>();
   const int64_t tile_scales = blocks * kLanes, tile_codes = blocks * Format::kCodeBytes;
@@ -268,7 +269,7 @@ at::Tensor q4_1_int8_linear(const at::Tensor& x, const at::Tensor& scales, const
                             const at::Tensor& codes, bool gated) {
   check_mins("q4_1_int8_linear", mins, scales);
   TORCH_CHECK(codes.scalar_type() == at::kByte, "q4_1_int8_linear: codes must be uint8");
-  return int8_linear<Q4_1>("q4_1_int8_linear", x, scales, mins.data_ptr<float>(), codes, gated);
+  return int8_linear<Q4_1>("q4_1_int8_linear", x, scales, halves(mins), codes, gated);
 }
 
 at::Tensor q8_0_int8_linear(const at::Tensor& x, const at::Tensor& scales, const at::Tensor& codes,

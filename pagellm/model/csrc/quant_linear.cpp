@@ -1,5 +1,5 @@
 // y = x @ W.T for a weight kept in a GGUF block format, dequantised in registers: a
-// decode step streams 5 (Q4_1) or 9 (Q8_0) bits per weight from memory instead of 32.
+// decode step streams 5 (Q4_1) or 8.5 (Q8_0) bits per weight from memory instead of 32.
 //
 // Exactness: where weights are rebuilt (the panels of many rows), it is with the same
 // float32 roundings as the GGUF reader's dequantisation: Q4_1 (scale * code) + min as a
@@ -11,9 +11,12 @@
 //
 // Packed layouts (built by quant_kernels.py): output rows in tiles of 16 lanes, then per
 // (tile, block of 32 inputs):
-//   Q4_1: scales[16], mins[16] float32; codes[16][16] bytes, byte j of lane n holding
+//   Q4_1: scales[16], mins[16] float16; codes[16][16] bytes, byte j of lane n holding
 //         input j in its low nibble and input j + 16 in its high one;
-//   Q8_0: scales[16] float32; codes[32][16] int8, input j of lane n.
+//   Q8_0: scales[16] float16; codes[32][16] int8, input j of lane n.
+// The scales and mins are the GGUF's own float16, widened exactly as they are loaded
+// (load_halves). Why not widened once at load: a one-row matmul streams its weight from
+// memory, and float32 scales and mins made a Q4_1 weight 6 bits a weight, not 5.
 //
 // Gated (a gated MLP's fused gate and up weight): tiles come in pairs, the gate's 16 rows
 // then the up's same 16 rows, and the result is silu(gate) * up [rows, out / 2], taken
@@ -41,6 +44,7 @@ namespace {
 using namespace pagellm_kernels::simd;
 using pagellm_kernels::check_linear_args;
 using pagellm_kernels::check_mins;
+using pagellm_kernels::halves;
 using pagellm_kernels::for_each_task;
 using pagellm_kernels::Prefetch;
 using pagellm_kernels::silu_mul16;
@@ -80,7 +84,7 @@ struct Q4_1 {
   // many rows share its pass, as they already did on tiles against panels: the engine
   // relies on row independence only for panels (prompt chunks, tested).
   template <int R>
-  static void block(const float* xb, const float* scales, const float* mins,
+  static void block(const float* xb, const uint16_t* scales, const uint16_t* mins,
                     const uint8_t* q, const float* sums, vf* acc_a, vf* acc_b) {
     constexpr bool split = R * (kWideRegisters ? 1 : 2) <= 4;
     vf pa[R], pb[R];
@@ -100,8 +104,8 @@ struct Q4_1 {
         }
       }
     }
-    const vf d = loadu(scales);
-    const vf m = loadu(mins);
+    const vf d = load_halves(scales);
+    const vf m = load_halves(mins);
     PAGELLM_UNROLL
     for (int r = 0; r < R; ++r) {
       acc_a[r] = fmadd(d, pa[r], acc_a[r]);
@@ -129,10 +133,10 @@ struct Q4_1 {
 #endif
 
   // The block's 32 x 16 weights as float32, input-major with row stride `ld`.
-  static void unpack(const float* scales, const float* mins, const uint8_t* q, float* w,
+  static void unpack(const uint16_t* scales, const uint16_t* mins, const uint8_t* q, float* w,
                      int64_t ld) {
-    const vf d = loadu(scales);
-    const vf m = loadu(mins);
+    const vf d = load_halves(scales);
+    const vf m = load_halves(mins);
     PAGELLM_UNROLL
     for (int j = 0; j < 16; ++j) {
       vf lo, hi;
@@ -156,9 +160,9 @@ struct Q8_0 {
   // Even and odd inputs go to separate accumulators (see Q4_1). A scale alone needs no
   // sums of x.
   template <int R>
-  static void block(const float* xb, const float* scales, const float*, const uint8_t* q,
+  static void block(const float* xb, const uint16_t* scales, const uint16_t*, const uint8_t* q,
                     const float*, vf* acc_a, vf* acc_b) {
-    const vf d = loadu(scales);
+    const vf d = load_halves(scales);
     PAGELLM_UNROLL
     for (int j = 0; j < 32; j += 2) {
       const vf w0 = weight(d, q, j);
@@ -171,9 +175,9 @@ struct Q8_0 {
     }
   }
 
-  static void unpack(const float* scales, const float*, const uint8_t* q, float* w,
+  static void unpack(const uint16_t* scales, const uint16_t*, const uint8_t* q, float* w,
                      int64_t ld) {
-    const vf d = loadu(scales);
+    const vf d = load_halves(scales);
     PAGELLM_UNROLL
     for (int j = 0; j < 32; ++j) store(w + j * ld, weight(d, q, j));
   }
@@ -236,7 +240,7 @@ void pack_rows(const float* x, int64_t rows, int64_t in, float* packed, float* s
 // R rows of x, packed (pack_rows), against one tile of 16 output rows: y[r, 0:16] over
 // every input block.
 template <class Format, int R>
-void tile(const float* x, int64_t blocks, const float* scales, const float* mins,
+void tile(const float* x, int64_t blocks, const uint16_t* scales, const uint16_t* mins,
           const uint8_t* codes, const float* sums, float* y, int64_t ldy) {
   vf acc_a[R], acc_b[R];
   PAGELLM_UNROLL
@@ -251,7 +255,7 @@ void tile(const float* x, int64_t blocks, const float* scales, const float* mins
   for (int r = 0; r < R; ++r) storeu(y + r * ldy, add(acc_a[r], acc_b[r]));
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, const float*, const uint8_t*,
+using TileFn = void (*)(const float*, int64_t, const uint16_t*, const uint16_t*, const uint8_t*,
                         const float*, float*, int64_t);
 
 template <class Format, std::size_t... R>
@@ -386,8 +390,8 @@ constexpr std::array<PanelFn, sizeof...(R)> panel_table(std::index_sequence<R...
 constexpr auto kPanelRowFns = panel_table(std::make_index_sequence<kPanelRows>());
 
 template <class Format>
-void panel(const float* x, int64_t rows, int64_t in, int64_t blocks, const float* scales,
-           const float* mins, const uint8_t* codes, int64_t tile_scales, int64_t tile_codes,
+void panel(const float* x, int64_t rows, int64_t in, int64_t blocks, const uint16_t* scales,
+           const uint16_t* mins, const uint8_t* codes, int64_t tile_scales, int64_t tile_codes,
            float* y, int64_t ldy, int64_t next_panel, bool gated) {
   constexpr int64_t kWidth = kPanel * kLanes;
   float* w = thread_scratch(0, in * kWidth);
@@ -425,13 +429,13 @@ void panel(const float* x, int64_t rows, int64_t in, int64_t blocks, const float
 // acc += scale * (the block's tile sums) (+ min * the row's block sum), for one sub-block
 // of 2 row tiles x 2 output tiles, stored in `sums_of_tiles`.
 template <class Format>
-void amx_scale(const float (*sums_of_tiles)[amx::kTile][amx::kTile], const float* scales,
-               const float* mins, int64_t tile_scales, int64_t b, const float* row_sums,
+void amx_scale(const float (*sums_of_tiles)[amx::kTile][amx::kTile], const uint16_t* scales,
+               const uint16_t* mins, int64_t tile_scales, int64_t b, const float* row_sums,
                int64_t blocks, float* acc, int64_t ld_acc) {
   for (int j = 0; j < 2; ++j) {
-    const vf d = loadu(scales + j * tile_scales + b * kLanes);
+    const vf d = load_halves(scales + j * tile_scales + b * kLanes);
     vf m = zero();
-    if constexpr (Format::kHasMins) m = loadu(mins + j * tile_scales + b * kLanes);
+    if constexpr (Format::kHasMins) m = load_halves(mins + j * tile_scales + b * kLanes);
     for (int i = 0; i < 2; ++i) {
       PAGELLM_UNROLL
       for (int r = 0; r < amx::kTile; ++r) {
@@ -453,7 +457,7 @@ void amx_scale(const float (*sums_of_tiles)[amx::kTile][amx::kTile], const float
 // unpacked into B tiles once per task, into this thread's scratch.
 template <class Format, int kPairs>
 void amx_columns(const uint16_t* pieces, const float* row_sums, int64_t rows,
-                 int64_t padded_rows, int64_t blocks, const float* scales, const float* mins,
+                 int64_t padded_rows, int64_t blocks, const uint16_t* scales, const uint16_t* mins,
                  const uint8_t* codes, int64_t tile_scales, int64_t tile_codes, float* y,
                  int64_t ldy, bool gated, const Prefetch& next) {
   constexpr int64_t kRowsPerPass = 64, kWidth = 2 * kPairs * kLanes;
@@ -559,8 +563,8 @@ void amx_columns(const uint16_t* pieces, const float* row_sums, int64_t rows,
 // 2.39-2.43 -> 2.16-2.20 ms, 512 x 576 x 576 0.89-0.90 -> 0.80-0.83 ms; 32 rows are one
 // chunk, as before. A row's result does not depend on its chunk.
 template <class Format>
-void amx_linear(const float* x, int64_t rows, int64_t in, int64_t tiles, const float* scales,
-                const float* mins, const uint8_t* codes, float* y, int64_t ldy, bool gated) {
+void amx_linear(const float* x, int64_t rows, int64_t in, int64_t tiles, const uint16_t* scales,
+                const uint16_t* mins, const uint8_t* codes, float* y, int64_t ldy, bool gated) {
   const int64_t blocks = in / kBlock;
   const int64_t padded_rows = (rows + 31) / 32 * 32;
   at::Tensor pieces = at::empty({padded_rows * in * amx::kPieces}, at::kBFloat16);
@@ -581,7 +585,7 @@ void amx_linear(const float* x, int64_t rows, int64_t in, int64_t tiles, const f
   for_each_task(chunks * column_tasks, [&](int64_t task, int64_t next_task) {
     const int64_t column = task % column_tasks, r0 = task / column_tasks * chunk_rows;
     const int64_t t = column * 2 * kPanel;
-    const float* tm = mins == nullptr ? nullptr : mins + t * tile_scales;
+    const uint16_t* tm = mins == nullptr ? nullptr : mins + t * tile_scales;
     float* out = y + r0 * ldy + (gated ? t / 2 : t) * kLanes;
     const int64_t n = std::max<int64_t>(next_task, 0) % column_tasks * 2 * kPanel;
     const Prefetch next(scales, mins, codes, tile_scales, tile_codes, n,
@@ -605,7 +609,7 @@ void amx_linear(const float* x, int64_t rows, int64_t in, int64_t tiles, const f
 
 template <class Format>
 at::Tensor quantized_linear(const char* name, const at::Tensor& x, const at::Tensor& scales,
-                            const float* mins, const at::Tensor& codes, bool gated) {
+                            const uint16_t* mins, const at::Tensor& codes, bool gated) {
   const int64_t width = check_linear_args(name, x, scales, gated);
   TORCH_CHECK(codes.size(0) == scales.size(0) && codes.size(1) == scales.size(1) &&
                   codes.numel() == scales.numel() / kLanes * Format::kCodeBytes &&
@@ -615,7 +619,7 @@ at::Tensor quantized_linear(const char* name, const at::Tensor& x, const at::Ten
   const int64_t rows = x.size(0), in = x.size(1), out = tiles * kLanes;
   at::Tensor y = at::empty({rows, width}, x.options());
   const float* xp = x.data_ptr<float>();
-  const float* sp = scales.data_ptr<float>();
+  const uint16_t* sp = halves(scales);
   const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
   float* yp = y.data_ptr<float>();
   const int64_t tile_scales = blocks * kLanes, tile_codes = blocks * Format::kCodeBytes;
@@ -682,7 +686,7 @@ at::Tensor q4_1_linear(const at::Tensor& x, const at::Tensor& scales, const at::
   TORCH_CHECK(codes.scalar_type() == at::kByte, "q4_1_linear: codes must be uint8");
   TORCH_CHECK(codes.dim() == 4 && codes.size(3) == kLanes, "q4_1_linear: codes must be "
               "[tiles, blocks, 16, 16] (codes in the int8 layout go to q4_1_int8_linear)");
-  return quantized_linear<Q4_1>("q4_1_linear", x, scales, mins.data_ptr<float>(), codes, gated);
+  return quantized_linear<Q4_1>("q4_1_linear", x, scales, halves(mins), codes, gated);
 }
 
 at::Tensor q8_0_linear(const at::Tensor& x, const at::Tensor& scales, const at::Tensor& codes,

@@ -1,4 +1,5 @@
-// 16 float32 lanes for the kernels, on AVX-512 (one register) or on AVX2 with FMA (two).
+// 16 float32 lanes for the kernels, on AVX-512 (one register) or on AVX2 with FMA and F16C
+// (two).
 //
 // Why one type for both: the kernels are written once, in 16-lane vectors (a weight tile's
 // 16 output rows, a head's 64 dims as 4 vectors), and the compiler picks the instruction
@@ -86,6 +87,10 @@ inline unsigned bits(vmask m) { return m; }
 inline vmask first_lanes(int n) { return n >= 16 ? 0xFFFF : (1u << n) - 1; }
 // The first n floats at p, zeros after them; nothing past p + n is read.
 inline vf loadu_first(const float* p, int n) { return _mm512_maskz_loadu_ps(first_lanes(n), p); }
+// 16 float16 (bits) at p as float32, exactly.
+inline vf load_halves(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 
 inline vi set1_i(int32_t x) { return _mm512_set1_epi32(x); }
 inline vi load_i(const int32_t* p) { return _mm512_load_si512(p); }  // 64-byte aligned
@@ -206,7 +211,7 @@ inline void transpose_words16(const void* const* rows, int64_t offset, float* ou
   }
 }
 
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 
 constexpr bool kWideRegisters = false;
 #define PAGELLM_WIDE_REGISTERS 0
@@ -370,6 +375,11 @@ inline vf loadu_first(const float* p, int n) {
           _mm256_maskload_ps(p + 8, _mm256_castps_si256(m.hi))};
 }
 
+// 16 float16 (bits) at p as float32, exactly (F16C, which every AVX2 CPU has).
+inline vf load_halves(const uint16_t* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
 // 16 int8 codes as floats.
 inline vf from_i8(const int8_t* p) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -473,7 +483,7 @@ inline void transpose_words16(const void* const* rows, int64_t offset, float* ou
 }
 
 #else
-#error "the CPU kernels need AVX-512 (F and BW) or AVX2 with FMA"
+#error "the CPU kernels need AVX-512 (F and BW) or AVX2 with FMA and F16C"
 #endif
 
 }  // namespace pagellm_kernels::simd

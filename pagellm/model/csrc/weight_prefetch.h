@@ -18,9 +18,9 @@ struct Prefetch {
   int64_t lines[3] = {0, 0, 0};
 
   // The blocks of `count` tiles from tile `first`.
-  Prefetch(const float* scales, const float* mins, const uint8_t* codes, int64_t tile_scales,
+  Prefetch(const uint16_t* scales, const uint16_t* mins, const uint8_t* codes, int64_t tile_scales,
            int64_t tile_codes, int64_t first, int64_t count) {
-    const int64_t scale_bytes = count * tile_scales * static_cast<int64_t>(sizeof(float));
+    const int64_t scale_bytes = count * tile_scales * static_cast<int64_t>(sizeof(uint16_t));
     region[0] = reinterpret_cast<const char*>(codes + first * tile_codes);
     lines[0] = count * tile_codes / 64;
     region[1] = reinterpret_cast<const char*>(scales + first * tile_scales);
