@@ -147,9 +147,10 @@ class EngineConfig:
     else the CPU (the field keeps what was given; the engine holds the resolved device).
     `skip_tokenizer_init` runs without a tokenizer: prompts are token ids and outputs carry
     no text (for models shipped without one, and for benchmarks that bring their own).
-    `cpu_kernels`: a float32 model on an x86-64 CPU with AVX-512 or AVX2 runs decode attention through a
-    compiled paged kernel and, for a Q4_1/Q8_0 GGUF, its matmuls straight from its
-    quantized blocks (the same weights in fewer bytes); built once into `cache_dir`/kernels.
+    `cpu_kernels`: a float32 model on an x86-64 CPU with AVX-512 or AVX2 (with FMA and
+    F16C) runs decode attention through a compiled paged kernel and, for a Q4_1/Q8_0
+    GGUF, its matmuls straight from its quantized blocks (the same weights in fewer
+    bytes); built once into `cache_dir`/kernels.
     False keeps everything on torch ops and float32 weights.
     `long_prefill_token_threshold` (vLLM's; 0, the default: off): the most tokens one
     request computes in a step, so that a long prompt's prefill leaves room in each step

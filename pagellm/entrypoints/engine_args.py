@@ -170,7 +170,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        default=_DEFAULTS["cpu_kernels"],
                        help="compiled CPU kernels for decode steps: paged attention, and "
                             "matmuls on a GGUF's own quantized blocks (float32, AVX-512 or "
-                            "AVX2 with FMA; built once into the cache dir) (default: on)")
+                            "AVX2 with FMA and F16C; built once into the cache dir) "
+                            "(default: on)")
     group.add_argument("--quantize-activations", action=argparse.BooleanOptionalAction,
                        default=_DEFAULTS["quantize_activations"],
                        help="for a Q4_1 or Q8_0 GGUF on the CPU kernels, quantize the matmuls' "

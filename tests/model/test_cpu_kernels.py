@@ -5,6 +5,7 @@ with the other attention backends (test_attention.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -226,6 +227,42 @@ def test_kernel_rejects_bad_inputs(kernels: bool, fmt: str) -> None:
         qk.quantized_linear(torch.randn(2, 32), packed)
     with pytest.raises(RuntimeError, match="float32"):
         qk.quantized_linear(torch.randn(2, 64, dtype=torch.float64), packed)
+    # The scales and mins are the GGUF's float16, as pack keeps them; float32 ones are
+    # refused by name, for both kernels.
+    assert packed.scales.dtype == torch.float16
+    assert packed.mins is None or packed.mins.dtype == torch.float16
+    widened = dataclasses.replace(packed, scales=packed.scales.float())
+    for weight in (widened, qk.int8_activation_layout(widened)):
+        with pytest.raises(RuntimeError, match="scales must be float16"):
+            qk.quantized_linear(torch.randn(2, 64), weight)
+    if packed.mins is not None:
+        wide_mins = dataclasses.replace(packed, mins=packed.mins.float())
+        for weight in (wide_mins, qk.int8_activation_layout(wide_mins)):
+            with pytest.raises(RuntimeError, match="mins must match scales"):
+                qk.quantized_linear(torch.randn(2, 64), weight)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_float16_scales_and_mins_widen_exactly(kernels: bool, fmt: str) -> None:
+    """Blocks whose float16 scale or min is a subnormal, or a zero of either sign, read
+    back through the identity as dequantize gives them, bit for bit: on the register
+    tiles and on the panels (the scales are widened as the kernels load them)."""
+    blocks, _ = _blocks(fmt, 64, 128, seed=3)
+    fields = blocks.view(64, 4, qk.FORMATS[fmt].block_bytes)
+    specials = torch.tensor([2**-24, -(2**-24), 3 * 2**-20, 0.0, -0.0, 2**-14],
+                            dtype=torch.float16).view(torch.uint8).view(-1, 2)
+    generator = torch.Generator().manual_seed(0)
+    for start in (0, 2):  # the scale, then Q4_1's min
+        if start == 2 and fmt != "Q4_1":
+            continue
+        picks = torch.randint(0, 64 * 4, (40,), generator=generator)
+        chosen = specials[torch.randint(0, len(specials), (40,), generator=generator)]
+        fields.view(-1, fields.shape[-1])[picks, start:start + 2] = chosen
+    dense = qk.dequantize(qk.FORMATS[fmt], blocks, 128)
+    packed = qk.pack(qk.FORMATS[fmt], blocks, 128)
+    eye = torch.eye(128)
+    for rows in (slice(0, 1), slice(30, 33), slice(0, 8), slice(0, 128)):
+        assert torch.equal(qk.quantized_linear(eye[rows], packed), dense.T[rows]), rows
 
 
 def test_linear_with_blocks_takes_the_kernel_for_every_batch(kernels: bool) -> None:

@@ -168,15 +168,13 @@ void pass(const QuantizedRows& x, int64_t r0, int64_t blocks, const uint16_t* sc
     PAGELLM_UNROLL
     for (int t = 0; t < T; ++t) {
       const vf d = load_halves(scales + t * tile_scales + b * kLanes);
+      const vf m = mins != nullptr ? load_halves(mins + t * tile_scales + b * kLanes) : zero();
       PAGELLM_UNROLL
       for (int r = 0; r < R; ++r) {
         const int64_t at = b * x.rows + r0 + r;
         acc[r][t] = fmadd(to_float(Format::finish(sum[r][t], weight_sum[t])),
                           mul(d, set1(x.scales[at])), acc[r][t]);
-        if (mins != nullptr) {
-          acc[r][t] = fmadd(load_halves(mins + t * tile_scales + b * kLanes), set1(x.sums[at]),
-                            acc[r][t]);
-        }
+        if (mins != nullptr) acc[r][t] = fmadd(m, set1(x.sums[at]), acc[r][t]);
       }
     }
   }

@@ -23,11 +23,12 @@ struct Prefetch {
     const int64_t scale_bytes = count * tile_scales * static_cast<int64_t>(sizeof(uint16_t));
     region[0] = reinterpret_cast<const char*>(codes + first * tile_codes);
     lines[0] = count * tile_codes / 64;
+    // Float16 scales of an odd number of (tile, block)s end half-way through a line.
     region[1] = reinterpret_cast<const char*>(scales + first * tile_scales);
-    lines[1] = scale_bytes / 64;
+    lines[1] = (scale_bytes + 63) / 64;
     if (mins != nullptr) {
       region[2] = reinterpret_cast<const char*>(mins + first * tile_scales);
-      lines[2] = scale_bytes / 64;
+      lines[2] = (scale_bytes + 63) / 64;
     }
   }
 
