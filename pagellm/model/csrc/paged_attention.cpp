@@ -666,12 +666,12 @@ inline void lane_scores(const float* qt, const K* const* keys, int64_t rows,
 }
 
 // The probabilities of lane_scores' rows, as attend_prefix's softmax computes them (each
-// row's `shift` lane subtracted, exp16, with Bf16 rounded to bfloat16, zero where a row
-// does not see a key), laid out in st as the output pass reads them: st[t * W + row], t <
-// n.
-template <int W, bool Bf16>
+// row's `shift` lane subtracted, exp16, then `weight`, attend_prefix's own rounding; zero
+// where a row does not see a key), laid out in st as the output pass reads them:
+// st[t * W + row], t < n.
+template <int W, typename Weight>
 inline void lane_probabilities(float* lane_s, int64_t rows, const int32_t* lim, int64_t start,
-                               int n, vf shift, float* st) {
+                               int n, vf shift, const Weight& weight, float* st) {
   alignas(64) float shifts[16];
   store(shifts, shift);
   for (int64_t row = 0; row < rows; ++row) {
@@ -679,9 +679,7 @@ inline void lane_probabilities(float* lane_s, int64_t rows, const int32_t* lim, 
     const vf sh = set1(shifts[row]);
     for (int kb = 0; kb * 16 < n; ++kb) {
       float* p = lane_s + row * kKeyChunk + kb * 16;
-      vf e = exp16(sub(load(p), sh));
-      if constexpr (Bf16) e = to_bf16_values(e);
-      store(p, keep(lanes_below(visible - kb * 16), e));
+      store(p, keep(lanes_below(visible - kb * 16), weight(exp16(sub(load(p), sh)))));
     }
   }
   for (int t = 0; t < n; ++t) {
@@ -905,7 +903,7 @@ void attend_prefix(const float* q, int64_t first, int64_t rows, RowLayout layout
       vf sum = zero();
       if (lanes) {
         if constexpr (kLaneKernel) {
-          lane_probabilities<W, Bf16>(lane_s, rows, lim, start, n, shift, st);
+          lane_probabilities<W>(lane_s, rows, lim, start, n, shift, weight, st);
           for (int t = 0; t < n; ++t) sum = add(sum, load(st + t * W));
         }
       } else if (whole) {
