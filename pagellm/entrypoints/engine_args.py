@@ -130,11 +130,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-memory-fraction", type=float,
                        default=_DEFAULTS["kv_cache_memory_fraction"], metavar="F",
                        help="KV pool as a fraction of free memory, in (0, 0.95]")
+    group.add_argument("--num-gpu-blocks-override", type=int,
+                       default=_DEFAULTS["num_gpu_blocks_override"], metavar="N",
+                       help="KV pool of exactly N blocks, in place of either size above "
+                            "(vLLM's name; on the CPU too)")
     group.add_argument("--kv-cache-dtype", default=_DEFAULTS["kv_cache_dtype"],
                        choices=KV_CACHE_DTYPES,
-                       help="KV pool element type: auto (the model's dtype) or bfloat16 "
-                            "(half a float32 model's bytes per token: twice the tokens in "
-                            "the same memory, keys and values rounded to bfloat16) "
+                       help="KV pool element type: auto (the model's dtype; bfloat16 where "
+                            "attention rounds to it anyway, under --quantize-activations "
+                            "with AVX-512 BF16), bfloat16 (half a float32 model's bytes per "
+                            "token: twice the tokens in the same memory, keys and values "
+                            "rounded to bfloat16) or float32 (a float32 model's, named) "
                             "(default: %(default)s)")
     group.add_argument("--max-model-len", type=context_length,
                        default=_DEFAULTS["max_model_len"], metavar="N",

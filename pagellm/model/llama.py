@@ -251,6 +251,9 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("tied_head", None, persistent=False)
         # A tied head's own quantized blocks, for the kernel (attach_quantized).
         self.quantized_head: quant_kernels.QuantizedWeight | None = None
+        # Whether attention rounds keys and values to bfloat16 wherever it reads them
+        # (row-invariant, with bfloat16 products): then a bfloat16 pool changes no output.
+        self.attention_rounds_kv_to_bf16 = False
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int]:
         return self.config.kv_cache_shape(num_blocks, block_size)
@@ -450,10 +453,8 @@ class LlamaForCausalLM(nn.Module):
         if not self.attn_backend.use_row_invariant_attention(bf16_products):
             logger.warning("quantize_activations: the attention kernels do not serve every "
                            "layer of this model, so caching may change outputs")
-        elif bf16_products:
-            logger.info("quantize_activations: attention's products in bfloat16, so "
-                        "kv_cache_dtype='bfloat16' holds twice the tokens with the same "
-                        "outputs")
+        else:
+            self.attention_rounds_kv_to_bf16 = bf16_products
 
     def int8_activation_weights(self) -> int:
         """How many weights run on the int8-activation kernel (attach_quantized)."""

@@ -37,10 +37,18 @@ def num_blocks_for_budget(
     device: torch.device,
     kv_cache_memory_bytes: int | None = None,
     memory_fraction: float | None = None,
+    num_blocks_override: int | None = None,
 ) -> int:
-    """How many blocks fit in the budget: explicit bytes, else a fraction of free memory."""
+    """How many blocks the pool has: `num_blocks_override` if given (vLLM's
+    num_gpu_blocks_override: a pool sized in tokens, whatever its element type), else
+    what fits in explicit bytes, else in a fraction of free memory."""
     element_size = torch.empty((), dtype=dtype).element_size()
     bytes_per_block = model_config.kv_cache_bytes_per_block(element_size) * block_size
+    if num_blocks_override is not None:
+        _check_free(num_blocks_override * bytes_per_block, device,
+                    f"num_gpu_blocks_override={num_blocks_override} (--num-gpu-blocks-"
+                    f"override) needs {num_blocks_override * bytes_per_block / 2**30:.1f} GiB")
+        return num_blocks_override
     if kv_cache_memory_bytes is None:
         fraction = DEFAULT_MEMORY_FRACTION if memory_fraction is None else memory_fraction
         budget = int(free_memory_bytes(device) * fraction)
@@ -48,14 +56,8 @@ def num_blocks_for_budget(
             budget = min(budget, DEFAULT_MAX_POOL_BYTES)
     else:
         budget = kv_cache_memory_bytes
-        free = free_memory_bytes(device)
-        if budget > free:
-            # The pool is zero-filled at start: past free memory the process is killed
-            # (the OOM killer, with no message) or torch fails deep in an allocation.
-            raise ValueError(
-                f"kv_cache_memory_bytes (--kv-cache-memory-bytes) is {budget / 2**30:.1f} "
-                f"GiB, more than the {free / 2**30:.1f} GiB of memory free on {device} "
-                "after loading the model: give less")
+        _check_free(budget, device, "kv_cache_memory_bytes (--kv-cache-memory-bytes) is "
+                                    f"{budget / 2**30:.1f} GiB")
     num_blocks = budget // bytes_per_block
     if num_blocks < 1:
         raise ValueError(
@@ -63,6 +65,15 @@ def num_blocks_for_budget(
             f"tokens needs {bytes_per_block} bytes for this model"
         )
     return int(num_blocks)
+
+
+def _check_free(pool_bytes: int, device: torch.device, what: str) -> None:
+    """The pool is zero-filled at start: past free memory the process is killed (the
+    OOM killer, with no message) or torch fails deep in an allocation."""
+    free = free_memory_bytes(device)
+    if pool_bytes > free:
+        raise ValueError(f"{what}, more than the {free / 2**30:.1f} GiB of memory free on "
+                         f"{device} after loading the model: give less")
 
 
 class KVCache:

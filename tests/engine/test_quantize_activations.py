@@ -47,7 +47,7 @@ def _run(llm: LLM, chats: list[list[dict[str, str]]]) -> list[list[int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16"])
 def test_caching_and_chunking_never_change_an_output(kv_cache_dtype: str) -> None:
     """Greedy tokens identical with caching off, on (cold, then warm from its own cache)
     and on with 64-token chunks, over two turns of 12 chats sharing a system prompt: on
@@ -74,7 +74,7 @@ def test_a_bfloat16_pool_changes_nothing_where_attention_rounds_to_it() -> None:
     chats = _chats(6)
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=2, prompt_logprobs=1)
     results = []
-    for kv_cache_dtype in ("auto", "bfloat16"):
+    for kv_cache_dtype in ("float32", "bfloat16"):
         llm = LLM(quantize_activations=True, kv_cache_dtype=kv_cache_dtype,
                   kv_cache_memory_bytes=32 << 20)
         if not torch.ops.pagellm.bf16_products_available():  # loaded with the model
@@ -84,6 +84,33 @@ def test_a_bfloat16_pool_changes_nothing_where_attention_rounds_to_it() -> None:
                         for o in outs])
         assert_idle(llm.llm_engine)
     assert results[0] == results[1]
+
+
+@pytest.mark.slow
+def test_an_auto_pool_is_bfloat16_exactly_where_attention_rounds_to_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """"auto" gives int8 activations a bfloat16 pool where attention takes bfloat16
+    products (the test above: the same outputs in half the memory), and the model's
+    float32 elsewhere: where the kernels have no such products, and without
+    quantize_activations (where a bfloat16 pool would change outputs)."""
+    from pagellm.model import cpu_kernels
+
+    def pool(**kwargs: Any) -> tuple[torch.dtype, int]:
+        engine = LLM(kv_cache_memory_bytes=16 << 20, **kwargs).llm_engine
+        dtypes = {tensor.dtype for tensor in engine.kv_cache.tensors}
+        assert dtypes == {engine.kv_cache_dtype}
+        assert engine.get_stats().cache_config["cache_dtype"] == kwargs.get(
+            "kv_cache_dtype", "auto")
+        return engine.kv_cache_dtype, engine.kv_cache.num_blocks
+
+    float32_pool = pool(quantize_activations=True, kv_cache_dtype="float32")
+    bfloat16_pool = pool(quantize_activations=True, kv_cache_dtype="bfloat16")
+    assert bfloat16_pool[1] >= 2 * float32_pool[1]  # the same bytes
+    rounds = torch.ops.pagellm.bf16_products_available()
+    assert pool(quantize_activations=True) == (bfloat16_pool if rounds else float32_pool)
+    assert pool()[0] == torch.float32
+    monkeypatch.setattr(cpu_kernels, "bf16_products", lambda: False)
+    assert pool(quantize_activations=True) == float32_pool
 
 
 @pytest.mark.slow
