@@ -175,11 +175,11 @@ def _server(name: str, options: BenchOptions, workload: Workload) -> ServerProce
     env = {k: v for k, v in os.environ.items() if k != "PAGELLM_API_KEY"}
     block_size = int(options.engine_kwargs.get("block_size", 16))
     kv_bytes = options.engine_kwargs.get("kv_cache_memory_bytes")
-    if workload.kv_cache_tokens is not None:
-        kv_bytes = kv_cache_bytes_for_tokens(options.model_dir, workload.kv_cache_tokens,
-                                             block_size)
     if name in (VLLM, VLLM_NOCACHE):
         assert options.vllm_python is not None
+        if workload.kv_cache_tokens is not None:
+            kv_bytes = kv_cache_bytes_for_tokens(options.model_dir, workload.kv_cache_tokens,
+                                                 block_size)
         # PageLLM's default pool is capped at 1 GiB; vLLM gets the same unless told. Its
         # legacy whole-GiB variable would override the exact size, so it is dropped.
         command = vllm_server_command(

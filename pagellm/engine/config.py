@@ -37,7 +37,8 @@ _NO_LORA = "no LoRA adapters are served; merge the adapter into the weights and 
 # unknown option is refused, never ignored, and these refusals say why.
 VLLM_ONLY_OPTIONS: dict[str, str] = {
     "gpu_memory_utilization": "the KV pool is sized by kv_cache_memory_bytes, or "
-                              "kv_cache_memory_fraction of the memory free at start-up",
+                              "kv_cache_memory_fraction of the memory free at start-up, or "
+                              "num_gpu_blocks_override blocks",
     "tensor_parallel_size": _ONE_DEVICE,
     "pipeline_parallel_size": _ONE_DEVICE,
     "data_parallel_size": _ONE_DEVICE,
@@ -247,7 +248,8 @@ class EngineConfig:
             self.kv_cache_dtype = str(self.kv_cache_dtype).removeprefix("torch.")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} "
-                             f"(auto: the model's dtype), got {self.kv_cache_dtype!r}")
+                             "(auto: the model's dtype, or bfloat16 where quantize_activations' "
+                             f"attention rounds to it), got {self.kv_cache_dtype!r}")
         if self.kv_cache_dtype == "float32" and self.dtype not in ("float32", "auto"):
             raise ValueError(f"kv_cache_dtype='float32' is a float32 model's pool; with "
                              f"dtype={self.dtype!r} leave kv_cache_dtype='auto' (a pool of "

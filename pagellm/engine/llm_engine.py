@@ -243,14 +243,16 @@ class LLMEngine:
             self.model_config, config.block_size, self.kv_cache_dtype, self.device,
             config.kv_cache_memory_bytes, config.kv_cache_memory_fraction,
             config.num_gpu_blocks_override)
+        # What sized the pool, for the messages that ask for another size.
+        pool_option = ("num_gpu_blocks_override (--num-gpu-blocks-override)"
+                       if config.num_gpu_blocks_override else
+                       "kv_cache_memory_bytes (--kv-cache-memory-bytes) or "
+                       "kv_cache_memory_fraction")
         self.max_model_len = _fitted_max_model_len(
-            config.max_model_len, context, num_blocks * config.block_size,
-            "num_gpu_blocks_override (--num-gpu-blocks-override)"
-            if config.num_gpu_blocks_override else
-            "kv_cache_memory_bytes (--kv-cache-memory-bytes)")
+            config.max_model_len, context, num_blocks * config.block_size, pool_option)
         graphs = uses_cuda_graphs(self.device, config, self.model)
         self.kv_cache = KVCache(self.model, num_blocks, config.block_size, self.kv_cache_dtype,
-                                padding_block=graphs)
+                                pool_option, padding_block=graphs)
         self.kv_manager = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching,
             config.enable_kv_cache_events,

@@ -84,7 +84,8 @@ class KVCache:
     their keys and values there, where no request reads them."""
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, padding_block: bool = False) -> None:
+                 dtype: torch.dtype, size_option: str, padding_block: bool = False) -> None:
+        """`size_option` names what sized the pool, for the error that asks for less."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.padding_block = num_blocks if padding_block else None
@@ -97,8 +98,7 @@ class KVCache:
             # Past an address-space limit (ulimit -v) torch's allocation fails: one line.
             detail = str(error).rpartition("DefaultCPUAllocator: ")[2]
             raise ValueError(f"cannot allocate the KV cache ({num_blocks} blocks): "
-                             f"{detail}; give a smaller --kv-cache-memory-bytes or "
-                             "--kv-cache-memory-fraction") from None
+                             f"{detail}; give a smaller {size_option}") from None
         total = sum(t.numel() * t.element_size() for t in self.tensors)
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB of %s%s",

@@ -140,16 +140,17 @@ def test_a_bfloat16_pool_is_sized_and_passed_on(model_dir: Path) -> None:
     options = BenchOptions(model_dir=model_dir, contenders=("pagellm",),
                            engine_kwargs={"kv_cache_dtype": "bfloat16",
                                           "kv_cache_memory_bytes": budget})
-    evicting = Workload("eviction", {}, 2, prompts=((1, 2, 3),), kv_cache_tokens=64)
+    evicting = Workload("eviction", {}, 2, prompts=((1, 2, 3),), kv_cache_tokens=90)
     command = _server("pagellm", options, evicting).command
     assert command[command.index("--kv-cache-dtype") + 1] == "bfloat16"
-    assert int(command[command.index("--num-gpu-blocks-override") + 1]) == 4  # 64 / 16
+    assert int(command[command.index("--num-gpu-blocks-override") + 1]) == 6  # 90 / 16
     assert "--kv-cache-memory-bytes" not in command
     vllm = BenchOptions(model_dir=model_dir, contenders=("vllm",), vllm_python="python",
                         engine_kwargs=options.engine_kwargs)
     command = _server("vllm", vllm, evicting).command
     assert "--num-gpu-blocks-override" not in command
-    assert any(str(64 * per_token) in arg for arg in command)  # float32 bytes for 64 tokens
+    # float32 bytes for 96 tokens (6 blocks), not the budget.
+    assert command[command.index("--kv-cache-memory-bytes") + 1] == str(96 * per_token)
     long = Workload("shared-prefix", {}, 10, prompts=(tuple(range(100)),))
     check_workload_fits(long, options)  # 110 tokens fit 128
     with_vllm = BenchOptions(model_dir=model_dir, contenders=("pagellm", "vllm"),

@@ -14,6 +14,9 @@ import pytest
 import torch
 
 from pagellm import LLM, SamplingParams
+from pagellm.engine.config import EngineConfig
+from pagellm.entrypoints.cli import build_parser
+from pagellm.entrypoints.engine_args import EngineArgs
 from tests.engine.conftest import assert_idle, make_tiny_model
 
 # Head dims of 16 (the torch attention paths) and 64 (the compiled kernels' decode,
@@ -84,6 +87,10 @@ def test_bfloat16_pool_holds_twice_the_tokens(name: str, tiny_models: dict[str, 
                      kv_cache_memory_bytes=2 << 20, num_gpu_blocks_override=5).llm_engine
         assert engine.kv_cache.num_blocks == 5 and engine.max_model_len == 5 * 16
     assert "raise num_gpu_blocks_override (--num-gpu-blocks-override) for more" in caplog.text
+    # It wins over a fraction of free memory too.
+    engine = LLM(str(tiny_models[name]), skip_tokenizer_init=True, num_gpu_blocks_override=3,
+                 kv_cache_memory_fraction=0.5).llm_engine
+    assert engine.kv_cache.num_blocks == 3
     for dtype, engine in engines.items():
         assert engine.get_stats().cache_config["cache_dtype"] == dtype
 
@@ -140,11 +147,31 @@ def test_bfloat16_pool_stays_close_on_the_default_model(default_model_dir: Path)
     assert alike >= 0.75 * len(prompts) * 24
 
 
+def test_auto_is_the_models_dtype_unless_attention_rounds_to_bfloat16() -> None:
+    """The resolution alone (the model's attribute is set where quantize_activations
+    puts attention on bfloat16 products; see test_quantize_activations): a named dtype
+    is always what it names."""
+    from types import SimpleNamespace
+
+    from pagellm.engine.llm_engine import _kv_cache_dtype
+
+    for rounds in (False, True):
+        model: Any = SimpleNamespace(attention_rounds_kv_to_bf16=rounds)
+        assert _kv_cache_dtype("auto", torch.float32, model) == (
+            torch.bfloat16 if rounds else torch.float32)
+        assert _kv_cache_dtype("float32", torch.float32, model) == torch.float32
+        assert _kv_cache_dtype("bfloat16", torch.float32, model) == torch.bfloat16
+
+
 def test_kv_cache_dtype_is_checked() -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16, float32"):
         LLM(kv_cache_dtype="fp8")
-    with pytest.raises(ValueError, match="kv_cache_dtype='float32' is a float32 model's pool"):
-        LLM(dtype="bfloat16", kv_cache_dtype="float32")
+    for dtype in ("bfloat16", "half"):
+        with pytest.raises(ValueError, match="kv_cache_dtype='float32' is a float32 model"):
+            EngineConfig(dtype=dtype, kv_cache_dtype="float32")
+    assert EngineConfig(kv_cache_dtype=torch.float32).kv_cache_dtype == "float32"
+    assert EngineArgs.from_cli_args(build_parser().parse_args(
+        ["generate", "x", "--kv-cache-dtype", "float32"])).kv_cache_dtype == "float32"
     with pytest.raises(ValueError, match="got 'float16'"):
         LLM(kv_cache_dtype="float16")
     with pytest.raises(ValueError, match="with dtype='float16' saves no memory"):

@@ -1,6 +1,7 @@
-// The KV pool's element types: float32, or bfloat16 (`kv_cache_dtype="bfloat16"`), which
-// halves the pool's bytes, so it holds twice the tokens (twice the prefixes to find again)
-// and a decode step reads half the bytes per key.
+// The KV pool's element types: float32, or bfloat16 (`kv_cache_dtype="bfloat16"`, or
+// "auto" under quantize_activations with bfloat16 products), which halves the pool's
+// bytes, so it holds twice the tokens (twice the prefixes to find again) and a decode step
+// reads half the bytes per key.
 //
 // The attention kernels are written once over the element type: with float32 products,
 // keys and values are widened to float32 as they are loaded (a bfloat16 is a float32's
