@@ -130,8 +130,8 @@ def engine_notes(engine: dict[str, Any]) -> list[str]:
     """The KV pool each engine really got, and the cores vLLM's worker computed on: a
     comparison is only fair when pools hold the same number of tokens, and its reader
     must know when the engines computed on different numbers of cores."""
-    tokens = engine.get("kv_pool_tokens")
-    notes = [f"KV pool {tokens:,} tokens"] if tokens else []
+    tokens, dtype = engine.get("kv_pool_tokens"), engine.get("kv_pool_dtype")
+    notes = [f"KV pool {tokens:,} tokens" + (f" of {dtype}" if dtype else "")] if tokens else []
     if engine.get("vllm_worker_cores"):
         notes.append(f"vLLM's worker threads bound to cores {engine['vllm_worker_cores']}")
     return notes

@@ -111,6 +111,8 @@ class PageLLMContender:
         delta["num_blocks"] = stats.num_blocks
         delta["block_size"] = self.llm.llm_engine.config.block_size
         delta["kv_pool_tokens"] = stats.num_blocks * delta["block_size"]
+        # What "auto" resolved to: under int8 activations it may be bfloat16.
+        delta["kv_pool_dtype"] = str(self.llm.llm_engine.kv_cache_dtype).removeprefix("torch.")
         return delta
 
     def timings(self) -> dict[str, float] | None:

@@ -196,10 +196,18 @@ def test_a_pool_given_in_tokens_holds_that_many(model_dir: Path,
     element type (bfloat16 when asked, and under int8 activations "auto" may be), so it
     evicts as much as vLLM's float32 pool of those tokens; a budget in bytes is
     replaced, not added to."""
+    from pagellm.bench.metrics import engine_notes
     from pagellm.bench.pagellm_runner import PageLLMContender
 
     contender = PageLLMContender("pagellm", model_dir, True, {
         "kv_cache_memory_bytes": 64 << 20, "max_model_len": 256, **kv_cache_dtype})
     contender.start(kv_cache_tokens=300, warmup=[5, 4, 3])
-    assert contender.llm.llm_engine.kv_cache.num_blocks == 19  # ceil(300 / 16)
-    assert contender.llm.llm_engine.config.kv_cache_memory_bytes is None
+    engine = contender.llm.llm_engine
+    assert engine.kv_cache.num_blocks == 19  # ceil(300 / 16)
+    assert engine.config.kv_cache_memory_bytes is None
+    # The report names the element type "auto" resolved to.
+    dtype = str(engine.kv_cache_dtype).removeprefix("torch.")
+    assert dtype == ("bfloat16" if kv_cache_dtype and (
+        "kv_cache_dtype" in kv_cache_dtype or engine.model.attention_rounds_kv_to_bf16)
+        else "float32")
+    assert engine_notes(contender.stats()) == [f"KV pool 304 tokens of {dtype}"]
