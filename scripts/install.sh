@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs PageLLM and everything it needs into the current Python.
-# torch comes first, pinned to the CPU build that lies on local disk, so that the
-# project's `torch>=` range is already satisfied and pip never pulls a CUDA build.
+# torch comes first, pinned, so that the project's `torch>=` range is already satisfied and
+# the project's install pulls no other build. Which build pip takes for the pin is pip's
+# configuration's choice: here the CPU build on local disk (see the README's Quick start).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"

@@ -91,7 +91,7 @@ def test_every_engine_option_maps_to_engine_config() -> None:
         "--block-size", "32", "--no-enable-prefix-caching", "--prefix-caching-hash-algo",
         "fast", "--kv-cache-memory-bytes", "64MiB", "--max-model-len", "1024",
         "--max-num-batched-tokens", "512", "--max-num-seqs", "8", "--scheduling-policy",
-        "cache_aware", "--attention-backend", "torch", "--cache-dir", "/tmp/c", "--seed", "3",
+        "cache_aware", "--attention-backend", "torch_ref", "--cache-dir", "/tmp/c", "--seed", "3",
         "--num-threads", "2", "--kv-cache-memory-fraction", "0.5", "--no-cpu-kernels",
         "--num-gpu-blocks-override", "40",
         "--enforce-eager", "--generation-config", "vllm", "--override-generation-config",
@@ -101,7 +101,7 @@ def test_every_engine_option_maps_to_engine_config() -> None:
         model="/models/m", dtype="bfloat16", device="cpu", block_size=32,
         enable_prefix_caching=False, prefix_caching_hash_algo="fast",
         kv_cache_memory_bytes=64 << 20, max_model_len=1024, max_num_batched_tokens=512,
-        max_num_seqs=8, scheduling_policy="cache_aware", attention_backend="torch",
+        max_num_seqs=8, scheduling_policy="cache_aware", attention_backend="torch_ref",
         cache_dir=Path("/tmp/c"), seed=3, num_threads=2, kv_cache_memory_fraction=0.5,
         num_gpu_blocks_override=40, cpu_kernels=False, enforce_eager=True, generation_config="vllm",
         override_generation_config={"temperature": 0.5})
@@ -658,6 +658,8 @@ def test_vllm_spellings_and_wrong_arguments_of_the_python_api() -> None:
     for wrong, message in ((dict(kv_cache_memory_bytes="1G"), "kv_cache_memory_bytes must"),
                            (dict(kv_cache_memory_fraction="half"), "kv_cache_memory_fraction"),
                            (dict(num_gpu_blocks_override=0), "num_gpu_blocks_override must"),
+                           (dict(attention_backend="flash"), "attention_backend must be one "
+                                                             "of torch_batched, torch_ref"),
                            (dict(num_gpu_blocks_override=True), "num_gpu_blocks_override must"),
                            (dict(enable_prefix_caching="no"), "enable_prefix_caching must"),
                            (dict(model=123), "model must be a path")):

@@ -277,6 +277,14 @@ class EngineConfig:
                              f"{self.scheduling_policy!r}")
         if self.device is not None:
             resolve_device(self.device)
+        if self.attention_backend is not None:
+            # Here, not when the model is built: after a conversion, or a server's bind.
+            from pagellm.model.attention import ATTENTION_BACKENDS
+
+            if self.attention_backend not in ATTENTION_BACKENDS:
+                raise ValueError(f"attention_backend must be one of "
+                                 f"{', '.join(sorted(ATTENTION_BACKENDS))} (None: the "
+                                 f"default), got {self.attention_backend!r}")
         for name in ("max_num_batched_tokens", "max_num_seqs", "block_size"):
             if not _is_positive_int(value := getattr(self, name)):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

