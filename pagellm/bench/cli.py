@@ -29,7 +29,7 @@ from pagellm.bench.suite import (
 from pagellm.bench.workloads import WORKLOAD_NAMES, build_workload
 from pagellm.core.config import SchedulingPolicy
 from pagellm.engine.config import KV_CACHE_DTYPES
-from pagellm.entrypoints.engine_args import byte_size
+from pagellm.entrypoints.engine_args import byte_size, token_count
 
 _WORKLOAD_OPTIONS = ("num_requests", "prefix_len", "suffix_len", "output_len", "prompt_len",
                      "num_conversations", "num_turns", "system_len", "user_len",
@@ -151,8 +151,9 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="HF directory or GGUF file (default: SmolLM2-135M-Instruct)")
     engine.add_argument("--cache-dir", type=Path, default=None)
     for option in _ENGINE_OPTIONS:
-        # The KV pool takes sizes as the other subcommands take it (256MiB, 1G, ...).
-        kind = byte_size if option == "kv_cache_memory_bytes" else count(1)
+        # Sizes and token counts as the other subcommands take them (256MiB, 4K, ...).
+        kind = {"kv_cache_memory_bytes": byte_size,
+                "max_num_batched_tokens": token_count}.get(option, count(1))
         engine.add_argument("--" + option.replace("_", "-"), type=kind, default=None)
     engine.add_argument("--device", default=None,
                         help="where PageLLM and transformers run (default: cuda when torch "

@@ -32,6 +32,8 @@ def test_bench_options_parse_and_bad_ones_are_refused(capsys: pytest.CaptureFixt
     assert _parser().parse_args(["bench"]).device is None  # the engine's default
     assert _parser().parse_args(["bench", "--kv-cache-memory-bytes", "64MiB"]
                                 ).kv_cache_memory_bytes == 64 << 20  # as serve takes it
+    assert _parser().parse_args(["bench", "--max-num-batched-tokens", "2K"]
+                                ).max_num_batched_tokens == 2048
     for bad in (["--contenders", "pagellm,sglang"], ["--request-rate", "0"],
                 ["--workload", "everything"], ["--scheduling-policy", "lifo"],
                 ["--num-requests", "0"], ["--output-len", "-2"], ["--repeats", "0"],
