@@ -181,8 +181,11 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     names = (*_ENGINE_OPTIONS, "kv_cache_dtype", "quantize_activations", "scheduling_policy",
              "device", "enforce_eager")
     engine_kwargs = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
+    if args.cache_dir is not None:
+        # PageLLM's too, for its kernels (text, so that the report's JSON takes it).
+        engine_kwargs["cache_dir"] = str(args.cache_dir)
     # The engine's own checks of these values, before anything runs.
-    cache_dir = EngineConfig(cache_dir=args.cache_dir, **engine_kwargs).cache_dir
+    cache_dir = EngineConfig(**engine_kwargs).cache_dir
     return BenchOptions(
         model_dir=resolve_model_path(args.model, cache_dir), contenders=tuple(args.contenders),
         engine_kwargs=engine_kwargs, hf_batch_size=args.hf_batch_size,

@@ -194,7 +194,8 @@ def _server(name: str, options: BenchOptions, workload: Workload) -> ServerProce
     flags = {"block_size": "--block-size", "max_num_seqs": "--max-num-seqs",
              "max_num_batched_tokens": "--max-num-batched-tokens",
              "num_threads": "--num-threads", "scheduling_policy": "--scheduling-policy",
-             "device": "--device", "kv_cache_dtype": "--kv-cache-dtype"}
+             "device": "--device", "kv_cache_dtype": "--kv-cache-dtype",
+             "cache_dir": "--cache-dir"}
     for key, flag in flags.items():
         if options.engine_kwargs.get(key) is not None:
             args += [flag, str(options.engine_kwargs[key])]

@@ -163,7 +163,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "(default: %(default)s)")
     group.add_argument("--attention-backend", default=_DEFAULTS["attention_backend"],
                        metavar="NAME",
-                       help="attention implementation (default: the best for the device)")
+                       help="attention implementation: torch_batched (the default: batched, "
+                            "with the compiled CPU kernels where they run) or torch_ref (one "
+                            "plain attention call per request, the reference)")
     group.add_argument("--cache-dir", type=Path, default=_DEFAULTS["cache_dir"], metavar="DIR",
                        help="where converted models are cached (default: $PAGELLM_CACHE_DIR "
                             "or $XDG_CACHE_HOME/pagellm, ~/.cache/pagellm)")

@@ -51,6 +51,7 @@ def test_bench_options_parse_and_bad_ones_are_refused(capsys: pytest.CaptureFixt
     (["--model", "/nonexistent/model"], "does not exist"),
     (["--prompt-len", "10"], "does not take prompt_len"),
     (["--request-rate", "2"], "paces online runs only"),
+    (["--max-num-batched-tokens", "0"], "max_num_batched_tokens must be a positive integer"),
 ])
 def test_options_that_cannot_run_fail_before_anything_runs(
         argv: list[str], message: str, tmp_path: Path,
@@ -213,3 +214,17 @@ def test_a_pool_given_in_tokens_holds_that_many(model_dir: Path,
         "kv_cache_dtype" in kv_cache_dtype or engine.model.attention_rounds_kv_to_bf16)
         else "float32")
     assert engine_notes(contender.stats()) == [f"KV pool 304 tokens of {dtype}"]
+
+
+def test_the_cache_dir_reaches_pagellm(model_dir: Path, tmp_path: Path) -> None:
+    """`--cache-dir` found the model but PageLLM's engines built their kernels into the
+    default cache: it now reaches them, in process and on the server's command line."""
+    from pagellm.bench.suite import _server
+    from pagellm.bench.workloads import Workload
+
+    options = options_from_args(_parser().parse_args(
+        ["bench", "--model", str(model_dir), "--cache-dir", str(tmp_path)]))
+    assert options.engine_kwargs["cache_dir"] == str(tmp_path)
+    command = _server("pagellm", options, Workload("shared-prefix", {}, 2,
+                                                   prompts=((1, 2, 3),))).command
+    assert command[command.index("--cache-dir") + 1] == str(tmp_path)
