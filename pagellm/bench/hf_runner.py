@@ -157,8 +157,9 @@ class HFContinuousBatchingContender:
     """transformers' own continuous batching (`generate_batch`), with block sharing on.
 
     The manager is kept between calls (multi-turn rounds), as a server would keep it, so
-    its cache can serve later turns. Its pool defaults to PageLLM's default pool (1 GiB),
-    or the workload's `kv_cache_tokens` where it asks for a small pool.
+    its cache can serve later turns. Its pool is `pool_bytes` of float32 (the bench's
+    `--kv-cache-memory-bytes`, else PageLLM's default pool, 1 GiB), or the workload's
+    `kv_cache_tokens` where it asks for a small pool.
     """
 
     def __init__(self, name: str, model_dir: Path, page_size: int = 256,

@@ -95,7 +95,7 @@ class BenchOptions:
 def _offline_contender(name: str, options: BenchOptions) -> Contender:
     from pagellm.bench.hf_runner import HFContinuousBatchingContender, HFGenerateContender
     from pagellm.bench.pagellm_runner import PageLLMContender
-    from pagellm.bench.vllm_runner import VLLMContender
+    from pagellm.bench.vllm_runner import DEFAULT_POOL_BYTES, VLLMContender
 
     threads = options.engine_kwargs.get("num_threads")
     vllm_kwargs = {k: v for k, v in options.engine_kwargs.items()
@@ -111,6 +111,8 @@ def _offline_contender(name: str, options: BenchOptions) -> Contender:
         return HFContinuousBatchingContender(
             name, options.model_dir,
             max_batch_tokens=int(options.engine_setting("max_num_batched_tokens")),
+            pool_bytes=int(options.engine_kwargs.get("kv_cache_memory_bytes")
+                           or DEFAULT_POOL_BYTES),
             num_threads=threads, device=options.device)
     assert options.vllm_python is not None
     return VLLMContender(name, options.vllm_python, options.model_dir, name == VLLM,

@@ -228,3 +228,16 @@ def test_the_cache_dir_reaches_pagellm(model_dir: Path, tmp_path: Path) -> None:
     command = _server("pagellm", options, Workload("shared-prefix", {}, 2,
                                                    prompts=((1, 2, 3),))).command
     assert command[command.index("--cache-dir") + 1] == str(tmp_path)
+
+
+def test_transformers_continuous_batching_takes_the_pool_in_bytes(model_dir: Path) -> None:
+    """hf-cb kept a 1 GiB pool whatever `--kv-cache-memory-bytes` said."""
+    from pagellm.bench.pagellm_runner import kv_bytes_per_token
+    from pagellm.bench.suite import BenchOptions, _offline_contender
+
+    per_token = kv_bytes_per_token(model_dir)
+    sized = _offline_contender("hf-cb", BenchOptions(
+        model_dir=model_dir, engine_kwargs={"kv_cache_memory_bytes": 4096 * per_token}))
+    assert sized._pool_tokens == 4096  # type: ignore[attr-defined]
+    default = _offline_contender("hf-cb", BenchOptions(model_dir=model_dir))
+    assert default._pool_tokens == (1 << 30) // per_token  # type: ignore[attr-defined]
