@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -161,10 +162,12 @@ class OnlineClient:
     (shared-prefix, int8): wall 3.2-3.4 s with it where the same prompts sent as text
     took 2.7-3.0 s; the transform alone was 60,000 Python calls."""
 
-    def __init__(self, base_url: str, model: str, request_timeout_s: float = 1800.0) -> None:
+    def __init__(self, base_url: str, model: str, request_timeout_s: float = 1800.0,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        """`transport`: httpx's own (None), or a test's stand-in for the server."""
         self._client = httpx.AsyncClient(
             base_url=f"{base_url}/v1", timeout=request_timeout_s,
-            headers={"Authorization": "Bearer bench"},
+            headers={"Authorization": "Bearer bench"}, transport=transport,
             limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100))
         self._model = model
 
@@ -182,12 +185,10 @@ class OnlineClient:
                 detail = (await response.aread()).decode(errors="replace")
                 raise RuntimeError(f"/v1/completions answered {response.status_code}: "
                                    f"{detail[:500]}")
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:"):].strip()
+            # Read to its end, past [DONE], so that the connection serves the next request.
+            async for data in _sse_data(response):
                 if data == "[DONE]":
-                    break
+                    continue
                 chunk = json.loads(data)
                 if "error" in chunk:
                     raise RuntimeError(f"/v1/completions failed mid-stream: {chunk['error']}")
@@ -208,6 +209,20 @@ class OnlineClient:
 
     async def close(self) -> None:
         await self._client.aclose()
+
+
+async def _sse_data(response: httpx.Response) -> AsyncIterator[str]:
+    """The `data:` payloads of a server-sent event stream, lines split at "\n" alone: a
+    JSON text may hold U+2028 or U+0085 raw (json.dumps with ensure_ascii=False leaves
+    them), where httpx's aiter_lines would cut the line, as str.splitlines does."""
+    pending = b""
+    async for piece in response.aiter_bytes():
+        *lines, pending = (pending + piece).split(b"\n")
+        for line in lines:
+            if line.startswith(b"data:"):
+                yield line[len(b"data:"):].strip().decode()
+    if pending.startswith(b"data:"):
+        yield pending[len(b"data:"):].strip().decode()
 
 
 async def _at(origin: float, offset: float) -> None:

@@ -77,6 +77,8 @@ def test_the_client_streams_token_ids_and_names_a_refusal(model_dir: Path) -> No
 
     from pagellm.bench.online import OnlineClient
 
+    if not pagellm_server_available():
+        pytest.skip("pagellm serve is not available")
     port = free_port()
     server = ServerProcess(pagellm_server_command(
         model_dir, port, True, ["--kv-cache-memory-bytes", str(64 << 20)]), port)
@@ -103,3 +105,51 @@ def test_the_client_streams_token_ids_and_names_a_refusal(model_dir: Path) -> No
     assert record.output_len == 5 and 1 <= len(record.token_times) <= 5 and first.text
     assert record.prompt_len == 40 and record.token_times == sorted(record.token_times)
     assert again.record.cached_tokens == 32 and again.text == first.text  # 2 whole blocks
+
+
+def _stream_of(events: list[str], piece: int = 7) -> Any:
+    """A stand-in server: answers every request with `events` as one SSE body, sent in
+    pieces of `piece` bytes (so lines and characters end between pieces)."""
+    import httpx
+
+    body = "".join(f"data: {event}\n\n" for event in events).encode()
+    body = b": keep-alive\n\n" + body
+
+    class Pieces(httpx.AsyncByteStream):
+        async def __aiter__(self) -> Any:
+            for at in range(0, len(body), piece):
+                yield body[at:at + piece]
+
+    return httpx.MockTransport(lambda request: httpx.Response(200, stream=Pieces()))
+
+
+def test_the_client_reads_events_whole_and_raises_a_stream_error() -> None:
+    """Lines split at "\\n" only: a chunk's text holding a raw U+2028 or U+0085 (which
+    json.dumps with ensure_ascii=False leaves raw) was cut by httpx's line splitting
+    into two halves that do not parse; keep-alive comments are skipped, the usage chunk
+    (no choices) gives the counts, and an error event fails the request by its reason."""
+    import asyncio
+    import json
+
+    from pagellm.bench.online import OnlineClient
+
+    texts = ["a\u2028b", "c\u0085d", "é"]
+    events = [json.dumps({"choices": [{"text": t}]}, ensure_ascii=False) for t in texts]
+    usage = {"completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 16}}
+    events += [json.dumps({"choices": [], "usage": usage}), "[DONE]"]
+
+    async def complete(transport: Any) -> Any:
+        client = OnlineClient("http://stand-in", "m", transport=transport)
+        try:
+            return await client.complete([1, 2, 3], 3, True, 0.0)
+        finally:
+            await client.close()
+
+    streamed = asyncio.run(complete(_stream_of(events)))
+    assert streamed.text == "".join(texts)
+    assert streamed.record.output_len == 3 and len(streamed.record.token_times) == 3
+    assert streamed.record.cached_tokens == 16
+    failing = [events[0], json.dumps({"error": {"message": "the server is shutting down"}}),
+               "[DONE]"]
+    with pytest.raises(RuntimeError, match="failed mid-stream: .*shutting down"):
+        asyncio.run(complete(_stream_of(failing)))
