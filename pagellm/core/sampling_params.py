@@ -471,7 +471,9 @@ class SamplingParams:
         self.output_kind = output_kind
 
     def truncate(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
-        """The prompt as `truncate_prompt_tokens` keeps it: its last tokens. -1 keeps as
+        """The prompt as `truncate_prompt_tokens` keeps it: its last tokens, at most a
+        context's (a larger count is a ValueError, as in vLLM: it asks for a prompt the
+        model could not take, and keeping it would ignore the setting). -1 keeps as
         many as leave room for `max_tokens` (one token when None): keeping the whole
         context would leave no room to generate, and the request would be refused. A
         `max_tokens` that leaves no room for any prompt is a ValueError (vLLM refuses it
@@ -479,6 +481,9 @@ class SamplingParams:
         keep = self.truncate_prompt_tokens
         if keep is None:
             return prompt_token_ids
+        if keep > max_model_len:
+            raise ValueError(f"truncate_prompt_tokens ({keep}) is larger than the model's "
+                             f"context ({max_model_len} tokens): keep at most that many")
         if keep == -1:
             room = self.max_tokens or 1
             if room >= max_model_len:

@@ -198,7 +198,7 @@ def test_detokenize_false_refuses_stop_strings() -> None:
 
 
 @pytest.mark.parametrize(("keep", "max_tokens", "expected"), [
-    (None, 1, [1, 2, 3, 4, 5]), (2, 1, [4, 5]), (9, 1, [1, 2, 3, 4, 5]),
+    (None, 1, [1, 2, 3, 4, 5]), (2, 1, [4, 5]), (4, 1, [2, 3, 4, 5]),
     (-1, None, [3, 4, 5]), (-1, 2, [4, 5]), (-1, 3, [5])])
 def test_truncate_prompt_tokens_keeps_the_last_tokens(keep: int | None, max_tokens: int | None,
                                                       expected: list[int]) -> None:
@@ -214,6 +214,16 @@ def test_truncate_to_nothing_is_refused() -> None:
     params = SamplingParams(truncate_prompt_tokens=-1, max_tokens=4)
     with pytest.raises(ValueError, match="max_tokens \\(4\\) leaves none"):
         params.truncate([1, 2, 3, 4, 5], max_model_len=4)
+
+
+def test_truncate_past_the_context_is_refused() -> None:
+    """As vLLM refuses it: such a setting cuts nothing, so the request would run on a
+    prompt the client meant to cut."""
+    params = SamplingParams(truncate_prompt_tokens=5)
+    assert params.truncate([1, 2, 3], max_model_len=5) == [1, 2, 3]
+    with pytest.raises(ValueError, match="truncate_prompt_tokens \\(5\\) is larger than the "
+                                         "model's context \\(4 tokens\\)"):
+        params.truncate([1, 2, 3], max_model_len=4)
 
 
 @pytest.mark.parametrize("keep", [0, -2, 1.5, True])

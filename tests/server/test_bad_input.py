@@ -59,6 +59,12 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
     ("truncate -1 beside a budget as large as the context", "/v1/completions",
      {"prompt": "x", "truncate_prompt_tokens": -1, "max_tokens": MAX_MODEL_LEN}, 400,
      "truncate_prompt_tokens", "leaves none"),
+    ("truncate past the context", "/v1/completions",
+     {"prompt": "x", "truncate_prompt_tokens": MAX_MODEL_LEN + 1}, 400,
+     "truncate_prompt_tokens", "larger than the model's context"),
+    ("fractional token id", "/v1/completions", {"prompt": [5, 7.5]}, 400, "prompt", "prompt"),
+    ("negative logit_bias key", "/v1/completions",
+     {"prompt": "x", "logit_bias": {"-5": 1}}, 400, "logit_bias", "token ids"),
     ("cache_salt with a lone surrogate", "/v1/completions",
      b'{"prompt": "x", "cache_salt": "a\\ud800"}', 400, "cache_salt", "lone surrogate"),
     ("content part type not a string", "/v1/chat/completions",
@@ -405,6 +411,21 @@ def test_what_vllm_accepts_is_accepted(server: Server) -> None:
                       json={"tokens": rendered}).json()["prompt"]
     for piece in ("Be brief.", "Hi\n!", "No.", "ipython\n42"):
         assert piece in text, text
+
+
+def test_integral_numbers_and_spaced_bias_keys_are_read_as_vllm_reads_them(server: Server
+                                                                          ) -> None:
+    """A Python client's computed `max_tokens` (8.0) and token ids, and logit_bias keys
+    that int() reads (" 11", "+11"): the same answer as with plain integers."""
+    plain = {"prompt": [504, 3458], "max_tokens": 4, "n": 2, "seed": 3, "temperature": 1,
+             "logprobs": 1, "logit_bias": {"11": -100}}
+    floats = {"prompt": [504.0, 3458.0], "max_tokens": 4.0, "n": 2.0, "seed": 3.0,
+              "temperature": 1, "logprobs": 1.0, "logit_bias": {" 11": -100, "+11": -100}}
+    expected, given = (post(server, "/v1/completions", body) for body in (plain, floats))
+    assert given.status_code == 200, given.text
+    assert [c["text"] for c in given.json()["choices"]] == \
+        [c["text"] for c in expected.json()["choices"]]
+    assert given.json()["usage"] == expected.json()["usage"]
 
 
 def test_top_k_beyond_the_vocabulary_means_no_limit(server: Server) -> None:

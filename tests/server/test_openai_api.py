@@ -951,6 +951,32 @@ def test_text_offsets_point_into_the_text_across_split_characters(client: openai
     assert [o for part in streamed for o in part.text_offset or []] == logprobs.text_offset
 
 
+def test_streamed_offsets_follow_the_text_sent_when_a_stop_string_cuts(client: openai.OpenAI
+                                                                       ) -> None:
+    """Text that may begin a stop string is held back from a stream; the tokens it comes
+    from are sent with it, not before: each chunk's offsets point into the text sent so
+    far, and all of them are the unstreamed answer's (they went backwards before)."""
+    kwargs: dict[str, Any] = dict(model=MODEL_NAME, prompt="Once upon a time", max_tokens=32,
+                                  temperature=0, logprobs=0)
+    text = client.completions.create(**kwargs).choices[0].text
+    stop = text[len(text) // 3:len(text) // 3 + 13]
+    kwargs["stop"] = stop
+    whole = client.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "stop" and stop not in whole.text
+    assert whole.logprobs is not None and whole.logprobs.text_offset is not None
+    sent, offsets = "", []
+    for chunk in client.completions.create(stream=True, **kwargs):
+        if not chunk.choices:
+            continue
+        sent += chunk.choices[0].text
+        for offset in (chunk.choices[0].logprobs.text_offset or []
+                       if chunk.choices[0].logprobs else []):
+            assert offset <= len(sent), (offset, sent)
+            offsets.append(offset)
+    assert sent == whole.text
+    assert offsets == whole.logprobs.text_offset
+
+
 def test_echo_with_logprobs_scores_the_prompt(client: openai.OpenAI) -> None:
     """What scoring harnesses send (echo, logprobs, one token): the block lists the
     prompt's tokens first, the first without a logprob, then the completion's."""

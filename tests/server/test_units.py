@@ -668,3 +668,32 @@ def test_ignored_fields_are_named_in_a_debug_line(caplog: pytest.LogCaptureFixtu
          "repeat_penalty": 1.1, "temperature": 0.5})
     assert request.temperature == 0.5
     assert "present in the request but ignored: ['num_ctx', 'repeat_penalty']" in caplog.text
+
+
+def test_integral_numbers_are_integers_and_nothing_else_is_coerced() -> None:
+    """JSON has one kind of number: 8.0 where an integer is asked for is 8 (vLLM reads it
+    so), in lists and nested bodies too; 8.5, strings and booleans stay refused, and a
+    float field keeps its value."""
+    from pydantic import ValidationError
+
+    from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+    chat = ChatCompletionRequest.model_validate({
+        "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 8.0,
+        "top_logprobs": 2.0, "seed": -3.0, "stop_token_ids": [2.0, 7], "temperature": 1.0,
+        "stop": ["1.0"], "response_format": {"type": "json_schema", "json_schema": {
+            "schema": {"type": "number", "minimum": 1.0}}}})
+    assert (chat.max_completion_tokens, chat.top_logprobs, chat.seed, chat.stop_token_ids) == \
+        (8, 2, -3, [2, 7])
+    assert all(type(v) is int for v in (chat.max_completion_tokens, chat.seed,
+                                         *(chat.stop_token_ids or [])))
+    assert chat.temperature == 1.0 and chat.stop == ["1.0"]
+    assert chat.response_format is not None
+    assert type(chat.response_format["json_schema"]["schema"]["minimum"]) is float
+    completion = CompletionRequest.model_validate({"prompt": [[1.0, 2.0], [3.0]],
+                                                   "stream_options": {"include_usage": True}})
+    assert completion.prompt == [[1, 2], [3]]
+    for field, value in [("max_tokens", 8.5), ("max_tokens", "8"), ("n", True),
+                         ("stream", 1), ("prompt", [1.5]), ("max_tokens", float("inf"))]:
+        with pytest.raises(ValidationError):
+            CompletionRequest.model_validate({"prompt": "x", field: value})

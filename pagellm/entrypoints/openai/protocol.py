@@ -1,7 +1,9 @@
 """The request and response bodies of the OpenAI-compatible API, as pydantic models.
 
 Requests are parsed strictly: OpenAI rejects `"temperature": "0.5"` or `"n": true`, and a
-client that sends them has a bug it should hear about, not a silent coercion. Ranges are
+client that sends them has a bug it should hear about, not a silent coercion. An integral
+number is an integer, though: JSON has one kind of number, so `"max_tokens": 8.0` (a
+Python client's `int * 0.25`) means 8, as vLLM reads it; 8.5 is refused. Ranges are
 not repeated here: `SamplingParams` owns them, so the HTTP API and the Python API can
 never disagree about what is valid. Unknown fields are ignored, as vLLM does, so clients
 that send options for other servers keep working; but the known options this server
@@ -14,8 +16,9 @@ from __future__ import annotations
 
 import logging
 import time
+import types
 import uuid
-from typing import Annotated, Any, ClassVar, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
 
 from pydantic import (
     BaseModel,
@@ -39,27 +42,52 @@ def _takes_null(annotation: Any) -> bool:
     return annotation is None or annotation is Any or type(None) in get_args(annotation)
 
 
+def _options(annotation: Any) -> tuple[Any, ...]:
+    """The types a field takes: a union's members, each without its Annotated metadata."""
+    members = (get_args(annotation) if get_origin(annotation) in (Union, types.UnionType)
+               else (annotation,))
+    return tuple(get_args(m)[0] if get_origin(m) is Annotated else m for m in members)
+
+
+def _integral_as_int(options: tuple[Any, ...], value: Any) -> Any:
+    """`value` with its integral floats made ints where the field's `options` take an int
+    and no float (token ids in lists included): strict parsing would refuse 8.0 for an
+    integer."""
+    if isinstance(value, float):
+        wanted = int in options and float not in options
+        return int(value) if wanted and value.is_integer() else value
+    if isinstance(value, list):
+        items = tuple(member for option in options if get_origin(option) is list
+                      for member in _options(get_args(option)[0]))
+        if items:
+            return [_integral_as_int(items, item) for item in value]
+    return value
+
+
 class StrictModel(BaseModel):
     """A request body. A null where the field takes none means "not given", as OpenAI's
     and vLLM's servers read it (clients that send every field write `"stream": null`):
-    the default applies. Where a field takes null, null keeps its own meaning. The
-    fields it ignores are named in a debug line, as vLLM names them: a front-end's
+    the default applies. Where a field takes null, null keeps its own meaning. An
+    integral number given for an integer is that integer (see above). The fields it
+    ignores are named in a debug line, as vLLM names them: a front-end's
     Ollama-style `num_ctx`, say, that an operator thought was applied."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
     @model_validator(mode="before")
     @classmethod
-    def _null_is_not_given(cls, data: Any) -> Any:
+    def _as_given(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
         if logger.isEnabledFor(logging.DEBUG) and (ignored := data.keys() - cls.model_fields.keys()):
             logger.debug("The following fields were present in the request but ignored: %s",
                          sorted(map(str, ignored)))
-        return {key: value for key, value in data.items()
-                if value is not None or key not in cls.model_fields
-                or _takes_null(cls.model_fields[key].annotation)
-                or cls.model_fields[key].is_required()}
+        fields = cls.model_fields
+        return {key: _integral_as_int(_options(fields[key].annotation), value)
+                if key in fields else value
+                for key, value in data.items()
+                if value is not None or key not in fields
+                or _takes_null(fields[key].annotation) or fields[key].is_required()}
 
 
 class StreamOptions(StrictModel):

@@ -169,20 +169,25 @@ def _response_schema(response_format: Any) -> Any:
 
 
 def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
-    """JSON object keys are strings: OpenAI's logit_bias is {"token id": bias}. Values are
+    """JSON object keys are strings: OpenAI's logit_bias is {"token id": bias}, read as
+    Python's int() reads them (" 21285" and "+21285" too), as vLLM reads them. Values are
     clamped to [-100, 100], as vLLM's server does, so a client banning a token with -1e9
     works here too."""
     if bias is None:
         return None
     by_id: dict[int, float] = {}
     for key, value in bias.items():
-        if not (key.isascii() and key.isdigit() and int(key) < vocab_size):
+        try:
+            token_id = int(key)
+        except ValueError:
+            token_id = -1
+        if not 0 <= token_id < vocab_size:
             raise bad_request(f"logit_bias keys must be token ids in [0, {vocab_size}), got "
                               f"{key!r}", param="logit_bias", code="invalid_value")
         if math.isnan(value):
             raise bad_request(f"logit_bias[{key}] must be a number, got NaN",
                               param="logit_bias", code="invalid_value")
-        by_id[int(key)] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, value))
+        by_id[token_id] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, value))
     return by_id
 
 

@@ -13,7 +13,7 @@ from fastapi.responses import Response
 
 from pagellm.core.sampling_params import BeamSearchParams, SamplingParams
 from pagellm.engine.async_engine import RequestStream
-from pagellm.engine.outputs import CompletionOutput, RequestOutput
+from pagellm.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagellm.entrypoints.openai.errors import bad_request
 from pagellm.entrypoints.openai.json_text import JSONResponse
 from pagellm.entrypoints.openai.logprobs import (
@@ -181,6 +181,21 @@ def _echoed(body: CompletionRequest, output: RequestOutput) -> str:
     return (output.prompt or "") if body.echo else ""
 
 
+def _released(entries: list[Logprob], completion: CompletionOutput) -> list[Logprob]:
+    """The scored tokens a stream's chunk may carry: all of them once the choice is
+    finished, else those whose text begins in the text sent so far. Why: text that may
+    begin a stop string, or part of a character, is held back, and its tokens' offsets
+    would point past the text sent (then, capped at the final text, go backwards). They
+    go with the chunk that sends their text, at the offsets the whole answer gives."""
+    if completion.finish_reason is not None:
+        return entries
+    sent = len(completion.text)
+    count = 0
+    while count < len(entries) and entries[count].text_offset < sent:
+        count += 1
+    return entries[:count]
+
+
 def _response(context: ServerContext, request_id: str, body: CompletionRequest,
               outputs: list[RequestOutput]) -> CompletionResponse:
     token_text = context.token_text(body)
@@ -237,8 +252,9 @@ async def _stream(context: ServerContext, request_id: str, body: CompletionReque
                     done.add(index)
                 logprobs = None
                 if body.logprobs is not None and completion.logprobs is not None:
-                    new = completion.logprobs[sent_logprobs.get(index, 0):]
-                    sent_logprobs[index] = len(completion.logprobs)
+                    new = _released(completion.logprobs[sent_logprobs.get(index, 0):],
+                                    completion)
+                    sent_logprobs[index] = sent_logprobs.get(index, 0) + len(new)
                     logprobs = joined(
                         (_first_logprobs(body, output, token_text) if first else None)
                         or CompletionLogprobs(),
