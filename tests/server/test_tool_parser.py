@@ -245,6 +245,37 @@ def test_chat_reads_reasoning_with_the_reasoning_parser(engine: AsyncLLMEngine,
         assert ask_chat("deepseek_r1", stream, include=False) == ("", after), stream
 
 
+def test_an_answer_all_reasoning_has_no_empty_text_block(engine: AsyncLLMEngine) -> None:
+    """The default model never closes its thinking, so its whole answer is reasoning: the
+    Messages API answers a thinking block alone, streamed or not (an empty text block
+    beside it, sent back, is refused by Anthropic's API; vLLM sends none either)."""
+    import anthropic
+    import httpx2
+
+    app = create_app(engine, ServerSettings(model_names=[MODEL_NAME],
+                                            reasoning_parser="deepseek_r1"))
+
+    async def ask() -> list[Any]:
+        async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app),
+                                      base_url="http://test", timeout=60) as http2:
+            claude = anthropic.AsyncAnthropic(base_url="http://test", api_key="x",
+                                              http_client=http2, max_retries=0)
+            kwargs: dict[str, Any] = dict(model=MODEL_NAME, max_tokens=8,
+                                          messages=[{"role": "user", "content": "Hi"}])
+            whole = await claude.messages.create(**kwargs)
+            async with claude.messages.stream(**kwargs) as stream:
+                events = [event async for event in stream]
+                streamed = await stream.get_final_message()
+        return [whole, streamed, events]
+
+    whole, streamed, events = asyncio.run(ask())
+    for message in (whole, streamed):
+        assert [block.type for block in message.content] == ["thinking"], message.content
+        assert message.content[0].thinking and message.stop_reason == "max_tokens"
+    assert [e.content_block.type for e in events if e.type == "content_block_start"] == \
+        ["thinking"]
+
+
 def test_responses_and_messages_read_reasoning_too(engine: AsyncLLMEngine,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """With --reasoning-parser, the Responses API answers with a reasoning item before

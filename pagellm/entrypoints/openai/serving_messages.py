@@ -106,13 +106,14 @@ def _content(run: ChatRun, completion: CompletionOutput, signature: str
              ) -> list[ContentBlock]:
     """The answer's blocks: its reasoning as a thinking block (with a reasoning parser,
     when there is some; `signature` is opaque, as vLLM's), its text (when there is some,
-    or no call), then one tool_use block per call (a call cut short is text: see
-    split_answer)."""
+    or the answer would have no block at all), then one tool_use block per call (a call
+    cut short is text: see split_answer). No empty text block beside others, as vLLM
+    and Anthropic send none: Anthropic refuses one sent back in the conversation."""
     reasoning, answer = answer_parts(run.thinking, completion)
     text, calls = split_answer(run.reader, answer)
     blocks = ([ContentBlock(type="thinking", thinking=reasoning, signature=signature)]
               if reasoning else [])
-    if text or not calls:
+    if text or not (calls or blocks):
         blocks.append(ContentBlock(type="text", text=text or ""))
     blocks += [ContentBlock(type="tool_use", id=call.id, name=call.function.name,
                             input=json.loads(call.function.arguments))
