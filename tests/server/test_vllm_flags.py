@@ -104,6 +104,13 @@ def test_logprob_tokens_are_ids_unless_the_request_says(client: openai.OpenAI) -
     logprobs = completion.choices[0].logprobs
     assert logprobs is not None and logprobs.tokens is not None
     assert logprobs.tokens[0].startswith("token_id:")
+    response = client.responses.create(model=MODEL_NAME, input="Hi", max_output_tokens=3,
+                                       temperature=0, top_logprobs=2,
+                                       include=["message.output_text.logprobs"])
+    scored = response.output[0].content[0].logprobs  # type: ignore[union-attr]
+    assert scored, response.output
+    assert all(t.token.startswith("token_id:") for t in scored), scored
+    assert all(a.token.startswith("token_id:") for t in scored for a in t.top_logprobs)
 
 
 def test_usage_in_every_stream_and_on_each_chunk(client: openai.OpenAI,
