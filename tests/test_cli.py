@@ -672,6 +672,22 @@ def test_vllm_spellings_and_wrong_arguments_of_the_python_api() -> None:
         LLM(gpu_memory_utilization=0.9, tensor_parallel_size=2, enforce_eager=True)
 
 
+def test_the_step_budget_defaults_by_device() -> None:
+    """None is resolved when the config is made, so the engine, the server's flags and the
+    benchmark (which hands PageLLM's budget to vLLM) all see the number that runs; a
+    given budget is kept whatever the device."""
+    from pagellm.engine.config import default_max_num_batched_tokens
+
+    assert EngineConfig(device="cpu").max_num_batched_tokens == 256
+    assert EngineConfig(device="cpu", max_num_batched_tokens=2048).max_num_batched_tokens == 2048
+    assert default_max_num_batched_tokens(torch.device("cuda", 1)) == 512
+    assert build_parser().parse_args(["serve"]).max_num_batched_tokens is None
+    assert EngineArgs.from_cli_args(build_parser().parse_args(
+        ["generate", "x", "--device", "cpu"])).max_num_batched_tokens == 256
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be a positive integer"):
+        EngineConfig(max_num_batched_tokens=0)
+
+
 def test_a_cache_dir_given_with_a_tilde_is_in_the_home(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """`--cache-dir '~/pc'` (quoted, so no shell expands it) converted into the home but

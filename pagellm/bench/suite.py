@@ -10,7 +10,7 @@ import platform
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -75,11 +75,12 @@ class BenchOptions:
             raise ValueError("agreement_requests must be >= 0")
 
     def engine_setting(self, name: str) -> Any:
-        """The value PageLLM runs with: the one given, else EngineConfig's default. vLLM
-        is given the same, so neither engine wins by batching differently."""
+        """The value PageLLM runs with: the one given, else EngineConfig's default for
+        this device. vLLM is given the same, so neither engine wins by batching
+        differently."""
         if name in self.engine_kwargs:
             return self.engine_kwargs[name]
-        return {f.name: f.default for f in fields(EngineConfig)}[name]
+        return getattr(EngineConfig(**self.engine_kwargs), name)
 
     @property
     def max_num_seqs(self) -> int:
@@ -98,10 +99,6 @@ def _offline_contender(name: str, options: BenchOptions) -> Contender:
     from pagellm.bench.vllm_runner import DEFAULT_POOL_BYTES, VLLMContender
 
     threads = options.engine_kwargs.get("num_threads")
-    vllm_kwargs = {k: v for k, v in options.engine_kwargs.items()
-                   if k in ("block_size", "kv_cache_memory_bytes")}
-    for key in ("max_num_seqs", "max_num_batched_tokens"):
-        vllm_kwargs[key] = options.engine_setting(key)
     if name in (PAGELLM, PAGELLM_NOCACHE):
         return PageLLMContender(name, options.model_dir, name == PAGELLM, options.engine_kwargs)
     if name == HF_GENERATE:
@@ -115,6 +112,10 @@ def _offline_contender(name: str, options: BenchOptions) -> Contender:
                            or DEFAULT_POOL_BYTES),
             num_threads=threads, device=options.device)
     assert options.vllm_python is not None
+    vllm_kwargs = {k: v for k, v in options.engine_kwargs.items()
+                   if k in ("block_size", "kv_cache_memory_bytes")}
+    for key in ("max_num_seqs", "max_num_batched_tokens"):
+        vllm_kwargs[key] = options.engine_setting(key)
     return VLLMContender(name, options.vllm_python, options.model_dir, name == VLLM,
                          vllm_kwargs, num_threads=threads)
 
@@ -334,6 +335,8 @@ def describe_environment(options: BenchOptions) -> dict[str, Any]:
         "model": str(options.model_dir),
         "dtype": "float32, greedy",
         "engine settings": options.engine_kwargs or "defaults",
+        "step budget (vLLM's too)": (f"{options.engine_setting('max_num_batched_tokens')} "
+                                     f"tokens, {options.max_num_seqs} requests"),
         "transformers generate batch size": options.hf_batch_size,
         "seed": options.seed,
         "repeats": f"{options.repeats} (each contender's median run is shown)",

@@ -13,11 +13,8 @@ class SchedulerConfig:
     """Limits of one engine step.
 
     `max_num_batched_tokens` bounds the tokens computed per forward (long prompts are cut
-    into chunks of at most this many); `max_num_seqs` bounds the requests running at once.
-    The default budget is small because a step's time is every running stream's stall: on
-    a 2-core CPU a 2,048-token step takes about 2 s, a 512-token one 0.5 s, while matmuls
-    over 512 rows are already compute-bound, so throughput is the same (shared-prefix
-    benchmark: 4.0 s either way, mean time to first token 1.95 -> 1.65 s).
+    into chunks of at most this many; the engine chooses its default by device, see
+    `EngineConfig`); `max_num_seqs` bounds the requests running at once.
     `policy` "cache_aware" (the default) admits, among the first `cache_aware_window`
     waiting requests, the one with the longest cached prefix first: cheap to start, its
     blocks are hot now, and requests on one prefix run together and share its blocks
@@ -35,7 +32,7 @@ class SchedulerConfig:
     """
 
     max_model_len: int
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int
     max_num_seqs: int = 64
     policy: SchedulingPolicy = "cache_aware"
     cache_aware_window: int = 64

@@ -260,6 +260,7 @@ class LLMEngine:
             index_children=logging.getLogger(scheduler_module.__name__).isEnabledFor(
                 logging.DEBUG))
         self.hasher = BlockHasher(config.block_size, config.prefix_caching_hash_algo)
+        assert config.max_num_batched_tokens is not None  # EngineConfig resolves None
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_model_len=self.max_model_len,

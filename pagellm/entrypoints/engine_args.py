@@ -149,7 +149,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "(default, or auto: the model's)")
     group.add_argument("--max-num-batched-tokens", type=token_count,
                        default=_DEFAULTS["max_num_batched_tokens"], metavar="N",
-                       help="token budget of one engine step (default: %(default)s)")
+                       help="token budget of one engine step, e.g. 256 or 2K (default: "
+                            "256 on the CPU, 512 on a GPU)")
     group.add_argument("--max-num-seqs", type=int, default=_DEFAULTS["max_num_seqs"], metavar="N",
                        help="requests in one running batch at most (default: %(default)s)")
     group.add_argument("--long-prefill-token-threshold", type=int,

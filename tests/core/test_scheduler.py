@@ -242,9 +242,11 @@ def test_a_long_prefill_leaves_room_for_requests_arriving_meanwhile() -> None:
     whole.add("short", prompt_of(4, 9), max_tokens=3)
     assert [s.request.request_id for s in whole.step().scheduled] == ["long"]
     with pytest.raises(ValueError, match="long_prefill_token_threshold"):
-        SchedulerConfig(max_model_len=64, long_prefill_token_threshold=-1)
+        SchedulerConfig(max_model_len=64, max_num_batched_tokens=64,
+                        long_prefill_token_threshold=-1)
     with pytest.raises(ValueError, match="cannot be greater than max_model_len"):
-        SchedulerConfig(max_model_len=64, long_prefill_token_threshold=65)
+        SchedulerConfig(max_model_len=64, max_num_batched_tokens=64,
+                        long_prefill_token_threshold=65)
 
 
 def test_decode_is_one_token_per_step() -> None:
