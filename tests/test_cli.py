@@ -681,6 +681,9 @@ def test_the_step_budget_defaults_by_device() -> None:
     assert EngineConfig(device="cpu").max_num_batched_tokens == 256
     assert EngineConfig(device="cpu", max_num_batched_tokens=2048).max_num_batched_tokens == 2048
     assert default_max_num_batched_tokens(torch.device("cuda", 1)) == 512
+    # Left unset, it is at least max_num_seqs, so every running request decodes a step.
+    assert EngineConfig(device="cpu", max_num_seqs=300).max_num_batched_tokens == 300
+    assert EngineConfig(device="cpu", max_num_seqs=100).max_num_batched_tokens == 256
     assert build_parser().parse_args(["serve"]).max_num_batched_tokens is None
     assert EngineArgs.from_cli_args(build_parser().parse_args(
         ["generate", "x", "--device", "cpu"])).max_num_batched_tokens == 256

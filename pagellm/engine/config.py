@@ -177,7 +177,8 @@ class EngineConfig:
     False keeps everything on torch ops and float32 weights.
     `max_num_batched_tokens` (vLLM's): the most tokens one step computes, decodes and
     prompt chunks together; None: `default_max_num_batched_tokens` of the device (256 on
-    the CPU, 512 on a GPU), resolved here.
+    the CPU, 512 on a GPU, or `max_num_seqs` where that is more), resolved here. Below
+    `max_num_seqs` (which vLLM refuses) only that many running requests decode a step.
     `long_prefill_token_threshold` (vLLM's; 0, the default: off): the most tokens one
     request computes in a step, so that a long prompt's prefill leaves room in each step
     for the requests arriving meanwhile (see SchedulerConfig).
@@ -292,8 +293,6 @@ class EngineConfig:
                              f"{', '.join(get_args(SchedulingPolicy))}, got "
                              f"{self.scheduling_policy!r}")
         device = resolve_device(self.device)
-        if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = default_max_num_batched_tokens(device)
         if self.attention_backend is not None:
             # Here, not when the model is built: after a conversion, or a server's bind.
             from pagellm.model.attention import ATTENTION_BACKENDS
@@ -302,9 +301,16 @@ class EngineConfig:
                 raise ValueError(f"attention_backend must be one of "
                                  f"{', '.join(sorted(ATTENTION_BACKENDS))} (None: the "
                                  f"default), got {self.attention_backend!r}")
-        for name in ("max_num_batched_tokens", "max_num_seqs", "block_size"):
+        for name in ("max_num_seqs", "block_size"):
             if not _is_positive_int(value := getattr(self, name)):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_num_batched_tokens is None:
+            # Every running request's decode fits in a step, as vLLM requires.
+            self.max_num_batched_tokens = max(default_max_num_batched_tokens(device),
+                                              self.max_num_seqs)
+        elif not _is_positive_int(self.max_num_batched_tokens):
+            raise ValueError(f"max_num_batched_tokens must be a positive integer, got "
+                             f"{self.max_num_batched_tokens!r}")
         threshold = self.long_prefill_token_threshold
         if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be an integer >= 0 (0: off), "

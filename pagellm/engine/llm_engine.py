@@ -261,6 +261,12 @@ class LLMEngine:
                 logging.DEBUG))
         self.hasher = BlockHasher(config.block_size, config.prefix_caching_hash_algo)
         assert config.max_num_batched_tokens is not None  # EngineConfig resolves None
+        if config.max_num_batched_tokens < config.max_num_seqs:
+            logger.warning("max_num_batched_tokens (%d) is below max_num_seqs (%d): at most "
+                           "%d running requests decode in a step, the others wait for a "
+                           "later one (vLLM refuses this; leave the budget unset, or give "
+                           "at least max_num_seqs)", config.max_num_batched_tokens,
+                           config.max_num_seqs, config.max_num_batched_tokens)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_model_len=self.max_model_len,

@@ -121,6 +121,23 @@ def test_chunked_prefill_tiny_budget(caching: bool, threshold: int,
                             hf_greedy(hf_models[name], prompt, 9), f"chunked caching={caching}")
 
 
+def test_a_budget_below_max_num_seqs_warns_and_still_serves_everyone(
+        tiny_models: dict[str, Path], hf_models: dict[str, Any],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM refuses a step budget below max_num_seqs; here it is taken, with a warning,
+    and the running requests beyond it decode in later steps, every one to the
+    reference's tokens."""
+    name = "llama-gqa-untied"
+    with caplog.at_level("WARNING", logger="pagellm.engine.llm_engine"):
+        llm = _llm(tiny_models[name], max_num_batched_tokens=3, block_size=8)
+    assert "max_num_batched_tokens (3) is below max_num_seqs (64)" in caplog.text
+    prompts = _prompts(7, 6, [2, 3, 4, 5, 6, 7])
+    for prompt, out in zip(prompts, _run(llm, prompts, 5), strict=True):
+        assert_greedy_equal(hf_models[name], prompt, out.outputs[0].token_ids,
+                            hf_greedy(hf_models[name], prompt, 5), "budget 3, 6 running")
+    assert llm.llm_engine.get_stats().num_preemptions == 0
+
+
 @pytest.mark.parametrize("caching", [True, False], ids=["cache-on", "cache-off"])
 def test_preemption_and_resume(caching: bool, tiny_models: dict[str, Path],
                                hf_models: dict[str, Any]) -> None:
