@@ -150,7 +150,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-batched-tokens", type=token_count,
                        default=_DEFAULTS["max_num_batched_tokens"], metavar="N",
                        help="token budget of one engine step, e.g. 256 or 2K (default: "
-                            "256 on the CPU, 512 on a GPU)")
+                            "256 on the CPU, 512 on a GPU, at least --max-num-seqs)")
     group.add_argument("--max-num-seqs", type=int, default=_DEFAULTS["max_num_seqs"], metavar="N",
                        help="requests in one running batch at most (default: %(default)s)")
     group.add_argument("--long-prefill-token-threshold", type=int,
