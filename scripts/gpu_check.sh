@@ -3,9 +3,10 @@
 # without installing the project: the CUDA tests, the padded-decode tests and the tiny-model
 # exactness suite (the engine picks CUDA by itself when torch sees a GPU), then offline
 # speed runs (caching on and off, transformers generate on the same GPU, and PageLLM again
-# with --enforce-eager: decode steps launched op by op instead of replayed from CUDA graphs)
+# with --enforce-eager: decode steps launched op by op instead of replayed from CUDA graphs,
+# and at the CPU's 256-token step budget, to weigh it against the GPU's default 512)
 # and the decode-step table of benchmarks/bench_cuda_graphs.py, on a random-weight model of
-# the default model's shape. About 6 minutes on an H200.
+# the default model's shape. About 7 minutes on an H200.
 # Usage: bash scripts/gpu_check.sh SHAPE_DIR OUT_DIR
 #   SHAPE_DIR holds the default model's config.json and tokenizer files (its weights do
 #   not need to travel); OUT_DIR gets the test log and each workload's results.
@@ -31,6 +32,8 @@ bench() {
 for workload in shared-prefix multi-turn; do
     bench "$workload" --workload "$workload" --contenders pagellm,pagellm-nocache,hf-generate
     bench "$workload-eager" --workload "$workload" --contenders pagellm --enforce-eager
+    bench "$workload-budget-256" --workload "$workload" --contenders pagellm \
+        --max-num-batched-tokens 256
 done
 python3 benchmarks/bench_cuda_graphs.py "$model" --out "$out/decode-steps.md" \
     > "$out/decode-steps.log" 2>&1 || status=1
