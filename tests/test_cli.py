@@ -672,21 +672,24 @@ def test_vllm_spellings_and_wrong_arguments_of_the_python_api() -> None:
         LLM(gpu_memory_utilization=0.9, tensor_parallel_size=2, enforce_eager=True)
 
 
-def test_the_step_budget_defaults_by_device() -> None:
-    """None is resolved when the config is made, so the engine, the server's flags and the
-    benchmark (which hands PageLLM's budget to vLLM) all see the number that runs; a
-    given budget is kept whatever the device."""
-    from pagellm.engine.config import default_max_num_batched_tokens
+def test_the_step_budget_defaults_by_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unset budget is the device's default, at least max_num_seqs, worked out from
+    the fields when the engine starts: a copy of a config for another device or another
+    max_num_seqs gets that one's default, not the first one's. A given budget is kept."""
+    import pagellm.engine.config as engine_config
 
-    assert EngineConfig(device="cpu").max_num_batched_tokens == 256
-    assert EngineConfig(device="cpu", max_num_batched_tokens=2048).max_num_batched_tokens == 2048
-    assert default_max_num_batched_tokens(torch.device("cuda", 1)) == 512
-    # Left unset, it is at least max_num_seqs, so every running request decodes a step.
-    assert EngineConfig(device="cpu", max_num_seqs=300).max_num_batched_tokens == 300
-    assert EngineConfig(device="cpu", max_num_seqs=100).max_num_batched_tokens == 256
+    on_cpu = EngineConfig(device="cpu")
+    assert on_cpu.max_num_batched_tokens is None and on_cpu.step_budget() == 256
+    assert dataclasses.replace(on_cpu, max_num_seqs=300).step_budget() == 300
+    assert EngineConfig(device="cpu", max_num_batched_tokens=2048).step_budget() == 2048
+    assert EngineConfig(device="cpu", max_num_batched_tokens=8, max_num_seqs=64
+                        ).step_budget() == 8  # taken, with a warning when the engine starts
     assert build_parser().parse_args(["serve"]).max_num_batched_tokens is None
     assert EngineArgs.from_cli_args(build_parser().parse_args(
-        ["generate", "x", "--device", "cpu"])).max_num_batched_tokens == 256
+        ["generate", "x", "--device", "cpu"])).step_budget() == 256
+    monkeypatch.setattr(engine_config, "resolve_device", lambda name: torch.device("cuda", 0))
+    assert on_cpu.step_budget() == 512  # what a GPU gets
+    assert dataclasses.replace(on_cpu, max_num_seqs=600).step_budget() == 600
     with pytest.raises(ValueError, match="max_num_batched_tokens must be a positive integer"):
         EngineConfig(max_num_batched_tokens=0)
 

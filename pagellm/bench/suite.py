@@ -73,6 +73,13 @@ class BenchOptions:
                              f"{', '.join(CONTENDERS)}")
         if self.agreement_requests < 0:
             raise ValueError("agreement_requests must be >= 0")
+        budget = self.engine_kwargs.get("max_num_batched_tokens")
+        seqs = self.engine_kwargs.get("max_num_seqs", EngineConfig.max_num_seqs)
+        if {VLLM, VLLM_NOCACHE} & set(self.contenders) and budget is not None and budget < seqs:
+            # Refused here, not by vLLM after PageLLM's runs and its minutes of start-up.
+            raise ValueError(f"vLLM refuses --max-num-batched-tokens {budget} below "
+                             f"--max-num-seqs {seqs}: give at least {seqs}, or leave the vLLM "
+                             "contenders out")
 
     def engine_setting(self, name: str) -> Any:
         """The value PageLLM runs with: the one given, else EngineConfig's default for
@@ -80,7 +87,8 @@ class BenchOptions:
         differently."""
         if name in self.engine_kwargs:
             return self.engine_kwargs[name]
-        return getattr(EngineConfig(**self.engine_kwargs), name)
+        config = EngineConfig(**self.engine_kwargs)
+        return config.step_budget() if name == "max_num_batched_tokens" else getattr(config, name)
 
     @property
     def max_num_seqs(self) -> int:

@@ -143,10 +143,11 @@ def default_max_num_batched_tokens(device: torch.device) -> int:
     A step's time is every running stream's stall and every waiting request's delay to
     its first token, so the budget is as small as keeps the matmuls efficient. On a 2-core
     CPU a 256-row matmul is already at the FMA rate: against 512, the benchmarks' mean
-    time to first token is 7-13% lower and the longest gaps between tokens half as long
-    where prompts are long, at the same throughput within noise (README, "Online at a
-    rate, and the step budget"). A GPU step costs launches more than arithmetic at these
-    sizes, so it keeps 512, where it was measured."""
+    time to first token is 4-16% lower and the longest gaps between tokens half as long
+    where prompts are long, at the same throughput within noise, but for ~5% of an int8
+    online burst on one prefix (README, "Online at a rate, and the step budget"). A GPU
+    step costs launches more than arithmetic at these sizes, so it keeps 512, where it
+    was measured."""
     return 256 if device.type == "cpu" else 512
 
 
@@ -176,9 +177,9 @@ class EngineConfig:
     bytes); built once into `cache_dir`/kernels.
     False keeps everything on torch ops and float32 weights.
     `max_num_batched_tokens` (vLLM's): the most tokens one step computes, decodes and
-    prompt chunks together; None: `default_max_num_batched_tokens` of the device (256 on
-    the CPU, 512 on a GPU, or `max_num_seqs` where that is more), resolved here. Below
-    `max_num_seqs` (which vLLM refuses) only that many running requests decode a step.
+    prompt chunks together; None: the device's default (see `step_budget`). The field
+    keeps what was given, as `device` does, so a copy made for another device or
+    `max_num_seqs` gets that one's default.
     `long_prefill_token_threshold` (vLLM's; 0, the default: off): the most tokens one
     request computes in a step, so that a long prompt's prefill leaves room in each step
     for the requests arriving meanwhile (see SchedulerConfig).
@@ -292,7 +293,8 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be one of "
                              f"{', '.join(get_args(SchedulingPolicy))}, got "
                              f"{self.scheduling_policy!r}")
-        device = resolve_device(self.device)
+        if self.device is not None:
+            resolve_device(self.device)
         if self.attention_backend is not None:
             # Here, not when the model is built: after a conversion, or a server's bind.
             from pagellm.model.attention import ATTENTION_BACKENDS
@@ -304,13 +306,10 @@ class EngineConfig:
         for name in ("max_num_seqs", "block_size"):
             if not _is_positive_int(value := getattr(self, name)):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_num_batched_tokens is None:
-            # Every running request's decode fits in a step, as vLLM requires.
-            self.max_num_batched_tokens = max(default_max_num_batched_tokens(device),
-                                              self.max_num_seqs)
-        elif not _is_positive_int(self.max_num_batched_tokens):
-            raise ValueError(f"max_num_batched_tokens must be a positive integer, got "
-                             f"{self.max_num_batched_tokens!r}")
+        if self.max_num_batched_tokens is not None and not _is_positive_int(
+                self.max_num_batched_tokens):
+            raise ValueError(f"max_num_batched_tokens must be a positive integer (None: "
+                             f"the device's default), got {self.max_num_batched_tokens!r}")
         threshold = self.long_prefill_token_threshold
         if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be an integer >= 0 (0: off), "
@@ -359,3 +358,13 @@ class EngineConfig:
         if self.cache_dir is None:
             self.cache_dir = resolve_cache_dir()
         self.cache_dir = Path(self.cache_dir).expanduser()
+
+    def step_budget(self) -> int:
+        """The step budget that runs: `max_num_batched_tokens` as given, else the
+        device's default, raised to `max_num_seqs` so that every running request
+        decodes each step (vLLM refuses a budget below it; one given below it here is
+        taken, with a warning at start-up, and caps how many requests run at once)."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return max(default_max_num_batched_tokens(resolve_device(self.device)),
+                   self.max_num_seqs)

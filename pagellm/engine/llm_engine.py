@@ -260,17 +260,17 @@ class LLMEngine:
             index_children=logging.getLogger(scheduler_module.__name__).isEnabledFor(
                 logging.DEBUG))
         self.hasher = BlockHasher(config.block_size, config.prefix_caching_hash_algo)
-        assert config.max_num_batched_tokens is not None  # EngineConfig resolves None
-        if config.max_num_batched_tokens < config.max_num_seqs:
-            logger.warning("max_num_batched_tokens (%d) is below max_num_seqs (%d): at most "
-                           "%d running requests decode in a step, the others wait for a "
-                           "later one (vLLM refuses this; leave the budget unset, or give "
-                           "at least max_num_seqs)", config.max_num_batched_tokens,
-                           config.max_num_seqs, config.max_num_batched_tokens)
+        budget = config.step_budget()
+        if budget < config.max_num_seqs:
+            logger.warning("max_num_batched_tokens (%d) is below max_num_seqs (%d), which "
+                           "vLLM refuses: at most %d requests run at once (more only as the "
+                           "n > 1 samples of one request, which then decode in turn); leave "
+                           "the budget unset, or give at least max_num_seqs", budget,
+                           config.max_num_seqs, budget)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_model_len=self.max_model_len,
-                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_batched_tokens=budget,
                 max_num_seqs=config.max_num_seqs,
                 policy=config.scheduling_policy,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,

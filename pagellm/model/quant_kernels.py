@@ -11,8 +11,8 @@ rows 5.4 -> 4.8 ms. Past its register tiles (8 rows with AVX-512; with AVX2 6 fo
 and 4 for Q8_0) the kernel unpacks each pair of tiles into float32 once
 and multiplies every row by it, like a GEMM, while the next pair's blocks are fetched
 (see csrc/quant_linear.cpp). A layer with blocks uses them for every matmul: oneDNN is
-ahead only from 1,024 rows, by 3% (510 vs 526 ms), more than a step of the default
-512-token budget holds, and without its packed float32 copies the default model's
+ahead only from 1,024 rows, by 3% (510 vs 526 ms), more than a 512-token step holds
+(the CPU's default budget is 256), and without its packed float32 copies the default model's
 process holds 2,040 instead of 2,481 MB after loading.
 
 Exactness: for many rows the kernels rebuild each weight with the GGUF reader's own

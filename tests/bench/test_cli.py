@@ -210,6 +210,21 @@ def test_vllm_is_given_the_step_budget_that_runs_and_the_report_names_it(
     given = BenchOptions(model_dir=model_dir, engine_kwargs={
         "device": "cpu", "max_num_batched_tokens": 1024, "max_num_seqs": 8})
     assert describe_environment(given)["step budget (vLLM's too)"] == "1024 tokens, 8 requests"
+    # Unset, the budget is at least max_num_seqs, for vLLM too.
+    many = BenchOptions(model_dir=model_dir, engine_kwargs={"device": "cpu", "max_num_seqs": 300},
+                        vllm_python="/venv/bin/python")
+    assert _offline_contender("vllm", many)._kwargs == {  # type: ignore[attr-defined]
+        "max_num_seqs": 300, "max_num_batched_tokens": 300}
+    command = _server("vllm", many, Workload("shared-prefix", {}, 2, prompts=((1, 2, 3),))).command
+    assert command[command.index("--max-num-batched-tokens") + 1] == "300"
+    # vLLM refuses a budget below max_num_seqs: said before anything runs, not after.
+    with pytest.raises(ValueError, match="vLLM refuses --max-num-batched-tokens 32 below "
+                                         "--max-num-seqs 64"):
+        BenchOptions(model_dir=model_dir, contenders=("pagellm", "vllm"),
+                     engine_kwargs={"max_num_batched_tokens": 32}, vllm_python="/venv/bin/python")
+    assert BenchOptions(model_dir=model_dir, contenders=("pagellm",),
+                        engine_kwargs={"max_num_batched_tokens": 32}).engine_setting(
+                            "max_num_batched_tokens") == 32
 
 
 @pytest.mark.slow
