@@ -75,7 +75,8 @@ class BenchOptions:
             raise ValueError("agreement_requests must be >= 0")
         budget = self.engine_kwargs.get("max_num_batched_tokens")
         seqs = self.engine_kwargs.get("max_num_seqs", EngineConfig.max_num_seqs)
-        if {VLLM, VLLM_NOCACHE} & set(self.contenders) and budget is not None and budget < seqs:
+        runs_vllm = self.vllm_python is not None and {VLLM, VLLM_NOCACHE} & set(self.contenders)
+        if runs_vllm and budget is not None and budget < seqs:
             # Refused here, not by vLLM after PageLLM's runs and its minutes of start-up.
             raise ValueError(f"vLLM refuses --max-num-batched-tokens {budget} below "
                              f"--max-num-seqs {seqs}: give at least {seqs}, or leave the vLLM "

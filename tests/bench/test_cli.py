@@ -225,6 +225,9 @@ def test_vllm_is_given_the_step_budget_that_runs_and_the_report_names_it(
     assert BenchOptions(model_dir=model_dir, contenders=("pagellm",),
                         engine_kwargs={"max_num_batched_tokens": 32}).engine_setting(
                             "max_num_batched_tokens") == 32
+    # The default contenders name vLLM, which is skipped without its python: no refusal.
+    assert BenchOptions(model_dir=model_dir, engine_kwargs={"max_num_batched_tokens": 32}
+                        ).engine_setting("max_num_batched_tokens") == 32
 
 
 @pytest.mark.slow
