@@ -1,6 +1,7 @@
 """One online shared-prefix run of PageLLM's server in int8 mode, all requests at once:
 wall time and the engine's step count from /metrics (`python online_steps.py BUDGET
-MODEL_DIR`)."""
+MODEL_DIR [SERVER OPTIONS...]`; with `STEPLOG=PATH PYTHONPATH=server-step-log` the
+server also writes each step's start and duration, see server-step-log/)."""
 
 import asyncio
 import os
@@ -28,7 +29,8 @@ def main() -> None:
     workload = build_workload("shared-prefix", tokenizer)
     port = free_port()
     server = ServerProcess(pagellm_server_command(
-        model_dir, port, True, ["--max-num-batched-tokens", budget, "--quantize-activations"]),
+        model_dir, port, True, ["--max-num-batched-tokens", budget, "--quantize-activations",
+                                  *sys.argv[3:]]),
         port)
     server.start()
     try:
