@@ -25,8 +25,6 @@ from pagellm.entrypoints.openai.errors import APIError, bad_request
 from pagellm.entrypoints.openai.logprobs import TokenText
 from pagellm.entrypoints.openai.metrics import ServerMetrics
 from pagellm.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
     PromptTokensDetails,
     SamplingFields,
     StreamOptions,
@@ -161,10 +159,10 @@ class ServerContext:
     def model_name(self) -> str:
         return self.model_names[0]
 
-    def token_text(self, body: CompletionRequest | ChatCompletionRequest) -> TokenText:
-        """How the request's logprobs name tokens: by text, or as `token_id:N` where the
-        request (or, if it does not say, the server) asks for ids."""
-        as_ids = body.return_tokens_as_token_ids
+    def token_text(self, as_ids: bool | None = None) -> TokenText:
+        """How a request's logprobs name tokens: by text, or as `token_id:N` where the
+        request (`as_ids`; None where it does not say, or cannot) or else the server asks
+        for ids."""
         return TokenText(self.engine.tokenizer,
                          self.return_tokens_as_token_ids if as_ids is None else as_ids)
 

@@ -213,7 +213,7 @@ def _shows_tokens(body: ChatCompletionRequest, run: ChatRun) -> bool:
 
 def _response(context: ServerContext, body: ChatCompletionRequest, run: ChatRun,
               output: RequestOutput) -> ChatCompletionResponse:
-    token_text = context.token_text(body)
+    token_text = context.token_text(body.return_tokens_as_token_ids)
     reader = run.reader
     shows_tokens = _shows_tokens(body, run)
     echoed = _echoed(context, body)
@@ -301,7 +301,7 @@ async def _stream(context: ServerContext, body: ChatCompletionRequest, run: Chat
     arguments as they come (the first piece naming the call). Other calls are read from
     the whole answer and sent with the last chunk ("required": a partial array names no
     call yet; a parsed answer: its content is sent up to where a call begins)."""
-    token_text = context.token_text(body)
+    token_text = context.token_text(body.return_tokens_as_token_ids)
     created = int(time.time())
     request_id, reader, thinking = run.request_id, run.reader, run.thinking
     shows_tokens = _shows_tokens(body, run)

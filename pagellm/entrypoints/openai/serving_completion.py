@@ -198,7 +198,7 @@ def _released(entries: list[Logprob], completion: CompletionOutput) -> list[Logp
 
 def _response(context: ServerContext, request_id: str, body: CompletionRequest,
               outputs: list[RequestOutput]) -> CompletionResponse:
-    token_text = context.token_text(body)
+    token_text = context.token_text(body.return_tokens_as_token_ids)
     choices = []
     for prompt_index, output in enumerate(outputs):
         echoed = _echoed(body, output)
@@ -227,7 +227,7 @@ async def _stream(context: ServerContext, request_id: str, body: CompletionReque
     """A chunk per choice that moved, with its new text (and new logprobs), one choice a
     chunk as OpenAI and vLLM send them; with continuous usage, the chunk counts its
     prompt and its choice's tokens so far (as vLLM's does)."""
-    token_text = context.token_text(body)
+    token_text = context.token_text(body.return_tokens_as_token_ids)
     sent_text: dict[int, int] = {}
     sent_logprobs: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}

@@ -103,9 +103,8 @@ async def create_response(context: ServerContext, store: ResponseStore,
         raise renamed(error, body, conversation) from error
     answer = ResponseAnswer(body, response_id, context.model_name, run, conversation,
                             store if body.store else None,
-                            TokenText(context.engine.tokenizer, context.return_tokens_as_token_ids)
-                            if wants_logprobs(body)
-                            else None, client_ids)
+                            context.token_text() if wants_logprobs(body) else None,
+                            client_ids)
     if body.stream:
         return EventStreamResponse(answer.events(context), run.streams,
                                    context.sse_keep_alive)
