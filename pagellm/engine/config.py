@@ -145,9 +145,9 @@ def default_max_num_batched_tokens(device: torch.device) -> int:
     CPU a 256-row matmul is already at the FMA rate: against 512, the benchmarks' mean
     time to first token is 4-16% lower and the longest gaps between tokens half as long
     where prompts are long, at the same throughput within noise, but for ~5% of an int8
-    online burst on one prefix (README, "Online at a rate, and the step budget"). A GPU
-    step costs launches more than arithmetic at these sizes, so it keeps 512, where it
-    was measured."""
+    online burst on one prefix (benchmarks/RESULTS.md, "Online at a rate, and the step
+    budget"). A GPU step costs launches more than arithmetic at these sizes, so it keeps
+    512, where it was measured."""
     return 256 if device.type == "cpu" else 512
 
 
