@@ -313,6 +313,9 @@ class SamplingParams:
     - logprobs: None for none; k in [0, 20] for the sampled token's logprob plus the k
       most likely alternatives at each step.
     - skip_special_tokens: drop special tokens when detokenizing.
+    - spaces_between_special_tokens: put spaces between special tokens in the text, where
+      the tokenizer decodes token by token (a "slow" one); a tokenizer.json decodes them
+      as written whatever it says, as in vLLM.
     - prompt_logprobs: None for none; k in [0, 20] for each prompt token's logprob (after
       the first) plus the k most likely alternatives at its position. Such a request's
       prompt is computed whole, not from the prefix cache: cached positions have no
@@ -357,6 +360,7 @@ class SamplingParams:
     repetition_penalty: float
     logprobs: int | None
     skip_special_tokens: bool
+    spaces_between_special_tokens: bool
     logit_bias: dict[int, float] | None
     prompt_logprobs: int | None
     detokenize: bool
@@ -387,6 +391,7 @@ class SamplingParams:
         repetition_penalty: float = 1.0,
         logprobs: int | None = None,
         skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
         logit_bias: dict[int, float] | None = None,
         prompt_logprobs: int | None = None,
         detokenize: bool = True,
@@ -435,6 +440,8 @@ class SamplingParams:
         self.logprobs = _top_count("logprobs", logprobs)
         self.prompt_logprobs = _top_count("prompt_logprobs", prompt_logprobs)
         self.skip_special_tokens = _flag("skip_special_tokens", skip_special_tokens)
+        self.spaces_between_special_tokens = _flag("spaces_between_special_tokens",
+                                                   spaces_between_special_tokens)
         self.logit_bias = _logit_bias(logit_bias)
         self.detokenize = _flag("detokenize", detokenize)
         if self.stop and not self.detokenize:

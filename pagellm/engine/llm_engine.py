@@ -494,7 +494,8 @@ class LLMEngine:
                 IncrementalDetokenizer(self.tokenizer if params.detokenize else None,
                                        token_ids, params.stop,
                                        params.include_stop_str_in_output,
-                                       params.skip_special_tokens, params.min_tokens),
+                                       params.skip_special_tokens, params.min_tokens,
+                                       params.spaces_between_special_tokens),
                 generator, [] if params.logprobs is not None else None,
                 matchers[index] if matchers else None))
         assert leader is not None

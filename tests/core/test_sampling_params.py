@@ -81,7 +81,7 @@ BAD_VALUES = [
     ("stop_token_ids", 5), ("stop_token_ids", "12"),
     ("ignore_eos", 1), ("ignore_eos", "yes"),
     ("include_stop_str_in_output", 0),
-    ("skip_special_tokens", None),
+    ("skip_special_tokens", None), ("spaces_between_special_tokens", 1),
     ("presence_penalty", 2.5), ("presence_penalty", -2.01), ("presence_penalty", "x"),
     ("frequency_penalty", -3), ("frequency_penalty", 2.0001),
     ("repetition_penalty", 0), ("repetition_penalty", -1), ("repetition_penalty", 101),

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from pagellm.engine.detokenizer import IncrementalDetokenizer
@@ -107,3 +107,83 @@ def test_a_cut_off_character_never_matches_a_stop_string(tokenizer: Any) -> None
         assert all(detok.add_token(token) is None for token in ids[:2])
         assert detok.finish() is None and detok.stopped_by is None
         assert detok.text == "ab "
+
+
+def test_a_short_stop_string_inside_min_tokens_is_ignored_beside_a_long_one(
+        tokenizer: Any) -> None:
+    """Each stop string is looked for only where it would end in the new text: a long
+    one in the list must not widen the search back into the first min_tokens tokens."""
+    ids = tokenizer.encode(" one two three two", add_special_tokens=False)
+    for stop in ([" two"], [" two", "XXXXXXXXXXXXXXXX"], ["XXXXXXXXXXXXXXXX", " two"]):
+        detok = _detokenizer(tokenizer, stop=stop, min_tokens=2)
+        assert [detok.add_token(token) for token in ids] == [None, None, None, " two"]
+        assert detok.text == " one two three"
+
+
+def test_stop_strings_that_begin_together_go_by_list_order(tokenizer: Any) -> None:
+    ids = tokenizer.encode(" Paris", add_special_tokens=False)
+    assert len(ids) == 1
+    for stop in (["Paris", "Pa"], ["Pa", "Paris"]):
+        detok = _detokenizer(tokenizer, stop=stop, include_stop=True)
+        assert detok.add_token(ids[0]) == stop[0]
+        assert detok.text == " " + stop[0]
+    # The match that begins first cuts the text, whatever the list's order.
+    detok = _detokenizer(tokenizer, stop=["aris", "Paris"])
+    assert detok.add_token(ids[0]) == "Paris" and detok.text == " "
+
+
+def test_a_character_split_between_prompt_and_output_is_the_outputs_first(
+        tokenizer: Any) -> None:
+    """A prompt of token ids can end inside a character: the output's text begins with
+    the character its tokens complete (the prompt's text alone shows U+FFFD there)."""
+    ids = tokenizer.encode("Emoji: 🤖💪💪", add_special_tokens=False)
+    marker = len(tokenizer.encode("Emoji: 🤖", add_special_tokens=False))
+    splits = [k for k in range(marker + 1, len(ids))
+              if tokenizer.decode(ids[:k]).endswith("\ufffd")]
+    assert splits, "the text must split a character across tokens"
+    for k in splits:
+        whole = str(tokenizer.decode(ids))
+        shown = str(tokenizer.decode(ids[:k])).rstrip("\ufffd")
+        detok = IncrementalDetokenizer(tokenizer, ids[:k], [], False, True)
+        for token in ids[k:]:
+            detok.add_token(token)
+        detok.finish()
+        assert detok.text == whole[len(shown):]
+        assert detok.text.startswith("💪")
+
+
+def test_spaces_between_special_tokens_reaches_the_tokenizer() -> None:
+    """A tokenizer that decodes token by token (a "slow" one) reads the flag; a
+    tokenizer.json ignores it, as vLLM's fast path does."""
+
+    class Slow:
+        def decode(self, ids: list[int], skip_special_tokens: bool,
+                   spaces_between_special_tokens: bool) -> str:
+            return (" " if spaces_between_special_tokens else "").join(
+                "<s>" if token == 0 else "a" for token in ids)
+
+    for spaces, text in ((True, "<s> <s>"), (False, "<s><s>")):
+        detok = IncrementalDetokenizer(Slow(), [], [], False, False,
+                                       spaces_between_special_tokens=spaces)
+        detok.add_token(0)
+        detok.add_token(0)
+        assert detok.text == text
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(st.characters(codec="utf-8", exclude_categories=("Cs", "Cc"),
+                             exclude_characters="\ufffd"), min_size=1, max_size=16))
+def test_a_prompt_cut_anywhere_gives_the_rest_of_the_text(tokenizer: Any, text: str) -> None:
+    """Wherever a prompt of token ids ends, even inside a character, its output's text is
+    the rest of the whole text (for text the tokenizer spells exactly: it writes unassigned
+    code points as bytes that decode to U+FFFD)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    whole = str(tokenizer.decode(ids))
+    assume(whole == text)
+    for k in range(1, len(ids)):
+        detok = IncrementalDetokenizer(tokenizer, ids[:k], [], False, True)
+        for token in ids[k:]:
+            detok.add_token(token)
+        detok.finish()
+        shown = str(tokenizer.decode(ids[:k])).rstrip("\ufffd")
+        assert detok.text == whole[len(shown):]

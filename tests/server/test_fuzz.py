@@ -56,6 +56,7 @@ COMMON: dict[str, Any] = {
     "cache_salt": text,
     "user": st.text(max_size=8),
     "skip_special_tokens": st.booleans(),
+    "spaces_between_special_tokens": st.booleans(),
     "include_stop_str_in_output": st.booleans(),
 }
 prompts = text | st.lists(text, min_size=1, max_size=3) | token_ids | st.lists(

@@ -655,6 +655,9 @@ def test_unset_sampling_fields_take_the_models_defaults() -> None:
         logprobs=None, prompt_logprobs=None, vocab_size=1000, defaults={})
     assert (neutral.temperature, neutral.top_p, neutral.top_k, neutral.max_tokens) == (
         1.0, 1.0, 0, None)
+    assert neutral.spaces_between_special_tokens
+    assert not build(CompletionRequest.model_validate(
+        {"prompt": "x", "spaces_between_special_tokens": False}), 16).spaces_between_special_tokens
 
 
 def test_ignored_fields_are_named_in_a_debug_line(caplog: pytest.LogCaptureFixture) -> None:

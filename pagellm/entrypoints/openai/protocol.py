@@ -120,6 +120,7 @@ class SamplingFields(StrictModel):
     bad_words: str | list[str] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     cache_salt: str | None = None
     priority: int = 0
     logit_bias: dict[str, float] | None = None

@@ -78,6 +78,7 @@ def build_sampling_params(
             repetition_penalty=value("repetition_penalty"),
             logprobs=logprobs,
             skip_special_tokens=request.skip_special_tokens,
+            spaces_between_special_tokens=request.spaces_between_special_tokens,
             logit_bias=logit_bias,
             prompt_logprobs=prompt_logprobs,
             truncate_prompt_tokens=request.truncate_prompt_tokens,
