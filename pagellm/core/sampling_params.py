@@ -337,6 +337,8 @@ class SamplingParams:
       blocks (it still caches its own for others), e.g. to time a cold prefill; None
       (vLLM's default) means True with prompt_logprobs, which need every position
       computed, and False otherwise.
+    - extra_args: a dict kept with the request for the caller's own code (vLLM's: no
+      sampling code reads it, here or there); None for none.
     - output_kind: a `RequestOutputKind`: CUMULATIVE outputs (the default), DELTA (each
       output's text, token ids and logprobs are those new since the previous one; the
       prompt's logprobs come once, with the first) or FINAL_ONLY (only the last output).
@@ -369,6 +371,7 @@ class SamplingParams:
     bad_words: list[str] | None
     structured_outputs: StructuredOutputsParams | None
     skip_reading_prefix_cache: bool | None
+    extra_args: dict[str, Any] | None
     output_kind: RequestOutputKind
 
     def __init__(
@@ -400,6 +403,7 @@ class SamplingParams:
         bad_words: str | Sequence[str] | None = None,
         structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None,
         skip_reading_prefix_cache: bool | None = None,
+        extra_args: dict[str, Any] | None = None,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> None:
         self.n = _integer("n", n)
@@ -472,6 +476,10 @@ class SamplingParams:
         if self.prompt_logprobs is not None and self.skip_reading_prefix_cache is False:
             raise ValueError("prompt_logprobs need every prompt position computed: "
                              "skip_reading_prefix_cache cannot be False with them")
+        if extra_args is not None and not isinstance(extra_args, dict):
+            raise ValueError(f"extra_args must be a dict or None, got "
+                             f"{type(extra_args).__name__}")
+        self.extra_args = None if extra_args is None else dict(extra_args)
         if not isinstance(output_kind, RequestOutputKind):
             raise ValueError("output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or "
                              f"FINAL_ONLY), got {output_kind!r}")

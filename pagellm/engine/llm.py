@@ -29,7 +29,10 @@ from pagellm.engine.config import (
 from pagellm.engine.llm_engine import LLMEngine, PromptInput, is_token_id
 from pagellm.engine.metrics import Metric
 from pagellm.engine.outputs import CompletionOutput, RequestOutput
+from pagellm.engine.text import encode_text
+from pagellm.engine.tokenization_options import TokenizationOptions, tokenization_options
 from pagellm.logger import ensure_visible_logging
+from pagellm.model.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -51,14 +54,8 @@ def _prompt_list(prompts: Any) -> tuple[list[PromptInput], bool]:
     return cast(list[PromptInput], [prompts] if single else list(prompts)), single
 
 
-def _refuse_vllm_kwargs(tokenization_kwargs: dict[str, Any] | None,
-                        mm_processor_kwargs: object) -> None:
-    """vLLM's tokenizer and image-processor options, there for code that passes None
-    through: prompts are tokenized one way here, and there are no images."""
-    if tokenization_kwargs:
-        raise ValueError(f"tokenization_kwargs must be None or empty, got "
-                         f"{sorted(tokenization_kwargs)}: to cut a prompt, use "
-                         "SamplingParams(truncate_prompt_tokens=...)")
+def _refuse_mm_kwargs(mm_processor_kwargs: object) -> None:
+    """vLLM's image-processor options, there for code that passes None through."""
     if mm_processor_kwargs is not None:
         raise ValueError("mm_processor_kwargs must be None: PageLLM runs text-only models")
 
@@ -110,6 +107,11 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    @property
+    def model_config(self) -> ModelConfig:
+        """The model's shape and the context served (`max_model_len`), as in vLLM."""
+        return self.llm_engine.model_config
+
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
@@ -146,12 +148,23 @@ class LLM:
         does not stop the others: its output has `error` set and no completion.
         `priority`: one for all prompts or one per prompt, lower first, with
         scheduling_policy="priority" (vLLM's). `use_tqdm` may also be a tqdm-like class
-        to draw the progress with, as in vLLM. `lora_request`, `tokenization_kwargs`
-        (empty) and `mm_processor_kwargs` must be None (no adapters, tokenizer options
-        or images here; the arguments exist for code that passes None through).
+        to draw the progress with, as in vLLM. `tokenization_kwargs` are vLLM 0.32's
+        (`truncate_prompt_tokens`, `truncation` with `max_length`, `add_special_tokens`:
+        see `tokenization_options`). `lora_request` and `mm_processor_kwargs` must be
+        None (no adapters or images here; the arguments exist for code that passes None
+        through).
         """
         refuse_lora(lora_request)
-        _refuse_vllm_kwargs(tokenization_kwargs, mm_processor_kwargs)
+        _refuse_mm_kwargs(mm_processor_kwargs)
+        return self._generate(prompts, sampling_params, use_tqdm, cache_salt, priority,
+                              tokenization_options(tokenization_kwargs,
+                                                   add_special_tokens=True))
+
+    def _generate(self, prompts: PromptInput | Sequence[PromptInput],
+                  sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                  use_tqdm: ProgressOption, cache_salt: str | None,
+                  priority: int | Sequence[int] | None,
+                  tokenization: TokenizationOptions) -> list[RequestOutput]:
         prompt_list, single = _prompt_list(prompts)
         if isinstance(sampling_params, BeamSearchParams) or (
                 isinstance(sampling_params, Sequence)
@@ -165,6 +178,7 @@ class LLM:
         else:
             params_list = [sampling_params if sampling_params is not None
                            else self.get_default_sampling_params()] * len(prompt_list)
+        params_list = [tokenization.params(params) for params in params_list]
         # Checked before anything is queued: a priority the engine would refuse is a
         # programming error, not one prompt's failure.
         if isinstance(priority, Iterable) and not isinstance(priority, str):
@@ -174,7 +188,7 @@ class LLM:
         if len(priorities) != len(prompt_list):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
         return self._run(prompt_list, params_list, priorities, use_tqdm, cache_salt,
-                         raise_errors=single)
+                         raise_errors=single, tokenization=tokenization)
 
     @_one_call_at_a_time
     def chat(
@@ -203,23 +217,26 @@ class LLM:
         list it gets an output with `error` set.
         """
         refuse_lora(lora_request)
-        _refuse_vllm_kwargs(tokenization_kwargs, mm_processor_kwargs)
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("messages must be a non-empty list of messages (or of "
-                             "conversations)")
+        _refuse_mm_kwargs(mm_processor_kwargs)
+        tokenization = tokenization_options(tokenization_kwargs, add_special_tokens=False)
+        if not isinstance(messages, list):
+            raise ValueError("messages must be a list of messages (or of conversations)")
+        if not messages:  # no conversations, as in vLLM
+            return []
         single = isinstance(messages[0], dict)
         conversations = cast(list[list[Message]], [messages] if single else messages)
         options = ChatOptions(add_generation_prompt, continue_final_message, tools,
                               chat_template, chat_template_kwargs,
                               chat_template_content_format)
-        prompts: list[PromptInput] = [
-            {"prompt": text, "prompt_token_ids": token_ids}
-            for c in conversations
-            for text, token_ids in [render_chat_prompt(self.tokenizer, c, options)]
-        ]
+        prompts: list[PromptInput] = []
+        for conversation in conversations:
+            text, token_ids = render_chat_prompt(self.tokenizer, conversation, options)
+            if tokenization.add_special_tokens:  # the tokenizer's own on top of the template's
+                token_ids = encode_text(self.tokenizer, text, "messages", True)
+            prompts.append({"prompt": text, "prompt_token_ids": token_ids})
         # One conversation is one prompt: invalid, it raises, as `generate` does.
-        return self.generate(prompts[0] if single else prompts, sampling_params, use_tqdm,
-                             cache_salt, priority)
+        return self._generate(prompts[0] if single else prompts, sampling_params, use_tqdm,
+                              cache_salt, priority, tokenization)
 
     @_one_call_at_a_time
     def apply_chat_template(self, messages: list[Message],
@@ -256,7 +273,8 @@ class LLM:
         for start in range(0, len(prompt_list), limit):
             batch = prompt_list[start:start + limit]
             for output in self._run(batch, [params] * len(batch), [0] * len(batch),
-                                    use_tqdm, cache_salt, raise_errors=True):
+                                    use_tqdm, cache_salt, raise_errors=True,
+                                    tokenization=tokenization_options(None, True)):
                 if output.error is not None:
                     raise RuntimeError(f"beam search failed: {output.error}")
                 results.append(BeamSearchOutput([self._sequence(output, c, params)
@@ -305,7 +323,7 @@ class LLM:
     def _run(self, prompts: list[PromptInput],
              params: Sequence[SamplingParams | BeamSearchParams],
              priorities: list[int], use_tqdm: ProgressOption, cache_salt: str | None,
-             raise_errors: bool) -> list[RequestOutput]:
+             raise_errors: bool, tokenization: TokenizationOptions) -> list[RequestOutput]:
         engine = self.llm_engine
         self._abort_left_behind()
         results: list[RequestOutput | None] = [None] * len(prompts)
@@ -319,6 +337,7 @@ class LLM:
                 if isinstance(sp, SamplingParams) and sp.output_kind is RequestOutputKind.DELTA:
                     sp = sp.clone(output_kind=RequestOutputKind.FINAL_ONLY)  # whole outputs
                 try:
+                    prompt = tokenization.prompt(prompt, engine.tokenizer)
                     # The engine numbers the requests, so that ids never collide with
                     # those of requests added to `llm_engine` directly.
                     positions[engine.add_request(None, prompt, sp, cache_salt=cache_salt,

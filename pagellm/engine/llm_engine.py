@@ -14,7 +14,7 @@ import math
 import operator
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -250,6 +250,8 @@ class LLMEngine:
                        "kv_cache_memory_fraction")
         self.max_model_len = _fitted_max_model_len(
             config.max_model_len, context, num_blocks * config.block_size, pool_option)
+        self.model_config = replace(self.model_config,
+                                    max_model_len=self.max_model_len)
         graphs = uses_cuda_graphs(self.device, config, self.model)
         self.kv_cache = KVCache(self.model, num_blocks, config.block_size, self.kv_cache_dtype,
                                 pool_option, padding_block=graphs)

@@ -112,6 +112,11 @@ class CompletionOutput:
         """A method, as in vLLM (where `RequestOutput.finished` is a field)."""
         return self.finish_reason is not None
 
+    @property
+    def lora_request(self) -> None:
+        """vLLM's field: always None (no adapters here), for code that reads it."""
+        return None
+
 
 @dataclass
 class RequestMetrics:
@@ -148,6 +153,24 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first
     # (nothing predicts it); filled in as the prompt is computed.
     prompt_logprobs: list[Logprob | None] | None = None
+
+    # vLLM's fields for what PageLLM does not run (adapters, encoder-decoder models, KV
+    # transfer between instances): always None, so code written for vLLM reads them.
+    @property
+    def lora_request(self) -> None:
+        return None
+
+    @property
+    def encoder_prompt(self) -> None:
+        return None
+
+    @property
+    def encoder_prompt_token_ids(self) -> None:
+        return None
+
+    @property
+    def kv_transfer_params(self) -> None:
+        return None
 
 
 class OutputShaper:

@@ -77,6 +77,14 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     checkpoint_dtype: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # The context the engine serves, set once it has sized its KV pool (None as read from
+    # disk: the model's own is max_position_embeddings). vLLM's ModelConfig holds it, and
+    # code written for vLLM reads `llm.llm_engine.model_config.max_model_len`.
+    max_model_len: int | None = None
+
+    def get_vocab_size(self) -> int:
+        """vLLM's accessor, for code written for it."""
+        return self.vocab_size
 
     @property
     def num_layers(self) -> int:

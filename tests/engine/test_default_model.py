@@ -178,7 +178,7 @@ def test_a_beam_cut_in_the_middle_of_a_character_leaves_it_out(default_llm: Any)
 
 def test_chat_refuses_bad_conversations_and_options(default_llm: Any) -> None:
     params = SamplingParams(temperature=0, max_tokens=2)
-    bad = [([], "non-empty"),
+    bad = [([[]], "empty"),
            ([{"role": 5, "content": "hi"}], r"messages\[0\]\.role"),
            ([{"role": "user", "content": 5}], r"messages\[0\]\.content"),
            ([{"role": "user", "content": [{"type": "image_url"}]}], "content parts"),
@@ -413,8 +413,49 @@ def test_chat_takes_vllms_arguments_in_vllms_order(default_llm: Any) -> None:
                          chat_template_content_format="parts")
     assert default_llm.chat(messages, params, use_tqdm=False, tokenization_kwargs={},
                             mm_processor_kwargs=None)[0].outputs[0].token_ids
-    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
-        default_llm.chat(messages, params, use_tqdm=False,
-                         tokenization_kwargs={"truncation": True})
+    assert default_llm.chat([], params) == []  # no conversations, as in vLLM
     with pytest.raises(ValueError, match="text-only"):
         default_llm.generate("Hi", params, use_tqdm=False, mm_processor_kwargs={"a": 1})
+
+
+def test_tokenization_kwargs_cut_and_tokenize_prompts_as_vllm_0_32_does(default_llm: Any) -> None:
+    """vLLM 0.32 cuts prompts through `tokenization_kwargs` (its SamplingParams lost
+    truncate_prompt_tokens): the prompt keeps its last tokens, and the answer is the one
+    those tokens alone give. Keys it would not honour are refused by name."""
+    params = SamplingParams(temperature=0, max_tokens=4)
+    prompt = "The capital of France is"
+    whole = default_llm.get_tokenizer().encode(prompt)
+    alone = default_llm.generate([whole[-3:]], params, use_tqdm=False)[0]
+    for kwargs in ({"truncate_prompt_tokens": 3}, {"truncation": True, "max_length": 3},
+                   {"truncation": "longest_first", "max_length": 3, "truncation_side": "left"}):
+        cut = default_llm.generate(prompt, params, use_tqdm=False, tokenization_kwargs=kwargs)
+        assert cut[0].prompt_token_ids == whole[-3:], kwargs
+        assert cut[0].outputs[0].token_ids == alone.outputs[0].token_ids, kwargs
+    fits = default_llm.generate(prompt, params, use_tqdm=False,
+                                tokenization_kwargs={"truncation": True})[0]
+    assert fits.prompt_token_ids == whole  # cut only to what fits: nothing here
+    messages = [{"role": "user", "content": "Name a city."}]
+    chat = default_llm.chat(messages, params, use_tqdm=False,
+                            tokenization_kwargs={"truncate_prompt_tokens": 5})[0]
+    rendered = default_llm.apply_chat_template(messages)
+    assert chat.prompt_token_ids == rendered[-5:]
+    with_special = default_llm.chat(messages, params, use_tqdm=False,
+                                    tokenization_kwargs={"add_special_tokens": True})[0]
+    assert with_special.prompt_token_ids == default_llm.get_tokenizer().encode(
+        default_llm.get_tokenizer().decode(rendered))
+    plain = default_llm.generate([prompt, {"prompt": prompt}], params, use_tqdm=False,
+                                 tokenization_kwargs={"add_special_tokens": False})
+    assert [o.prompt_token_ids for o in plain] == [
+        default_llm.get_tokenizer().encode(prompt, add_special_tokens=False)] * 2
+    for kwargs, message in (({"padding": "max_length"}, r"\['padding'\] are not supported"),
+                            ({"truncation_side": "right"}, "truncation_side must be 'left'"),
+                            ({"max_length": 3}, "only with truncation=True"),
+                            ({"truncation": "only_first"}, "truncation must be"),
+                            ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be"),
+                            ({"add_special_tokens": 1}, "add_special_tokens must be a bool")):
+        with pytest.raises(ValueError, match=message):
+            default_llm.generate(prompt, params, use_tqdm=False, tokenization_kwargs=kwargs)
+    with pytest.raises(ValueError, match="give one"):
+        default_llm.generate(prompt, params.clone(truncate_prompt_tokens=2), use_tqdm=False,
+                             tokenization_kwargs={"truncate_prompt_tokens": 3})
+    assert_idle(default_llm.llm_engine)

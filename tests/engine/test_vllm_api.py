@@ -146,6 +146,17 @@ def test_llm_takes_vllms_arguments() -> None:
     assert chat[0].outputs[0].text
     with pytest.raises(ValueError, match="lora_request must be None"):
         llm.generate(PROMPT, greedy, lora_request=object())  # type: ignore[arg-type]
+    # What code written for vLLM reads past the text: lm-eval's harness takes the context
+    # from model_config.max_model_len; generic loggers read the adapter and encoder fields.
+    assert llm.llm_engine.model_config.max_model_len == 512 == llm.model_config.max_model_len
+    assert llm.model_config.get_vocab_size() == llm.model_config.vocab_size
+    assert (expected.lora_request, expected.encoder_prompt, expected.encoder_prompt_token_ids,
+            expected.kv_transfer_params, expected.outputs[0].lora_request) == (None,) * 5
+    assert llm.get_tokenizer().truncation_side == "left"  # vLLM's, for a generation model
+    tagged = SamplingParams(max_tokens=2, extra_args={"tag": 1})
+    assert tagged.clone().extra_args == {"tag": 1}
+    with pytest.raises(ValueError, match="extra_args must be a dict"):
+        SamplingParams(extra_args=[1])  # type: ignore[arg-type]
     assert_idle(llm.llm_engine)
     # vLLM's basic/generate.py: LLM(**vars(args)) of its engine flags, with the flags
     # that ask for what PageLLM does anyway.

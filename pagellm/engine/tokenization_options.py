@@ -1,0 +1,91 @@
+"""vLLM's `tokenization_kwargs` for `LLM.generate` and `LLM.chat`.
+
+vLLM 0.32 moved prompt truncation out of `SamplingParams` into these keyword arguments
+(`{"truncate_prompt_tokens": k}`, or the tokenizer's own `truncation` / `max_length`), so
+code written for it passes them here. Those that apply to a text model's prompt are
+honoured; any other is refused by name, never ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pagellm.core.sampling_params import SamplingParams
+from pagellm.engine.llm_engine import PromptInput
+from pagellm.engine.text import encode_text
+
+_KEYS = ("add_special_tokens", "max_length", "truncate_prompt_tokens", "truncation",
+         "truncation_side")
+
+
+@dataclass(frozen=True)
+class TokenizationOptions:
+    """How prompts are tokenized and cut: `truncate_prompt_tokens` as in SamplingParams
+    (None keeps the prompt whole), `add_special_tokens` for text prompts."""
+
+    truncate_prompt_tokens: int | None
+    add_special_tokens: bool
+
+    def params(self, params: SamplingParams) -> SamplingParams:
+        """`params` with this truncation (a different one set in both is refused)."""
+        keep = self.truncate_prompt_tokens
+        if keep is None or params.truncate_prompt_tokens == keep:
+            return params
+        if params.truncate_prompt_tokens is not None:
+            raise ValueError(f"tokenization_kwargs cut the prompt to {keep} tokens but "
+                             f"SamplingParams.truncate_prompt_tokens is "
+                             f"{params.truncate_prompt_tokens}: give one")
+        return params.clone(truncate_prompt_tokens=keep)
+
+    def prompt(self, prompt: PromptInput, tokenizer: Any) -> PromptInput:
+        """A text prompt tokenized without the tokenizer's special tokens where asked (the
+        engine adds them to text); token ids are taken as they are."""
+        if self.add_special_tokens or tokenizer is None:
+            return prompt
+        if isinstance(prompt, str):
+            return {"prompt": prompt,
+                    "prompt_token_ids": encode_text(tokenizer, prompt, "prompt", False)}
+        if isinstance(prompt, Mapping) and "prompt_token_ids" not in prompt and isinstance(
+                prompt.get("prompt"), str):
+            return {**prompt, "prompt_token_ids": encode_text(tokenizer, prompt["prompt"],
+                                                              "prompt", False)}
+        return prompt
+
+
+def tokenization_options(kwargs: Mapping[str, Any] | None,
+                         add_special_tokens: bool) -> TokenizationOptions:
+    """Reads vLLM's `tokenization_kwargs`; `add_special_tokens` is the caller's default
+    (True for text prompts, False for a rendered chat, whose template writes its own)."""
+    if kwargs is None:
+        return TokenizationOptions(None, add_special_tokens)
+    if not isinstance(kwargs, Mapping):
+        raise ValueError(f"tokenization_kwargs must be a dict, got {type(kwargs).__name__}")
+    unknown = sorted(set(kwargs) - set(_KEYS))
+    if unknown:
+        raise ValueError(f"tokenization_kwargs {unknown} are not supported (it takes "
+                         f"{', '.join(_KEYS)})")
+    keep = kwargs.get("truncate_prompt_tokens")
+    truncation = kwargs.get("truncation")
+    max_length = kwargs.get("max_length")
+    if truncation in (True, "longest_first"):
+        # The tokenizer's spelling: cut to max_length, else to what fits (vLLM's -1).
+        keep = max_length if max_length is not None else -1 if keep is None else keep
+    elif truncation not in (None, False, "do_not_truncate"):
+        raise ValueError(f"tokenization_kwargs truncation must be True, False, "
+                         f"'longest_first' or 'do_not_truncate', got {truncation!r}")
+    elif max_length is not None:
+        raise ValueError("tokenization_kwargs max_length cuts a prompt only with "
+                         "truncation=True (or give truncate_prompt_tokens)")
+    if kwargs.get("truncation_side", "left") != "left":
+        raise ValueError("tokenization_kwargs truncation_side must be 'left': a prompt is "
+                         "cut from its start, keeping its last tokens, as vLLM cuts a "
+                         "generation prompt")
+    special = kwargs.get("add_special_tokens", add_special_tokens)
+    if not isinstance(special, bool):
+        raise ValueError(f"tokenization_kwargs add_special_tokens must be a bool, got "
+                         f"{special!r}")
+    if keep is not None:  # checked as SamplingParams checks its own
+        SamplingParams(truncate_prompt_tokens=keep)
+    return TokenizationOptions(keep, special)
