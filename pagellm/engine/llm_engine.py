@@ -103,6 +103,10 @@ def _fitted_max_model_len(requested: int | None, context: int, pool_tokens: int,
     that configurations with a deliberately small pool (eviction tests) keep working and
     every reported max_model_len is one a request can reach."""
     wanted = requested or context
+    if pool_tokens < 2:  # as max_model_len itself: a prompt token and a generated one
+        raise ValueError(f"the KV cache holds {pool_tokens} token, too few for any "
+                         f"request (a prompt token and a generated one); raise "
+                         f"{pool_option}")
     if wanted > pool_tokens:
         logger.warning("max_model_len lowered from %d (%s) to %d, what the KV cache holds; "
                        "raise %s for more", wanted,

@@ -462,6 +462,10 @@ def test_max_model_len_never_exceeds_the_kv_pool(tiny_models: dict[str, Path],
     with pytest.raises(ValueError, match="max_model_len is 112"):
         llm.generate({"prompt_token_ids": [5] * 112}, _greedy(1), use_tqdm=False)
     assert_idle(llm.llm_engine)
+    # A pool of one token serves nothing: refused at start, as max_model_len=1 is.
+    with pytest.raises(ValueError, match="holds 1 token, too few.*num_gpu_blocks_override"):
+        _llm(path, block_size=1, num_gpu_blocks_override=1)
+    assert _llm(path, block_size=1, num_gpu_blocks_override=2).llm_engine.max_model_len == 2
 
 
 @pytest.mark.parametrize("name", ["llama-gqa-untied", "llama-mha-tied", "qwen3-qk-norm"])
