@@ -44,6 +44,7 @@ class _Bucket:
     countdown: int = MIN_INTERVAL
     probe_left: int = 0
     baseline: float | None = None
+    switches: int = 0
 
 
 class ThreadTuner:
@@ -86,10 +87,15 @@ class ThreadTuner:
     def _decide(self, bucket: _Bucket, rows_label: str) -> None:
         other = self._other(bucket.current)
         if bucket.seconds[other] < SWITCH_MARGIN * bucket.seconds[bucket.current]:
-            logger.info("decode steps of %s sequences now on %d thread(s): %.1f ms per step "
-                        "against %.1f ms on %d", rows_label, other,
-                        1000 * bucket.seconds[other], 1000 * bucket.seconds[bucket.current],
-                        bucket.current)
+            # A neighbour that comes and goes switches a batch size back and forth: the
+            # first switch says what is happening, the rest go to the debug log.
+            logger.log(logging.DEBUG if bucket.switches else logging.INFO,
+                       "decode steps of %s sequences now on %d thread(s): %.1f ms per step "
+                       "against %.1f ms on %d%s", rows_label, other,
+                       1000 * bucket.seconds[other], 1000 * bucket.seconds[bucket.current],
+                       bucket.current,
+                       "" if bucket.switches else " (later switches: debug log)")
+            bucket.switches += 1
             bucket.current = other
             bucket.interval = MIN_INTERVAL
             self.switches += 1

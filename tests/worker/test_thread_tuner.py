@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
+
+import pytest
 
 from pagellm.worker.thread_tuner import MAX_INTERVAL, MIN_INTERVAL, PROBE_STEPS, ThreadTuner
 
@@ -65,3 +68,17 @@ def test_noise_within_the_margin_does_not_switch() -> None:
     noisy = iter([0.008, 0.0085] * 5000)
     run(tuner, 2000, lambda threads: next(noisy) if threads == 2 else 0.0079)
     assert tuner.switches == 0
+
+
+def test_only_a_batch_sizes_first_switch_is_logged_at_info(caplog: pytest.LogCaptureFixture
+                                                           ) -> None:
+    """A neighbour that comes and goes flips the choice often; the log says so once."""
+    tuner = ThreadTuner(2)
+    with caplog.at_level(logging.DEBUG, logger="pagellm.worker.thread_tuner"):
+        for _ in range(3):
+            run(tuner, 300, CONTENDED)
+            run(tuner, 300, QUIET)
+    assert tuner.switches == 6
+    levels = [record.levelno for record in caplog.records]
+    assert levels == [logging.INFO] + [logging.DEBUG] * 5
+    assert "later switches: debug log" in caplog.records[0].getMessage()
