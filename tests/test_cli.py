@@ -371,7 +371,8 @@ def test_generate_jsonl_bad_lines_spoil_only_themselves(tmp_path: Path) -> None:
 def test_generate_jsonl_lines_set_their_own_sampling() -> None:
     """vLLM's names on a line override the options for that line only; a bad value or
     n > 1 spoils only its line; other keys come back as they were."""
-    lines = [{"prompt": "Count: one, two, three, four,", "max_tokens": 3, "tag": "x"},
+    lines = [{"prompt": "Count: one, two, three, four,", "max_tokens": 3, "tag": "x",
+              "extra_args": "kept"},
              {"prompt": "Count: one, two, three, four,"},
              {"prompt": "Count: one, two, three, four,", "stop": [","], "max_tokens": 20},
              {"prompt": "Hi", "temperature": -1},
@@ -393,6 +394,7 @@ def test_generate_jsonl_lines_set_their_own_sampling() -> None:
     assert result.returncode == 1, result.stderr
     records = [json.loads(line) for line in result.stdout.splitlines()]
     assert records[0]["completion_tokens"] == 3 and records[0]["tag"] == "x"
+    assert records[0]["extra_args"] == "kept"  # the caller's data, as any other key
     assert records[1]["completion_tokens"] == 5
     assert records[2]["finish_reason"] == "stop" and "," not in records[2]["text"]
     assert "temperature" in records[3]["error"]

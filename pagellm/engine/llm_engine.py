@@ -101,7 +101,8 @@ def _fitted_max_model_len(requested: int | None, context: int, pool_tokens: int,
     fitted max_model_len, and the server advertised a context it could not serve. vLLM
     refuses to start then; here the length is lowered to the pool, with a warning, so
     that configurations with a deliberately small pool (eviction tests) keep working and
-    every reported max_model_len is one a request can reach."""
+    every reported max_model_len is one a request can reach. A pool under two tokens
+    fits no request at all, and is refused."""
     wanted = requested or context
     if pool_tokens < 2:  # as max_model_len itself: a prompt token and a generated one
         raise ValueError(f"the KV cache holds {pool_tokens} token, too few for any "

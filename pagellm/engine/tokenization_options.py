@@ -18,6 +18,7 @@ from pagellm.engine.text import encode_text
 
 _KEYS = ("add_special_tokens", "max_length", "truncate_prompt_tokens", "truncation",
          "truncation_side")
+_TRUNCATION = (None, True, False)  # compared by identity: 1 and 0 are not booleans here
 
 
 @dataclass(frozen=True)
@@ -69,15 +70,22 @@ def tokenization_options(kwargs: Mapping[str, Any] | None,
     keep = kwargs.get("truncate_prompt_tokens")
     truncation = kwargs.get("truncation")
     max_length = kwargs.get("max_length")
-    if truncation in (True, "longest_first"):
-        # The tokenizer's spelling: cut to max_length, else to what fits (vLLM's -1).
-        keep = max_length if max_length is not None else -1 if keep is None else keep
-    elif truncation not in (None, False, "do_not_truncate"):
+    if not any(truncation is value for value in _TRUNCATION) and truncation not in (
+            "longest_first", "do_not_truncate"):
         raise ValueError(f"tokenization_kwargs truncation must be True, False, "
                          f"'longest_first' or 'do_not_truncate', got {truncation!r}")
+    if truncation is True or truncation == "longest_first":
+        # The tokenizer's spelling: cut to max_length, else to what fits (vLLM's -1).
+        if max_length is not None and keep is not None and keep != max_length:
+            raise ValueError(f"tokenization_kwargs cut the prompt to max_length={max_length} "
+                             f"and to truncate_prompt_tokens={keep}: give one")
+        keep = max_length if max_length is not None else -1 if keep is None else keep
     elif max_length is not None:
         raise ValueError("tokenization_kwargs max_length cuts a prompt only with "
-                         "truncation=True (or give truncate_prompt_tokens)")
+                         "truncation=True")
+    elif truncation is not None and keep is not None:
+        raise ValueError(f"tokenization_kwargs truncation={truncation!r} says not to cut "
+                         f"the prompt, but truncate_prompt_tokens is {keep}: give one")
     if kwargs.get("truncation_side", "left") != "left":
         raise ValueError("tokenization_kwargs truncation_side must be 'left': a prompt is "
                          "cut from its start, keeping its last tokens, as vLLM cuts a "

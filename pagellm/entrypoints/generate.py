@@ -31,9 +31,11 @@ from pagellm.entrypoints.sampling_args import add_sampling_args, sampling_params
 # A JSONL line may set these for itself (vLLM's names, as in its batch files); they
 # override the command line's. Every other key is the caller's, echoed back untouched,
 # except the ones a result line has no room for (refused rather than ignored) and near
-# misses of a sampling name (a typo that would silently change nothing).
+# misses of a sampling name (a typo that would silently change nothing). `extra_args`
+# holds data for the caller's own code, which a line's other keys already are.
 _NO_ROOM = frozenset({"n", "logprobs", "prompt_logprobs", "detokenize", "output_kind"})
-LINE_SAMPLING_KEYS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - _NO_ROOM
+LINE_SAMPLING_KEYS = (frozenset(f.name for f in dataclasses.fields(SamplingParams))
+                      - _NO_ROOM - {"extra_args"})
 # The server's ways of giving a format: refused in a line rather than echoed back unused.
 _SERVER_FORMAT_KEYS = frozenset({"response_format", *GUIDED_FIELDS})
 

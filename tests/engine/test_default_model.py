@@ -418,7 +418,8 @@ def test_chat_takes_vllms_arguments_in_vllms_order(default_llm: Any) -> None:
         default_llm.generate("Hi", params, use_tqdm=False, mm_processor_kwargs={"a": 1})
 
 
-def test_tokenization_kwargs_cut_and_tokenize_prompts_as_vllm_0_32_does(default_llm: Any) -> None:
+def test_tokenization_kwargs_cut_and_tokenize_prompts_as_vllm_0_32_does(
+        default_llm: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM 0.32 cuts prompts through `tokenization_kwargs` (its SamplingParams lost
     truncate_prompt_tokens): the prompt keeps its last tokens, and the answer is the one
     those tokens alone give. Keys it would not honour are refused by name."""
@@ -439,18 +440,34 @@ def test_tokenization_kwargs_cut_and_tokenize_prompts_as_vllm_0_32_does(default_
                             tokenization_kwargs={"truncate_prompt_tokens": 5})[0]
     rendered = default_llm.apply_chat_template(messages)
     assert chat.prompt_token_ids == rendered[-5:]
-    with_special = default_llm.chat(messages, params, use_tqdm=False,
-                                    tokenization_kwargs={"add_special_tokens": True})[0]
-    assert with_special.prompt_token_ids == default_llm.get_tokenizer().encode(
-        default_llm.get_tokenizer().decode(rendered))
+    # SmolLM2's tokenizer adds no special token of its own: give it a BOS to add.
+    tokenizer = default_llm.get_tokenizer()
+    plain_encode = tokenizer.encode
+    bos = 1
+
+    def encode(text: str, add_special_tokens: bool = True, **kwargs: Any) -> list[int]:
+        return [bos] * add_special_tokens + plain_encode(text, add_special_tokens=False,
+                                                          **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", encode)
+    assert default_llm.generate(prompt, params, use_tqdm=False)[0].prompt_token_ids == \
+        [bos, *whole]
     plain = default_llm.generate([prompt, {"prompt": prompt}], params, use_tqdm=False,
                                  tokenization_kwargs={"add_special_tokens": False})
-    assert [o.prompt_token_ids for o in plain] == [
-        default_llm.get_tokenizer().encode(prompt, add_special_tokens=False)] * 2
+    assert [o.prompt_token_ids for o in plain] == [whole] * 2
+    assert default_llm.chat(messages, params, use_tqdm=False)[0].prompt_token_ids == rendered
+    with_special = default_llm.chat(messages, params, use_tqdm=False,
+                                    tokenization_kwargs={"add_special_tokens": True})[0]
+    assert with_special.prompt_token_ids == [bos, *rendered]
+    monkeypatch.undo()
     for kwargs, message in (({"padding": "max_length"}, r"\['padding'\] are not supported"),
                             ({"truncation_side": "right"}, "truncation_side must be 'left'"),
                             ({"max_length": 3}, "only with truncation=True"),
                             ({"truncation": "only_first"}, "truncation must be"),
+                            ({"truncation": 1, "max_length": 3}, "truncation must be"),
+                            ({"truncation": True, "max_length": 3, "truncate_prompt_tokens": 2},
+                             "give one"),
+                            ({"truncation": False, "truncate_prompt_tokens": 2}, "give one"),
                             ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be"),
                             ({"add_special_tokens": 1}, "add_special_tokens must be a bool")):
         with pytest.raises(ValueError, match=message):

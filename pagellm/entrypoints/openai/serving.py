@@ -79,7 +79,7 @@ def check_supported(body: SamplingFields) -> None:
 _SAMPLING_ONLY = ("top_p", "top_k", "min_p", "min_tokens", "stop", "stop_token_ids",
                   "presence_penalty", "frequency_penalty", "repetition_penalty",
                   "prompt_logprobs", "logit_bias", "allowed_token_ids", "bad_words",
-                  "structured_outputs")
+                  "structured_outputs", "spaces_between_special_tokens")
 
 
 def request_defaults(context: ServerContext, body: SamplingFields) -> Mapping[str, Any]:
