@@ -149,8 +149,8 @@ class LLM:
         `priority`: one for all prompts or one per prompt, lower first, with
         scheduling_policy="priority" (vLLM's). `use_tqdm` may also be a tqdm-like class
         to draw the progress with, as in vLLM. `tokenization_kwargs` are vLLM 0.32's
-        (`truncate_prompt_tokens`, `truncation` with `max_length`, `add_special_tokens`:
-        see `tokenization_options`). `lora_request` and `mm_processor_kwargs` must be
+        (`truncate_prompt_tokens`, `truncation` with `max_length`, `truncation_side`,
+        `add_special_tokens`: see `tokenization_options`). `lora_request` and `mm_processor_kwargs` must be
         None (no adapters or images here; the arguments exist for code that passes None
         through).
         """
@@ -337,7 +337,7 @@ class LLM:
                 if isinstance(sp, SamplingParams) and sp.output_kind is RequestOutputKind.DELTA:
                     sp = sp.clone(output_kind=RequestOutputKind.FINAL_ONLY)  # whole outputs
                 try:
-                    prompt = tokenization.prompt(prompt, engine.tokenizer)
+                    prompt, sp = tokenization.request(prompt, sp, engine)
                     # The engine numbers the requests, so that ids never collide with
                     # those of requests added to `llm_engine` directly.
                     positions[engine.add_request(None, prompt, sp, cache_salt=cache_salt,

@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pagellm.core.sampling_params import SamplingParams
-from pagellm.engine.llm_engine import PromptInput
+from pagellm.core.sampling_params import BeamSearchParams, SamplingParams
+from pagellm.engine.llm_engine import LLMEngine, PromptInput
 from pagellm.engine.text import encode_text
 
 _KEYS = ("add_special_tokens", "max_length", "truncate_prompt_tokens", "truncation",
@@ -24,10 +24,12 @@ _TRUNCATION = (None, True, False)  # compared by identity: 1 and 0 are not boole
 @dataclass(frozen=True)
 class TokenizationOptions:
     """How prompts are tokenized and cut: `truncate_prompt_tokens` as in SamplingParams
-    (None keeps the prompt whole), `add_special_tokens` for text prompts."""
+    (None keeps the prompt whole), from the prompt's start (keeping its end, the default)
+    or, with `keep_start`, from its end; `add_special_tokens` for text prompts."""
 
     truncate_prompt_tokens: int | None
     add_special_tokens: bool
+    keep_start: bool = False
 
     def params(self, params: SamplingParams) -> SamplingParams:
         """`params` with this truncation (a different one set in both is refused)."""
@@ -40,7 +42,23 @@ class TokenizationOptions:
                              f"{params.truncate_prompt_tokens}: give one")
         return params.clone(truncate_prompt_tokens=keep)
 
-    def prompt(self, prompt: PromptInput, tokenizer: Any) -> PromptInput:
+    def request(self, prompt: PromptInput, params: SamplingParams | BeamSearchParams,
+                engine: LLMEngine) -> tuple[PromptInput, SamplingParams | BeamSearchParams]:
+        """What a request is added with. The engine cuts a prompt from its start; one cut
+        from its end (`truncation_side` "right") is cut here, as the server cuts it."""
+        prompt = self._tokenized(prompt, engine.tokenizer)
+        if (not self.keep_start or not isinstance(params, SamplingParams)
+                or params.truncate_prompt_tokens is None):
+            return prompt, params
+        _, token_ids = engine.tokenize_prompt(prompt)
+        kept = len(params.truncate(token_ids, engine.max_model_len))
+        others = ({key: value for key, value in prompt.items()
+                   if key not in ("prompt", "prompt_token_ids")}
+                  if isinstance(prompt, Mapping) else {})
+        return ({**others, "prompt_token_ids": token_ids[:kept]},
+                params.clone(truncate_prompt_tokens=None))
+
+    def _tokenized(self, prompt: PromptInput, tokenizer: Any) -> PromptInput:
         """A text prompt tokenized without the tokenizer's special tokens where asked (the
         engine adds them to text); token ids are taken as they are."""
         if self.add_special_tokens or tokenizer is None:
@@ -86,14 +104,15 @@ def tokenization_options(kwargs: Mapping[str, Any] | None,
     elif truncation is not None and keep is not None:
         raise ValueError(f"tokenization_kwargs truncation={truncation!r} says not to cut "
                          f"the prompt, but truncate_prompt_tokens is {keep}: give one")
-    if kwargs.get("truncation_side", "left") != "left":
-        raise ValueError("tokenization_kwargs truncation_side must be 'left': a prompt is "
-                         "cut from its start, keeping its last tokens, as vLLM cuts a "
-                         "generation prompt")
+    side = kwargs.get("truncation_side", "left")
+    if side not in ("left", "right"):
+        raise ValueError(f"tokenization_kwargs truncation_side must be 'left' (keep the "
+                         f"prompt's end, the default) or 'right' (keep its start), got "
+                         f"{side!r}")
     special = kwargs.get("add_special_tokens", add_special_tokens)
     if not isinstance(special, bool):
         raise ValueError(f"tokenization_kwargs add_special_tokens must be a bool, got "
                          f"{special!r}")
     if keep is not None:  # checked as SamplingParams checks its own
         SamplingParams(truncate_prompt_tokens=keep)
-    return TokenizationOptions(keep, special)
+    return TokenizationOptions(keep, special, keep_start=side == "right")

@@ -432,6 +432,11 @@ def test_tokenization_kwargs_cut_and_tokenize_prompts_as_vllm_0_32_does(
         cut = default_llm.generate(prompt, params, use_tqdm=False, tokenization_kwargs=kwargs)
         assert cut[0].prompt_token_ids == whole[-3:], kwargs
         assert cut[0].outputs[0].token_ids == alone.outputs[0].token_ids, kwargs
+    start = default_llm.generate(prompt, params, use_tqdm=False, tokenization_kwargs={
+        "truncate_prompt_tokens": 3, "truncation_side": "right"})[0]  # the server's too
+    assert start.prompt_token_ids == whole[:3]
+    assert start.outputs[0].token_ids == default_llm.generate(
+        [whole[:3]], params, use_tqdm=False)[0].outputs[0].token_ids
     fits = default_llm.generate(prompt, params, use_tqdm=False,
                                 tokenization_kwargs={"truncation": True})[0]
     assert fits.prompt_token_ids == whole  # cut only to what fits: nothing here
@@ -461,7 +466,7 @@ def test_tokenization_kwargs_cut_and_tokenize_prompts_as_vllm_0_32_does(
     assert with_special.prompt_token_ids == [bos, *rendered]
     monkeypatch.undo()
     for kwargs, message in (({"padding": "max_length"}, r"\['padding'\] are not supported"),
-                            ({"truncation_side": "right"}, "truncation_side must be 'left'"),
+                            ({"truncation_side": "middle"}, "truncation_side must be"),
                             ({"max_length": 3}, "only with truncation=True"),
                             ({"truncation": "only_first"}, "truncation must be"),
                             ({"truncation": 1, "max_length": 3}, "truncation must be"),
