@@ -330,10 +330,12 @@ class LLMEngine:
         """vLLM's accessor of `tokenizer` (None with skip_tokenizer_init)."""
         return self.tokenizer
 
-    def tokenize_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+    def tokenize_prompt(self, prompt: PromptInput,
+                        add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """A prompt is text, token ids (a list, tuple or 1-D array), or a prompt dict
         ({"prompt_token_ids": [...]} / {"prompt": "..."}, optionally with "cache_salt");
-        returns (text or None, token ids), checked."""
+        returns (text or None, token ids), checked. Text gets the tokenizer's special
+        tokens unless `add_special_tokens` is False (vLLM's tokenization_kwargs)."""
         if isinstance(prompt, dict):
             unknown = sorted(set(prompt) - PROMPT_KEYS)
             if unknown:
@@ -351,7 +353,7 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer (skip_tokenizer_init is set): "
                                  "pass prompt_token_ids")
-            ids = encode_text(self.tokenizer, prompt, "prompt", True)
+            ids = encode_text(self.tokenizer, prompt, "prompt", add_special_tokens)
             past = next((t for t in ids if t >= self.model_config.vocab_size), None)
             if past is not None:
                 raise ValueError(

@@ -14,7 +14,6 @@ from typing import Any
 
 from pagellm.core.sampling_params import BeamSearchParams, SamplingParams
 from pagellm.engine.llm_engine import LLMEngine, PromptInput
-from pagellm.engine.text import encode_text
 
 _KEYS = ("add_special_tokens", "max_length", "truncate_prompt_tokens", "truncation",
          "truncation_side")
@@ -46,7 +45,8 @@ class TokenizationOptions:
                 engine: LLMEngine) -> tuple[PromptInput, SamplingParams | BeamSearchParams]:
         """What a request is added with. The engine cuts a prompt from its start; one cut
         from its end (`truncation_side` "right") is cut here, as the server cuts it."""
-        prompt = self._tokenized(prompt, engine.tokenizer)
+        if not self.add_special_tokens:
+            prompt = _tokenized(prompt, engine)
         if (not self.keep_start or not isinstance(params, SamplingParams)
                 or params.truncate_prompt_tokens is None):
             return prompt, params
@@ -58,19 +58,17 @@ class TokenizationOptions:
         return ({**others, "prompt_token_ids": token_ids[:kept]},
                 params.clone(truncate_prompt_tokens=None))
 
-    def _tokenized(self, prompt: PromptInput, tokenizer: Any) -> PromptInput:
-        """A text prompt tokenized without the tokenizer's special tokens where asked (the
-        engine adds them to text); token ids are taken as they are."""
-        if self.add_special_tokens or tokenizer is None:
-            return prompt
-        if isinstance(prompt, str):
-            return {"prompt": prompt,
-                    "prompt_token_ids": encode_text(tokenizer, prompt, "prompt", False)}
-        if isinstance(prompt, Mapping) and "prompt_token_ids" not in prompt and isinstance(
-                prompt.get("prompt"), str):
-            return {**prompt, "prompt_token_ids": encode_text(tokenizer, prompt["prompt"],
-                                                              "prompt", False)}
+
+def _tokenized(prompt: PromptInput, engine: LLMEngine) -> PromptInput:
+    """A text prompt's token ids without the tokenizer's special tokens (the engine adds
+    them to text), kept beside its text and its other keys; token ids stay as they are."""
+    if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
         return prompt
+    text, token_ids = engine.tokenize_prompt(prompt, add_special_tokens=False)
+    if text is None:
+        return prompt
+    others = dict(prompt) if isinstance(prompt, Mapping) else {}
+    return {**others, "prompt": text, "prompt_token_ids": token_ids}
 
 
 def tokenization_options(kwargs: Mapping[str, Any] | None,
