@@ -485,8 +485,10 @@ class SamplingParams:
                              f"FINAL_ONLY), got {output_kind!r}")
         self.output_kind = output_kind
 
-    def truncate(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
-        """The prompt as `truncate_prompt_tokens` keeps it: its last tokens, at most a
+    def truncate(self, prompt_token_ids: list[int], max_model_len: int,
+                 keep_start: bool = False) -> list[int]:
+        """The prompt as `truncate_prompt_tokens` keeps it: its last tokens (its first with
+        `keep_start`, vLLM's truncation_side "right"), at most a
         context's (a larger count is a ValueError, as in vLLM: it asks for a prompt the
         model could not take, and keeping it would ignore the setting). -1 keeps as
         many as leave room for `max_tokens` (one token when None): keeping the whole
@@ -507,7 +509,7 @@ class SamplingParams:
                     f"room for max_tokens, but max_tokens ({room}) leaves none in the "
                     f"context of {max_model_len} tokens")
             keep = max_model_len - room
-        return prompt_token_ids[-keep:]
+        return prompt_token_ids[:keep] if keep_start else prompt_token_ids[-keep:]
 
     @property
     def sampling_type(self) -> SamplingType:

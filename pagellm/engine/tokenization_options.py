@@ -51,12 +51,11 @@ class TokenizationOptions:
                 or params.truncate_prompt_tokens is None):
             return prompt, params
         _, token_ids = engine.tokenize_prompt(prompt)
-        kept = len(params.truncate(token_ids, engine.max_model_len))
         others = ({key: value for key, value in prompt.items()
                    if key not in ("prompt", "prompt_token_ids")}
                   if isinstance(prompt, Mapping) else {})
-        return ({**others, "prompt_token_ids": token_ids[:kept]},
-                params.clone(truncate_prompt_tokens=None))
+        kept = params.truncate(token_ids, engine.max_model_len, keep_start=True)
+        return {**others, "prompt_token_ids": kept}, params.clone(truncate_prompt_tokens=None)
 
 
 def _tokenized(prompt: PromptInput, engine: LLMEngine) -> PromptInput:

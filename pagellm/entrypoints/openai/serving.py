@@ -213,10 +213,9 @@ def truncated(params: SamplingParams, token_ids: list[int], max_model_len: int,
     for vLLM's `truncation_side` "right"; a setting that cannot keep any is a 400
     naming it."""
     try:
-        kept = params.truncate(token_ids, max_model_len)
+        return params.truncate(token_ids, max_model_len, keep_start=side == "right")
     except ValueError as error:
         raise bad_request(str(error), param="truncate_prompt_tokens") from error
-    return token_ids[:len(kept)] if side == "right" else kept
 
 
 def request_ids(prefix: str, raw: Request, chosen: str | None) -> tuple[str, str]:
