@@ -141,6 +141,23 @@ def _logit_bias(value: object) -> dict[int, float] | None:
     return bias or None
 
 
+def _bias_key(token: object) -> object:
+    """A logit_bias key as `SamplingParams.from_optional` reads it: a string of digits is
+    the token id it spells; anything else is left for the constructor to judge."""
+    if isinstance(token, str):
+        try:
+            return int(token)
+        except ValueError:
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got "
+                             f"{token!r}") from None
+    return token
+
+
+# SamplingParams.from_optional's fields for which None means the default.
+_DEFAULTED_WHEN_NONE = ("n", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                        "temperature", "top_p")
+
+
 # The formats of StructuredOutputsParams, of which a request sets exactly one.
 FORMAT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # vLLM's request fields for a format before 0.11, and the StructuredOutputsParams field
@@ -484,6 +501,20 @@ class SamplingParams:
             raise ValueError("output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or "
                              f"FINAL_ONLY), got {output_kind!r}")
         self.output_kind = output_kind
+
+    @staticmethod
+    def from_optional(**fields: Any) -> SamplingParams:
+        """vLLM's constructor for values read from a request that may hold None where the
+        default is meant: None for n, the three penalties, temperature or top_p gives the
+        field's default (those fields take no None themselves), and logit_bias keys may
+        be token ids written as strings, as JSON writes a dict's keys."""
+        for name in _DEFAULTED_WHEN_NONE:
+            if name in fields and fields[name] is None:
+                del fields[name]
+        bias = fields.get("logit_bias")
+        if isinstance(bias, dict):
+            fields["logit_bias"] = {_bias_key(token): amount for token, amount in bias.items()}
+        return SamplingParams(**fields)
 
     def truncate(self, prompt_token_ids: list[int], max_model_len: int,
                  keep_start: bool = False) -> list[int]:

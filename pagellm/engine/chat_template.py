@@ -93,8 +93,10 @@ class ChatOptions:
     """How to render: vLLM's `chat` and chat-completions options of the same names.
 
     - add_generation_prompt: end with the opening of the assistant's turn.
-    - continue_final_message: leave the last (assistant) message open, so the model
-      continues it (a prefill of the answer); excludes add_generation_prompt.
+    - continue_final_message: leave the last message open, so the model continues it:
+      an assistant's (a prefill of the answer) or, as in vLLM and transformers, any
+      other role's (a user's half-written text, completed); excludes
+      add_generation_prompt.
     - tools: tool definitions, for templates that render them.
     - chat_template: a Jinja template instead of the model's.
     - chat_template_kwargs: extra variables for the template (e.g. enable_thinking).
@@ -121,9 +123,6 @@ class ChatOptions:
         if self.add_generation_prompt and self.continue_final_message:
             raise ChatError("continue_final_message and add_generation_prompt cannot both "
                             "be true", "continue_final_message")
-        if self.continue_final_message and conversation[-1]["role"] != "assistant":
-            raise ChatError("continue_final_message needs the last message to be the "
-                            "assistant's", "continue_final_message")
         check_template_kwargs(self.chat_template_kwargs or {}, "chat_template_kwargs")
 
 

@@ -136,6 +136,26 @@ def test_clone_validates_and_copies_lists() -> None:
     assert dataclasses.replace(p, n=3).n == 3
 
 
+def test_from_optional_takes_none_for_the_default() -> None:
+    """vLLM's from_optional: a request's None means the default for the fields that take
+    no None themselves, and JSON's string keys of logit_bias are token ids."""
+    p = SamplingParams.from_optional(
+        n=None, presence_penalty=None, frequency_penalty=None, repetition_penalty=None,
+        temperature=None, top_p=None, max_tokens=None, seed=None,
+        logit_bias={"12": 5, 3: -1.5})
+    assert (p.n, p.temperature, p.top_p, p.repetition_penalty) == (1, 1.0, 1.0, 1.0)
+    assert (p.presence_penalty, p.frequency_penalty) == (0.0, 0.0)
+    assert p.max_tokens is None and p.seed is None and p.logit_bias == {12: 5.0, 3: -1.5}
+    assert SamplingParams.from_optional(temperature=0.5, top_k=4) == SamplingParams(
+        temperature=0.5, top_k=4)
+    with pytest.raises(ValueError, match="logit_bias keys must be token ids.*'x'"):
+        SamplingParams.from_optional(logit_bias={"x": 1})
+    with pytest.raises(ValueError, match="logit_bias keys.*-3"):
+        SamplingParams.from_optional(logit_bias={"-3": 1})
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams.from_optional(top_k=None)
+
+
 def test_for_child() -> None:
     parent = SamplingParams(n=4, seed=10, temperature=0.5)
     children = [parent.for_child(i) for i in range(parent.n)]

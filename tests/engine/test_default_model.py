@@ -197,9 +197,6 @@ def test_chat_refuses_bad_conversations_and_options(default_llm: Any) -> None:
         default_llm.chat(_chat("Hi"), SamplingParams(logit_bias={10**7: 1.0}), use_tqdm=False)
     with pytest.raises(ValueError, match="add_generation_prompt"):
         default_llm.chat(_chat("Hi"), params, continue_final_message=True, use_tqdm=False)
-    with pytest.raises(ValueError, match="assistant"):
-        default_llm.chat(_chat("Hi"), params, continue_final_message=True,
-                         add_generation_prompt=False, use_tqdm=False)
     assert_idle(default_llm.llm_engine)
 
 
@@ -217,6 +214,21 @@ def test_chat_continues_the_final_message(default_llm: Any) -> None:
         add_generation_prompt=False, use_tqdm=False)[0]
     assert parts.prompt_token_ids == out.prompt_token_ids
     assert parts.outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_chat_continues_a_final_user_message(default_llm: Any) -> None:
+    """As in vLLM and transformers, continue_final_message leaves any role's message
+    open: the model completes the user's half-written text."""
+    tokenizer = default_llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=5)
+    out = default_llm.chat(_chat("The capital of France is"), params,
+                           continue_final_message=True, add_generation_prompt=False,
+                           use_tqdm=False)[0]
+    assert tokenizer.decode(out.prompt_token_ids).endswith("user\nThe capital of France is")
+    same = default_llm.generate({"prompt_token_ids": out.prompt_token_ids}, params,
+                                use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == same.outputs[0].token_ids
+    assert_idle(default_llm.llm_engine)
 
 
 def test_second_chat_turn_hits_the_first_turn_and_its_answer(default_llm: Any) -> None:

@@ -554,6 +554,23 @@ def test_continue_final_message_continues_the_assistant(client: openai.OpenAI) -
     assert question.choices[0].message.content == plain.choices[0].message.content
 
 
+def test_continue_final_message_completes_the_users_text(server: Server,
+                                                         client: openai.OpenAI) -> None:
+    """vLLM's rule for any last role: the answer continues the message, takes its role,
+    and with echo starts with its text."""
+    messages = [{"role": "user", "content": "The capital of France is"}]
+    body = {"continue_final_message": True, "add_generation_prompt": False, "echo": True}
+    result = client.chat.completions.create(model=MODEL_NAME, messages=messages,
+                                            max_tokens=6, temperature=0, extra_body=body)
+    tokens = httpx.post(f"{server.url}/tokenize", json={
+        "model": MODEL_NAME, "messages": messages, "continue_final_message": True,
+        "add_generation_prompt": False}).json()["tokens"]
+    same = client.completions.create(model=MODEL_NAME, prompt=tokens, max_tokens=6,
+                                     temperature=0)
+    assert result.choices[0].message.role == "user"
+    assert result.choices[0].message.content == "The capital of France is" + same.choices[0].text
+
+
 def test_tools_with_tool_choice_none_and_earlier_tool_calls(client: openai.OpenAI) -> None:
     tool = {"type": "function", "function": {"name": "weather", "parameters": {}}}
     messages = [
