@@ -20,7 +20,7 @@ import torch
 from pagellm.engine.config import EngineConfig
 from pagellm.entrypoints.cli import _option_actions, build_parser, main
 from pagellm.entrypoints.config_file import with_config_file
-from pagellm.entrypoints.engine_args import NOT_ON_CLI, EngineArgs, byte_size
+from pagellm.entrypoints.engine_args import NOT_ON_CLI, EngineArgs, byte_size, dashed_flags
 from pagellm.entrypoints.serve import (
     address_of,
     bind,
@@ -214,7 +214,7 @@ def test_vllm_only_options_say_what_to_use_instead(capsys: pytest.CaptureFixture
             in capsys.readouterr().err)
     with pytest.raises(SystemExit):
         main(["serve", "--tensor-parallel-size=2"])
-    assert ("argument --tensor-parallel-size: only 1 is taken (vLLM's option; one engine "
+    assert ("argument --tensor-parallel-size/-tp: only 1 is taken (vLLM's option; one engine "
             "runs on one device), got '2'") in capsys.readouterr().err
 
 
@@ -628,12 +628,30 @@ def test_version_and_public_names(capsys: pytest.CaptureFixture[str]) -> None:
     assert AsyncLLMEngine is defined
 
 
+@pytest.mark.parametrize(("module", "argv", "expected"), [
+    ("pagellm.entrypoints.openai.api_server", ["--model", "/nonexistent/model", "--port", "1"],
+     "cannot start the engine: model path does not exist: /nonexistent/model"),
+    ("pagellm.entrypoints.openai.run_batch", ["-i", "/nonexistent/b.jsonl", "-o", "o.jsonl"],
+     "pagellm run-batch: error: --input-file /nonexistent/b.jsonl: no such file"),
+    ("pagellm.entrypoints.run_batch", ["-i", "/nonexistent/b.jsonl", "-o", "o.jsonl"],
+     "pagellm run-batch: error: --input-file /nonexistent/b.jsonl: no such file"),
+])
+def test_vllms_module_entry_points_run_the_commands(module: str, argv: list[str],
+                                                    expected: str) -> None:
+    """`python -m vllm.entrypoints.openai.api_server` (Dockerfiles, manifests) ported to
+    PageLLM's module paths runs the command; it exited 0 serving nothing."""
+    done = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True,
+                          text=True, env=ENV, timeout=120)
+    assert done.returncode != 0 and expected in done.stderr
+
+
 @pytest.mark.parametrize(("argv", "names"), [
     (["serve"], ["SmolLM2-135M-Instruct"]),
-    (["serve", "--model", "/models/Qwen3-0.6B/"], ["Qwen3-0.6B"]),
+    # A path's last part, and the path as given, which vLLM serves it under.
+    (["serve", "--model", "/models/Qwen3-0.6B/"], ["Qwen3-0.6B", "/models/Qwen3-0.6B/"]),
     (["serve", "--model", "/m/x.gguf", "--served-model-name", "a", "b"], ["a", "b"]),
-    (["serve", "/models/Qwen3-0.6B/"], ["Qwen3-0.6B"]),  # vLLM's `vllm serve MODEL`
-    (["serve", "/m/x.gguf", "--model", "/m/x.gguf"], ["x.gguf"]),
+    (["serve", "/models/Qwen3-0.6B/"], ["Qwen3-0.6B", "/models/Qwen3-0.6B/"]),
+    (["serve", "/m/x.gguf", "--model", "/m/x.gguf"], ["x.gguf", "/m/x.gguf"]),
     (["serve", "HuggingFaceTB/SmolLM2-135M-Instruct"], ["HuggingFaceTB/SmolLM2-135M-Instruct"]),
 ])
 def test_served_model_names(argv: list[str], names: list[str]) -> None:
@@ -672,6 +690,57 @@ def test_vllm_spellings_and_wrong_arguments_of_the_python_api() -> None:
                                         "gpu_memory_utilization is vLLM's: the KV pool is "
                                         "sized by kv_cache_memory_bytes.*block_size"):
         LLM(gpu_memory_utilization=0.9, tensor_parallel_size=2, enforce_eager=True)
+
+
+def test_vllm_deployment_flags_and_scripts_carry_over(capsys: pytest.CaptureFixture[str]
+                                                      ) -> None:
+    """What vLLM users paste: short and underscore spellings, flags asking for what
+    PageLLM does anyway, and the parser vLLM's example scripts build; what cannot carry
+    over says why."""
+    from pagellm.utils import FlexibleArgumentParser
+
+    args = build_parser().parse_args(dashed_flags([
+        "serve", "-tp", "1", "-pp", "1", "-dp", "1", "--distributed_executor_backend=mp",
+        "--disable-custom-all-reduce", "--structured-outputs-config",
+        '{"backend": "guidance"}']))
+    assert EngineArgs.from_cli_args(args) == EngineArgs()
+    assert EngineArgs.from_cli_args(build_parser().parse_args(dashed_flags(
+        ["serve", "--max_model_len", "4K", "--", "--max_model_len"]))).max_model_len == 4096
+    for argv, message in (
+            (["serve", "--structured-outputs-config", '{"backend": "xgrammar"}'],
+             'only {"backend": "guidance"} is taken (vLLM\'s option; structured output is '
+             "always llguidance's"),
+            (["serve", "--distributed-executor-backend", "ray"], "only uni or mp is taken"),
+            (["serve", "--async-scheduling"], "--async-scheduling is vLLM's: a step is "
+                                              "scheduled when the one before it ends"),
+            (["serve", "--compilation-config", "{}"], "--compilation-config is vLLM's"),
+            (["chat", "--url", "http://h/v1"], "vLLM's `vllm chat` is a client of a "
+                                               "running server"),
+            (["bench", "serve"], "`pagellm bench` runs its own workloads")):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert message in capsys.readouterr().err
+    # lm-eval's harness passes these unset; set, each is refused with its hint.
+    unset = dict(revision=None, tokenizer=None, tokenizer_revision=None, quantization=None,
+                 enable_lora=False, download_dir=None, cpu_offload_gb=0,
+                 speculative_config=None, distributed_executor_backend=None,
+                 async_scheduling=False, structured_outputs_config=None)
+    assert EngineArgs(**unset) == EngineArgs()
+    with pytest.raises(TypeError, match="tokenizer is vLLM's: the tokenizer is the model's"):
+        EngineArgs(tokenizer="other/tokenizer")
+    # vLLM's example scripts: FlexibleArgumentParser + EngineArgs.add_cli_args.
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    parsed = parser.parse_args(["--max_model_len", "1024", "--block_size=32"])
+    assert (parsed.max_model_len, parsed.block_size) == (1024, 32)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--tokenizer", "x", "--gpu-memory-utilization", "0.9"])
+    err = capsys.readouterr().err
+    assert ("unrecognized arguments: --tokenizer x --gpu-memory-utilization 0.9; "
+            "--tokenizer is vLLM's") in err
+    plain = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    with pytest.raises(SystemExit):  # not taken for --tokenizer-mode
+        plain.parse_args(["--tokenizer", "x"])
+    assert "unrecognized arguments: --tokenizer x" in capsys.readouterr().err
 
 
 def test_the_step_budget_defaults_by_device(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -54,12 +54,21 @@ VLLM_ONLY_OPTIONS: dict[str, str] = {
     "load_format": "a GGUF file or a Hugging Face directory is read as what it is",
     "max_logprobs": "a token's alternatives are at most 20, vLLM's default",
     "revision": _LOCAL,
+    "tokenizer_revision": _LOCAL,
     "download_dir": _LOCAL,
     "speculative_config": "speculative decoding is not implemented",
     "task": _GENERATE_ONLY,
     "runner": _GENERATE_ONLY,
     "convert": _GENERATE_ONLY,
     "enable_lora": _NO_LORA,
+    "distributed_executor_backend": "the engine runs in one process, on one device",
+    "disable_custom_all_reduce": _ONE_DEVICE,
+    "async_scheduling": "a step is scheduled when the one before it ends; there is no "
+                        "overlap to turn on",
+    "compilation_config": "nothing is compiled by torch.compile; on a GPU decode steps "
+                          "replay CUDA graphs unless enforce_eager is set",
+    "structured_outputs_config": "structured output is always llguidance's, vLLM's "
+                                 '"guidance" backend',
 }
 
 
@@ -73,6 +82,13 @@ VLLM_NEUTRAL_VALUES: dict[str, tuple[object, ...]] = {
     "tokenizer_mode": ("auto",), "load_format": ("auto",),
     "max_logprobs": (20,),
     "task": ("auto", "generate"), "runner": ("auto", "generate"), "convert": ("auto", "none"),
+    # What code written for vLLM passes through unset (lm-eval's harness passes each).
+    "tokenizer": (None,), "revision": (None,), "tokenizer_revision": (None,),
+    "download_dir": (None,), "quantization": (None,), "speculative_config": (None,),
+    "enable_lora": (False,), "cpu_offload_gb": (0, 0.0),
+    "distributed_executor_backend": (None, "uni", "mp"),
+    "disable_custom_all_reduce": (False, True), "async_scheduling": (None, False),
+    "structured_outputs_config": (None, {"backend": "guidance"}),
 }
 
 

@@ -28,7 +28,7 @@ from pagellm.engine.config import EngineConfig
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.entrypoints import chat, generate, run_batch, serve
 from pagellm.entrypoints.config_file import with_config_file
-from pagellm.entrypoints.engine_args import EngineArgs, unrecognized
+from pagellm.entrypoints.engine_args import EngineArgs, dashed_flags, unrecognized
 from pagellm.entrypoints.sampling_args import sampling_params_from_args
 from pagellm.logger import LOG_FORMAT
 from pagellm.model import cpu_kernels, file_lock, gguf_loader
@@ -60,6 +60,28 @@ def _non_default_args(args: argparse.Namespace) -> dict[str, Any]:
              and value != defaults.get(name)}
     return {name: "***" if name.endswith("api_key") else value
             for name, value in given.items()}
+
+
+# vLLM's commands of the same names that are other tools, the arguments that show one
+# was meant, and what to say.
+_OTHER_TOOLS = {
+    "chat": ({"--url", "--quick", "-q", "--model-name", "--system-prompt"},
+             "vLLM's `vllm chat` is a client of a running server; `pagellm chat` loads the "
+             "model and chats with it itself (any OpenAI client talks to `pagellm serve`)"),
+    "bench": ({"serve", "latency", "throughput", "sweep", "startup"},
+              "vLLM's `vllm bench serve|latency|throughput` are other tools: `pagellm "
+              "bench` runs its own workloads against the engines side by side "
+              "(`--workload`), and `vllm bench serve --base-url URL` measures `pagellm "
+              "serve` too"),
+}
+
+
+def _other_tool(command: str, unknown: list[str]) -> str:
+    """A pointer to what `command` is, where its unrecognized arguments are those of
+    vLLM's command of that name."""
+    signs, note = _OTHER_TOOLS.get(command, (set(), ""))
+    given = {token.split("=")[0] for token in unknown}
+    return f"; {note}" if given & signs else ""
 
 
 def _option_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
@@ -149,13 +171,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     launch_time = time.perf_counter()
     parser = build_parser()
     try:  # vLLM's --config FILE.yaml: options kept in a file
-        argv = with_config_file(list(sys.argv[1:] if argv is None else argv),
+        argv = with_config_file(dashed_flags(list(sys.argv[1:] if argv is None else argv)),
                                 _option_actions(parser))
     except ValueError as error:
         parser.error(str(error))
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # reported with the subcommand's usage, as its bad values are
-        args.command_parser.error(unrecognized(unknown))
+        args.command_parser.error(unrecognized(unknown) + _other_tool(args.command, unknown))
     if args.command == "bench":
         with _terminate_as_interrupt():
             try:

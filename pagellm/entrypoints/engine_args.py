@@ -69,6 +69,20 @@ def context_length(text: str) -> int | None:
     return None if text.strip().lower() in ("auto", "-1") else token_count(text)
 
 
+def dashed_flags(argv: list[str]) -> list[str]:
+    """The arguments with vLLM's underscore spelling of a flag's name (`--max_model_len`,
+    `--max_model_len=4096`) written with dashes, as vLLM reads them; values, and
+    everything after a lone `--`, are kept."""
+    end = argv.index("--") if "--" in argv else len(argv)
+
+    def dashed(token: str) -> str:
+        if not token.startswith("--"):
+            return token
+        name, equals, value = token.partition("=")
+        return name.replace("_", "-") + equals + value
+    return [dashed(token) for token in argv[:end]] + argv[end:]
+
+
 def unrecognized(tokens: list[str]) -> str:
     """The error for arguments no option takes; a vLLM option among them says what to do
     instead, in the command line's spelling."""
@@ -214,28 +228,49 @@ def _add_neutral_vllm_flags(group: Any) -> None:
     from vLLM's run unchanged. Another value says what to do instead. Their defaults are
     neutral too, so `LLM(**vars(args))` takes a parsed namespace whole. A flag the
     command has already (serve's `--disable-log-stats`, which stops its log lines) keeps
-    its meaning there."""
+    its meaning there. Options neutral only when unset (`tokenizer=None`,
+    `enable_lora=False`) are no flags: given, they ask for something, and are refused
+    with their hint as unrecognized."""
     for name, values in VLLM_NEUTRAL_VALUES.items():
         flag = "--" + name.replace("_", "-")
-        if flag in group._option_string_actions:
+        if flag in group._option_string_actions or not any(values):
             continue
+        flags = [flag, *([_SHORT_FLAGS[name]] if name in _SHORT_FLAGS else [])]
         if all(isinstance(value, bool) for value in values):
-            group.add_argument(flag, action="store_true", default=values[0],
+            group.add_argument(*flags, action="store_true", default=values[0],
                                help=argparse.SUPPRESS)
         else:
-            group.add_argument(flag, type=_neutral_value(name, values), default=values[0],
+            group.add_argument(*flags, type=_neutral_value(name, values), default=values[0],
                                help=argparse.SUPPRESS)
+
+
+# vLLM's short spellings of its neutral flags (`vllm serve M -tp 1`).
+_SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp",
+                "data_parallel_size": "-dp"}
 
 
 def _neutral_value(name: str, values: tuple[object, ...]) -> Any:
     def parse(text: str) -> object:
-        value = next((v for v in values if str(v) == text.strip()), None)
+        value = next((v for v in values if v is not None and _spells(text, v)), None)
         if value is None:
+            taken = [json.dumps(v) if isinstance(v, dict) else str(v) for v in values
+                     if v is not None]
             raise argparse.ArgumentTypeError(
-                f"only {' or '.join(map(str, values))} is taken (vLLM's option; "
+                f"only {' or '.join(taken)} is taken (vLLM's option; "
                 f"{VLLM_ONLY_OPTIONS[name]}), got {text!r}")
         return value
     return parse
+
+
+def _spells(text: str, value: object) -> bool:
+    """Whether a flag's text gives `value`: as written (`1`, `mp`) or, for a dict, as
+    JSON (`'{"backend": "guidance"}'`)."""
+    if not isinstance(value, dict):
+        return str(value) == text.strip()
+    try:
+        return bool(json.loads(text) == value)
+    except json.JSONDecodeError:
+        return False
 
 
 def add_chat_template_arg(parser: argparse.ArgumentParser) -> None:
@@ -257,6 +292,9 @@ class EngineArgs(EngineConfig):
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """The engine options added to `parser`, which stops taking a prefix of a flag
+        for the flag: vLLM's `--tokenizer` would be read as `--tokenizer-mode`."""
+        parser.allow_abbrev = False
         add_engine_args(parser)
         return parser
 

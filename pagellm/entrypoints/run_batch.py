@@ -218,3 +218,11 @@ def run(args: argparse.Namespace, engine: AsyncLLMEngine) -> int:
     if interrupted:
         return 130
     return 0 if len(answered) == len(lines) else 1
+
+
+if __name__ == "__main__":
+    # vLLM's `python -m vllm.entrypoints.openai.run_batch -i IN -o OUT --model M`:
+    # `pagellm run-batch` with the same options.
+    from pagellm.entrypoints.cli import main
+
+    sys.exit(main(["run-batch", *sys.argv[1:]]))

@@ -380,9 +380,13 @@ def address_of(sock: socket.socket) -> str:
 
 
 def served_model_names(args: argparse.Namespace) -> list[str]:
+    """The names the server answers to: --served-model-name's, else the model's short
+    name (reported in answers) and the model as given, which vLLM serves it under and
+    so its clients send (`"model": "/models/Qwen3-0.6B"`)."""
     if args.served_model_name:
         return list(args.served_model_name)
-    return [served_model_name(args.model)]
+    name = served_model_name(args.model)
+    return [name] if args.model in (None, name) else [name, args.model]
 
 
 def answer_settings(args: argparse.Namespace) -> dict[str, Any]:

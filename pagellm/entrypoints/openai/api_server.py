@@ -548,3 +548,14 @@ def run_server(engine: AsyncLLMEngine, settings: ServerSettings, sock: socket.so
             _AccessLogFilter(settings.disable_access_log_for_endpoints))
     with _signals_end_gracefully():
         _GracefulServer(config, engine, settings.shutdown_timeout).run(sockets=[sock])
+
+
+if __name__ == "__main__":
+    # vLLM's older entry point, `python -m vllm.entrypoints.openai.api_server --model M`,
+    # which Dockerfiles and Kubernetes manifests still run: `pagellm serve` with the same
+    # options, rather than a module that loads and exits 0 serving nothing.
+    import sys
+
+    from pagellm.entrypoints.cli import main
+
+    sys.exit(main(["serve", *sys.argv[1:]]))
