@@ -13,12 +13,14 @@ Order of operations (as in vLLM), for logits[N, vocab] with one row per request:
    and if it still has none, its format's (the format is the hardest rule: it wins over
    min_tokens, bad words and allowed_token_ids);
 3. logprobs are taken here, as log_softmax of these logits: the model's distribution
-   with the request's own rules applied, but *before* temperature and top-k/top-p/min-p.
+   with the request's own rules applied, but *before* temperature and min-p/top-k/top-p.
    That makes a reported logprob depend only on the model, the prompt and the tokens so
    far, not on the sampling knobs, so a greedy and a temperature-1.2 request score the
    same text the same; it is also the distribution a greedy request takes its argmax of;
 4. greedy rows take the argmax of these logits (lowest id on ties, like torch.argmax);
-5. other rows: temperature, top-k, top-p, min-p, then one draw.
+5. other rows: temperature, min-p, then top-k and top-p over what min-p left (vLLM's
+   order: min-p is one of its logits processors, run before its top-k/top-p sampler),
+   then one draw.
 
 Draws use the exponential race, argmax(p_i / E_i) with E_i ~ Exp(1), which picks i with
 probability p_i. A seeded request draws its E from its own generator, so its tokens do
@@ -373,15 +375,17 @@ def _sample_random(logits: torch.Tensor, rows: torch.Tensor, md: SamplingMetadat
                    ) -> torch.Tensor:
     """Samples one token for each of `rows` (non-greedy rows); `logits` holds just them."""
     logits = logits / md.temperature[rows].unsqueeze(1)
+    if md.min_p is not None:
+        # Before top-k and top-p, as vLLM orders them (transformers' warpers put min-p
+        # last): top-p's nucleus is taken over what min-p leaves, renormalised.
+        # p_i < min_p * p_max  <=>  logit_i < max_logit + log(min_p); log(0) = -inf
+        # turns the test off for rows without min_p.
+        floor = logits.amax(dim=-1, keepdim=True) + md.min_p[rows].log().unsqueeze(1)
+        logits = logits.masked_fill(logits < floor, float("-inf"))
     top_k = None if md.top_k is None else md.top_k[rows]
     top_p = None if md.top_p is None else md.top_p[rows]
     if top_k is not None or top_p is not None:
         logits = _apply_top_k_top_p(logits, top_k, top_p)
-    if md.min_p is not None:
-        # p_i < min_p * p_max  <=>  logit_i < max_logit + log(min_p); log(0) = -inf
-        # turns the test off for rows without min_p.
-        floor = logits.amax(dim=-1, keepdim=True) + md.min_p[rows].log().unsqueeze(1)
-        logits.masked_fill_(logits < floor, float("-inf"))
     probs = logits.softmax(dim=-1)
     race = torch.empty_like(probs)
     if len(md.generators) < race.shape[0]:

@@ -143,6 +143,18 @@ def test_min_p_drops_unlikely_tokens() -> None:
     assert abs(tokens.count(0) / 4000 - 0.5 / 0.8) < 0.03
 
 
+def test_min_p_comes_before_top_p() -> None:
+    """vLLM's order: top-p's nucleus is taken over what min-p leaves, renormalised. Over
+    [.4, .3, .2, .1], min_p=0.3 leaves the first three, [.44, .33, .22], of which
+    top_p=0.75 keeps two; top-p first (transformers' order) would keep three, as .4 + .3
+    of the whole distribution is under 0.75."""
+    torch.manual_seed(5)
+    logits = torch.tensor([0.4, 0.3, 0.2, 0.1]).log().expand(DRAWS, 4).contiguous()
+    tokens = run(logits, [SamplingParams(min_p=0.3, top_p=0.75)] * DRAWS).sampled_token_ids
+    assert set(tokens) == {0, 1}
+    assert abs(tokens.count(0) / DRAWS - 0.4 / 0.7) < TOLERANCE
+
+
 def test_rows_keep_their_own_knobs_in_one_batch() -> None:
     torch.manual_seed(4)
     logits = torch.randn(1, 50).expand(400, 50).contiguous()
