@@ -153,6 +153,14 @@ def _bias_key(token: object) -> object:
     return token
 
 
+def _clamped_bias(amount: object) -> object:
+    """A logit_bias value as `SamplingParams.from_optional` reads it: a number beyond
+    [-100, 100] is clamped to it; anything else is left for the constructor to judge."""
+    if isinstance(amount, (int, float)) and not isinstance(amount, bool) and amount == amount:
+        return min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, float(amount)))
+    return amount
+
+
 # SamplingParams.from_optional's fields for which None means the default.
 _DEFAULTED_WHEN_NONE = ("n", "presence_penalty", "frequency_penalty", "repetition_penalty",
                         "temperature", "top_p")
@@ -507,13 +515,16 @@ class SamplingParams:
         """vLLM's constructor for values read from a request that may hold None where the
         default is meant: None for n, the three penalties, temperature or top_p gives the
         field's default (those fields take no None themselves), and logit_bias keys may
-        be token ids written as strings, as JSON writes a dict's keys."""
+        be token ids written as strings, as JSON writes a dict's keys, with biases beyond
+        [-100, 100] clamped (as vLLM's server reads a request's; the constructor refuses
+        them)."""
         for name in _DEFAULTED_WHEN_NONE:
             if name in fields and fields[name] is None:
                 del fields[name]
         bias = fields.get("logit_bias")
         if isinstance(bias, dict):
-            fields["logit_bias"] = {_bias_key(token): amount for token, amount in bias.items()}
+            fields["logit_bias"] = {_bias_key(token): _clamped_bias(amount)
+                                    for token, amount in bias.items()}
         return SamplingParams(**fields)
 
     def truncate(self, prompt_token_ids: list[int], max_model_len: int,

@@ -19,7 +19,7 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 
-from pagellm.engine.text import encode_text
+from pagellm.engine.text import TextTooLong, encode_text
 
 Message = dict[str, Any]
 # vLLM's `chat_template_content_format`: how a message's content reaches the template.
@@ -343,21 +343,26 @@ def _render_text(tokenizer: Any, messages: Any, options: ChatOptions = ChatOptio
                         "messages") from error
 
 
-def render_chat(tokenizer: Any, messages: Any, options: ChatOptions = ChatOptions()) -> list[int]:
+def render_chat(tokenizer: Any, messages: Any, options: ChatOptions = ChatOptions(),
+                max_model_len: int | None = None) -> list[int]:
     """Token ids of the rendered conversation."""
-    return render_chat_prompt(tokenizer, messages, options)[1]
+    return render_chat_prompt(tokenizer, messages, options, max_model_len)[1]
 
 
-def render_chat_prompt(tokenizer: Any, messages: Any, options: ChatOptions = ChatOptions()
-                       ) -> tuple[str, list[int]]:
+def render_chat_prompt(tokenizer: Any, messages: Any, options: ChatOptions = ChatOptions(),
+                       max_model_len: int | None = None) -> tuple[str, list[int]]:
     """The rendered conversation, as text and as token ids.
 
     Rendered to text first and then encoded without special tokens: the template already
-    wrote them, and adding a BOS again would change the prompt.
+    wrote them, and adding a BOS again would change the prompt. With `max_model_len`, a
+    rendering too long to fit is refused before it is encoded (encode_text's TextTooLong).
     """
     text = _render_text(tokenizer, messages, options)
     try:
-        token_ids = encode_text(tokenizer, text, "messages", add_special_tokens=False)
+        token_ids = encode_text(tokenizer, text, "messages", add_special_tokens=False,
+                                max_model_len=max_model_len)
+    except TextTooLong:
+        raise
     except ValueError as error:
         raise ChatError(str(error), "messages") from error
     if not token_ids:

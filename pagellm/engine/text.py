@@ -7,11 +7,38 @@ deep inside the tokenizer.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 
-def encode_text(tokenizer: Any, text: str, name: str, add_special_tokens: bool) -> list[int]:
-    """The token ids of `text`; `name` is the field it came from, for the error."""
+class TextTooLong(ValueError):
+    """Text too long for any prompt the context holds, known from its length alone."""
+
+
+@functools.cache
+def max_chars_per_token(tokenizer: Any) -> int:
+    """The most characters one token of `tokenizer` spells: its longest vocabulary entry
+    (a byte-level entry is at least as long as the text it decodes to)."""
+    return max(len(token) for token in tokenizer.get_vocab())
+
+
+def encode_text(tokenizer: Any, text: str, name: str, add_special_tokens: bool,
+                max_model_len: int | None = None) -> list[int]:
+    """The token ids of `text`; `name` is the field it came from, for the error.
+
+    With `max_model_len`, text longer than `max_model_len - 1` tokens could spell is
+    refused (TextTooLong) before it is tokenized, as vLLM refuses it: a few megabytes
+    take seconds to encode, on the thread every request's tokens wait for, only to be
+    refused as too long."""
+    if max_model_len is not None:
+        chars = max_chars_per_token(tokenizer)
+        limit = (max_model_len - 1) * chars
+        if len(text) > limit:
+            raise TextTooLong(
+                f"This model's maximum context length is {max_model_len} tokens. However, "
+                f"your {name} is {len(text)} characters long (more than {limit}, the most "
+                f"that {max_model_len - 1} tokens of at most {chars} characters spell, "
+                f"leaving one token to generate). Please reduce the length of the {name}.")
     try:
         return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
     except (TypeError, UnicodeError) as error:

@@ -142,10 +142,11 @@ def test_from_optional_takes_none_for_the_default() -> None:
     p = SamplingParams.from_optional(
         n=None, presence_penalty=None, frequency_penalty=None, repetition_penalty=None,
         temperature=None, top_p=None, max_tokens=None, seed=None,
-        logit_bias={"12": 5, 3: -1.5})
+        logit_bias={"12": 5, 3: -1.5, "7": -1e9})
     assert (p.n, p.temperature, p.top_p, p.repetition_penalty) == (1, 1.0, 1.0, 1.0)
     assert (p.presence_penalty, p.frequency_penalty) == (0.0, 0.0)
-    assert p.max_tokens is None and p.seed is None and p.logit_bias == {12: 5.0, 3: -1.5}
+    assert p.max_tokens is None and p.seed is None
+    assert p.logit_bias == {12: 5.0, 3: -1.5, 7: -100.0}  # clamped, as vLLM's server does
     assert SamplingParams.from_optional(temperature=0.5, top_k=4) == SamplingParams(
         temperature=0.5, top_k=4)
     with pytest.raises(ValueError, match="logit_bias keys must be token ids.*'x'"):

@@ -352,6 +352,22 @@ def test_bad_request(server: Server, name: str, path: str, body: Any, status: in
     assert_error_body(post(server, path, body), status, param, text)
 
 
+def test_text_too_long_to_fit_is_refused_by_its_length(server: Server) -> None:
+    """Refused before it is tokenized, as vLLM refuses it: megabytes of text took seconds
+    on the tokenizer thread every request waits for. A prompt to be truncated may be any
+    length."""
+    huge = "a" * (MAX_REQUEST_BYTES // 2)
+    for path, body, param in (("/v1/completions", {"prompt": huge}, "prompt"),
+                              ("/v1/chat/completions",
+                               {"messages": [{"role": "user", "content": huge}]}, "messages")):
+        response = post(server, path, body)
+        assert_error_body(response, 400, param, "characters long (more than")
+        assert response.json()["error"]["code"] == "context_length_exceeded"
+    cut = post(server, "/v1/completions", {"prompt": "hello " * 10_000, "max_tokens": 1,
+                                           "truncate_prompt_tokens": 8})
+    assert cut.status_code == 200 and cut.json()["usage"]["prompt_tokens"] == 8
+
+
 def test_a_budget_beyond_the_context_is_cut_to_fit(server: Server) -> None:
     """As vLLM does: max_tokens past what the prompt leaves of the context is cut to
     what is left, and the completion ends with "length"; only a budget past the whole

@@ -7,9 +7,9 @@ plain dicts: their kinds are checked where they become a chat conversation
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from pagellm.entrypoints.openai.protocol import Seed, StrictModel, WithoutNulls
 
@@ -28,7 +28,8 @@ class MessagesRequest(StrictModel):
     system: Any = None  # a string or text blocks, checked with the messages
     stop_sequences: list[str] | None = None
     stream: bool | None = False
-    temperature: float | None = None
+    # Anthropic's range (vLLM's Messages API takes chat's [0, 2]).
+    temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     top_p: float | None = None
     top_k: int | None = None
     tools: list[dict[str, Any]] | None = None

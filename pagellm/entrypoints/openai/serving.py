@@ -20,7 +20,7 @@ from pagellm.core.sampling_params import BeamSearchParams, SamplingParams
 from pagellm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from pagellm.engine.chat_template import ContentFormat
 from pagellm.engine.outputs import CompletionOutput, RequestOutput
-from pagellm.engine.text import encode_text
+from pagellm.engine.text import TextTooLong, encode_text
 from pagellm.entrypoints.openai.errors import APIError, bad_request
 from pagellm.entrypoints.openai.logprobs import TokenText
 from pagellm.entrypoints.openai.metrics import ServerMetrics
@@ -182,10 +182,14 @@ class Prompt:
     token_ids: list[int]
 
 
-def encode(tokenizer: Any, text: str, param: str, add_special_tokens: bool) -> list[int]:
-    """Tokenizes client text; text the tokenizer cannot take is a 400 naming `param`."""
+def encode(tokenizer: Any, text: str, param: str, add_special_tokens: bool,
+           max_model_len: int | None = None) -> list[int]:
+    """Tokenizes client text; text the tokenizer cannot take is a 400 naming `param`, and
+    with `max_model_len` so is text too long to fit, found before it is tokenized."""
     try:
-        return encode_text(tokenizer, text, param, add_special_tokens)
+        return encode_text(tokenizer, text, param, add_special_tokens, max_model_len)
+    except TextTooLong as error:
+        raise bad_request(str(error), param=param, code=CONTEXT_LENGTH_EXCEEDED) from error
     except ValueError as error:
         raise bad_request(str(error), param=param) from error
 

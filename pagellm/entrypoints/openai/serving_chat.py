@@ -14,6 +14,7 @@ from pagellm.core.sampling_params import SamplingParams
 from pagellm.engine.async_engine import RequestStream
 from pagellm.engine.chat_template import ChatError, ChatOptions, check_messages, render_chat
 from pagellm.engine.outputs import CompletionOutput, RequestOutput
+from pagellm.engine.text import TextTooLong
 from pagellm.entrypoints.openai.errors import bad_request
 from pagellm.entrypoints.openai.json_text import JSONResponse
 from pagellm.entrypoints.openai.logprobs import (
@@ -41,6 +42,7 @@ from pagellm.entrypoints.openai.reasoning import (
 )
 from pagellm.entrypoints.openai.sampling import build_sampling_params, structured_outputs_of
 from pagellm.entrypoints.openai.serving import (
+    CONTEXT_LENGTH_EXCEEDED,
     Prompt,
     ServerContext,
     UsageReport,
@@ -72,8 +74,8 @@ from pagellm.entrypoints.openai.transport import (
 )
 
 
-def render_messages(context: ServerContext, body: ChatCompletionRequest | TokenizeRequest
-                    ) -> list[int]:
+def render_messages(context: ServerContext, body: ChatCompletionRequest | TokenizeRequest,
+                    max_model_len: int | None = None) -> list[int]:
     """The prompt token ids of the request's conversation, rendered with its options by
     the engine's one renderer; a conversation or option it refuses is the client's error,
     a 400 naming the field. The request's `chat_template_kwargs` are laid over the
@@ -96,7 +98,11 @@ def render_messages(context: ServerContext, body: ChatCompletionRequest | Tokeni
                           template_kwargs, context.chat_template_content_format)
     try:
         return render_chat(context.engine.tokenizer,
-                           [m.model_dump(exclude_none=True) for m in body.messages], options)
+                           [m.model_dump(exclude_none=True) for m in body.messages], options,
+                           max_model_len)
+    except TextTooLong as error:
+        raise bad_request(str(error), param="messages",
+                          code=CONTEXT_LENGTH_EXCEEDED) from error
     except ChatError as error:
         raise bad_request(str(error), param=error.param) from error
 
@@ -114,7 +120,10 @@ def check_rendering(body: ChatCompletionRequest | TokenizeRequest) -> None:
 
 def _chat_prompt(context: ServerContext, body: ChatCompletionRequest, params: SamplingParams
                  ) -> list[int]:
-    return truncated(params, render_messages(context, body), context.engine.max_model_len,
+    max_model_len = context.engine.max_model_len
+    # A prompt to be cut to fit may be any length; any other must fit whole.
+    fitted = max_model_len if params.truncate_prompt_tokens is None else None
+    return truncated(params, render_messages(context, body, fitted), max_model_len,
                      body.truncation_side)
 
 

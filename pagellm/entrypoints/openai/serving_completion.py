@@ -71,13 +71,15 @@ def _prompts(context: ServerContext, body: CompletionRequest, params: SamplingPa
     if not items:
         raise bad_request("prompt is empty", param="prompt")
     tokenizer = context.engine.tokenizer
+    # A prompt to be cut to fit may be any length; any other must fit whole.
+    fitted = context.engine.max_model_len if params.truncate_prompt_tokens is None else None
     prompts = []
     for item in items:
         if isinstance(item, str):
             if not item:
                 raise bad_request("prompt is empty", param="prompt")
             prompts.append(Prompt(item, encode(tokenizer, item, "prompt",
-                                               body.add_special_tokens)))
+                                               body.add_special_tokens, fitted)))
         else:
             if not item:
                 raise bad_request("prompt is empty", param="prompt")
