@@ -24,6 +24,7 @@ from pagellm.entrypoints.engine_args import NOT_ON_CLI, EngineArgs, byte_size, d
 from pagellm.entrypoints.serve import (
     address_of,
     bind,
+    model_aliases,
     remove_unix_file,
     served_model_names,
     server_settings,
@@ -647,17 +648,19 @@ def test_vllms_module_entry_points_run_the_commands(module: str, argv: list[str]
 
 @pytest.mark.parametrize(("argv", "names"), [
     (["serve"], ["SmolLM2-135M-Instruct"]),
-    # A path's last part, and the path as given, which vLLM serves it under.
-    (["serve", "--model", "/models/Qwen3-0.6B/"], ["Qwen3-0.6B", "/models/Qwen3-0.6B/"]),
+    (["serve", "--model", "/models/Qwen3-0.6B/"], ["Qwen3-0.6B"]),
     (["serve", "--model", "/m/x.gguf", "--served-model-name", "a", "b"], ["a", "b"]),
-    (["serve", "/models/Qwen3-0.6B/"], ["Qwen3-0.6B", "/models/Qwen3-0.6B/"]),
-    (["serve", "/m/x.gguf", "--model", "/m/x.gguf"], ["x.gguf", "/m/x.gguf"]),
+    (["serve", "/models/Qwen3-0.6B/"], ["Qwen3-0.6B"]),  # vLLM's `vllm serve MODEL`
+    (["serve", "/m/x.gguf", "--model", "/m/x.gguf"], ["x.gguf"]),
     (["serve", "HuggingFaceTB/SmolLM2-135M-Instruct"], ["HuggingFaceTB/SmolLM2-135M-Instruct"]),
 ])
 def test_served_model_names(argv: list[str], names: list[str]) -> None:
     args = build_parser().parse_args(argv)
     take_model_tag(args)
     assert served_model_names(args) == names
+    # A path is also answered to as given, vLLM's served name, without being listed.
+    given = None if args.served_model_name else args.model
+    assert model_aliases(args) == ([given] if given and given not in names else [])
 
 
 def test_vllm_spellings_and_wrong_arguments_of_the_python_api() -> None:
@@ -701,6 +704,7 @@ def test_vllm_deployment_flags_and_scripts_carry_over(capsys: pytest.CaptureFixt
 
     args = build_parser().parse_args(dashed_flags([
         "serve", "-tp", "1", "-pp", "1", "-dp", "1", "--distributed_executor_backend=mp",
+        "--cpu-offload-gb", "0", "--no-enable-lora", "--no-async-scheduling",
         "--disable-custom-all-reduce", "--structured-outputs-config",
         '{"backend": "guidance"}']))
     assert EngineArgs.from_cli_args(args) == EngineArgs()
@@ -713,6 +717,7 @@ def test_vllm_deployment_flags_and_scripts_carry_over(capsys: pytest.CaptureFixt
             (["serve", "--distributed-executor-backend", "ray"], "only uni or mp is taken"),
             (["serve", "--async-scheduling"], "--async-scheduling is vLLM's: a step is "
                                               "scheduled when the one before it ends"),
+            (["serve", "--enable-lora"], "--enable-lora is vLLM's: no LoRA adapters"),
             (["serve", "--compilation-config", "{}"], "--compilation-config is vLLM's"),
             (["chat", "--url", "http://h/v1"], "vLLM's `vllm chat` is a client of a "
                                                "running server"),

@@ -153,11 +153,17 @@ def _bias_key(token: object) -> object:
     return token
 
 
+def clamp_logit_bias(amount: float) -> float:
+    """A request's bias as vLLM's server reads it: beyond [-100, 100] it is clamped, so a
+    client banning a token with -1e9 gets the ban (the constructor refuses such values)."""
+    return float(min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, amount)))
+
+
 def _clamped_bias(amount: object) -> object:
-    """A logit_bias value as `SamplingParams.from_optional` reads it: a number beyond
-    [-100, 100] is clamped to it; anything else is left for the constructor to judge."""
+    """A logit_bias value as `SamplingParams.from_optional` reads it: a number is clamped;
+    anything else (NaN too) is left for the constructor to judge."""
     if isinstance(amount, (int, float)) and not isinstance(amount, bool) and amount == amount:
-        return min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, float(amount)))
+        return clamp_logit_bias(amount)
     return amount
 
 

@@ -82,7 +82,7 @@ VLLM_NEUTRAL_VALUES: dict[str, tuple[object, ...]] = {
     "tokenizer_mode": ("auto",), "load_format": ("auto",),
     "max_logprobs": (20,),
     "task": ("auto", "generate"), "runner": ("auto", "generate"), "convert": ("auto", "none"),
-    # What code written for vLLM passes through unset (lm-eval's harness passes each).
+    # What code written for vLLM passes through unset or off.
     "tokenizer": (None,), "revision": (None,), "tokenizer_revision": (None,),
     "download_dir": (None,), "quantization": (None,), "speculative_config": (None,),
     "enable_lora": (False,), "cpu_offload_gb": (0, 0.0),

@@ -7,7 +7,7 @@ deep inside the tokenizer.
 
 from __future__ import annotations
 
-import functools
+import weakref
 from typing import Any
 
 
@@ -15,11 +15,21 @@ class TextTooLong(ValueError):
     """Text too long for any prompt the context holds, known from its length alone."""
 
 
-@functools.cache
-def max_chars_per_token(tokenizer: Any) -> int:
+_MAX_CHARS: weakref.WeakKeyDictionary[Any, int | None] = weakref.WeakKeyDictionary()
+
+
+def max_chars_per_token(tokenizer: Any) -> int | None:
     """The most characters one token of `tokenizer` spells: its longest vocabulary entry
-    (a byte-level entry is at least as long as the text it decodes to)."""
-    return max(len(token) for token in tokenizer.get_vocab())
+    (a byte-level entry is at least as long as the text it decodes to). None where no
+    such bound holds: a special token that strips the whitespace beside it swallows a
+    run of any length. Kept beside the tokenizer, not keeping it alive."""
+    if tokenizer not in _MAX_CHARS:
+        added = getattr(tokenizer, "added_tokens_decoder", {}).values()
+        strips = any(getattr(token, "lstrip", False) or getattr(token, "rstrip", False)
+                     for token in added)
+        _MAX_CHARS[tokenizer] = (None if strips else
+                                 max(len(token) for token in tokenizer.get_vocab()))
+    return _MAX_CHARS[tokenizer]
 
 
 def encode_text(tokenizer: Any, text: str, name: str, add_special_tokens: bool,
@@ -29,16 +39,17 @@ def encode_text(tokenizer: Any, text: str, name: str, add_special_tokens: bool,
     With `max_model_len`, text longer than `max_model_len - 1` tokens could spell is
     refused (TextTooLong) before it is tokenized, as vLLM refuses it: a few megabytes
     take seconds to encode, on the thread every request's tokens wait for, only to be
-    refused as too long."""
-    if max_model_len is not None:
-        chars = max_chars_per_token(tokenizer)
+    refused as too long. (Characters the tokenizer drops, a few control characters for
+    the default model's, count toward the bound, as in vLLM.)"""
+    chars = None if max_model_len is None else max_chars_per_token(tokenizer)
+    if max_model_len is not None and chars is not None:
         limit = (max_model_len - 1) * chars
         if len(text) > limit:
             raise TextTooLong(
                 f"This model's maximum context length is {max_model_len} tokens. However, "
                 f"your {name} is {len(text)} characters long (more than {limit}, the most "
                 f"that {max_model_len - 1} tokens of at most {chars} characters spell, "
-                f"leaving one token to generate). Please reduce the length of the {name}.")
+                f"leaving one token to generate). Please shorten it.")
     try:
         return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
     except (TypeError, UnicodeError) as error:

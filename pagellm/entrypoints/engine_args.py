@@ -228,14 +228,22 @@ def _add_neutral_vllm_flags(group: Any) -> None:
     from vLLM's run unchanged. Another value says what to do instead. Their defaults are
     neutral too, so `LLM(**vars(args))` takes a parsed namespace whole. A flag the
     command has already (serve's `--disable-log-stats`, which stops its log lines) keeps
-    its meaning there. Options neutral only when unset (`tokenizer=None`,
-    `enable_lora=False`) are no flags: given, they ask for something, and are refused
-    with their hint as unrecognized."""
+    its meaning there. Options neutral only when unset or off (`tokenizer=None`,
+    `enable_lora=False`) are no flags, given they ask for something and are refused with
+    their hint as unrecognized, except vLLM's `--no-` form of an off switch
+    (`--no-enable-lora`)."""
+    taken = group._option_string_actions
     for name, values in VLLM_NEUTRAL_VALUES.items():
         flag = "--" + name.replace("_", "-")
-        if flag in group._option_string_actions or not any(values):
+        if flag in taken:
             continue
-        flags = [flag, *([_SHORT_FLAGS[name]] if name in _SHORT_FLAGS else [])]
+        if any(v is False for v in values) and not any(v is True for v in values):
+            group.add_argument("--no-" + flag[2:], dest=name, action="store_const",
+                               const=False, default=values[0], help=argparse.SUPPRESS)
+        if all(value is None or value is False for value in values):
+            continue
+        short = _SHORT_FLAGS.get(name)
+        flags = [flag] if short is None or short in taken else [flag, short]
         if all(isinstance(value, bool) for value in values):
             group.add_argument(*flags, action="store_true", default=values[0],
                                help=argparse.SUPPRESS)

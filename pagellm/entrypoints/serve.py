@@ -380,19 +380,26 @@ def address_of(sock: socket.socket) -> str:
 
 
 def served_model_names(args: argparse.Namespace) -> list[str]:
-    """The names the server answers to: --served-model-name's, else the model's short
-    name (reported in answers) and the model as given, which vLLM serves it under and
-    so its clients send (`"model": "/models/Qwen3-0.6B"`)."""
+    """The names the server lists and answers to: --served-model-name's, else the model's
+    short name."""
     if args.served_model_name:
         return list(args.served_model_name)
-    name = served_model_name(args.model)
-    return [name] if args.model in (None, name) else [name, args.model]
+    return [served_model_name(args.model)]
+
+
+def model_aliases(args: argparse.Namespace) -> list[str]:
+    """Without --served-model-name, the model as given, which vLLM serves it under and so
+    its clients send (`"model": "/models/Qwen3-0.6B"`): answered to, not listed, so a
+    model picker shows the model once."""
+    if args.served_model_name or not args.model or args.model in served_model_names(args):
+        return []
+    return [args.model]
 
 
 def answer_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The ServerSettings of `add_answer_args`' options (vLLM's rule: the tool-call
     parser reads "auto" calls only with --enable-auto-tool-choice)."""
-    return {"model_names": served_model_names(args),
+    return {"model_names": served_model_names(args), "model_aliases": model_aliases(args),
             "tool_call_parser": args.tool_call_parser if args.enable_auto_tool_choice else None,
             "reasoning_parser": args.reasoning_parser,
             "response_role": args.response_role,

@@ -381,7 +381,7 @@ def _sample_random(logits: torch.Tensor, rows: torch.Tensor, md: SamplingMetadat
         # p_i < min_p * p_max  <=>  logit_i < max_logit + log(min_p); log(0) = -inf
         # turns the test off for rows without min_p.
         floor = logits.amax(dim=-1, keepdim=True) + md.min_p[rows].log().unsqueeze(1)
-        logits = logits.masked_fill(logits < floor, float("-inf"))
+        logits.masked_fill_(logits < floor, float("-inf"))
     top_k = None if md.top_k is None else md.top_k[rows]
     top_p = None if md.top_p is None else md.top_p[rows]
     if top_k is not None or top_p is not None:

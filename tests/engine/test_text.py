@@ -28,15 +28,32 @@ def tokenizer(default_model_dir: Path) -> Any:
 def test_no_text_spells_more_characters_per_token_than_the_bound(tokenizer: Any,
                                                                  text: str) -> None:
     """The bound's premise: n tokens spell at most n * max_chars_per_token characters.
-    (Control characters aside: this tokenizer drops them, so a text of them could be
-    refused though it fits; vLLM's bound is the same.)"""
+    (Control characters aside: this tokenizer drops a few, \x04 and \x16 among them, so
+    a text of those could be refused though it fits; vLLM's bound is the same.)"""
     ids = encode_text(tokenizer, text, "prompt", add_special_tokens=False)
-    assert len(ids) * max_chars_per_token(tokenizer) >= len(text)
+    chars = max_chars_per_token(tokenizer)
+    assert chars is not None and len(ids) * chars >= len(text)
 
 
 def test_text_past_the_bound_is_refused_and_text_within_it_encoded(tokenizer: Any) -> None:
-    limit = 9 * max_chars_per_token(tokenizer)
+    chars = max_chars_per_token(tokenizer)
+    assert chars == 81
+    limit = 9 * chars
     with pytest.raises(TextTooLong, match=f"prompt is {limit + 1} characters long"):
         encode_text(tokenizer, " " * (limit + 1), "prompt", False, max_model_len=10)
     assert encode_text(tokenizer, " " * limit, "prompt", False, max_model_len=10)
     assert encode_text(tokenizer, "x" * 10 * limit, "prompt", False)  # no bound asked
+
+
+def test_no_bound_where_a_special_token_swallows_whitespace(default_model_dir: Path) -> None:
+    """A special token that strips the spaces beside it is one token for any run of them:
+    no length bound holds, so none is applied."""
+    from transformers import AddedToken
+
+    from pagellm.model.loader import load_tokenizer
+
+    stripping = load_tokenizer(default_model_dir)
+    stripping.add_tokens([AddedToken("<x>", rstrip=True, special=True)])
+    assert max_chars_per_token(stripping) is None
+    text = "<x>" + " " * 5000
+    assert len(encode_text(stripping, text, "prompt", False, max_model_len=40)) < 40

@@ -60,6 +60,29 @@ def post_all(engine: AsyncLLMEngine, bodies: list[dict[str, Any]],
     return asyncio.run(run())
 
 
+def test_the_model_path_as_given_is_answered_to_not_listed(engine: AsyncLLMEngine) -> None:
+    """vLLM serves a model under its path as given, which its clients send; PageLLM lists
+    the short name only and answers to both."""
+    path = "/models/SmolLM2-135M-Instruct/"
+    app = create_app(engine, ServerSettings(model_names=[MODEL_NAME], model_aliases=[path]))
+
+    async def run() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test",
+                                     timeout=60) as client:
+            return [await client.post("/v1/completions", json={
+                        "model": model, "prompt": "Hi", "max_tokens": 1, "temperature": 0})
+                    for model in (path, MODEL_NAME, "/models/other")] + [
+                    await client.get("/v1/models")]
+
+    by_path, by_name, other, models = asyncio.run(run())
+    assert by_path.status_code == by_name.status_code == 200
+    assert by_path.json()["choices"][0]["text"] == by_name.json()["choices"][0]["text"]
+    assert by_path.json()["model"] == MODEL_NAME
+    assert other.status_code == 404
+    assert [card["id"] for card in models.json()["data"]] == [MODEL_NAME]
+
+
 def fail_the_third_model_run(engine: AsyncLLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     runner = engine.engine.runner
     execute = runner.execute

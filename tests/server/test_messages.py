@@ -226,7 +226,7 @@ def test_output_config_format_is_structured_output(claude: anthropic.Anthropic) 
      "cannot be combined with tool_choice"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
      "max_tokens must be >= 1"),
-    ({"messages": [{"role": "user", "content": "x"}], "temperature": 1.5},
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": 2.5},
      "temperature"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"input_schema": {}}],
       "tool_choice": {"type": "none"}}, "tools[0].name must be a non-empty string"),

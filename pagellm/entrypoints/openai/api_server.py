@@ -99,6 +99,8 @@ class ServerSettings:
     """How the server listens and guards itself (the engine is configured separately)."""
 
     model_names: list[str]
+    # Other names requests may give, not listed (the model path as given: vLLM's name).
+    model_aliases: list[str] = field(default_factory=list)
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | list[str] | None = None  # one key or several (vLLM's list), non-empty
@@ -264,7 +266,8 @@ def create_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
         response_role=settings.response_role,
         chat_template_content_format=settings.chat_template_content_format,
         exclude_tools_when_tool_choice_none=settings.exclude_tools_when_tool_choice_none,
-        sse_keep_alive=settings.sse_keep_alive_interval)
+        sse_keep_alive=settings.sse_keep_alive_interval,
+        model_aliases=list(settings.model_aliases))
     stored = ResponseStore()
     install_error_handlers(app)
     load = ServerLoad()

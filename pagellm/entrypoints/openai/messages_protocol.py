@@ -28,8 +28,8 @@ class MessagesRequest(StrictModel):
     system: Any = None  # a string or text blocks, checked with the messages
     stop_sequences: list[str] | None = None
     stream: bool | None = False
-    # Anthropic's range (vLLM's Messages API takes chat's [0, 2]).
-    temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    # vLLM's Messages API range (Anthropic's own is [0, 1]).
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: float | None = None
     top_k: int | None = None
     tools: list[dict[str, Any]] | None = None

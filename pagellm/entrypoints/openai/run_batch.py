@@ -4,7 +4,7 @@
 
 import sys
 
-from pagellm.entrypoints.cli import main
-
 if __name__ == "__main__":
+    from pagellm.entrypoints.cli import main
+
     sys.exit(main(["run-batch", *sys.argv[1:]]))

@@ -16,9 +16,9 @@ from typing import Any
 from pagellm.core.sampling_params import (
     FORMAT_KINDS,
     GUIDED_FIELDS,
-    MAX_LOGIT_BIAS,
     SamplingParams,
     StructuredOutputsParams,
+    clamp_logit_bias,
 )
 from pagellm.entrypoints.openai.errors import APIError, bad_request
 from pagellm.entrypoints.openai.protocol import SamplingFields
@@ -188,7 +188,7 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, flo
         if math.isnan(value):
             raise bad_request(f"logit_bias[{key}] must be a number, got NaN",
                               param="logit_bias", code="invalid_value")
-        by_id[token_id] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, value))
+        by_id[token_id] = clamp_logit_bias(value)
     return by_id
 
 

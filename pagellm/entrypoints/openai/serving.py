@@ -140,6 +140,7 @@ class ServerContext:
     chat_template_content_format: ContentFormat = "auto"  # --chat-template-content-format
     exclude_tools_when_tool_choice_none: bool = False  # --exclude-tools-when-tool-choice-none
     sse_keep_alive: float | None = None  # seconds (--sse-keep-alive-interval); None: never
+    model_aliases: list[str] = field(default_factory=list)  # answered to, not listed
     tokenizer_thread: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenizer"))
 
@@ -169,7 +170,8 @@ class ServerContext:
     def check_model(self, requested: str | None, named: bool = False) -> None:
         """404 for a model this server does not serve; an omitted or empty model means
         ours (as in vLLM), unless the model must be `named` (GET /v1/models/NAME)."""
-        if (requested or named) and requested not in self.model_names:
+        if ((requested or named) and requested not in self.model_names
+                and requested not in self.model_aliases):
             raise APIError(404, f"The model `{requested}` does not exist.", param="model",
                            code="model_not_found")
 
