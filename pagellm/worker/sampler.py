@@ -350,17 +350,19 @@ def _apply_top_k_top_p(
 ) -> torch.Tensor:
     """Masks everything outside each row's top-k, then outside its top-p nucleus.
 
-    One stable descending sort serves both, so ties are cut like argmax cuts them
-    (lowest id first): top_k=1 and a tiny top_p both reduce to exactly the greedy token.
-    Top-k keeps exactly k tokens; top-p keeps the smallest prefix whose mass reaches p
-    (renormalised over the top-k survivors), and always at least the top token.
+    Top-k keeps every token whose logit is at least the k-th largest, so tokens tied
+    with the k-th all stay (vLLM's and transformers' rule; bit-identical logits happen,
+    e.g. for a model's duplicate untrained embedding rows). Top-p keeps the smallest
+    prefix of one stable descending sort whose mass reaches p (renormalised over the
+    top-k survivors), ties cut like argmax cuts them (lowest id first), and always at
+    least the top token, so a tiny top_p reduces to exactly the greedy token.
     """
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
     if top_k is not None:
         k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
-        position = torch.arange(vocab, device=logits.device)
-        sorted_logits.masked_fill_(position.unsqueeze(0) >= k.unsqueeze(1), float("-inf"))
+        kth = sorted_logits.gather(-1, (k - 1).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
     if top_p is not None:
         probs = sorted_logits.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs

@@ -64,8 +64,12 @@ def test_greedy_ties_go_to_lowest_id() -> None:
     logits = torch.tensor([[0.0, 2.0, 1.0, 2.0], [5.0, 5.0, 5.0, 5.0]])
     greedy = run(logits, [SamplingParams(temperature=0)] * 2).sampled_token_ids
     assert greedy == [1, 0]
-    assert run(logits, [SamplingParams(top_k=1)] * 2).sampled_token_ids == greedy
     assert run(logits, [SamplingParams(top_p=1e-9)] * 2).sampled_token_ids == greedy
+    # top_k=1 keeps every token tied for the top (vLLM's rule), and draws among them.
+    drawn = {tuple(run(logits, [SamplingParams(top_k=1)] * 2).sampled_token_ids)
+             for _ in range(200)}
+    assert {first for first, _ in drawn} == {1, 3}
+    assert {second for _, second in drawn} == {0, 1, 2, 3}
 
 
 def test_greedy_rows_ignore_other_rows_in_the_batch() -> None:
@@ -141,6 +145,16 @@ def test_min_p_drops_unlikely_tokens() -> None:
     tokens = run(logits, [SamplingParams(min_p=0.5)] * 4000).sampled_token_ids
     assert set(tokens) == {0, 1}
     assert abs(tokens.count(0) / 4000 - 0.5 / 0.8) < 0.03
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth() -> None:
+    """vLLM's and transformers' rule: a logit at least the k-th largest stays."""
+    torch.manual_seed(6)
+    logits = torch.tensor([2.0, 1.0, 1.0, 0.0]).expand(DRAWS, 4).contiguous()
+    tokens = run(logits, [SamplingParams(top_k=2)] * DRAWS).sampled_token_ids
+    assert set(tokens) == {0, 1, 2}
+    expected = torch.softmax(torch.tensor([2.0, 1.0, 1.0]), -1)[1].item()
+    assert abs(tokens.count(2) / DRAWS - expected) < TOLERANCE
 
 
 def test_min_p_comes_before_top_p() -> None:
