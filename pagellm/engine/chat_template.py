@@ -359,8 +359,8 @@ def render_chat_prompt(tokenizer: Any, messages: Any, options: ChatOptions = Cha
     """
     text = _render_text(tokenizer, messages, options)
     try:
-        token_ids = encode_text(tokenizer, text, "conversation as its template renders it",
-                                add_special_tokens=False, max_model_len=max_model_len)
+        token_ids = encode_text(tokenizer, text, "messages", add_special_tokens=False,
+                                max_model_len=max_model_len)
     except TextTooLong:
         raise
     except ValueError as error:

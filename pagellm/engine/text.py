@@ -47,7 +47,7 @@ def encode_text(tokenizer: Any, text: str, name: str, add_special_tokens: bool,
         if len(text) > limit:
             raise TextTooLong(
                 f"This model's maximum context length is {max_model_len} tokens. However, "
-                f"your {name} is {len(text)} characters long (more than {limit}, the most "
+                f"the {name} text is {len(text)} characters long (more than {limit}, the most "
                 f"that {max_model_len - 1} tokens of at most {chars} characters spell, "
                 f"leaving one token to generate). Please shorten it.")
     try:

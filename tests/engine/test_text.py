@@ -39,7 +39,7 @@ def test_text_past_the_bound_is_refused_and_text_within_it_encoded(tokenizer: An
     chars = max_chars_per_token(tokenizer)
     assert chars == 81
     limit = 9 * chars
-    with pytest.raises(TextTooLong, match=f"prompt is {limit + 1} characters long"):
+    with pytest.raises(TextTooLong, match=f"the prompt text is {limit + 1} characters long"):
         encode_text(tokenizer, " " * (limit + 1), "prompt", False, max_model_len=10)
     assert encode_text(tokenizer, " " * limit, "prompt", False, max_model_len=10)
     assert encode_text(tokenizer, "x" * 10 * limit, "prompt", False)  # no bound asked
