@@ -224,6 +224,13 @@ def truncated(params: SamplingParams, token_ids: list[int], max_model_len: int,
         raise bad_request(str(error), param="truncate_prompt_tokens") from error
 
 
+def length_bound(params: SamplingParams, max_model_len: int) -> int | None:
+    """The context a prompt's text must fit, checked by its length before it is tokenized
+    (`encode`, `render_messages`): none for a prompt to be cut to fit
+    (`truncate_prompt_tokens`), which may be any length."""
+    return max_model_len if params.truncate_prompt_tokens is None else None
+
+
 def request_ids(prefix: str, raw: Request, chosen: str | None) -> tuple[str, str]:
     """The answer's id and the name its engine requests take (`-0`, `-1`, ...), as vLLM
     builds them: `prefix` and the client's X-Request-Id, else the body's request_id,

@@ -52,6 +52,7 @@ from pagellm.entrypoints.openai.serving import (
     choice_usage,
     final_outputs,
     is_set,
+    length_bound,
     merged,
     request_defaults,
     request_ids,
@@ -121,10 +122,8 @@ def check_rendering(body: ChatCompletionRequest | TokenizeRequest) -> None:
 def _chat_prompt(context: ServerContext, body: ChatCompletionRequest, params: SamplingParams
                  ) -> list[int]:
     max_model_len = context.engine.max_model_len
-    # A prompt to be cut to fit may be any length; any other must fit whole.
-    fitted = max_model_len if params.truncate_prompt_tokens is None else None
-    return truncated(params, render_messages(context, body, fitted), max_model_len,
-                     body.truncation_side)
+    return truncated(params, render_messages(context, body, length_bound(params, max_model_len)),
+                     max_model_len, body.truncation_side)
 
 
 def _check_chat_options(body: ChatCompletionRequest) -> None:

@@ -41,6 +41,7 @@ from pagellm.entrypoints.openai.serving import (
     choice_usage,
     encode,
     final_outputs,
+    length_bound,
     merged,
     request_defaults,
     request_ids,
@@ -71,8 +72,7 @@ def _prompts(context: ServerContext, body: CompletionRequest, params: SamplingPa
     if not items:
         raise bad_request("prompt is empty", param="prompt")
     tokenizer = context.engine.tokenizer
-    # A prompt to be cut to fit may be any length; any other must fit whole.
-    fitted = context.engine.max_model_len if params.truncate_prompt_tokens is None else None
+    fitted = length_bound(params, context.engine.max_model_len)
     prompts = []
     for item in items:
         if isinstance(item, str):
