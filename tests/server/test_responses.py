@@ -265,7 +265,8 @@ def test_stream_events_say_what_the_whole_response_says(client: openai.OpenAI) -
 
 def test_the_raw_stream_is_typed_events_without_done(server: Server) -> None:
     with httpx.stream("POST", f"{server.url}/v1/responses", timeout=60,
-                      json={"input": "Hi", "max_output_tokens": 2, "stream": True}) as reply:
+                      json={"input": "Hi", "max_output_tokens": 4, "temperature": 0,
+                            "stream": True}) as reply:
         text = "".join(reply.iter_text())
     blocks = [block for block in text.split("\n\n") if block]
     assert "[DONE]" not in text
