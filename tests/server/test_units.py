@@ -8,6 +8,7 @@ import json
 import logging
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
+from typing import Any
 
 import pytest
 
@@ -568,6 +569,10 @@ def test_a_stored_turn_carries_the_call_ids_the_client_was_given() -> None:
     assert cut_turn == {"role": "assistant", "content": text[:30]}
 
 
+_USE_A = {"type": "tool_use", "id": "a", "name": "w", "input": {"city": "Paris"}}
+_RESULT_A = {"type": "tool_result", "tool_use_id": "a", "content": "Sunny"}
+
+
 def test_anthropic_blocks_become_the_chat_turns_vllm_makes() -> None:
     """Tool results before the user's text, an assistant's text and tool_use in one turn,
     several results in order, thinking dropped, each message naming its block."""
@@ -596,6 +601,46 @@ def test_anthropic_blocks_become_the_chat_turns_vllm_makes() -> None:
     assert conversation.origins == ["system", "messages[0]", "messages[1]",
                                     "messages[2].content[1]", "messages[2].content[2]",
                                     "messages[2]"]
+
+
+@pytest.mark.parametrize(("messages", "error"), [
+    ([("user", [{"type": "tool_result", "tool_use_id": "a", "content": "Sunny"}])],
+     "messages[0].content[0].tool_use_id 'a' answers no tool_use block before it"),
+    ([("user", "Weather?"), ("assistant", [_USE_A]),
+      ("user", [{"type": "tool_result", "tool_use_id": "b", "content": "Sunny"}])],
+     "messages[2].content[0].tool_use_id 'b' answers no tool_use block in messages[1]"),
+    ([("user", "Weather?"), ("assistant", [_USE_A, _USE_A])],
+     "messages[1].content[1].id 'a' is the id of an earlier tool_use block of messages[1]"),
+    ([("user", "Weather?"), ("assistant", [_USE_A]), ("user", "Well?")],
+     "messages[1] has tool_use blocks with no tool_result block in the user message after "
+     "it: 'a'"),
+    ([("user", "Weather?"), ("assistant", [_USE_A]), ("assistant", "It is sunny.")],
+     "messages[1] has tool_use blocks with no tool_result"),
+    ([("user", "Weather?"), ("assistant", [_USE_A]), ("user", [_RESULT_A]),
+      ("assistant", "Sunny."), ("user", [_RESULT_A])],
+     "messages[4].content[0].tool_use_id 'a' answers no tool_use block in messages[3]"),
+    ([("user", "Weather?"), ("assistant", [_USE_A]), ("user", [_RESULT_A, _RESULT_A])],
+     "'a' answers no tool_use block in messages[1] (or one answered already)"),
+])
+def test_anthropic_tool_results_pair_with_the_calls_before_them(
+        messages: list[tuple[str, Any]], error: str) -> None:
+    """Anthropic's API refuses a result for a call the assistant message before it did
+    not make, a call left unanswered, and an id used twice; so do we, naming the block."""
+    with pytest.raises(APIError) as refused:
+        messages_conversation(None, [AnthropicMessage(role=role, content=content)
+                                     for role, content in messages])
+    assert error in refused.value.message
+
+
+def test_anthropic_tool_results_may_span_the_user_messages_after_the_call() -> None:
+    """Consecutive user messages are one turn to Anthropic: results may be split."""
+    use_b = {**_USE_A, "id": "b"}
+    conversation = messages_conversation(None, [
+        AnthropicMessage(role="user", content="Weather?"),
+        AnthropicMessage(role="assistant", content=[_USE_A, use_b]),
+        AnthropicMessage(role="user", content=[_RESULT_A]),
+        AnthropicMessage(role="user", content=[{**_RESULT_A, "tool_use_id": "b"}])])
+    assert [m["role"] for m in conversation.messages] == ["user", "assistant", "tool", "tool"]
 
 
 def test_the_reasoning_parser_splits_as_vllm_and_streams_only_growing_parts() -> None:

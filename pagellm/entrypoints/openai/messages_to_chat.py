@@ -103,6 +103,54 @@ def _system_message(system: Any) -> list[dict[str, Any]]:
     return [{"role": "system", "content": "".join(texts)}] if texts else []
 
 
+class _ToolUses:
+    """Anthropic's pairing of tool calls with their results: each tool_use block of an
+    assistant message is answered by one tool_result block in the user message(s) after
+    it, and a tool_result answers a tool_use of the assistant message before it.
+    Anthropic's API refuses a conversation that breaks this, and so do we: a template
+    would render a result for a call the model never made, or a call left unanswered."""
+
+    def __init__(self) -> None:
+        self.waiting: list[str] = []
+        self.asked_in = ""
+        self.followed = False
+
+    def begin(self, role: str, where: str) -> None:
+        """Before each message: an assistant's turn may not begin while the calls of the
+        one before it are unanswered."""
+        if role == "assistant":
+            if self.waiting:
+                self._unanswered()
+            self.asked_in, self.followed = where, False
+        else:
+            self.followed = True
+
+    def ask(self, call_id: str, at: str) -> None:
+        if call_id in self.waiting:
+            raise bad_request(f"{at}.id {call_id!r} is the id of an earlier tool_use block "
+                              f"of {self.asked_in}; tool_use ids must be unique",
+                              param=f"{at}.id")
+        self.waiting.append(call_id)
+
+    def answer(self, call_id: str, at: str) -> None:
+        if call_id not in self.waiting:
+            asked = f"in {self.asked_in}" if self.asked_in else "before it"
+            raise bad_request(f"{at}.tool_use_id {call_id!r} answers no tool_use block "
+                              f"{asked} (or one answered already)", param=f"{at}.tool_use_id")
+        self.waiting.remove(call_id)
+
+    def end(self) -> None:
+        """After the last message: calls a user message came after must have been
+        answered (a conversation ending on the calls is the prefill's 400)."""
+        if self.waiting and self.followed:
+            self._unanswered()
+
+    def _unanswered(self) -> None:
+        ids = ", ".join(repr(call_id) for call_id in self.waiting)
+        raise bad_request(f"{self.asked_in} has tool_use blocks with no tool_result block "
+                          f"in the user message after it: {ids}", param=self.asked_in)
+
+
 def conversation_of(system: Any, messages: list[Any]) -> Conversation:
     """The chat messages of a Messages request: the system prompt first; a user
     message's tool_result blocks as tool messages before its text (as vLLM orders them);
@@ -111,8 +159,10 @@ def conversation_of(system: Any, messages: list[Any]) -> Conversation:
     think); images, documents and anything else are a 400 naming the block."""
     chat = _system_message(system)
     origins = ["system"] * len(chat)
+    tool_uses = _ToolUses()
     for number, message in enumerate(messages):
         where = f"messages[{number}]"
+        tool_uses.begin(message.role, where)
         texts: list[dict[str, str]] = []
         calls: list[dict[str, Any]] = []
         for index, block in enumerate(_blocks(message.content, f"{where}.content")):
@@ -126,14 +176,17 @@ def conversation_of(system: Any, messages: list[Any]) -> Conversation:
                 arguments = block.get("input")
                 if not isinstance(arguments, dict):
                     raise bad_request(f"{at}.input must be an object", param=f"{at}.input")
-                calls.append({"id": required_string(block, "id", at), "type": "function",
+                call_id = required_string(block, "id", at)
+                tool_uses.ask(call_id, at)
+                calls.append({"id": call_id, "type": "function",
                               "function": {"name": required_string(block, "name", at),
                                            "arguments": json.dumps(arguments,
                                                                    ensure_ascii=False)}})
             elif kind == "tool_result" and message.role == "user":
                 content = block.get("content", "")
-                chat.append({"role": "tool",
-                             "tool_call_id": required_string(block, "tool_use_id", at),
+                call_id = required_string(block, "tool_use_id", at)
+                tool_uses.answer(call_id, at)
+                chat.append({"role": "tool", "tool_call_id": call_id,
                              "content": content if isinstance(content, str) else "\n".join(
                                  _texts(_blocks(content, f"{at}.content"), f"{at}.content"))})
                 origins.append(at)
@@ -150,6 +203,7 @@ def conversation_of(system: Any, messages: list[Any]) -> Conversation:
         elif message.role == "user" and not any(o.startswith(where) for o in origins):
             raise bad_request(f"{where}.content has no text or tool result",
                               param=f"{where}.content")
+    tool_uses.end()
     return Conversation(chat, origins)
 
 
