@@ -366,5 +366,5 @@ def render_chat_prompt(tokenizer: Any, messages: Any, options: ChatOptions = Cha
     except ValueError as error:
         raise ChatError(str(error), "messages") from error
     if not token_ids:
-        raise ChatError("messages render to an empty prompt", "messages")
+        raise ChatError("messages: the conversation renders to an empty prompt", "messages")
     return text, token_ids

@@ -46,7 +46,7 @@ from pagellm.engine.outputs import (
     RequestOutput,
 )
 from pagellm.engine.structured_output import FormatMatcher, GrammarCompiler, allowed_tokens
-from pagellm.engine.text import bad_words_token_ids, encode_text
+from pagellm.engine.text import bad_words_token_ids, check_unicode, encode_text
 from pagellm.model.errors import CorruptModelError
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.model.loader import load_model, load_tokenizer
@@ -449,11 +449,7 @@ class LLMEngine:
         if cache_salt is not None:
             if not isinstance(cache_salt, str) or not cache_salt:
                 raise ValueError("cache_salt must be a non-empty string")
-            try:
-                cache_salt.encode("utf-8")  # hashed as UTF-8 into the block keys
-            except UnicodeEncodeError:
-                raise ValueError("cache_salt is not valid Unicode text (it holds a lone "
-                                 "surrogate)") from None
+            check_unicode(cache_salt, "cache_salt")  # hashed as UTF-8 into the block keys
         if request_id is None:
             request_id = self._new_request_id()
         request_id = str(request_id)

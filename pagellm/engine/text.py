@@ -15,6 +15,15 @@ class TextTooLong(ValueError):
     """Text too long for any prompt the context holds, known from its length alone."""
 
 
+def check_unicode(text: str, name: str) -> None:
+    """A ValueError naming `name` where `text` holds a lone surrogate, which neither a
+    tokenizer nor UTF-8 (a block hash, a JSON reply) accepts."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{name} is not valid Unicode text (lone surrogate?)") from None
+
+
 _MAX_CHARS: weakref.WeakKeyDictionary[Any, int | None] = weakref.WeakKeyDictionary()
 
 

@@ -49,6 +49,10 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
     ("lone surrogate in messages", "/v1/chat/completions",
      b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400, "messages", "unicode"),
     ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages", "empty"),
+    ("lone surrogate in a tool name", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "x"}], "tool_choice": "required", '
+     b'"tools": [{"type": "function", "function": {"name": "f\\ud800"}}]}', 400,
+     "tools[0].function.name", "unicode"),
     ("prompt too long", "/v1/completions", {"prompt": LONG_TEXT, "max_tokens": 1}, 400,
      "prompt", "maximum context length"),
     ("prompt fills the context", "/v1/completions", {"prompt": [7] * MAX_MODEL_LEN}, 400,

@@ -579,3 +579,14 @@ def test_echoed_fields_may_hold_what_utf_8_cannot(server: Server) -> None:
     assert reply.json()["user"] == "a\ud800" and reply.json()["metadata"] == {"k": "\udfff"}
     stored = httpx.get(f"{server.url}/v1/responses/{reply.json()['id']}", timeout=60)
     assert stored.status_code == 200 and stored.json()["user"] == "a\ud800"
+
+
+def test_a_lone_surrogate_in_the_input_is_named_input(server: Server) -> None:
+    """Chat's error about the whole conversation, in the Responses request's terms."""
+    body = b'{"model": "%s", "input": "a\\udfff", "max_output_tokens": 2}' % MODEL_NAME.encode()
+    reply = httpx.post(f"{server.url}/v1/responses", content=body, timeout=60,
+                       headers={"Content-Type": "application/json"})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "input", error
+    assert error["message"].startswith("input is not valid Unicode text"), error

@@ -82,14 +82,17 @@ def json_schema_format(schema: dict[str, Any], name: str, strict: Any = None
 
 
 _MESSAGE_INDEX = re.compile(r"\bmessages\[(\d+)\]")
+# "messages" as the subject of an error about the whole conversation ("messages is not
+# valid Unicode text", "messages cannot be rendered by the chat template").
+_MESSAGES_SUBJECT = re.compile(r"^messages\b(?!\[)")
 
 
 def renamed_error(error: APIError, origins: list[str], messages_param: str,
                   renames: tuple[tuple[re.Pattern[str], str], ...]) -> APIError:
     """A chat error in the terms of the API whose request became the chat request:
     `messages[i]` becomes `origins[i]` (an index past them, in text the client wrote,
-    stays), the `messages` param `messages_param`, and each of `renames` rewrites a chat
-    field to the client's."""
+    stays), the `messages` param `messages_param` (in the message too, where it is the
+    subject), and each of `renames` rewrites a chat field to the client's."""
 
     def origin(match: re.Match[str]) -> str:
         index = int(match.group(1))
@@ -100,10 +103,10 @@ def renamed_error(error: APIError, origins: list[str], messages_param: str,
             text = pattern.sub(replacement, text)
         return _MESSAGE_INDEX.sub(origin, text)
 
-    param = error.param
+    param, message = error.param, rename(error.message)
     if param == "messages":
         param = messages_param
+        message = _MESSAGES_SUBJECT.sub(messages_param, message)
     elif param is not None:
         param = rename(param)
-    return APIError(error.status, rename(error.message), param=param, code=error.code,
-                    type=error.type)
+    return APIError(error.status, message, param=param, code=error.code, type=error.type)

@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 
 from pagellm.core.sampling_params import StructuredOutputsParams
 from pagellm.engine.structured_output import format_error
+from pagellm.engine.text import check_unicode
 from pagellm.entrypoints.openai.errors import APIError, bad_request
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, FunctionCall, ToolCall
 
@@ -274,6 +275,10 @@ def function_schemas(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         if not isinstance(name, str) or not name:
             raise bad_request(f"tools[{index}].function.name must be a non-empty string",
                               param=f"tools[{index}].function.name")
+        try:
+            check_unicode(name, f"tools[{index}].function.name")
+        except ValueError as error:
+            raise bad_request(str(error), param=f"tools[{index}].function.name") from None
         if name in functions:
             raise bad_request(f"tools[{index}].function.name {name!r} is given twice",
                               param=f"tools[{index}].function.name")
