@@ -83,11 +83,11 @@ def _stat(path: Path, key: str) -> int:
     return 0
 
 
-def memory_available(proc: Path = PROC_CGROUP, mountinfo: Path = MOUNTINFO) -> int | None:
-    """Bytes the tightest memory limit still allows, or None without a limit. Usage
-    counts the page cache it may reclaim (inactive files, as `docker stats` and the
+def _memory_limits(proc: Path, mountinfo: Path) -> list[tuple[int, int]]:
+    """(limit, usage) of each memory group above this process that has a limit. Usage
+    leaves out the page cache it may reclaim (inactive files, as `docker stats` and the
     kubelet leave them out), so reading the model's files does not count against it."""
-    available: int | None = None
+    limits = []
     for directory, v2 in _groups("memory", proc, mountinfo):
         if v2:
             limit = _read_int(directory / "memory.max")  # "max": None
@@ -98,11 +98,21 @@ def memory_available(proc: Path = PROC_CGROUP, mountinfo: Path = MOUNTINFO) -> i
             limit = None if limit is None or limit >= _V1_UNLIMITED else limit
             usage = _read_int(directory / "memory.usage_in_bytes")
             inactive = _stat(directory / "memory.stat", "total_inactive_file")
-        if limit is None or usage is None:
-            continue
-        left = max(0, limit - max(0, usage - inactive))
-        available = left if available is None else min(available, left)
-    return available
+        if limit is not None and usage is not None:
+            limits.append((limit, max(0, usage - inactive)))
+    return limits
+
+
+def memory_available(proc: Path = PROC_CGROUP, mountinfo: Path = MOUNTINFO) -> int | None:
+    """Bytes the tightest memory limit still allows, or None without a limit."""
+    left = [max(0, limit - usage) for limit, usage in _memory_limits(proc, mountinfo)]
+    return min(left) if left else None
+
+
+def memory_limit(proc: Path = PROC_CGROUP, mountinfo: Path = MOUNTINFO) -> int | None:
+    """The tightest memory limit in bytes (a container's whole memory), or None."""
+    limits = [limit for limit, _usage in _memory_limits(proc, mountinfo)]
+    return min(limits) if limits else None
 
 
 def cpu_limit(proc: Path = PROC_CGROUP, mountinfo: Path = MOUNTINFO) -> int | None:

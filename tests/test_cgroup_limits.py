@@ -41,6 +41,7 @@ def test_v2_takes_the_tightest_limit_of_the_group_and_its_ancestors(tmp_path: Pa
         "memory.current": str(1 << 30) + "\n",
     })
     assert cgroup_limits.memory_available(proc, mountinfo) == (4 << 30) - (2 << 30)
+    assert cgroup_limits.memory_limit(proc, mountinfo) == 4 << 30
     assert cgroup_limits.cpu_limit(proc, mountinfo) == 1
 
 
@@ -65,6 +66,7 @@ def test_v1_reads_the_controllers_own_hierarchies(tmp_path: Path) -> None:
         "cpu,cpuacct/cpu.cfs_period_us": "100000",
     })
     assert cgroup_limits.memory_available(proc, mountinfo) == 1 << 30
+    assert cgroup_limits.memory_limit(proc, mountinfo) == 2 << 30
     assert cgroup_limits.cpu_limit(proc, mountinfo) == 2
 
 
@@ -74,6 +76,7 @@ def test_no_limits_or_no_cgroups_is_none(tmp_path: Path) -> None:
     (tmp_path / "fs").mkdir()
     mountinfo = _mountinfo(tmp_path, f"35 31 0:31 / {tmp_path / 'fs'} rw - cgroup2 cgroup2 rw")
     assert cgroup_limits.memory_available(proc, mountinfo) is None
+    assert cgroup_limits.memory_limit(proc, mountinfo) is None
     assert cgroup_limits.cpu_limit(proc, mountinfo) is None
     assert cgroup_limits.cpu_limit(tmp_path / "missing", mountinfo) is None
     assert cgroup_limits.cpu_limit(proc, tmp_path / "missing") is None

@@ -170,12 +170,11 @@ def test_bad_options_fail_before_loading_the_model(argv: list[str],
 def test_vllm_only_options_say_what_to_use_instead(capsys: pytest.CaptureFixture[str]
                                                    ) -> None:
     with pytest.raises(SystemExit):
-        main(["serve", "--gpu-memory-utilization=0.9", "--swap-space=4", "--bogus"])
+        main(["serve", "--swap-space=4", "--compilation-config=3", "--bogus"])
     err = capsys.readouterr().err
-    assert ("unrecognized arguments: --gpu-memory-utilization=0.9 --swap-space=4 "
-            "--bogus; --gpu-memory-utilization is vLLM's: the KV pool is sized by "
-            "--kv-cache-memory-bytes, or --kv-cache-memory-fraction") in err
-    assert "--swap-space is vLLM's: a preempted request is recomputed" in err
+    assert ("unrecognized arguments: --swap-space=4 --compilation-config=3 --bogus; "
+            "--swap-space is vLLM's: a preempted request is recomputed") in err
+    assert "--compilation-config is vLLM's: nothing is compiled by torch.compile" in err
     assert "--bogus is" not in err
     # Flags asking for what PageLLM does anyway are taken; another value is refused.
     args = build_parser().parse_args(["serve", "--tensor-parallel-size", "1",
@@ -689,10 +688,18 @@ def test_vllm_spellings_and_wrong_arguments_of_the_python_api() -> None:
         with pytest.raises(ValueError, match=message):
             EngineConfig(**wrong)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="LLM.. got unexpected keyword arguments "
-                                        "gpu_memory_utilization, tensor_parallel_size; "
-                                        "gpu_memory_utilization is vLLM's: the KV pool is "
-                                        "sized by kv_cache_memory_bytes.*block_size"):
-        LLM(gpu_memory_utilization=0.9, tensor_parallel_size=2, enforce_eager=True)
+                                        "swap_space, tensor_parallel_size; "
+                                        "swap_space is vLLM's: a preempted request is "
+                                        "recomputed.*block_size"):
+        LLM(swap_space=4, tensor_parallel_size=2, enforce_eager=True)
+    for wrong, message in ((dict(gpu_memory_utilization=1.5), r"must be in \(0, 1\], got 1.5"),
+                           (dict(gpu_memory_utilization="0.9"), "must be in"),
+                           (dict(gpu_memory_utilization=0.9, kv_cache_memory_fraction=0.5),
+                            "gpu_memory_utilization .* or kv_cache_memory_fraction .* not both")):
+        with pytest.raises(ValueError, match=message):
+            EngineConfig(**wrong)  # type: ignore[arg-type]
+    assert EngineArgs.from_cli_args(build_parser().parse_args(
+        ["serve", "--gpu-memory-utilization", "0.9"])).gpu_memory_utilization == 0.9
 
 
 def test_vllm_deployment_flags_and_scripts_carry_over(capsys: pytest.CaptureFixture[str]
@@ -738,9 +745,9 @@ def test_vllm_deployment_flags_and_scripts_carry_over(capsys: pytest.CaptureFixt
     parsed = parser.parse_args(["--max_model_len", "1024", "--block_size=32"])
     assert (parsed.max_model_len, parsed.block_size) == (1024, 32)
     with pytest.raises(SystemExit):
-        parser.parse_args(["--tokenizer", "x", "--gpu-memory-utilization", "0.9"])
+        parser.parse_args(["--tokenizer", "x", "--swap-space", "4"])
     err = capsys.readouterr().err
-    assert ("unrecognized arguments: --tokenizer x --gpu-memory-utilization 0.9; "
+    assert ("unrecognized arguments: --tokenizer x --swap-space 4; "
             "--tokenizer is vLLM's") in err
     plain = EngineArgs.add_cli_args(argparse.ArgumentParser())
     with pytest.raises(SystemExit):  # not taken for --tokenizer-mode

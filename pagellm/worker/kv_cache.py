@@ -20,14 +20,27 @@ DEFAULT_MEMORY_FRACTION = 0.25
 DEFAULT_MAX_POOL_BYTES = 1 << 30
 
 
-def free_memory_bytes(device: torch.device) -> int:
-    """Memory free on `device`; on the CPU, within the container's memory limit too."""
+def device_memory_bytes(device: torch.device) -> tuple[int, int]:
+    """(free, total) memory of `device`; on the CPU, within the container's memory limit
+    too (the total is what vLLM's gpu_memory_utilization is a share of)."""
     if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
-    free = int(psutil.virtual_memory().available)
-    limited = cgroup_limits.memory_available()
-    return free if limited is None else min(free, limited)
+        free, total = torch.cuda.mem_get_info(device)
+        return int(free), int(total)
+    memory = psutil.virtual_memory()
+    free, total = int(memory.available), int(memory.total)
+    available, limit = cgroup_limits.memory_available(), cgroup_limits.memory_limit()
+    return (free if available is None else min(free, available),
+            total if limit is None else min(total, limit))
+
+
+def used_memory_bytes(device: torch.device) -> int:
+    """Memory already taken before the pool: on the CPU this process's (the model's
+    weights, torch, Python); on a GPU all of it in use, other processes' too, so that a
+    pool sized from it fits whoever shares the card."""
+    if device.type == "cuda":
+        free, total = device_memory_bytes(device)
+        return total - free
+    return int(psutil.Process().memory_info().rss)
 
 
 def num_blocks_for_budget(
@@ -38,10 +51,13 @@ def num_blocks_for_budget(
     kv_cache_memory_bytes: int | None = None,
     memory_fraction: float | None = None,
     num_blocks_override: int | None = None,
+    memory_utilization: float | None = None,
 ) -> int:
     """How many blocks the pool has: `num_blocks_override` if given (vLLM's
     num_gpu_blocks_override: a pool sized in tokens, whatever its element type), else
-    what fits in explicit bytes, else in a fraction of free memory."""
+    what fits in explicit bytes, else in what `memory_utilization` (vLLM's
+    gpu_memory_utilization: this engine's share of all the device's memory, the model
+    included) leaves once the model is loaded, else in a fraction of free memory."""
     element_size = torch.empty((), dtype=dtype).element_size()
     bytes_per_block = model_config.kv_cache_bytes_per_block(element_size) * block_size
     if num_blocks_override is not None:
@@ -49,9 +65,11 @@ def num_blocks_for_budget(
                     f"num_gpu_blocks_override={num_blocks_override} (--num-gpu-blocks-"
                     f"override) needs {num_blocks_override * bytes_per_block / 2**30:.1f} GiB")
         return num_blocks_override
-    if kv_cache_memory_bytes is None:
+    if kv_cache_memory_bytes is None and memory_utilization is not None:
+        budget = _utilization_budget(memory_utilization, device, bytes_per_block)
+    elif kv_cache_memory_bytes is None:
         fraction = DEFAULT_MEMORY_FRACTION if memory_fraction is None else memory_fraction
-        budget = int(free_memory_bytes(device) * fraction)
+        budget = int(device_memory_bytes(device)[0] * fraction)
         if memory_fraction is None:
             budget = min(budget, DEFAULT_MAX_POOL_BYTES)
     else:
@@ -67,10 +85,25 @@ def num_blocks_for_budget(
     return int(num_blocks)
 
 
+def _utilization_budget(utilization: float, device: torch.device, bytes_per_block: int) -> int:
+    """The pool vLLM's gpu_memory_utilization gives: the engine's share of the device
+    less what is already used; refused by name when that holds no block or is more than
+    is free."""
+    total, used = device_memory_bytes(device)[1], used_memory_bytes(device)
+    share = int(total * utilization)
+    what = (f"gpu_memory_utilization={utilization} (--gpu-memory-utilization) gives this "
+            f"engine {share / 2**30:.1f} GiB of the {total / 2**30:.1f} GiB on {device}")
+    if share - used < bytes_per_block:
+        raise ValueError(f"{what}, and {used / 2**30:.1f} GiB of it is already used (the "
+                         "model, torch): no room for a KV block; give a larger fraction")
+    _check_free(share - used, device, f"{what}: a {(share - used) / 2**30:.1f} GiB KV pool")
+    return share - used
+
+
 def _check_free(pool_bytes: int, device: torch.device, what: str) -> None:
     """The pool is zero-filled at start: past free memory the process is killed (the
     OOM killer, with no message) or torch fails deep in an allocation."""
-    free = free_memory_bytes(device)
+    free = device_memory_bytes(device)[0]
     if pool_bytes > free:
         raise ValueError(f"{what}, more than the {free / 2**30:.1f} GiB of memory free on "
                          f"{device} after loading the model: give less")

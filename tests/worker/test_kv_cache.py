@@ -37,3 +37,40 @@ def test_a_pool_in_blocks_takes_that_many_whatever_its_element_type() -> None:
     with pytest.raises(ValueError, match=r"--num-gpu-blocks-override\) needs .* GiB, more "
                                          r"than the .* GiB of memory free on cpu"):
         num_blocks_for_budget(CONFIG, 16, torch.float32, cpu, num_blocks_override=too_many)
+
+
+def test_gpu_memory_utilization_is_a_share_of_all_memory_less_what_is_used(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's meaning (its CPU build's too): the engine takes that share of the device's
+    whole memory, the model included, so the pool is the share less what the loaded
+    model already uses; an explicit byte budget wins, as in vLLM."""
+    from pagellm.worker import kv_cache
+
+    cpu = torch.device("cpu")
+    per_block = CONFIG.kv_cache_bytes_per_block(4) * 16
+    monkeypatch.setattr(kv_cache, "device_memory_bytes",
+                        lambda device: (60 * per_block, 100 * per_block))
+    monkeypatch.setattr(kv_cache, "used_memory_bytes", lambda device: 30 * per_block)
+    assert num_blocks_for_budget(CONFIG, 16, torch.float32, cpu, memory_utilization=0.5) == 20
+    assert num_blocks_for_budget(CONFIG, 16, torch.float32, cpu, memory_utilization=0.5,
+                                 kv_cache_memory_bytes=3 * per_block) == 3
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.3 \(--gpu-memory-"
+                                         r"utilization\) gives this engine .* GiB of the .* "
+                                         r"GiB on cpu, and .* already used .* no room"):
+        num_blocks_for_budget(CONFIG, 16, torch.float32, cpu, memory_utilization=0.3)
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=1.0 .*: a .* GiB KV pool, "
+                                         r"more than the .* GiB of memory free on cpu"):
+        num_blocks_for_budget(CONFIG, 16, torch.float32, cpu, memory_utilization=1.0)
+
+
+def test_the_whole_memory_is_the_containers_where_it_is_limited(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagellm import cgroup_limits
+    from pagellm.worker import kv_cache
+
+    monkeypatch.setattr(cgroup_limits, "memory_limit", lambda: 1 << 30)
+    monkeypatch.setattr(cgroup_limits, "memory_available", lambda: 1 << 29)
+    assert kv_cache.device_memory_bytes(torch.device("cpu")) == (1 << 29, 1 << 30)
+    monkeypatch.setattr(cgroup_limits, "memory_limit", lambda: None)
+    monkeypatch.setattr(cgroup_limits, "memory_available", lambda: None)
+    assert kv_cache.device_memory_bytes(torch.device("cpu"))[1] == psutil.virtual_memory().total
