@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
+import torch
 from tqdm import tqdm
 
 from pagellm import (
@@ -21,6 +24,7 @@ from pagellm import (
     RequestOutputKind,
     SamplingParams,
 )
+from pagellm.worker.kv_cache import device_memory_bytes
 from tests.engine.conftest import assert_idle
 
 SMALL = ["--kv-cache-memory-bytes", "32MiB", "--max-model-len", "512"]
@@ -121,6 +125,22 @@ def test_a_queued_request_keeps_its_params_when_the_caller_changes_them(
     assert len(done.outputs[0].token_ids) == 3 and done.outputs[0].finish_reason == "length"
     assert params.max_tokens == 12  # the caller's object is the caller's
     assert_idle(engine)
+
+
+def test_gpu_memory_utilization_leaves_the_pool_what_the_model_does_not_use(
+        tiny: Path) -> None:
+    """vLLM's most common argument, on the CPU as vLLM's CPU build reads it: the
+    engine's share of the machine's memory; the pool is what the loaded model leaves."""
+    _free, total = device_memory_bytes(torch.device("cpu"))
+    used = psutil.Process().memory_info().rss
+    share = (used + (64 << 20)) / total  # about 64 MiB more than in use now
+    llm = LLM(str(tiny), skip_tokenizer_init=True, gpu_memory_utilization=share)
+    pool = sum(t.numel() * t.element_size() for t in llm.llm_engine.kv_cache.tensors)
+    assert 0 < pool <= 64 << 20
+    greedy = SamplingParams(max_tokens=3, temperature=0)
+    assert len(llm.generate({"prompt_token_ids": [5, 6, 7]}, greedy)[0].outputs[0].token_ids) == 3
+    with pytest.raises(ValueError, match="no room for a KV block"):
+        LLM(str(tiny), skip_tokenizer_init=True, gpu_memory_utilization=used / total / 2)
 
 
 def test_llm_takes_vllms_arguments() -> None:
