@@ -85,14 +85,16 @@ class Scheduler:
         return bool(self.requests)
 
     def add_request(self, request: Request, siblings: list[Request] | None = None) -> None:
-        """Queues a request; `siblings` (same prompt, n > 1) fork from it after its prefill."""
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
-        self.requests[request.request_id] = request
-        for sibling in siblings or []:
-            if sibling.request_id in self.requests:
-                raise ValueError(f"request id {sibling.request_id!r} is already in use")
-            self.requests[sibling.request_id] = sibling
+        """Queues a request; `siblings` (same prompt, n > 1) fork from it after its prefill.
+        All or nothing: an id already in use (or given twice) changes nothing."""
+        group = [request, *(siblings or [])]
+        seen: set[str] = set()
+        for member in group:
+            if member.request_id in self.requests or member.request_id in seen:
+                raise ValueError(f"request id {member.request_id!r} is already in use")
+            seen.add(member.request_id)
+        for member in group:
+            self.requests[member.request_id] = member
         if siblings:
             self._siblings[request.request_id] = list(siblings)
         request.status = RequestStatus.WAITING

@@ -510,11 +510,13 @@ class LLMEngine:
         group = _Group(request_id, text, token_ids, samples, RequestMetrics(arrival),
                        prompt_logprobs=None if params.prompt_logprobs is None else [None],
                        bad_words=bad_words, shaper=OutputShaper(params.output_kind))
+        # The scheduler first: it refuses a sample's id already in use (a caller's "a#1"
+        # beside n=2's "a#0", "a#1") before anything here points at the new group.
+        self.scheduler.add_request(leader, [s.request for s in samples[1:]])
         for sample in samples:
             group.by_core_id[sample.request.request_id] = sample
             self._core_to_group[sample.request.request_id] = group
         self._groups[request_id] = group
-        self.scheduler.add_request(leader, [s.request for s in samples[1:]])
         return request_id
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -530,9 +532,10 @@ class LLMEngine:
         return request_id
 
     def has_request(self, request_id: str) -> bool:
-        """Whether an unfinished request (a beam search, or one of its steps) has this
-        id."""
-        return request_id in self._groups or request_id in self._beams
+        """Whether an unfinished request (a beam search, or one of its steps, or one
+        sample "id#k" of a request with n > 1) has this id."""
+        return (request_id in self._groups or request_id in self._beams
+                or request_id in self.scheduler.requests)
 
     def _check_allowed_token_ids(self, params: SamplingParams,
                                  bad_words: BadWords | None) -> None:
@@ -659,6 +662,9 @@ class LLMEngine:
         rows, chunks = self._chunks(scheduled)
         samples: list[_Sample] = []
         try:
+            # First: a sibling forked last step and not scheduled in this one must get
+            # its copied block even if the rest of this step fails.
+            self.kv_cache.copy_blocks([(c.src, c.dst) for c in scheduled.block_copies])
             sampling = None
             if rows:
                 groups = [self._core_to_group[r.request_id] for r in rows]
@@ -676,8 +682,7 @@ class LLMEngine:
                     generator=self.generator,
                     device=self.device,
                 )
-            copies = [(c.src, c.dst) for c in scheduled.block_copies]
-            result = self.runner.execute(chunks, copies, sampling)
+            result = self.runner.execute(chunks, sampling)
         except Exception as error:  # noqa: BLE001 - one bad step must not kill the engine
             logger.exception("step failed; failing its %d requests", len(chunks))
             return self._beams.collect(self._fail_step(scheduled, error))

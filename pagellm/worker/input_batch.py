@@ -57,8 +57,15 @@ def prepare_inputs(
     for chunk in chunks:
         input_ids.extend(chunk.token_ids)
 
-    max_blocks = max(len(c.block_ids) for c in chunks)
-    block_tables = np.zeros((len(chunks), max_blocks), dtype=np.int64)
+    num_blocks = np.fromiter((len(c.block_ids) for c in chunks), dtype=np.int64,
+                             count=len(chunks))
+    if (num_blocks * block_size < seq_lens).any():
+        # Padding is block 0, a real block: a short table would write this step's keys
+        # and values over another request's instead of failing.
+        row = int(np.argmax(num_blocks * block_size < seq_lens))
+        raise RuntimeError(f"chunk {row} of the step has {num_blocks[row]} blocks for "
+                           f"{seq_lens[row]} tokens, {block_size} to a block")
+    block_tables = np.zeros((len(chunks), int(num_blocks.max())), dtype=np.int64)
     for row, chunk in enumerate(chunks):
         block_tables[row, : len(chunk.block_ids)] = chunk.block_ids
 

@@ -74,14 +74,12 @@ class ModelRunner:
     def execute(
         self,
         chunks: list[SequenceChunk],
-        block_copies: list[tuple[int, int]],
         sampling: SamplingMetadata | None,
     ) -> StepOutput:
         """Computes the chunks' KV and returns one sampled token per sampling row, in the
         order of the chunks (a chunk with num_samples = k owns k consecutive rows), and
         the chunks' prompt logprobs."""
         start = time.perf_counter()
-        self.kv_cache.copy_blocks(block_copies)
         inputs = prepare_inputs(chunks, self.kv_cache.block_size, self.device)
         decode_rows = len(chunks) if inputs.input_ids.numel() == len(chunks) else 0
         threads = self._use_threads(decode_rows) if self.thread_tuner is not None else 0

@@ -718,6 +718,19 @@ def test_abort_preempted_request() -> None:
     d.run()
 
 
+def test_a_group_with_an_id_in_use_is_refused_whole() -> None:
+    """A sibling's id taken by another request refuses the group with nothing added:
+    the leader added first was left in `requests`, in no queue, unfinished forever."""
+    d = Driver()
+    (taken,) = d.add("p#2", prompt_of(40, 10), max_tokens=2)
+    with pytest.raises(ValueError, match="request id 'p#2' is already in use"):
+        d.add("p", prompt_of(41, 10), n=3, max_tokens=2)
+    assert list(d.sched.requests) == ["p#2"] and d.sched.num_waiting == 1
+    d.run()
+    assert taken.num_output_tokens == 2 and not d.sched.has_unfinished_requests()
+    d.check_idle()
+
+
 def test_abort_leader_with_pending_siblings_frees_everything() -> None:
     d = Driver(max_num_batched_tokens=4)
     group = d.add("p", prompt_of(26, 10), n=3, max_tokens=3)

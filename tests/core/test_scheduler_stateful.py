@@ -81,12 +81,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_num_seqs=st.integers(1, 6),
         policy=st.sampled_from(["fcfs", "cache_aware", "priority"]),
         window=st.sampled_from([1, 2, 64]),
+        threshold=st.sampled_from([0, 0, 2, 5]),
         caching=st.sampled_from([True, True, True, False]),
         bases=st.lists(st.lists(st.integers(0, ALPHABET - 1), min_size=16, max_size=16),
                        min_size=1, max_size=2),
     )
     def setup(self, block_size: int, num_blocks: int, max_model_len: int, budget: int,
-              max_num_seqs: int, policy: str, window: int, caching: bool,
+              max_num_seqs: int, policy: str, window: int, threshold: int, caching: bool,
               bases: list[list[int]]) -> None:
         self.bs = block_size
         self.kv = EvictionLoggingKVCacheManager(num_blocks, block_size, caching)
@@ -94,7 +95,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                                       max_num_batched_tokens=budget,
                                       max_num_seqs=max_num_seqs,
                                       policy=policy,  # type: ignore[arg-type]
-                                      cache_aware_window=window)
+                                      cache_aware_window=window,
+                                      long_prefill_token_threshold=threshold)
         self.sched = Scheduler(self.config, self.kv)
         self.hasher = BlockHasher(block_size)
         self.bases = bases
@@ -128,10 +130,11 @@ class SchedulerMachine(RuleBasedStateMachine):
           max_tokens=st.none() | st.integers(1, 10), n=st.integers(1, 3),
           salt=st.sampled_from([None, None, "tenant"]),
           ignore_eos=st.booleans(), stop=st.booleans(), min_tokens=st.integers(0, 3),
-          priority=st.integers(-2, 2))
+          priority=st.integers(-2, 2),
+          reads=st.sampled_from(["cache", "cache", "cache", "skip", "prompt_logprobs"]))
     def add_request(self, base: int, cut: int, tail: list[int], max_tokens: int | None,
                     n: int, salt: str | None, ignore_eos: bool, stop: bool,
-                    min_tokens: int, priority: int) -> None:
+                    min_tokens: int, priority: int, reads: str) -> None:
         if len(self.sched.requests) >= MAX_LIVE:
             return
         prompt = (self.bases[base % len(self.bases)][: 16 - cut] + tail)[: self.limit - 1]
@@ -141,7 +144,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             min_tokens = min(min_tokens, max_tokens)
         params = SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=ignore_eos,
                                 stop_token_ids=[STOP] if stop else None,
-                                min_tokens=min_tokens)
+                                min_tokens=min_tokens,
+                                skip_reading_prefix_cache=True if reads == "skip" else None,
+                                prompt_logprobs=1 if reads == "prompt_logprobs" else None)
         self.next_id += 1
         rid = f"r{self.next_id}"
         leader_params = params if n == 1 else params.for_child(0)
@@ -170,6 +175,21 @@ class SchedulerMachine(RuleBasedStateMachine):
                 if self.all[other].is_finished:
                     self.aborted.add(other)
         assert rid not in self.sched.requests and rid not in self.kv.req_to_blocks
+
+    @rule(kind=st.integers(0, 5))
+    def reset_prefix_cache(self, kind: int) -> None:
+        """Now and then (a reset every step would leave little to hit): refused, with
+        nothing changed, while any block is held, as in vLLM; or, with vLLM's
+        reset_running_requests, every running request preempted first, so that it
+        succeeds and they recompute and go on."""
+        if kind == 0:
+            held = self.kv.pool.num_used_blocks
+            assert self.kv.reset_prefix_cache() == (held == 0)
+        elif kind == 1:
+            self.sched.preempt_running()
+            assert self.kv.reset_prefix_cache()
+            assert not self.kv.pool.cached
+            event("reset with running requests preempted")
 
     @rule()
     def step(self) -> None:
@@ -220,6 +240,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             req = item.request
             assert req.status is RequestStatus.RUNNING and req in self.sched.running
             assert item.num_new_tokens >= 1
+            if self.config.long_prefill_token_threshold and len(self.sched.requests) > 1:
+                assert item.num_new_tokens <= self.config.long_prefill_token_threshold
             end = req.num_computed_tokens + item.num_new_tokens
             assert end <= req.num_tokens and item.samples == (end == req.num_tokens)
             assert not item.forks or item.samples
@@ -258,6 +280,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         unless the cache-aware policy has let it be overtaken too often (the admitted
         request's `num_overtaken` no longer changes after its admission).
         """
+        params = req.sampling_params
+        if ((params.skip_reading_prefix_cache or params.prompt_logprobs is not None)
+                and not req.num_output_tokens):
+            # Its whole prompt is computed (prompt logprobs need every position's logits);
+            # once it has an output (a resume), it reads the cache like any other.
+            assert req.num_computed_tokens == 0, f"{req} read the cache it must skip"
+            return
         findable = cached_before - self.kv.evicted_before[req.request_id]
         hashes = req.block_hashes[: (req.num_tokens - 1) // self.bs]
         run = len(list(takewhile(findable.__contains__, hashes)))

@@ -229,6 +229,50 @@ def test_n_samples_share_prompt_blocks(tiny_models: dict[str, Path],
     assert_idle(engine)
 
 
+def test_an_id_its_samples_would_take_refuses_the_request_and_changes_nothing(
+        tiny_models: dict[str, Path]) -> None:
+    """n > 1 names its samples "id#k": a caller's request already holding one of those
+    names (or asking for one a sample holds) is refused, and every request goes on."""
+    engine = _llm(tiny_models["llama-gqa-untied"]).llm_engine
+    prompt = {"prompt_token_ids": _prompts(14, 10, [0])[0]}
+    two = SamplingParams(n=2, temperature=0, max_tokens=4, ignore_eos=True)
+    engine.add_request("a#1", prompt, _greedy(4))
+    with pytest.raises(ValueError, match="request id 'a#1' is already in use"):
+        engine.add_request("a", prompt, two)
+    engine.add_request("b", prompt, two)
+    with pytest.raises(ValueError, match="request id 'b#0' is already in use"):
+        engine.add_request("b#0", prompt, _greedy(4))
+    outputs = [o for _ in iter(engine.has_unfinished_requests, False) for o in engine.step()
+               if o.finished]
+    assert sorted((o.request_id, len(o.outputs)) for o in outputs) == [("a#1", 1), ("b", 2)]
+    assert all(len(c.token_ids) == 4 for o in outputs for c in o.outputs)
+    assert_idle(engine)
+
+
+def test_a_forks_block_copy_happens_even_when_its_step_fails(
+        tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy-on-write copy of a fork's partial block is due in the step after the
+    fork; a sibling not scheduled in that step (a budget below max_num_seqs) would go on
+    without it if a failure before the forward pass dropped it."""
+    engine = _llm(tiny_models["llama-gqa-untied"], block_size=8).llm_engine
+    engine.add_request("fork", {"prompt_token_ids": _prompts(15, 10, [0])[0]},
+                       SamplingParams(n=2, temperature=0, max_tokens=4, ignore_eos=True))
+    engine.step()
+    copies = [(c.src, c.dst) for c in engine.scheduler._pending_copies]
+    assert copies
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("broken forward")
+
+    monkeypatch.setattr(engine.runner, "execute", broken)
+    outputs = engine.step()
+    assert outputs and all(o.error and "broken forward" in o.error for o in outputs)
+    for src, dst in copies:
+        for layer in engine.kv_cache.tensors:
+            assert torch.equal(layer[:, dst], layer[:, src])
+    assert_idle(engine)
+
+
 def test_bad_prompt_in_batch_does_not_stop_the_others(tiny_models: dict[str, Path]) -> None:
     llm = _llm(tiny_models["llama-gqa-untied"], max_model_len=64)
     good = _prompts(1, 10, [0])[0]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from itertools import pairwise
 
+import pytest
 import torch
 
 from pagellm.worker.input_batch import ModelInputs, SequenceChunk, prepare_inputs
@@ -125,3 +126,13 @@ def test_several_requests_in_one_step() -> None:
           context_lens=[4, 8, 0], seq_lens=[7, 9, 5], query_start_loc=[0, 3, 4, 9],
           logits_indices=[3, 8, 8, 8],
           block_tables=[[10, 0], [3, 5, 11], [1, 6]])
+
+
+def test_a_block_table_too_short_for_its_tokens_fails_loudly() -> None:
+    """The table's padding is block 0, a real block: a table one block short would write
+    the last token's KV over whatever block 0 holds, silently."""
+    fits = SequenceChunk([1, 2, 3], start_pos=5, block_ids=[7, 2], num_samples=1)
+    short = SequenceChunk([1, 2, 3, 4], start_pos=5, block_ids=[7, 2], num_samples=1)
+    with pytest.raises(RuntimeError, match="chunk 1 of the step has 2 blocks for 9 tokens, "
+                                           "4 to a block"):
+        prepare_inputs([fits, short], BLOCK, CPU)
