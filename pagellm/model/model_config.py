@@ -38,8 +38,15 @@ _ARCH_TRAITS: dict[str, _ArchTraits] = {
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_ARCH_TRAITS)
 
-# Rope variants whose only effect is on the inverse frequencies (attention scaling 1.0).
-SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
+# Rope variants whose only effect is on the inverse frequencies (attention scaling 1.0),
+# each with the parameters it needs besides its type and theta (all positive numbers).
+_ROPE_KEYS: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+               "original_max_position_embeddings"),
+}
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = tuple(_ROPE_KEYS)
 
 
 @dataclass(frozen=True)
@@ -115,6 +122,7 @@ class ModelConfig:
     ) -> ModelConfig:
         """Build from the parsed config.json (and generation_config.json if there is one)."""
         architecture = _architecture(raw)
+        _refuse_quantized(raw)
         traits = _ARCH_TRAITS[architecture]
         hidden_size = _require_int(raw, "hidden_size")
         num_heads = _require_int(raw, "num_attention_heads")
@@ -213,6 +221,19 @@ def _architecture(raw: Mapping[str, Any]) -> str:
     return arch
 
 
+def _refuse_quantized(raw: Mapping[str, Any]) -> None:
+    """A checkpoint quantized for vLLM's or transformers' kernels (GPTQ, AWQ, FP8, ...)
+    holds tensors no layer here has a place for: refused by its method, not later as a
+    checkpoint tensor that looks corrupt."""
+    quantization = raw.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise UnsupportedArchitectureError(
+            f"config.json: quantization_config (quant_method {method!r}) is not supported: "
+            "load the unquantized checkpoint (float32, bfloat16 or float16 safetensors) or "
+            "a GGUF file (Q4_1, Q8_0, F16 or F32 weights)")
+
+
 def _require_int(raw: Mapping[str, Any], key: str) -> int:
     value = raw.get(key)
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -232,6 +253,12 @@ def _rope(raw: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
         )
     if rope_type == "default":
         return theta, None
+    for key in _ROPE_KEYS[rope_type]:
+        value = params.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise CorruptModelError(
+                f"config.json: rope type {rope_type!r} needs {key!r}, a positive number "
+                f"(in rope_scaling or rope_parameters), got {value!r}")
     return theta, {"rope_type": rope_type, **params}
 
 

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from paged_sim import PagedSim
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pagellm.model import SUPPORTED_ARCHITECTURES, ModelConfig, get_model_class, load_model
+from pagellm.model.errors import ModelLoadError
 
 BASE: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
@@ -53,6 +56,24 @@ def test_new_style_rope_parameters() -> None:
     assert config.rope_theta == 5e5
     assert config.rope_scaling is not None and config.rope_scaling["rope_type"] == "llama3"
     assert make(rope_parameters={"rope_type": "default", "rope_theta": 1e4}).rope_scaling is None
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"rope_scaling": {"rope_type": "linear"}}, "rope type 'linear' needs 'factor'"),
+    ({"rope_scaling": {"type": "linear", "factor": "2"}}, "needs 'factor', a positive number"),
+    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}},
+     "rope type 'llama3' needs 'low_freq_factor'"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn' is not supported"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4}},
+     "quantization_config (quant_method 'gptq') is not supported"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "quant_method 'fp8'"),
+])
+def test_configs_this_engine_cannot_run_are_refused_by_name(changes: dict[str, Any],
+                                                            message: str) -> None:
+    """Not a KeyError deep in the rope code, nor a quantized tensor reported as a
+    corrupt checkpoint: the config's own field, named."""
+    with pytest.raises(ModelLoadError, match=re.escape(message)):
+        make(**changes)
 
 
 def test_architecture_traits() -> None:
