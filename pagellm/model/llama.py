@@ -451,8 +451,10 @@ class LlamaForCausalLM(nn.Module):
                            "may change outputs", len(floats), floats[0])
         bf16_products = cpu_kernels.bf16_products()
         if not self.attn_backend.use_row_invariant_attention(bf16_products):
-            logger.warning("quantize_activations: the attention kernels do not serve every "
-                           "layer of this model, so caching may change outputs")
+            logger.warning("quantize_activations: attention (the %s backend) cannot take "
+                           "every token through one row-invariant kernel here (that needs "
+                           "the default backend, its compiled kernels serving every layer), "
+                           "so caching may change outputs", self.attn_backend.name)
         else:
             self.attention_rounds_kv_to_bf16 = bf16_products
 

@@ -126,6 +126,18 @@ def test_every_quantized_weight_takes_the_int8_kernel() -> None:
     assert all(w.int8_activations for layer in layers for w in layer.fused_weights or ())
 
 
+def test_the_reference_backend_says_caching_may_change_outputs(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """torch_ref's one SDPA call a request sums in an order that depends on how many
+    queries it holds, which int8 rounding turns into other tokens: said at start."""
+    with caplog.at_level("WARNING", logger="pagellm.model.llama"):
+        LLM(quantize_activations=True, attention_backend="torch_ref",
+            kv_cache_memory_bytes=16 << 20)
+    assert "attention (the torch_ref backend) cannot take every token through one " \
+           "row-invariant kernel" in caplog.text
+    assert "caching may change outputs" in caplog.text
+
+
 @pytest.mark.slow
 def test_outputs_stay_close_to_float32() -> None:
     """The same text's prompt logprobs under both: int8 inputs move each by ~0.1 nat
