@@ -54,7 +54,7 @@ from pagellm.model.model_config import load_model_config
 from pagellm.model.resolve import resolve_model_path, served_model_name
 from pagellm.worker.cuda_graphs import CudaGraphRunner
 from pagellm.worker.input_batch import SequenceChunk
-from pagellm.worker.kv_cache import KVCache, num_blocks_for_budget
+from pagellm.worker.kv_cache import KVCache, device_memory_bytes, num_blocks_for_budget
 from pagellm.worker.model_runner import ModelRunner
 from pagellm.worker.sampler import BadWords, SamplingMetadata, TokenLogprobs, make_generator
 from pagellm.worker.thread_tuner import ThreadTuner
@@ -231,6 +231,8 @@ class LLMEngine:
             logger.warning("the tokenizer has %d tokens, the model's vocabulary %d: a prompt "
                            "holding one past it is refused", len(self.tokenizer),
                            self.model_config.vocab_size)
+        # What gpu_memory_utilization's pool is sized against: the engine's own use.
+        free_at_start = device_memory_bytes(self.device)[0]
         try:
             self.model = load_model(
                 model_path, dtype=self.dtype, device=self.device,
@@ -247,7 +249,7 @@ class LLMEngine:
         num_blocks = num_blocks_for_budget(
             self.model_config, config.block_size, self.kv_cache_dtype, self.device,
             config.kv_cache_memory_bytes, config.kv_cache_memory_fraction,
-            config.num_gpu_blocks_override, config.gpu_memory_utilization)
+            config.num_gpu_blocks_override, config.gpu_memory_utilization, free_at_start)
         # What sized the pool, for the messages that ask for another size.
         if config.num_gpu_blocks_override:
             pool_option = "num_gpu_blocks_override (--num-gpu-blocks-override)"
@@ -535,7 +537,7 @@ class LLMEngine:
         """Whether an unfinished request (a beam search, or one of its steps, or one
         sample "id#k" of a request with n > 1) has this id."""
         return (request_id in self._groups or request_id in self._beams
-                or request_id in self.scheduler.requests)
+                or request_id in self._core_to_group)
 
     def _check_allowed_token_ids(self, params: SamplingParams,
                                  bad_words: BadWords | None) -> None:
@@ -971,7 +973,8 @@ class LLMEngine:
                               self.max_model_len / self.config.block_size)),
                           "enable_prefix_caching": str(self.config.enable_prefix_caching),
                           "prefix_caching_hash_algo": self.config.prefix_caching_hash_algo,
-                          "cache_dtype": self.config.kv_cache_dtype},
+                          "cache_dtype": self.config.kv_cache_dtype,
+                          "gpu_memory_utilization": str(self.config.gpu_memory_utilization)},
         )
 
     def get_metrics(self) -> list[Metric]:

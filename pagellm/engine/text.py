@@ -59,10 +59,8 @@ def encode_text(tokenizer: Any, text: str, name: str, add_special_tokens: bool,
                 f"the {name} text is {len(text)} characters long (more than {limit}, the most "
                 f"that {max_model_len - 1} tokens of at most {chars} characters spell, "
                 f"leaving one token to generate). Please shorten it.")
-    try:
-        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
-    except (TypeError, UnicodeError) as error:
-        raise ValueError(f"{name} is not valid Unicode text (lone surrogate?)") from error
+    check_unicode(text, name)
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 def bad_words_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:

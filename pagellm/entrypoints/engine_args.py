@@ -152,7 +152,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "included; the KV pool is what the loaded model leaves of it")
     group.add_argument("--num-gpu-blocks-override", type=int,
                        default=_DEFAULTS["num_gpu_blocks_override"], metavar="N",
-                       help="KV pool of exactly N blocks, in place of either size above "
+                       help="KV pool of exactly N blocks, in place of the sizes above "
                             "(vLLM's name; on the CPU too)")
     group.add_argument("--kv-cache-dtype", default=_DEFAULTS["kv_cache_dtype"],
                        choices=KV_CACHE_DTYPES,

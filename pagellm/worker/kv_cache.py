@@ -33,13 +33,13 @@ def device_memory_bytes(device: torch.device) -> tuple[int, int]:
             total if limit is None else min(total, limit))
 
 
-def used_memory_bytes(device: torch.device) -> int:
-    """Memory already taken before the pool: on the CPU this process's (the model's
-    weights, torch, Python); on a GPU all of it in use, other processes' too, so that a
-    pool sized from it fits whoever shares the card."""
+def used_memory_bytes(device: torch.device, free_at_start: int) -> int:
+    """Memory this engine holds before its pool, as vLLM counts its own: on the CPU the
+    process's resident memory (the model's weights, torch, Python); on a GPU what the
+    card lost since the engine began (`free_at_start`: the weights, the CUDA context's
+    growth), not other processes' memory."""
     if device.type == "cuda":
-        free, total = device_memory_bytes(device)
-        return total - free
+        return max(0, free_at_start - device_memory_bytes(device)[0])
     return int(psutil.Process().memory_info().rss)
 
 
@@ -52,12 +52,15 @@ def num_blocks_for_budget(
     memory_fraction: float | None = None,
     num_blocks_override: int | None = None,
     memory_utilization: float | None = None,
+    free_at_start: int | None = None,
 ) -> int:
     """How many blocks the pool has: `num_blocks_override` if given (vLLM's
     num_gpu_blocks_override: a pool sized in tokens, whatever its element type), else
     what fits in explicit bytes, else in what `memory_utilization` (vLLM's
     gpu_memory_utilization: this engine's share of all the device's memory, the model
-    included) leaves once the model is loaded, else in a fraction of free memory."""
+    included) leaves once the model is loaded, else in a fraction of free memory.
+    `free_at_start`: the device's free memory before the model was loaded (now, if
+    not given)."""
     element_size = torch.empty((), dtype=dtype).element_size()
     bytes_per_block = model_config.kv_cache_bytes_per_block(element_size) * block_size
     if num_blocks_override is not None:
@@ -66,7 +69,9 @@ def num_blocks_for_budget(
                     f"override) needs {num_blocks_override * bytes_per_block / 2**30:.1f} GiB")
         return num_blocks_override
     if kv_cache_memory_bytes is None and memory_utilization is not None:
-        budget = _utilization_budget(memory_utilization, device, bytes_per_block)
+        budget = _utilization_budget(
+            memory_utilization, device, bytes_per_block,
+            device_memory_bytes(device)[0] if free_at_start is None else free_at_start)
     elif kv_cache_memory_bytes is None:
         fraction = DEFAULT_MEMORY_FRACTION if memory_fraction is None else memory_fraction
         budget = int(device_memory_bytes(device)[0] * fraction)
@@ -85,17 +90,23 @@ def num_blocks_for_budget(
     return int(num_blocks)
 
 
-def _utilization_budget(utilization: float, device: torch.device, bytes_per_block: int) -> int:
+def _utilization_budget(utilization: float, device: torch.device, bytes_per_block: int,
+                        free_at_start: int) -> int:
     """The pool vLLM's gpu_memory_utilization gives: the engine's share of the device
-    less what is already used; refused by name when that holds no block or is more than
-    is free."""
-    total, used = device_memory_bytes(device)[1], used_memory_bytes(device)
+    less what the engine already holds. Refused by name, as vLLM refuses them, where the
+    share was more than was free when the engine began, or holds no block past the
+    model."""
+    total = device_memory_bytes(device)[1]
     share = int(total * utilization)
     what = (f"gpu_memory_utilization={utilization} (--gpu-memory-utilization) gives this "
             f"engine {share / 2**30:.1f} GiB of the {total / 2**30:.1f} GiB on {device}")
+    if share > free_at_start:
+        raise ValueError(f"{what}, more than the {free_at_start / 2**30:.1f} GiB free when "
+                         "it began: give a smaller share, or free memory")
+    used = used_memory_bytes(device, free_at_start)
     if share - used < bytes_per_block:
-        raise ValueError(f"{what}, and {used / 2**30:.1f} GiB of it is already used (the "
-                         "model, torch): no room for a KV block; give a larger fraction")
+        raise ValueError(f"{what}, and the model and torch already take {used / 2**30:.1f} "
+                         "GiB of it: no room for a KV block; give a larger share")
     _check_free(share - used, device, f"{what}: a {(share - used) / 2**30:.1f} GiB KV pool")
     return share - used
 
@@ -125,11 +136,12 @@ class KVCache:
         try:
             self.tensors = model.allocate_kv_caches(num_blocks + int(padding_block),
                                                     block_size, dtype)
-        except RuntimeError as error:  # torch's CPU allocator; CUDA's is OutOfMemoryError
-            if "can't allocate memory" not in str(error):
+        except RuntimeError as error:  # CUDA's OutOfMemoryError is one too
+            if ("can't allocate memory" not in str(error)
+                    and not isinstance(error, torch.OutOfMemoryError)):
                 raise
-            # Past an address-space limit (ulimit -v) torch's allocation fails: one line.
-            detail = str(error).rpartition("DefaultCPUAllocator: ")[2]
+            # Past an address-space limit (ulimit -v), or the card's memory: one line.
+            detail = str(error).rpartition("DefaultCPUAllocator: ")[2].split("\n")[0]
             raise ValueError(f"cannot allocate the KV cache ({num_blocks} blocks): "
                              f"{detail}; give a smaller {size_option}") from None
         total = sum(t.numel() * t.element_size() for t in self.tensors)

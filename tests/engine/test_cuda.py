@@ -137,13 +137,11 @@ def test_decode_graphs_replay_every_batch_shape(tiny: Path, reference: Any) -> N
 
 
 def test_gpu_memory_utilization_sizes_the_pool_from_the_whole_card(tiny: Path) -> None:
-    """vLLM's meaning: the engine's share of the card, less what is in use on it once the
-    model is loaded; checked against the card's own figures."""
-    free, total = torch.cuda.mem_get_info()
-    share = 0.05 + (total - free) / total  # room for a pool of about 5% of the card
-    llm = LLM(str(tiny), device="cuda", skip_tokenizer_init=True,
-              gpu_memory_utilization=share)
+    """vLLM's meaning: the engine's share of the card, less what the engine took of it
+    (a tiny model: little), whatever else the card holds."""
+    _free, total = torch.cuda.mem_get_info()
+    llm = LLM(str(tiny), device="cuda", skip_tokenizer_init=True, gpu_memory_utilization=0.05)
     pool = sum(t.numel() * t.element_size() for t in llm.llm_engine.kv_cache.tensors)
-    assert 0.02 * total < pool <= 0.051 * total, (pool, total)  # + the padding block
+    assert 0.03 * total < pool <= 0.051 * total, (pool, total)  # + the padding block
     prompts = _prompts(5)
     assert len(_generate(llm, prompts, _greedy(4))) == len(prompts)

@@ -239,13 +239,31 @@ def test_an_id_its_samples_would_take_refuses_the_request_and_changes_nothing(
     engine.add_request("a#1", prompt, _greedy(4))
     with pytest.raises(ValueError, match="request id 'a#1' is already in use"):
         engine.add_request("a", prompt, two)
-    engine.add_request("b", prompt, two)
+    engine.add_request("b", prompt, SamplingParams(n=2, temperature=0, max_tokens=4,
+                                                   ignore_eos=True, seed=0))
     with pytest.raises(ValueError, match="request id 'b#0' is already in use"):
         engine.add_request("b#0", prompt, _greedy(4))
     outputs = [o for _ in iter(engine.has_unfinished_requests, False) for o in engine.step()
                if o.finished]
     assert sorted((o.request_id, len(o.outputs)) for o in outputs) == [("a#1", 1), ("b", 2)]
     assert all(len(c.token_ids) == 4 for o in outputs for c in o.outputs)
+    # A sample that has finished keeps its id while the rest of its group runs: the seed
+    # (sample k draws with seed + k) where c#0 stops at its first token and c#1 does not.
+    for seed in range(40):
+        engine.add_request("c", prompt, SamplingParams(n=2, temperature=1, max_tokens=8,
+                                                       seed=seed,
+                                                       stop_token_ids=list(range(192))))
+        engine.step()
+        if "c#0" not in engine.scheduler.requests and "c#1" in engine.scheduler.requests:
+            break
+        engine.abort_request("c")
+    else:
+        pytest.fail("no seed stopped one sample alone")
+    with pytest.raises(ValueError, match="request id 'c#0' is already in use"):
+        engine.add_request("c#0", prompt, _greedy(4))
+    finished = [o for _ in iter(engine.has_unfinished_requests, False) for o in engine.step()
+                if o.finished]
+    assert [(o.request_id, len(o.outputs)) for o in finished] == [("c", 2)]
     assert_idle(engine)
 
 
@@ -415,6 +433,7 @@ def test_the_engine_records_every_request_it_ends(tiny_models: dict[str, Path]) 
     info = metrics[("vllm:cache_config_info", None)]
     assert info.labels["block_size"] == str(engine.config.block_size)
     assert info.labels["enable_prefix_caching"] == "True"
+    assert info.labels["gpu_memory_utilization"] == "None"  # the pool was sized in bytes
     blocks = engine.get_stats().num_blocks
     assert info.labels["kv_cache_size_tokens"] == str(blocks * engine.config.block_size)
     assert latencies.num_preemptions.count == 4 and latencies.num_preemptions.sum == 0

@@ -236,7 +236,7 @@ def test_output_config_format_is_structured_output(claude: anthropic.Anthropic) 
      "tool_choice needs tools"),
     ({"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": [
         {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]},
-     "messages[1] ends with tool_use blocks"),
+     "the assistant turn at messages[1] ends the conversation with tool_use blocks"),
     ({"messages": [{"role": "user", "content": "A person"},
                    {"role": "assistant", "content": '{"name": "'}],
       "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}},

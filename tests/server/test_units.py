@@ -608,19 +608,27 @@ def test_anthropic_blocks_become_the_chat_turns_vllm_makes() -> None:
      "messages[0].content[0].tool_use_id 'a' answers no tool_use block before it"),
     ([("user", "Weather?"), ("assistant", [_USE_A]),
       ("user", [{"type": "tool_result", "tool_use_id": "b", "content": "Sunny"}])],
-     "messages[2].content[0].tool_use_id 'b' answers no tool_use block in messages[1]"),
+     "messages[2].content[0].tool_use_id 'b' answers no tool_use block in the assistant turn "
+     "at messages[1]"),
     ([("user", "Weather?"), ("assistant", [_USE_A, _USE_A])],
-     "messages[1].content[1].id 'a' is the id of an earlier tool_use block of messages[1]"),
+     "messages[1].content[1].id 'a' is the id of an earlier tool_use block of the assistant "
+     "turn at messages[1]"),
     ([("user", "Weather?"), ("assistant", [_USE_A]), ("user", "Well?")],
-     "messages[1] has tool_use blocks with no tool_result block in the user message after "
-     "it: 'a'"),
+     "the assistant turn at messages[1] has tool_use blocks with no tool_result block in the "
+     "user turn after it: 'a'"),
     ([("user", "Weather?"), ("assistant", [_USE_A]), ("assistant", "It is sunny.")],
-     "messages[1] has tool_use blocks with no tool_result"),
+     "the assistant turn at messages[1] ends the conversation with tool_use blocks"),
+    ([("user", "Weather?"), ("assistant", [_USE_A]), ("assistant", [{**_USE_A, "id": "b"}]),
+      ("user", [_RESULT_A]), ("assistant", "Sunny.")],
+     "the assistant turn at messages[1] has tool_use blocks with no tool_result block in the "
+     "user turn after it: 'b'"),
     ([("user", "Weather?"), ("assistant", [_USE_A]), ("user", [_RESULT_A]),
       ("assistant", "Sunny."), ("user", [_RESULT_A])],
-     "messages[4].content[0].tool_use_id 'a' answers no tool_use block in messages[3]"),
+     "messages[4].content[0].tool_use_id 'a' answers no tool_use block in the assistant turn "
+     "at messages[3]"),
     ([("user", "Weather?"), ("assistant", [_USE_A]), ("user", [_RESULT_A, _RESULT_A])],
-     "'a' answers no tool_use block in messages[1] (or one answered already)"),
+     "'a' answers no tool_use block in the assistant turn at messages[1] (or one answered "
+     "already)"),
 ])
 def test_anthropic_tool_results_pair_with_the_calls_before_them(
         messages: list[tuple[str, Any]], error: str) -> None:
@@ -632,15 +640,18 @@ def test_anthropic_tool_results_pair_with_the_calls_before_them(
     assert error in refused.value.message
 
 
-def test_anthropic_tool_results_may_span_the_user_messages_after_the_call() -> None:
-    """Consecutive user messages are one turn to Anthropic: results may be split."""
+def test_anthropic_tool_calls_and_results_may_span_consecutive_messages() -> None:
+    """Consecutive messages of one role are one turn to Anthropic: calls may be split
+    over assistant messages and their results over user messages."""
     use_b = {**_USE_A, "id": "b"}
     conversation = messages_conversation(None, [
         AnthropicMessage(role="user", content="Weather?"),
-        AnthropicMessage(role="assistant", content=[_USE_A, use_b]),
+        AnthropicMessage(role="assistant", content=[_USE_A]),
+        AnthropicMessage(role="assistant", content=[{"type": "text", "text": "And"}, use_b]),
         AnthropicMessage(role="user", content=[_RESULT_A]),
         AnthropicMessage(role="user", content=[{**_RESULT_A, "tool_use_id": "b"}])])
-    assert [m["role"] for m in conversation.messages] == ["user", "assistant", "tool", "tool"]
+    assert [m["role"] for m in conversation.messages] == [
+        "user", "assistant", "assistant", "tool", "tool"]
 
 
 def test_the_reasoning_parser_splits_as_vllm_and_streams_only_growing_parts() -> None:

@@ -105,50 +105,56 @@ def _system_message(system: Any) -> list[dict[str, Any]]:
 
 class _ToolUses:
     """Anthropic's pairing of tool calls with their results: each tool_use block of an
-    assistant message is answered by one tool_result block in the user message(s) after
-    it, and a tool_result answers a tool_use of the assistant message before it.
-    Anthropic's API refuses a conversation that breaks this, and so do we: a template
-    would render a result for a call the model never made, or a call left unanswered."""
+    assistant turn is answered by one tool_result block in the user turn after it, and a
+    tool_result answers a tool_use of the assistant turn before it (consecutive messages
+    of one role are one turn to Anthropic). Anthropic's API refuses a conversation that
+    breaks this, and so do we: a template would render a result for a call the model
+    never made, or a call left unanswered."""
 
     def __init__(self) -> None:
         self.waiting: list[str] = []
-        self.asked_in = ""
-        self.followed = False
+        self.asked_in = ""  # the first message of the last assistant turn
+        self.followed = True  # whether a user turn came after it
 
     def begin(self, role: str, where: str) -> None:
-        """Before each message: an assistant's turn may not begin while the calls of the
+        """Before each message: an assistant turn may not begin while the calls of the
         one before it are unanswered."""
-        if role == "assistant":
+        if role != "assistant":
+            self.followed = True
+        elif self.followed:
             if self.waiting:
                 self._unanswered()
             self.asked_in, self.followed = where, False
-        else:
-            self.followed = True
 
     def ask(self, call_id: str, at: str) -> None:
         if call_id in self.waiting:
             raise bad_request(f"{at}.id {call_id!r} is the id of an earlier tool_use block "
-                              f"of {self.asked_in}; tool_use ids must be unique",
-                              param=f"{at}.id")
+                              f"of the assistant turn at {self.asked_in}; tool_use ids must "
+                              "be unique", param=f"{at}.id")
         self.waiting.append(call_id)
 
     def answer(self, call_id: str, at: str) -> None:
         if call_id not in self.waiting:
-            asked = f"in {self.asked_in}" if self.asked_in else "before it"
+            asked = f"in the assistant turn at {self.asked_in}" if self.asked_in else "before it"
             raise bad_request(f"{at}.tool_use_id {call_id!r} answers no tool_use block "
                               f"{asked} (or one answered already)", param=f"{at}.tool_use_id")
         self.waiting.remove(call_id)
 
     def end(self) -> None:
-        """After the last message: calls a user message came after must have been
-        answered (a conversation ending on the calls is the prefill's 400)."""
+        """After the last message: every call answered, and no conversation ending on
+        calls (it waits for their results: a 400, as in Anthropic's API)."""
         if self.waiting and self.followed:
             self._unanswered()
+        if self.waiting:
+            raise bad_request(f"the assistant turn at {self.asked_in} ends the conversation "
+                              "with tool_use blocks, which need a user message with their "
+                              "tool_result blocks after them", param=self.asked_in)
 
     def _unanswered(self) -> None:
         ids = ", ".join(repr(call_id) for call_id in self.waiting)
-        raise bad_request(f"{self.asked_in} has tool_use blocks with no tool_result block "
-                          f"in the user message after it: {ids}", param=self.asked_in)
+        raise bad_request(f"the assistant turn at {self.asked_in} has tool_use blocks with no "
+                          f"tool_result block in the user turn after it: {ids}",
+                          param=self.asked_in)
 
 
 def conversation_of(system: Any, messages: list[Any]) -> Conversation:
@@ -209,15 +215,11 @@ def conversation_of(system: Any, messages: list[Any]) -> Conversation:
 
 def _prefill(conversation: Conversation) -> dict[str, Any]:
     """A last assistant message of text is Anthropic's prefill: the answer continues it
-    (chat's continue_final_message), and holds only the new text. A last assistant
-    message with tool_use blocks waits for their results: a 400, as in Anthropic's API."""
+    (chat's continue_final_message), and holds only the new text. (One ending on
+    tool_use blocks is refused by conversation_of.)"""
     last = conversation.messages[-1] if conversation.messages else {}
     if last.get("role") != "assistant":
         return {}
-    if "tool_calls" in last:
-        where = conversation.origins[-1]
-        raise bad_request(f"{where} ends with tool_use blocks, which need a user message "
-                          "with their tool_result blocks after them", param=where)
     return {"add_generation_prompt": False, "continue_final_message": True}
 
 
