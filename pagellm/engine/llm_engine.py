@@ -666,7 +666,7 @@ class LLMEngine:
         try:
             # First: a sibling forked last step and not scheduled in this one must get
             # its copied block even if the rest of this step fails.
-            self.kv_cache.copy_blocks([(c.src, c.dst) for c in scheduled.block_copies])
+            self.runner.copy_blocks([(c.src, c.dst) for c in scheduled.block_copies])
             sampling = None
             if rows:
                 groups = [self._core_to_group[r.request_id] for r in rows]

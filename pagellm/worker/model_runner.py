@@ -71,6 +71,14 @@ class ModelRunner:
         return threads
 
     @torch.inference_mode()
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """A step's copy-on-write copies (src -> dst), counted in its input preparation;
+        run before anything else of the step, which may fail (see LLMEngine.step)."""
+        start = time.perf_counter()
+        self.kv_cache.copy_blocks(pairs)
+        self.timings.prepare += time.perf_counter() - start
+
+    @torch.inference_mode()
     def execute(
         self,
         chunks: list[SequenceChunk],
