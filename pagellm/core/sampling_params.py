@@ -234,11 +234,12 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs.json is nested more than "
                                  f"{MAX_SCHEMA_NESTING} levels deep")
             object.__setattr__(self, "json", copy.deepcopy(self.json))
-        for name in ("regex", "grammar"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"structured_outputs.{name} must be a non-empty string, "
-                                 f"got {value!r}")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ValueError(f"structured_outputs.regex must be a string (\"\" matches "
+                             f"only the empty answer), got {self.regex!r}")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
+            raise ValueError("structured_outputs.grammar must be a non-empty string, "
+                             f"got {self.grammar!r}")
         if self.choice is not None:
             if (not isinstance(self.choice, (list, tuple)) or not self.choice
                     or not all(isinstance(item, str) for item in self.choice)):

@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -38,44 +39,87 @@ def add_parser(subparsers: Any) -> None:
                     "\"POST\", \"url\", \"body\"}, url one of " + ", ".join(URLS) + ") as "
                     "the server would, writing one result line per request in input order "
                     "(vLLM's `vllm run-batch`).")
-    parser.add_argument("-i", "--input-file", type=Path, required=True, metavar="FILE",
-                        help="the batch file (JSONL)")
-    parser.add_argument("-o", "--output-file", type=Path, required=True, metavar="FILE",
-                        help="where the results go (JSONL)")
+    parser.add_argument("-i", "--input-file", required=True, metavar="FILE",
+                        help="the batch file (JSONL): a path, or an http(s) URL to GET")
+    parser.add_argument("-o", "--output-file", required=True, metavar="FILE",
+                        help="where the results go (JSONL): a path, or an http(s) URL to "
+                             "PUT them to")
     serve.add_answer_args(parser.add_argument_group("answer options"))
     add_chat_template_arg(parser)
     add_engine_args(parser)
 
 
+def is_url(place: str) -> bool:
+    """Whether an input or output file is a web address (vLLM's run-batch takes them)."""
+    return place.startswith(("http://", "https://"))
+
+
 def check_args(args: argparse.Namespace) -> None:
-    """Options that can be checked before the engine loads; ValueError names the problem."""
-    if not args.input_file.exists():
-        raise ValueError(f"--input-file {args.input_file}: no such file")
-    if args.input_file.is_dir():
-        raise ValueError(f"--input-file {args.input_file}: is a directory, not a batch file")
-    if not writable(args.output_file):
+    """Options that can be checked before the engine loads; ValueError names the problem.
+    An input URL is fetched here, so that one that fails does so before the model loads."""
+    if is_url(args.input_file):
+        args.input_data = _download(args.input_file)
+    else:
+        source = Path(args.input_file)
+        if not source.exists():
+            raise ValueError(f"--input-file {source}: no such file")
+        if source.is_dir():
+            raise ValueError(f"--input-file {source}: is a directory, not a batch file")
+    if not is_url(args.output_file) and not writable(Path(args.output_file)):
         raise ValueError(f"--output-file {args.output_file}: cannot write there (is "
-                         f"{args.output_file.parent} a writable folder?)")
+                         f"{Path(args.output_file).parent} a writable folder?)")
     serve.check_parser_args(args)
 
 
-def read_requests(path: Path) -> list[dict[str, Any]]:
-    """The file's requests, blank lines skipped; a line that is not one keeps its
+def _download(url: str) -> bytes:
+    import httpx
+
+    try:
+        reply = httpx.get(url, follow_redirects=True, timeout=300)
+    except httpx.HTTPError as error:
+        raise ValueError(f"--input-file {url}: cannot fetch it: {error}") from None
+    if reply.status_code != 200:
+        raise ValueError(f"--input-file {url}: GET answered {reply.status_code}")
+    return reply.content
+
+
+def _upload(url: str, data: bytes, attempts: int = 5, delay: float = 5.0) -> str | None:
+    """PUTs the results, retrying as vLLM does (a large upload may time out); the
+    last failure's description, or None once one succeeded."""
+    import httpx
+
+    failure = None
+    for attempt in range(1, attempts + 1):
+        try:
+            reply = httpx.put(url, content=data, timeout=1000)
+            if 200 <= reply.status_code < 300:
+                return None
+            failure = f"PUT answered {reply.status_code}: {reply.text[:200]}"
+        except httpx.HTTPError as error:
+            failure = str(error) or type(error).__name__
+        if attempt < attempts:
+            print(f"uploading the results to {url} failed ({failure}); retrying in "
+                  f"{delay:g} s", file=sys.stderr)
+            time.sleep(delay)
+    return failure
+
+
+def read_requests(data: bytes) -> list[dict[str, Any]]:
+    """The batch file's requests, blank lines skipped; a line that is not one keeps its
     problem under "error" (and its custom_id where it has one), so the others still run."""
     requests = []
     seen: set[str] = set()
-    with path.open("rb") as lines:
-        for number, raw in enumerate(lines, 1):
-            if not raw.strip():
-                continue
-            request = _request(number, raw)
-            if "error" not in request:
-                if request["custom_id"] in seen:
-                    # Its result could not be matched to it (OpenAI's rule).
-                    request["error"] = (f"line {number}: custom_id {request['custom_id']!r} "
-                                        "is used by an earlier line; each request needs its own")
-                seen.add(request["custom_id"])
-            requests.append(request)
+    for number, raw in enumerate(data.splitlines(), 1):
+        if not raw.strip():
+            continue
+        request = _request(number, raw)
+        if "error" not in request:
+            if request["custom_id"] in seen:
+                # Its result could not be matched to it (OpenAI's rule).
+                request["error"] = (f"line {number}: custom_id {request['custom_id']!r} "
+                                    "is used by an earlier line; each request needs its own")
+            seen.add(request["custom_id"])
+        requests.append(request)
     return requests
 
 
@@ -199,7 +243,8 @@ def run(args: argparse.Namespace, engine: AsyncLLMEngine) -> int:
     results: list[dict[str, Any] | None] = []
     interrupted = False
     try:
-        requests = read_requests(args.input_file)
+        data = getattr(args, "input_data", None)
+        requests = read_requests(Path(args.input_file).read_bytes() if data is None else data)
         results = [None] * len(requests)
         asyncio.run(answer_all(engine, args, requests, results))
     except KeyboardInterrupt:
@@ -209,15 +254,21 @@ def run(args: argparse.Namespace, engine: AsyncLLMEngine) -> int:
     lines = [line if line is not None else result_line(request, 503, _error_body(
                  "not answered: the run was interrupted", "server_error"))
              for request, line in zip(requests, results, strict=True)]
-    with args.output_file.open("w", encoding="utf-8") as out:
-        for line in lines:
-            out.write(_jsonl(line))
+    text = "".join(_jsonl(line) for line in lines)
+    failure = _upload(args.output_file, text.encode()) if is_url(args.output_file) else None
+    if failure is not None:
+        kept = Path(tempfile.mkstemp(prefix="pagellm-batch-", suffix=".jsonl")[1])
+        kept.write_text(text, encoding="utf-8")
+        print(f"error: uploading the results to {args.output_file} failed ({failure}); "
+              f"they are in {kept}", file=sys.stderr)
+    elif not is_url(args.output_file):
+        Path(args.output_file).write_text(text, encoding="utf-8")
     answered = [line for line in lines if line["error"] is None]
     print_summary(len(lines), len(lines) - len(answered), _usage_totals(answered),
                   time.perf_counter() - started, "requests")
     if interrupted:
         return 130
-    return 0 if len(answered) == len(lines) else 1
+    return 0 if len(answered) == len(lines) and failure is None else 1
 
 
 if __name__ == "__main__":

@@ -435,6 +435,21 @@ def test_after_the_format_only_eos_follows(default_llm: Any) -> None:
     assert_idle(llm.llm_engine)
 
 
+def test_an_empty_regex_allows_only_the_empty_answer(default_llm: Any) -> None:
+    """As vLLM's guidance backend takes it (and choice=[""]): EOS at once."""
+    llm = default_llm
+    prompt = _prompt(llm, "Say something.")
+    for fmt in (StructuredOutputsParams(regex=""), StructuredOutputsParams(choice=[""])):
+        (output,) = llm.generate(prompt, _greedy(fmt, 8), use_tqdm=False)
+        completion = output.outputs[0]
+        assert completion.text == "" and completion.finish_reason == "stop"
+        assert len(completion.token_ids) == 1
+        assert completion.token_ids[0] in llm.llm_engine.eos_token_ids
+    with pytest.raises(ValueError, match="grammar must be a non-empty string"):
+        StructuredOutputsParams(grammar="")
+    assert_idle(llm.llm_engine)
+
+
 def test_a_failed_matcher_ends_its_request_with_an_error(default_llm: Any) -> None:
     """A grammar past llguidance's parser limits (20,001 alternatives in one rule)
     compiles but fails after its first token: the completion ends with finish_reason
