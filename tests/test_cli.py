@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import http.server
 import inspect
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -288,6 +290,56 @@ def test_generate_jsonl_shows_cached_tokens_for_a_repeated_system_prompt(tmp_pat
     assert "not JSON" in records[1]["error"]
     assert all(r["cached_tokens"] >= 32 for r in (records[2], records[3])), records
     assert "from the prefix cache" in result.stderr
+
+
+class _BatchFiles(http.server.BaseHTTPRequestHandler):
+    """A web server holding batch files, as a bucket's presigned URLs do: GET reads
+    one, PUT stores one (under /fail, refused)."""
+
+    files: dict[str, bytes] = {}
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        data = self.files.get(self.path)
+        self.send_response(200 if data is not None else 404)
+        self.end_headers()
+        self.wfile.write(data or b"")
+
+    def do_PUT(self) -> None:  # noqa: N802
+        data = self.rfile.read(int(self.headers["Content-Length"]))
+        if self.path != "/fail":
+            self.files[self.path] = data
+        self.send_response(201 if self.path != "/fail" else 500)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_run_batch_reads_and_writes_urls_as_vllm_does() -> None:
+    """vLLM's run-batch takes an http(s) URL for either file (GET the input, PUT the
+    results); a URL that cannot be read fails before the model loads."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _BatchFiles)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        _BatchFiles.files["/in.jsonl"] = json.dumps({
+            "custom_id": "q", "method": "POST", "url": "/v1/completions",
+            "body": {"prompt": "The capital of France is", "max_tokens": 3}}).encode()
+        result = run_cli("run-batch", "-i", f"{base}/in.jsonl", "-o", f"{base}/out.jsonl",
+                         *SMALL_ENGINE)
+        assert result.returncode == 0, result.stderr
+        (line,) = _BatchFiles.files["/out.jsonl"].decode().splitlines()
+        assert json.loads(line)["response"]["body"]["choices"][0]["text"]
+        missing = run_cli("run-batch", "-i", f"{base}/nope.jsonl", "-o", "/tmp/o.jsonl")
+        assert missing.returncode == 2
+        assert f"--input-file {base}/nope.jsonl: GET answered 404" in missing.stderr
+        assert "loading" not in missing.stderr.lower()
+        from pagellm.entrypoints.run_batch import _upload
+
+        assert _upload(f"{base}/fail", b"x", attempts=2, delay=0).startswith("PUT answered 500")
+        assert _upload(f"{base}/kept", b"x", attempts=1) is None
+    finally:
+        server.shutdown()
 
 
 def test_run_batch_answers_each_line_as_the_server_would(tmp_path: Path) -> None:
