@@ -21,18 +21,21 @@ import asyncio
 import concurrent.futures
 import contextlib
 import copy
+import copyreg
+import dataclasses
 import functools
 import logging
 import queue
 import threading
 import time
+import uuid
 import weakref
 from collections.abc import AsyncGenerator, Callable, Coroutine, Generator, Iterable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from pagellm.core.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
-from pagellm.engine.config import EngineConfig, refuse_lora
+from pagellm.engine.config import EngineConfig, GenerateOnly, refuse_lora
 from pagellm.engine.generation_config import GenerationDefaults
 from pagellm.engine.kv_events import KVEventHub
 from pagellm.engine.llm_engine import EngineStats, LLMEngine, PromptInput
@@ -63,6 +66,8 @@ class RequestStream:
 
     def __init__(self, owner: _EngineLoop, request_id: str, stream: _OutputStream,
                  kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
+        """`request_id` is the engine's; the outputs carry the caller's (they differ
+        where the caller gave an id already running, see _EngineLoop.add_request)."""
         self._owner = owner
         self.request_id = request_id
         self._stream = stream
@@ -87,6 +92,8 @@ class RequestStream:
                 raise RequestFailedError(output.error)
             shaped = self._shaper(output)
             if shaped is not None:
+                if shaped.request_id != self._stream.caller_id:
+                    shaped = dataclasses.replace(shaped, request_id=self._stream.caller_id)
                 return shaped
         raise StopAsyncIteration
 
@@ -134,6 +141,7 @@ class _OutputStream:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
+        self.caller_id = ""  # the request id the caller gave (or the engine picked)
         self._latest: RequestOutput | BaseException | None = None
         self._ready = asyncio.Event()
 
@@ -171,6 +179,50 @@ class _Pending:
                 self.future.set_result(value)
 
         _post(self.loop, settle)
+
+
+_AWAITABLE_CLASSES: dict[type, type] = {}
+# What the default pickling of an object names to make it again from its class.
+_NEWOBJ = vars(copyreg)["__newobj__"]
+
+
+def _rebuilt(cls: Any, state: Any) -> Any:
+    """An object of `cls` from its pickled state (what pickle itself does for a
+    `__newobj__` reduction)."""
+    rebuilt = cls.__new__(cls)
+    if state is not None:
+        setstate = getattr(rebuilt, "__setstate__", None)
+        if setstate is not None:
+            setstate(state)
+        else:
+            rebuilt.__dict__.update(state)
+    return rebuilt
+
+
+def awaitable_tokenizer(tokenizer: Any) -> Any:
+    """`tokenizer` itself, made awaitable (to itself) by a subclass of its own class, so
+    that `await engine.get_tokenizer()` (older vLLM's coroutine) and
+    `engine.get_tokenizer().encode(...)` (vLLM 0.32's method) both work, and isinstance
+    checks still pass. It pickles and copies as its own class."""
+    if tokenizer is None:
+        return None
+    base = type(tokenizer)
+    if base not in _AWAITABLE_CLASSES:
+        def __await__(self: Any) -> Generator[None, None, Any]:
+            return self
+            yield  # a generator that finishes at once, with the tokenizer
+
+        def __reduce_ex__(self: Any, protocol: Any) -> Any:
+            reduced = cast(Any, base).__reduce_ex__(self, protocol)
+            if isinstance(reduced, tuple) and reduced[0] is _NEWOBJ:
+                return (_rebuilt, (base, reduced[2] if len(reduced) > 2 else None))
+            return reduced
+
+        _AWAITABLE_CLASSES[base] = type(base.__name__, (base,), {
+            "__await__": __await__, "__reduce_ex__": __reduce_ex__,
+            "__module__": base.__module__, "__qualname__": base.__qualname__})
+    tokenizer.__class__ = _AWAITABLE_CLASSES[base]
+    return tokenizer
 
 
 def _post(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
@@ -268,9 +320,16 @@ class _EngineLoop:
         chosen: list[str] = []  # the id as the engine took it (None: one it picked)
 
         def add() -> str:
+            # An id already running is taken again, as vLLM takes it: the engine runs
+            # this one under an id of its own, its outputs carry the caller's, and an
+            # abort by the caller's id ends both.
+            engine_id = request_id
+            while engine_id is not None and self.engine.has_request(str(engine_id)):
+                engine_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
             chosen.append(self.engine.add_request(
-                request_id, prompt, sampling_params, arrival_time=arrival, priority=priority,
+                engine_id, prompt, sampling_params, arrival_time=arrival, priority=priority,
                 cache_salt=cache_salt))
+            stream.caller_id = chosen[0] if request_id is None else str(request_id)
             self._streams[chosen[0]] = stream
             return chosen[0]
 
@@ -298,8 +357,15 @@ class _EngineLoop:
                             f"{request_id!r}")
         if self.is_running:
             for one in ids:
-                self._submit(functools.partial(self._abort_now, str(one)))
+                self._submit(functools.partial(self._abort_caller, str(one)))
         return _Done()
+
+    def _abort_caller(self, caller_id: str) -> None:
+        """On the engine thread: every running request the caller gave this id."""
+        engine_ids = [engine_id for engine_id, stream in self._streams.items()
+                      if stream.caller_id == caller_id]
+        for engine_id in engine_ids or [caller_id]:
+            self._abort_now(engine_id)
 
     def abort_stream(self, request_id: str, stream: _OutputStream) -> None:
         """Aborts the request `stream` reads, if it is still the one under its id."""
@@ -373,7 +439,7 @@ class _EngineLoop:
             # Hugging Face fast tokenizers are not safe to share between threads
             # (concurrent use fails with "Already borrowed"), and this thread detokenizes
             # on every step: callers on the event loop get their own copy.
-            self.tokenizer = copy.deepcopy(self.engine.tokenizer)
+            self.tokenizer = awaitable_tokenizer(copy.deepcopy(self.engine.tokenizer))
         except BaseException as error:  # noqa: BLE001 - the constructor re-raises it
             self._dead = error
             report(error)
@@ -460,7 +526,7 @@ class _EngineLoop:
             self._execute(command)
 
 
-class AsyncLLMEngine:
+class AsyncLLMEngine(GenerateOnly):
     """Runs an `LLMEngine` in a background thread and streams its outputs to coroutines.
 
     `add_request` returns a `RequestStream`, an async iterator of `RequestOutput`s
@@ -578,9 +644,10 @@ class AsyncLLMEngine:
         """
         return self._loop.abort(request_id)
 
-    async def get_tokenizer(self) -> Any:
-        """vLLM's coroutine; the tokenizer is also the `tokenizer` attribute (a copy for
-        the event loop's thread)."""
+    def get_tokenizer(self) -> Any:
+        """vLLM's: the `tokenizer` attribute (a copy for the event loop's thread). A plain
+        method in vLLM 0.32 and a coroutine in older vLLM: the tokenizer may be awaited
+        too (see awaitable_tokenizer), so code written for either runs."""
         return self._loop.tokenizer
 
     async def check_health(self) -> None:

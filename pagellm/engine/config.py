@@ -10,7 +10,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, get_args
+from typing import TYPE_CHECKING, Any, NoReturn, get_args
 
 from pagellm.cache_dir import resolve_cache_dir
 from pagellm.core.block_hash import HashAlgorithm
@@ -109,6 +109,26 @@ def refuse_lora(lora_request: object) -> None:
     """vLLM's `lora_request` argument, there for code that passes None through."""
     if lora_request is not None:
         raise ValueError(f"lora_request must be None: {_NO_LORA}")
+
+
+class GenerateOnly:
+    """vLLM's pooling calls, refused by name (a ValueError as the call is made, whether
+    it would be awaited or iterated): the models here only generate text."""
+
+    def encode(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise ValueError(f"encode is vLLM's pooling API: {_GENERATE_ONLY}")
+
+    def embed(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise ValueError(f"embed is vLLM's pooling API: {_GENERATE_ONLY}")
+
+    def classify(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise ValueError(f"classify is vLLM's pooling API: {_GENERATE_ONLY}")
+
+    def score(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise ValueError(f"score is vLLM's pooling API: {_GENERATE_ONLY}")
+
+    def reward(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise ValueError(f"reward is vLLM's pooling API: {_GENERATE_ONLY}")
 
 
 def vllm_only_hints(names: list[str], spell: Callable[[str], str] = str) -> list[str]:

@@ -23,6 +23,7 @@ from pagellm.engine.chat_template import (
 )
 from pagellm.engine.config import (
     EngineConfig,
+    GenerateOnly,
     engine_config_kwargs,
     refuse_lora,
 )
@@ -79,7 +80,7 @@ def _one_call_at_a_time(method: Callable[Concatenate[LLM, _P], _R]
     return serialized
 
 
-class LLM:
+class LLM(GenerateOnly):
     """Runs batches of prompts to completion on one engine.
 
     `LLM()` loads the default model (SmolLM2-135M-Instruct). Keyword arguments are those

@@ -21,6 +21,7 @@ from pagellm import (
     AsyncLLMEngine,
     EngineArgs,
     LLMEngine,
+    RequestOutput,
     RequestOutputKind,
     SamplingParams,
 )
@@ -245,7 +246,9 @@ def test_async_generate_streams_deltas_and_aborts_when_left() -> None:
         assert len(deltas[-1].outputs[0].token_ids) < 400
         with pytest.raises(TypeError, match="abort takes a request id"):
             engine.abort(None)  # type: ignore[arg-type]
-        assert (await engine.get_tokenizer()) is engine.tokenizer
+        # vLLM 0.32's plain method and older vLLM's coroutine, both.
+        assert (await engine.get_tokenizer()) is engine.get_tokenizer() is engine.tokenizer
+        assert engine.get_tokenizer().encode("hello world")
         await engine.check_health()
         assert not engine.errored
         return whole, pieces
@@ -261,6 +264,43 @@ def test_async_generate_streams_deltas_and_aborts_when_left() -> None:
     finally:
         engine.shutdown()
     assert_idle(engine.engine)
+
+
+def test_async_requests_may_share_an_id_as_in_vllm(tiny: Any) -> None:
+    """vLLM 0.32 runs a request whose id is already running (each answered under that
+    id; an abort by it ends both); pooling calls are refused by name."""
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(
+        model=str(tiny), skip_tokenizer_init=True, kv_cache_memory_bytes=4 << 20))
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+    async def last(params: SamplingParams) -> RequestOutput:
+        outputs = [output async for output in engine.generate(prompt, params, "same")]
+        return outputs[-1]
+
+    async def scenario() -> None:
+        first, second = await asyncio.gather(last(greedy), last(greedy))
+        assert first.request_id == second.request_id == "same"
+        assert first.outputs[0].token_ids == second.outputs[0].token_ids
+        long = greedy.clone(max_tokens=400)
+        tasks = [asyncio.create_task(last(long)) for _ in range(2)]
+        for _ in range(1000):
+            if engine.engine.get_stats().num_running == 2:
+                break
+            await asyncio.sleep(0.01)
+        await engine.abort("same")
+        for ended in await asyncio.gather(*tasks):
+            assert ended.request_id == "same" and ended.outputs[0].finish_reason == "abort"
+
+    try:
+        asyncio.run(scenario())
+        for call in (engine.encode, engine.embed, LLM.score):
+            with pytest.raises(ValueError, match="is vLLM's pooling API: models are run to "
+                                                 "generate text only"):
+                call(prompt)  # type: ignore[operator]
+    finally:
+        engine.shutdown()
+    assert not engine.engine.has_unfinished_requests()
 
 
 def test_skip_reading_prefix_cache_computes_the_prompt_whole(engine: LLMEngine) -> None:
