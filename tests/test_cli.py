@@ -317,7 +317,10 @@ class _BatchFiles(http.server.BaseHTTPRequestHandler):
 
 def test_run_batch_reads_and_writes_urls_as_vllm_does() -> None:
     """vLLM's run-batch takes an http(s) URL for either file (GET the input, PUT the
-    results); a URL that cannot be read fails before the model loads."""
+    results); a URL that cannot be read, or is not one, fails before the model loads,
+    naming it without its query (a presigned URL's signature)."""
+    from pagellm.entrypoints.run_batch import _upload
+
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _BatchFiles)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     base = f"http://127.0.0.1:{server.server_address[1]}"
@@ -330,16 +333,48 @@ def test_run_batch_reads_and_writes_urls_as_vllm_does() -> None:
         assert result.returncode == 0, result.stderr
         (line,) = _BatchFiles.files["/out.jsonl"].decode().splitlines()
         assert json.loads(line)["response"]["body"]["choices"][0]["text"]
-        missing = run_cli("run-batch", "-i", f"{base}/nope.jsonl", "-o", "/tmp/o.jsonl")
-        assert missing.returncode == 2
-        assert f"--input-file {base}/nope.jsonl: GET answered 404" in missing.stderr
-        assert "loading" not in missing.stderr.lower()
-        from pagellm.entrypoints.run_batch import _upload
-
-        assert _upload(f"{base}/fail", b"x", attempts=2, delay=0).startswith("PUT answered 500")
+        for argv, message in (
+                (["-i", f"{base}/nope.jsonl?X-Signature=secret", "-o", "/tmp/o.jsonl"],
+                 f"--input-file {base}/nope.jsonl?...: GET answered 404"),
+                (["-i", f"{base}/in.jsonl", "-o", "http://[::1/out"],
+                 "--output-file http://[::1/out: not a valid URL"),
+                (["-i", "http://[::1/in", "-o", "/tmp/o.jsonl"],
+                 "--input-file http://[::1/in: not a valid URL")):
+            refused = run_cli("run-batch", *argv)
+            assert refused.returncode == 2 and message in refused.stderr, refused.stderr
+            assert "secret" not in refused.stderr
+        failed = _upload(f"{base}/fail", b"x", attempts=2, delay=0)
+        assert failed is not None and failed.startswith("PUT answered 500")
         assert _upload(f"{base}/kept", b"x", attempts=1) is None
     finally:
         server.shutdown()
+
+
+def test_run_batch_keeps_results_it_could_not_upload(monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Every try failed (or was interrupted): the results are in a local file, named."""
+    from pagellm.entrypoints import run_batch
+
+    monkeypatch.setattr(run_batch, "_upload", lambda url, data: "PUT answered 403")
+    assert run_batch._write_results("https://bucket/out.jsonl?sig=s", "{}\n") == \
+        "PUT answered 403"
+    error = capsys.readouterr().err
+    assert "uploading the results to https://bucket/out.jsonl?... failed" in error
+    kept = Path(error.rsplit("they are in ", 1)[1].strip())
+    assert kept.read_text() == "{}\n"
+    kept.unlink()
+
+    def interrupted(url: str, data: bytes) -> str | None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_batch, "_upload", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_batch._write_results("https://bucket/out.jsonl", "{}\n")
+    error = capsys.readouterr().err
+    assert "failed (interrupted)" in error
+    kept = Path(error.rsplit("they are in ", 1)[1].strip())
+    assert kept.read_text() == "{}\n"
+    kept.unlink()
 
 
 def test_run_batch_answers_each_line_as_the_server_would(tmp_path: Path) -> None:

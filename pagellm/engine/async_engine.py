@@ -181,47 +181,51 @@ class _Pending:
         _post(self.loop, settle)
 
 
+def _ids_taken(request_id: str, n: int) -> list[str]:
+    """The ids a request takes in the engine: its own, and its samples' with n > 1."""
+    return [request_id, *(f"{request_id}#{index}" for index in range(n if n > 1 else 0))]
+
+
 _AWAITABLE_CLASSES: dict[type, type] = {}
 # What the default pickling of an object names to make it again from its class.
 _NEWOBJ = vars(copyreg)["__newobj__"]
 
 
-def _rebuilt(cls: Any, state: Any) -> Any:
-    """An object of `cls` from its pickled state (what pickle itself does for a
-    `__newobj__` reduction)."""
-    rebuilt = cls.__new__(cls)
-    if state is not None:
-        setstate = getattr(rebuilt, "__setstate__", None)
-        if setstate is not None:
-            setstate(state)
-        else:
-            rebuilt.__dict__.update(state)
-    return rebuilt
+def _new_object(cls: Any, *args: Any) -> Any:
+    """What pickle's own `copyreg.__newobj__` does, under another name: pickle refuses
+    that one for a class other than the object's own."""
+    return cls.__new__(cls, *args)
 
 
 def awaitable_tokenizer(tokenizer: Any) -> Any:
     """`tokenizer` itself, made awaitable (to itself) by a subclass of its own class, so
     that `await engine.get_tokenizer()` (older vLLM's coroutine) and
     `engine.get_tokenizer().encode(...)` (vLLM 0.32's method) both work, and isinstance
-    checks still pass. It pickles and copies as its own class."""
+    checks still pass. It pickles and copies as its own class. One whose class cannot
+    be extended so (slots, a native type) is returned as it is, not awaitable."""
     if tokenizer is None:
         return None
     base = type(tokenizer)
-    if base not in _AWAITABLE_CLASSES:
-        def __await__(self: Any) -> Generator[None, None, Any]:
-            return self
-            yield  # a generator that finishes at once, with the tokenizer
+    try:
+        if base not in _AWAITABLE_CLASSES:
+            def __await__(self: Any) -> Generator[None, None, Any]:
+                return self
+                yield  # a generator that finishes at once, with the tokenizer
 
-        def __reduce_ex__(self: Any, protocol: Any) -> Any:
-            reduced = cast(Any, base).__reduce_ex__(self, protocol)
-            if isinstance(reduced, tuple) and reduced[0] is _NEWOBJ:
-                return (_rebuilt, (base, reduced[2] if len(reduced) > 2 else None))
-            return reduced
+            def __reduce_ex__(self: Any, protocol: Any) -> Any:
+                reduced = cast(Any, base).__reduce_ex__(self, protocol)
+                if isinstance(reduced, tuple) and reduced[0] is _NEWOBJ:
+                    plain = len(reduced[1]) == 1 and cast(Any, base).__new__ is object.__new__
+                    maker = object.__new__ if plain else _new_object
+                    return (maker, (base, *reduced[1][1:]), *reduced[2:])
+                return reduced
 
-        _AWAITABLE_CLASSES[base] = type(base.__name__, (base,), {
-            "__await__": __await__, "__reduce_ex__": __reduce_ex__,
-            "__module__": base.__module__, "__qualname__": base.__qualname__})
-    tokenizer.__class__ = _AWAITABLE_CLASSES[base]
+            _AWAITABLE_CLASSES[base] = type(base.__name__, (base,), {
+                "__await__": __await__, "__reduce_ex__": __reduce_ex__,
+                "__module__": base.__module__, "__qualname__": base.__qualname__})
+        tokenizer.__class__ = _AWAITABLE_CLASSES[base]
+    except TypeError:
+        pass
     return tokenizer
 
 
@@ -324,7 +328,9 @@ class _EngineLoop:
             # this one under an id of its own, its outputs carry the caller's, and an
             # abort by the caller's id ends both.
             engine_id = request_id
-            while engine_id is not None and self.engine.has_request(str(engine_id)):
+            while engine_id is not None and any(
+                    self.engine.has_request(taken) for taken in _ids_taken(
+                        str(engine_id), getattr(sampling_params, "n", 1))):
                 engine_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
             chosen.append(self.engine.add_request(
                 engine_id, prompt, sampling_params, arrival_time=arrival, priority=priority,
@@ -647,7 +653,11 @@ class AsyncLLMEngine(GenerateOnly):
     def get_tokenizer(self) -> Any:
         """vLLM's: the `tokenizer` attribute (a copy for the event loop's thread). A plain
         method in vLLM 0.32 and a coroutine in older vLLM: the tokenizer may be awaited
-        too (see awaitable_tokenizer), so code written for either runs."""
+        too (see awaitable_tokenizer), so code written for either runs. Without one
+        (skip_tokenizer_init) a ValueError, as in vLLM."""
+        if self._loop.tokenizer is None:
+            raise ValueError("there is no tokenizer: the engine was built with "
+                             "skip_tokenizer_init")
         return self._loop.tokenizer
 
     async def check_health(self) -> None:

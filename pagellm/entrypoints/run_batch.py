@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import tempfile
 import time
@@ -56,8 +57,16 @@ def is_url(place: str) -> bool:
 
 def check_args(args: argparse.Namespace) -> None:
     """Options that can be checked before the engine loads; ValueError names the problem.
-    An input URL is fetched here, so that one that fails does so before the model loads."""
+    An input URL is fetched here, last, so that one that fails does so before the model
+    loads (and a bad option before a long download)."""
+    if is_url(args.output_file):
+        _check_url(args.output_file, "--output-file")
+    elif not writable(Path(args.output_file)):
+        raise ValueError(f"--output-file {args.output_file}: cannot write there (is "
+                         f"{Path(args.output_file).parent} a writable folder?)")
+    serve.check_parser_args(args)
     if is_url(args.input_file):
+        _check_url(args.input_file, "--input-file")
         args.input_data = _download(args.input_file)
     else:
         source = Path(args.input_file)
@@ -65,10 +74,21 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--input-file {source}: no such file")
         if source.is_dir():
             raise ValueError(f"--input-file {source}: is a directory, not a batch file")
-    if not is_url(args.output_file) and not writable(Path(args.output_file)):
-        raise ValueError(f"--output-file {args.output_file}: cannot write there (is "
-                         f"{Path(args.output_file).parent} a writable folder?)")
-    serve.check_parser_args(args)
+
+
+def _shown(url: str) -> str:
+    """A URL as messages show it: without its query, which for a presigned URL is the
+    signature that grants access."""
+    return url.split("?", 1)[0] + ("?..." if "?" in url else "")
+
+
+def _check_url(url: str, option: str) -> None:
+    import httpx
+
+    try:
+        httpx.URL(url)
+    except httpx.InvalidURL as error:
+        raise ValueError(f"{option} {_shown(url)}: not a valid URL: {error}") from None
 
 
 def _download(url: str) -> bytes:
@@ -76,30 +96,30 @@ def _download(url: str) -> bytes:
 
     try:
         reply = httpx.get(url, follow_redirects=True, timeout=300)
-    except httpx.HTTPError as error:
-        raise ValueError(f"--input-file {url}: cannot fetch it: {error}") from None
+    except (httpx.HTTPError, httpx.InvalidURL) as error:
+        raise ValueError(f"--input-file {_shown(url)}: cannot fetch it: {error}") from None
     if reply.status_code != 200:
-        raise ValueError(f"--input-file {url}: GET answered {reply.status_code}")
+        raise ValueError(f"--input-file {_shown(url)}: GET answered {reply.status_code}")
     return reply.content
 
 
 def _upload(url: str, data: bytes, attempts: int = 5, delay: float = 5.0) -> str | None:
-    """PUTs the results, retrying as vLLM does (a large upload may time out); the
-    last failure's description, or None once one succeeded."""
+    """PUTs the results, in `attempts` tries `delay` s apart as vLLM makes them (a large
+    upload may time out); the last failure's description, or None once one succeeded."""
     import httpx
 
     failure = None
     for attempt in range(1, attempts + 1):
         try:
-            reply = httpx.put(url, content=data, timeout=1000)
+            reply = httpx.put(url, content=data, timeout=1000, follow_redirects=True)
             if 200 <= reply.status_code < 300:
                 return None
             failure = f"PUT answered {reply.status_code}: {reply.text[:200]}"
-        except httpx.HTTPError as error:
+        except (httpx.HTTPError, httpx.InvalidURL) as error:
             failure = str(error) or type(error).__name__
         if attempt < attempts:
-            print(f"uploading the results to {url} failed ({failure}); retrying in "
-                  f"{delay:g} s", file=sys.stderr)
+            print(f"uploading the results to {_shown(url)} failed ({failure}); retrying "
+                  f"in {delay:g} s", file=sys.stderr)
             time.sleep(delay)
     return failure
 
@@ -109,7 +129,7 @@ def read_requests(data: bytes) -> list[dict[str, Any]]:
     problem under "error" (and its custom_id where it has one), so the others still run."""
     requests = []
     seen: set[str] = set()
-    for number, raw in enumerate(data.splitlines(), 1):
+    for number, raw in enumerate(data.split(b"\n"), 1):
         if not raw.strip():
             continue
         request = _request(number, raw)
@@ -254,21 +274,35 @@ def run(args: argparse.Namespace, engine: AsyncLLMEngine) -> int:
     lines = [line if line is not None else result_line(request, 503, _error_body(
                  "not answered: the run was interrupted", "server_error"))
              for request, line in zip(requests, results, strict=True)]
-    text = "".join(_jsonl(line) for line in lines)
-    failure = _upload(args.output_file, text.encode()) if is_url(args.output_file) else None
-    if failure is not None:
-        kept = Path(tempfile.mkstemp(prefix="pagellm-batch-", suffix=".jsonl")[1])
-        kept.write_text(text, encoding="utf-8")
-        print(f"error: uploading the results to {args.output_file} failed ({failure}); "
-              f"they are in {kept}", file=sys.stderr)
-    elif not is_url(args.output_file):
-        Path(args.output_file).write_text(text, encoding="utf-8")
+    failure = _write_results(args.output_file, "".join(_jsonl(line) for line in lines))
     answered = [line for line in lines if line["error"] is None]
     print_summary(len(lines), len(lines) - len(answered), _usage_totals(answered),
                   time.perf_counter() - started, "requests")
     if interrupted:
         return 130
     return 0 if len(answered) == len(lines) and failure is None else 1
+
+
+def _write_results(place: str, text: str) -> str | None:
+    """Writes the results to a file, or PUTs them to a URL; why the upload failed, if
+    it did. The upload's results wait in a local file meanwhile, removed once sent and
+    named if every try fails or the upload is interrupted, so that none is lost."""
+    if not is_url(place):
+        Path(place).write_text(text, encoding="utf-8")
+        return None
+    handle, name = tempfile.mkstemp(prefix="pagellm-batch-", suffix=".jsonl")
+    with os.fdopen(handle, "w", encoding="utf-8") as kept:
+        kept.write(text)
+    failure: str | None = "interrupted"
+    try:
+        failure = _upload(place, text.encode())
+    finally:
+        if failure is None:
+            os.unlink(name)
+        else:
+            print(f"error: uploading the results to {_shown(place)} failed ({failure}); "
+                  f"they are in {name}", file=sys.stderr)
+    return failure
 
 
 if __name__ == "__main__":

@@ -92,7 +92,7 @@ BAD_VALUES = [
     ("bad_words", [""]), ("bad_words", "  "), ("bad_words", ["ok", None]), ("bad_words", 3),
     ("bad_words", ["w"] * 1025),
     ("structured_outputs", "json"), ("structured_outputs", {}),
-    ("structured_outputs", {"regex": ""}), ("structured_outputs", {"choice": "a"}),
+    ("structured_outputs", {"regex": 5}), ("structured_outputs", {"choice": "a"}),
     ("structured_outputs", {"choice": [1]}), ("structured_outputs", {"json": 3}),
     ("structured_outputs", {"json_object": False}),
     ("structured_outputs", {"regex": "a", "choice": ["a"]}),

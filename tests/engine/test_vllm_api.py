@@ -285,15 +285,31 @@ def test_async_requests_may_share_an_id_as_in_vllm(tiny: Any) -> None:
         long = greedy.clone(max_tokens=400)
         tasks = [asyncio.create_task(last(long)) for _ in range(2)]
         for _ in range(1000):
-            if engine.engine.get_stats().num_running == 2:
+            if engine.stats().num_running == 2:
                 break
             await asyncio.sleep(0.01)
         await engine.abort("same")
         for ended in await asyncio.gather(*tasks):
             assert ended.request_id == "same" and ended.outputs[0].finish_reason == "abort"
+        # Leaving one twin's stream ends that one only.
+        left = await engine.add_request("twin", prompt, long)
+        kept = await engine.add_request("twin", prompt, greedy)
+        left.abort()
+        outputs = [output async for output in kept]
+        assert outputs[-1].request_id == "twin" and outputs[-1].outputs[0].finish_reason
+        assert outputs[-1].outputs[0].finish_reason != "abort"
+        # n > 1 names its samples "id#k": an id a caller's request holds that way too.
+        await engine.add_request("n#1", prompt, long)
+        answers = [output async for output in engine.generate(
+            prompt, greedy.clone(n=2), "n")]
+        assert answers[-1].request_id == "n" and len(answers[-1].outputs) == 2
+        await engine.abort("n#1")
 
     try:
         asyncio.run(scenario())
+        with pytest.raises(ValueError, match="there is no tokenizer: the engine was built "
+                                             "with skip_tokenizer_init"):
+            engine.get_tokenizer()
         for call in (engine.encode, engine.embed, LLM.score):
             with pytest.raises(ValueError, match="is vLLM's pooling API: models are run to "
                                                  "generate text only"):
