@@ -340,7 +340,9 @@ class _EngineLoop:
             return chosen[0]
 
         def abort_added() -> None:
-            if chosen:
+            # Only this request: one that finished meanwhile may have left its id to
+            # another caller's.
+            if chosen and self._streams.get(chosen[0]) is stream:
                 self._abort_now(chosen[0])
 
         try:
