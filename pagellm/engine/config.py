@@ -189,6 +189,13 @@ def _is_positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
+def _check_share(name: str, value: Any, most: float) -> None:
+    """A share of memory: None (unset), or a number in (0, most]."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not 0 < value <= most):
+        raise ValueError(f"{name} must be in (0, {most:g}], got {value!r}")
+
+
 @dataclass
 class EngineConfig:
     """Everything `LLM(...)`, `LLMEngine` and the CLI accept, with vLLM's names.
@@ -197,8 +204,9 @@ class EngineConfig:
     The KV pool is `kv_cache_memory_bytes` if given, else what `gpu_memory_utilization`
     leaves (vLLM's, on the CPU too, as in vLLM 0.32's CPU build: the share of all the
     device's memory this engine may take, the model included; the pool is that share
-    less the memory in use once the model is loaded: this process's on the CPU,
-    everyone's on a GPU), else `kv_cache_memory_fraction` of the memory free at start-up
+    less what the engine holds once the model is loaded: this process's resident memory
+    on the CPU, what the card lost since the engine began on a GPU), else
+    `kv_cache_memory_fraction` of the memory free at start-up
     (capped at 1 GiB when none is given).
     `num_gpu_blocks_override` (vLLM's name, on the CPU too): the pool's size in blocks,
     whatever its element type, in place of either budget (for tests and benchmarks that
@@ -360,18 +368,8 @@ class EngineConfig:
                 self.kv_cache_memory_bytes):
             raise ValueError("kv_cache_memory_bytes must be a positive integer (bytes), got "
                              f"{self.kv_cache_memory_bytes!r}")
-        if self.kv_cache_memory_fraction is not None and (
-                isinstance(self.kv_cache_memory_fraction, bool)
-                or not isinstance(self.kv_cache_memory_fraction, (int, float))
-                or not 0 < self.kv_cache_memory_fraction <= 0.95):
-            raise ValueError("kv_cache_memory_fraction must be in (0, 0.95], "
-                             f"got {self.kv_cache_memory_fraction}")
-        if self.gpu_memory_utilization is not None and (
-                isinstance(self.gpu_memory_utilization, bool)
-                or not isinstance(self.gpu_memory_utilization, (int, float))
-                or not 0 < self.gpu_memory_utilization <= 1):
-            raise ValueError("gpu_memory_utilization must be in (0, 1], "
-                             f"got {self.gpu_memory_utilization!r}")
+        _check_share("kv_cache_memory_fraction", self.kv_cache_memory_fraction, 0.95)
+        _check_share("gpu_memory_utilization", self.gpu_memory_utilization, 1)
         if self.gpu_memory_utilization is not None and self.kv_cache_memory_fraction is not None:
             raise ValueError("give gpu_memory_utilization (a share of all the device's memory) "
                              "or kv_cache_memory_fraction (a share of the memory free), not both")

@@ -96,7 +96,7 @@ def _download(url: str) -> bytes:
 
     try:
         reply = httpx.get(url, follow_redirects=True, timeout=300)
-    except (httpx.HTTPError, httpx.InvalidURL) as error:
+    except httpx.HTTPError as error:  # a malformed URL was refused by _check_url
         raise ValueError(f"--input-file {_shown(url)}: cannot fetch it: {error}") from None
     if reply.status_code != 200:
         raise ValueError(f"--input-file {_shown(url)}: GET answered {reply.status_code}")
