@@ -788,12 +788,13 @@ class LLMEngine:
     def _process(self, updated: list[Request]) -> list[RequestOutput]:
         now = time.monotonic()
         changed: dict[str, _Group] = {}
+        generated = prompts_computed = 0
         for request in updated:
             group = self._core_to_group.get(request.request_id)
             if group is None:
                 continue
             sample = group.by_core_id[request.request_id]
-            self._generation_tokens += 1
+            generated += 1
             if not self._beams.owns(group.request_id):  # a search records its own
                 if sample.last_token_time is None:
                     self.latencies.first_token(now - group.metrics.arrival_time)
@@ -805,8 +806,13 @@ class LLMEngine:
                 # Counted once the prompt is computed, as vLLM counts it: a stats line's
                 # prompt throughput is then prefill done, not prompts queued.
                 self._prompt_tokens += len(group.prompt_token_ids)
+                prompts_computed += (len(group.prompt_token_ids)
+                                     - max(group.samples[0].request.num_cached_tokens, 0))
             self._detokenize(sample)
             changed[group.request_id] = group
+        self._generation_tokens += generated
+        if generated:
+            self.latencies.output_step(prompts_computed, generated)
         outputs = []
         for group in changed.values():
             group.metrics.last_token_time = now

@@ -86,6 +86,14 @@ HELP = {
     "pagellm_cache_config_info": "The KV cache's configuration, in the labels.",
 }
 
+# The HELP of a vLLM series that counts otherwise than its PageLLM twin (see _vllm_series).
+VLLM_HELP = {
+    "vllm:iteration_tokens_total": "Tokens of each engine step that produced output, as "
+                                   "vLLM counts them: the prompt tokens computed for the "
+                                   "requests whose first token it produced, and the "
+                                   "tokens it generated.",
+}
+
 # The series vLLM has too, again under its names (same meaning, same model_name label),
 # so dashboards, alerts and autoscalers written against vLLM's read them.
 VLLM_NAMES = {
@@ -256,6 +264,8 @@ class RequestLatencies:
                                                 PREEMPTION_BUCKETS)
         self.iteration_tokens = LatencyHistogram("pagellm_iteration_tokens",
                                                  STEP_TOKEN_BUCKETS)
+        self.output_iteration_tokens = LatencyHistogram("vllm:iteration_tokens_total",
+                                                        STEP_TOKEN_BUCKETS)
         # Completions by how they ended: "stop", "length", "abort" or "error".
         self.requests_finished: dict[str, int] = {}
 
@@ -280,6 +290,14 @@ class RequestLatencies:
     def step(self, num_tokens: int) -> None:
         """An engine step that computed `num_tokens` tokens."""
         self.iteration_tokens.observe(num_tokens)
+
+    def output_step(self, prompt_tokens: int, generated_tokens: int) -> None:
+        """An engine step that produced output, counted as vLLM's iteration_tokens counts
+        it: the prompt tokens computed for the requests it gave a first token (less their
+        cached ones), and the tokens it generated. So a prompt computed again after a
+        preemption, or a prompt chunk that produced no token, is not counted, where
+        `step` counts the work each step did."""
+        self.output_iteration_tokens.observe(prompt_tokens + generated_tokens)
 
     def ended(self, end: RequestEnd) -> None:
         """A request that ended: counted by finish reason, and if completed its times
@@ -320,7 +338,8 @@ class RequestLatencies:
     def copy(self) -> RequestLatencies:
         """A snapshot for other threads to read while the engine goes on."""
         copy = RequestLatencies(self.max_model_len)
-        for mine, theirs in zip(self.histograms, copy.histograms, strict=True):
+        for mine, theirs in zip((*self.histograms, self.output_iteration_tokens),
+                                (*copy.histograms, copy.output_iteration_tokens), strict=True):
             theirs.counts, theirs.sum = list(mine.counts), mine.sum
         copy.requests_finished = dict(self.requests_finished)
         return copy
@@ -351,18 +370,23 @@ def metrics_snapshot(stats: EngineStats, model_name: str) -> list[Metric]:
         *(histogram.snapshot(labels) for histogram in latencies.histograms),
         Gauge("pagellm_cache_config_info", {**labels, **stats.cache_config}, 1.0),
     ]
-    return [_copy(metric, metric.name) for metric in metrics] + _vllm_series(metrics)
+    counted_as_vllm: dict[str, Metric] = {
+        "pagellm_iteration_tokens": latencies.output_iteration_tokens.snapshot(labels)}
+    return ([_copy(metric, metric.name) for metric in metrics]
+            + _vllm_series(metrics, counted_as_vllm))
 
 
-def _vllm_series(metrics: list[Metric]) -> list[Metric]:
+def _vllm_series(metrics: list[Metric], counted_as_vllm: dict[str, Metric]) -> list[Metric]:
     """The series vLLM has, under its names and with its `engine` label (one engine,
-    index 0). Its request_success counts no client aborts (every PageLLM abort comes from
-    outside the engine: a client that left, an abort by id, a shutdown) and has vLLM's
-    fifth reason, "repetition", which PageLLM never ends a request with."""
+    index 0). Where vLLM counts otherwise, `counted_as_vllm` holds the series counted its
+    way, by the PageLLM name it stands for. Its request_success counts no client aborts
+    (every PageLLM abort comes from outside the engine: a client that left, an abort by
+    id, a shutdown) and has vLLM's fifth reason, "repetition", which PageLLM never ends a
+    request with."""
     series: list[Metric] = []
     for metric in metrics:
         if metric.name in VLLM_NAMES:
-            copy = _copy(metric, VLLM_NAMES[metric.name])
+            copy = _copy(counted_as_vllm.get(metric.name, metric), VLLM_NAMES[metric.name])
             copy.labels["engine"] = "0"
             if isinstance(copy, Counter) and copy.labels.get("finished_reason") == FINISHED_ABORT:
                 copy.value = 0

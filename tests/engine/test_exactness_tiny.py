@@ -177,6 +177,11 @@ def test_preemption_and_resume(caching: bool, tiny_models: dict[str, Path],
     # preemption too: prompt minus cached (what it reported) left them out.
     first_pass = sum(len(p) for p in prompts) - sum(o.num_cached_tokens for o in outputs)
     assert stats.prompt_tokens_computed > first_pass
+    # vLLM's iteration_tokens leaves the recomputation out too (a prompt's tokens count
+    # once, when its first token is out); PageLLM's own series counts every step's work.
+    latencies = stats.latencies
+    assert latencies.output_iteration_tokens.sum == first_pass + 24 * len(prompts)
+    assert latencies.iteration_tokens.sum > latencies.output_iteration_tokens.sum
 
 
 def test_same_prompt_twice_in_one_batch(tiny_models: dict[str, Path],

@@ -128,6 +128,7 @@ def test_finish_reasons_are_counted_per_completion() -> None:
     latencies.ended(RequestEnd(RequestMetrics(arrival_time=1.0),
                                [CompletionEnd("abort", 0)] * 3, 9, None, completed=False))
     latencies.step(64)
+    latencies.output_step(40, 2)  # vLLM's count: its series, not PageLLM's
     assert latencies.requests_finished == {"stop": 2, "length": 1, "abort": 4}
     assert latencies.e2e_request_latency.count == 2
     assert latencies.e2e_request_latency.sum == 0.75 + 1.0
@@ -169,7 +170,9 @@ def test_finish_reasons_are_counted_per_completion() -> None:
                  "request_params_max_tokens", "request_num_preemptions",
                  "iteration_tokens_total"):
         assert f"# TYPE vllm:{name} histogram" in text
-    assert 'vllm:iteration_tokens_total_sum{model_name="m",engine="0"} 64.0' in text
+    assert 'pagellm_iteration_tokens_sum{model_name="m"} 64.0' in text
+    assert 'vllm:iteration_tokens_total_sum{model_name="m",engine="0"} 42.0' in text
+    assert "# HELP vllm:iteration_tokens_total Tokens of each engine step that produced" in text
 
 
 def test_request_log_lines(caplog: pytest.LogCaptureFixture) -> None:
@@ -279,15 +282,21 @@ def test_max_tokens_default_fills_the_context_and_a_larger_one_is_cut() -> None:
 def test_stats_line_only_while_busy() -> None:
     idle = stats()
     assert describe(idle, idle, 5.0) is None
+    # 100 prompt tokens, 75 of them from the cache: the prompt throughput is the 25
+    # computed, as vLLM's line counts it.
     busy = stats(num_running=2, generation_tokens=50, prompt_tokens=100,
-                 prefix_cache_queries=100, prefix_cache_hits=75, kv_cache_usage=0.25,
-                 prefix_cache_hit_rate=0.75)
+                 prompt_tokens_computed=25, prefix_cache_queries=100, prefix_cache_hits=75,
+                 kv_cache_usage=0.25, prefix_cache_hit_rate=0.75)
     line = describe(idle, busy, 5.0)
     assert line is not None
-    assert "generation throughput 10.0 tok/s" in line
-    assert "running 2, waiting 0" in line
+    assert "prompt throughput 5.0 tok/s, generation throughput 10.0 tok/s" in line
+    assert "running 2, waiting 0 |" in line  # no preemptions, none shown
     assert "KV cache usage 25.0%" in line
     assert "prefix cache hit rate 75.0%" in line
+    # Preemptions are the interval's, as vLLM logs them, not the total since start.
+    later = dataclasses.replace(busy, num_preemptions=3)
+    assert "preempted 3 |" in (describe(busy, later, 5.0) or "")
+    assert "preempted" not in (describe(later, later, 5.0) or "")
 
 
 def test_chat_logprob_bytes_are_the_tokens_own_bytes() -> None:

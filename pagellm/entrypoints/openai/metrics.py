@@ -16,6 +16,7 @@ from pagellm.engine.async_engine import AsyncLLMEngine
 from pagellm.engine.metrics import (
     FINISHED_ABORT,
     HELP,
+    VLLM_HELP,
     VLLM_NAMES,
     Counter,
     Gauge,
@@ -91,14 +92,15 @@ def prometheus_text(metrics: Sequence[Metric]) -> str:
     """The metrics in Prometheus' text format: each family (the records sharing a name,
     which come together) under its HELP and TYPE lines, a counter's with `_total`."""
     vllm_names = {vllm: ours for ours, vllm in VLLM_NAMES.items()}
-    help_texts = {**HELP, **HTTP_HELP}
+    help_texts = {**HELP, **HTTP_HELP, **VLLM_HELP}
     lines: list[str] = []
     for index, metric in enumerate(metrics):
         name = metric.name + "_total" if isinstance(metric, Counter) else metric.name
         if index == 0 or metrics[index - 1].name != metric.name:
             kind = ("histogram" if isinstance(metric, Histogram)
                     else "counter" if isinstance(metric, Counter) else "gauge")
-            lines += [f"# HELP {name} {help_texts[vllm_names.get(metric.name, metric.name)]}",
+            meaning = help_texts.get(metric.name) or help_texts[vllm_names[metric.name]]
+            lines += [f"# HELP {name} {meaning}",
                       f"# TYPE {name} {kind}"]
         lines += _samples(metric, name)
     return "\n".join(lines) + "\n"

@@ -22,21 +22,25 @@ def _rate(part: int, whole: int) -> float:
 
 
 def describe(previous: EngineStats, current: EngineStats, seconds: float) -> str | None:
-    """The log line for one interval, or None if nothing happened in it."""
-    prompt = current.prompt_tokens - previous.prompt_tokens
+    """The log line for one interval, or None if nothing happened in it. Its prompt
+    throughput is prompt tokens computed, as vLLM's line counts them: tokens served from
+    the prefix cache cost no work, so counting them would hide how busy prefill is.
+    Preemptions are the interval's, shown only where there were any (as in vLLM)."""
+    prompt = current.prompt_tokens_computed - previous.prompt_tokens_computed
     generated = current.generation_tokens - previous.generation_tokens
     if not (prompt or generated or current.num_running or current.num_waiting):
         return None
     queries = current.prefix_cache_queries - previous.prefix_cache_queries
     hits = current.prefix_cache_hits - previous.prefix_cache_hits
+    preempted = current.num_preemptions - previous.num_preemptions
     return (
         f"prompt throughput {prompt / seconds:.1f} tok/s, "
         f"generation throughput {generated / seconds:.1f} tok/s | "
-        f"running {current.num_running}, waiting {current.num_waiting} | "
+        f"running {current.num_running}, waiting {current.num_waiting}"
+        + (f", preempted {preempted}" if preempted else "") + " | "
         f"KV cache usage {100.0 * current.kv_cache_usage:.1f}% | "
         f"prefix cache hit rate {_rate(hits, queries):.1f}% "
-        f"(since start {100.0 * current.prefix_cache_hit_rate:.1f}%) | "
-        f"preemptions {current.num_preemptions}"
+        f"(since start {100.0 * current.prefix_cache_hit_rate:.1f}%)"
     )
 
 
