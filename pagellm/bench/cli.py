@@ -23,6 +23,7 @@ from pagellm.bench.suite import (
     CONTENDERS,
     BenchOptions,
     build_report,
+    check_something_runs,
     check_workload_fits,
     run_comparison,
 )
@@ -209,17 +210,18 @@ def run_bench(args: argparse.Namespace) -> int:
               "both", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    modes = ("offline", "online") if args.mode == "both" else (args.mode,)
     try:
-        check_output_dir(args.output_dir)
         options = options_from_args(args)
+        check_something_runs(options, modes)
         tokenizer = load_tokenizer(options.model_dir)
         workload = build_workload(args.workload, tokenizer, seed=args.seed,
                                   **{k: getattr(args, k) for k in _WORKLOAD_OPTIONS})
         check_workload_fits(workload, options)
+        check_output_dir(args.output_dir)  # last: a refused run leaves no folder behind
     except (ValueError, TypeError, OSError) as error:
         print(f"pagellm bench: {error}", file=sys.stderr)
         return 2
-    modes = ("offline", "online") if args.mode == "both" else (args.mode,)
     comparisons = [run_comparison(workload, mode, options, tokenizer) for mode in modes]
     report = build_report(comparisons, options)
     paths = write_report(report, args.output_dir)

@@ -127,13 +127,37 @@ def _throughput_target(comp: Comparison, target: str, where: str, ratio: float,
                   _status(None if math.isnan(ratio) else ratio >= goal), note)
 
 
-def evaluate_targets(comparisons: list[Comparison]) -> list[Target]:
+FLOAT32 = "float32"
+
+
+def run_precision(engine_kwargs: dict[str, Any]) -> str:
+    """What PageLLM computed in, as the report names it: float32 (the model's, the
+    targets'), int8 activations, or float32 with a KV pool of another type."""
+    if engine_kwargs.get("quantize_activations"):
+        return "int8 activations"
+    kv_dtype = engine_kwargs.get("kv_cache_dtype")
+    if kv_dtype not in (None, "auto", FLOAT32):
+        return f"{FLOAT32}, {kv_dtype} KV pool"
+    return FLOAT32
+
+
+def evaluate_targets(comparisons: list[Comparison],
+                     precision: str = FLOAT32) -> list[Target]:
     """The issue's targets, on every comparison they apply to. A target whose contender
     was not run (vLLM without --vllm-python, no comparison at 64 running requests) is
     listed as n/a with the reason, so the report never hides one. The per-workload targets
     apply to the standard comparisons (labelled with their workload's name); a derived
     one, such as a shared-prefix run shaped for 64 running requests, only feeds the
-    bookkeeping target."""
+    bookkeeping target. They are stated for PageLLM in float32: a run in another
+    `precision` (see run_precision) has its ratios shown, not judged."""
+    targets = _judged_targets(comparisons)
+    if precision != FLOAT32:
+        note = f"not judged: the targets are stated for float32 (this run: {precision})"
+        targets = [Target(t.target, t.where, t.measured, "n/a", note) for t in targets]
+    return targets
+
+
+def _judged_targets(comparisons: list[Comparison]) -> list[Target]:
     targets: list[Target] = []
     for comp in comparisons:
         if comp.label == comp.workload:

@@ -41,7 +41,12 @@ class Contender(Protocol):
 
     def start(self, kv_cache_tokens: int | None, warmup: list[int]) -> float:
         """Loads the engine and runs `warmup` once; returns the start-up seconds (load
-        only, reported apart from the run)."""
+        and warm-up, as vLLM's start-up includes its own: reported apart from the run)."""
+        ...
+
+    def process_id(self) -> int | None:
+        """The process the engine runs in, where that is not this one (None): its
+        memory is the run's, the harness's own left out."""
         ...
 
     def generate(self, request: GenerateRequest, origin: float) -> list[RequestRecord]:

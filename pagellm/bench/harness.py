@@ -48,7 +48,7 @@ def run_offline(contender: Contender, workload: Workload, tokenizer: Tokenizer) 
                                   warmup_prompt(first_prompt(workload, tokenizer)))
         logger.info("%s started in %.1f s; running %s (%d requests)", contender.name,
                     startup, workload.name, workload.num_requests)
-        with PeakRSS() as peak:
+        with PeakRSS(contender.process_id()) as peak:
             origin = time.perf_counter()
             if workload.is_multi_turn:
                 records = _run_rounds(contender, workload, tokenizer, origin)

@@ -97,9 +97,8 @@ class HFGenerateContender:
     def start(self, kv_cache_tokens: int | None, warmup: list[int]) -> float:
         begin = time.perf_counter()
         self._model = _load_model(self._model_dir, self._threads, self._device)
-        startup = time.perf_counter() - begin
         self._generate_batch([warmup], GenerateRequest([warmup], 2))
-        return startup
+        return time.perf_counter() - begin
 
     def _generate_batch(self, prompts: list[list[int]],
                         request: GenerateRequest) -> tuple[list[list[int]], list[float]]:
@@ -134,6 +133,9 @@ class HFGenerateContender:
                     arrival=arrival, first_token=own[0], finish=own[-1], token_times=own,
                     cached_tokens=0))
         return records
+
+    def process_id(self) -> int | None:
+        return None
 
     def stats(self) -> dict[str, Any]:
         return {"batch_size": self._batch_size}
@@ -186,11 +188,10 @@ class HFContinuousBatchingContender:
         logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
         begin = time.perf_counter()
         self._model = _load_model(self._model_dir, self._threads, self._device)
-        startup = time.perf_counter() - begin
         if kv_cache_tokens is not None:
             self._pool_tokens = kv_cache_tokens
         self._run([warmup], GenerateRequest([warmup], 2), persistent=False)
-        return startup
+        return time.perf_counter() - begin
 
     def _run(self, prompts: list[list[int]], request: GenerateRequest,
              persistent: bool = True) -> dict[str, Any]:
@@ -207,6 +208,10 @@ class HFContinuousBatchingContender:
         return outputs
 
     def generate(self, request: GenerateRequest, origin: float) -> list[RequestRecord]:
+        # Every request arrives as the call starts, as for the other contenders (not at
+        # `created_time`, which transformers stamps once it has built the call's manager:
+        # that time is the request's wait too).
+        arrival = time.perf_counter() - origin
         prompts = [list(p) for p in request.prompts]
         outputs = self._run(prompts, request)
         config = _generation_config(self._model, request)
@@ -219,12 +224,14 @@ class HFContinuousBatchingContender:
                 raise RuntimeError(f"{self.name}: {output.error}")
             ids = _trim(list(output.generated_tokens), eos_set, request.ignore_eos)
             times = [t - origin for t in (output.timestamps or [])][: len(ids)]
-            arrival = output.created_time - origin
             records.append(RequestRecord(
                 prompt_len=len(prompt), output_len=len(ids), output_ids=ids, arrival=arrival,
                 first_token=times[0] if times else output.lifespan[1] - origin,
                 finish=output.lifespan[1] - origin, token_times=times))
         return records
+
+    def process_id(self) -> int | None:
+        return None
 
     def stats(self) -> dict[str, Any]:
         return {"page_size": self._page_size,

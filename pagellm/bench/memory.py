@@ -1,8 +1,10 @@
-"""Peak resident memory of a run, sampled, including child processes.
+"""Peak resident memory of a run, sampled over the contender's processes.
 
 `resource.getrusage` gives a peak for the whole life of this process, which mixes up the
-contenders of one invocation; a sampler that starts with the run and follows the process
-tree (a vLLM driver or a server are children) gives each run its own peak.
+contenders of one invocation; a sampler that starts with the run and follows the
+contender's process tree gives each run its own peak. A contender in this process is
+measured with it (and its children); one in processes of its own (a vLLM driver, a
+server) by those alone, so the harness's own memory is not billed to it.
 """
 
 from __future__ import annotations
@@ -24,12 +26,13 @@ def _tree_rss(process: psutil.Process) -> int:
 
 
 class PeakRSS:
-    """`with PeakRSS() as peak: ...` then `peak.mb`: the highest RSS of this process and
-    its children seen every `interval_s` while the block ran."""
+    """`with PeakRSS() as peak: ...` then `peak.mb`: the highest RSS of process `pid`
+    (None: this one) and its children, summed, seen every `interval_s` while the block
+    ran."""
 
-    def __init__(self, interval_s: float = 0.05) -> None:
+    def __init__(self, pid: int | None = None, interval_s: float = 0.05) -> None:
         self._interval = interval_s
-        self._process = psutil.Process()
+        self._process = psutil.Process(pid)
         self._peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)

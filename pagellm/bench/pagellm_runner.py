@@ -70,10 +70,10 @@ class PageLLMContender:
         begin = time.perf_counter()
         self._llm = LLM(str(self._model_dir), enable_prefix_caching=self._caching,
                         dtype="float32", **kwargs)
-        startup = time.perf_counter() - begin
         self.llm.generate([{"prompt_token_ids": warmup}],
                           SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
         self.llm.reset_prefix_cache()
+        startup = time.perf_counter() - begin
         stats = self.llm.llm_engine.get_stats()
         self._base_stats = {name: getattr(stats, name) for name in _COUNTERS}
         self._base_timings = dict(stats.timings)
@@ -101,6 +101,9 @@ class PageLLMContender:
                 token_times=[t + shift for t in metrics.token_times],
                 cached_tokens=output.num_cached_tokens))
         return records
+
+    def process_id(self) -> int | None:
+        return None
 
     def stats(self) -> dict[str, Any]:
         stats = self.llm.llm_engine.get_stats()

@@ -10,9 +10,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pagellm.bench.compare import Comparison, Target, evaluate_targets
+from pagellm.bench.compare import FLOAT32, Comparison, Target, evaluate_targets
 from pagellm.bench.metrics import RunResult
 
+# The meta entry the targets read back: they are judged for float32 only.
+PRECISION_KEY = "PageLLM precision"
 JSON_NAME = "results.json"
 MARKDOWN_NAME = "results.md"
 PLOT_NAMES = ("throughput.png", "ttft.png", "hit_rate.png")
@@ -53,7 +55,9 @@ def read_report(path: Path) -> BenchReport:
     for raw in data["comparisons"]:
         fields = dict(raw, runs=[RunResult(**run) for run in raw["runs"]])
         comparisons.append(Comparison(**fields))
-    return BenchReport(data["meta"], comparisons, evaluate_targets(comparisons))
+    # A report from before PRECISION_KEY was kept is float32's.
+    precision = data["meta"].get(PRECISION_KEY, FLOAT32)
+    return BenchReport(data["meta"], comparisons, evaluate_targets(comparisons, precision))
 
 
 def _num(value: float | None, digits: int = 1, scale: float = 1.0) -> str:
@@ -72,13 +76,14 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def _runs_table(comp: Comparison) -> list[str]:
     header = ["contender", "wall s", "req/s", "out tok/s", "total tok/s", "out tok/s vs first",
-              "TTFT ms mean / p50 / p90 / p99", "ITL ms mean / p50 / p99", "hit rate",
+              "TTFT ms mean / p50 / p90 / p99", "ITL ms mean / p50 / p90 / p99", "hit rate",
               "prompt tokens computed / cached", "peak RSS MB", "start-up s"]
     rows = []
     for run in comp.runs:
         ratio = comp.ratios.get(run.contender, {}).get("output_tokens_per_s", math.nan)
         ttft = " / ".join(_num(run.ttft[k], 0, 1000) for k in ("mean", "p50", "p90", "p99"))
-        itl = " / ".join(_num(run.itl[k], 1, 1000) for k in ("mean", "p50", "p99"))
+        # .get: reports written before ITL's p90 was kept read back with none.
+        itl = " / ".join(_num(run.itl.get(k), 1, 1000) for k in ("mean", "p50", "p90", "p99"))
         computed = ("n/a" if run.computed_prompt_tokens is None
                     else f"{run.computed_prompt_tokens}{'' if run.computed_measured else '*'}")
         tokens = f"{computed} / {_num(run.cached_prompt_tokens, 0)}"
@@ -144,10 +149,11 @@ def markdown(report: BenchReport) -> str:
               "tokens. Prompt tokens computed: counted by the engine, prompts computed "
               "again after a preemption included; * marks prompt minus cached, where the "
               "contender does not count them. Bookkeeping share: (schedule + prepare inputs + update) / step time. "
-              "Peak RSS: the benchmark process and its children (a server, the vLLM "
-              "driver), sampled during the run; in-process contenders share one process, "
-              "so it includes the interpreter, torch and what earlier contenders left to "
-              "the allocator. Start-up is reported apart and not counted in throughput.",
+              "Peak RSS: the contender's processes, sampled during the run: a server's or "
+              "the vLLM driver's own, summed; for in-process contenders (PageLLM offline, "
+              "transformers) the benchmark process, so it includes the interpreter, torch "
+              "and what earlier contenders left to the allocator. Start-up (load and one "
+              "warm-up request) is reported apart and not counted in throughput.",
               ""]
     return "\n".join(lines)
 

@@ -25,6 +25,7 @@ from pagellm.bench.compare import (
     add_ratios,
     agreement,
     evaluate_targets,
+    run_precision,
 )
 from pagellm.bench.contender import Contender
 from pagellm.bench.harness import OfflineRun, run_offline
@@ -37,7 +38,7 @@ from pagellm.bench.online import (
     run_online,
     vllm_server_command,
 )
-from pagellm.bench.report import BenchReport
+from pagellm.bench.report import PRECISION_KEY, BenchReport
 from pagellm.bench.workloads import Tokenizer, Workload
 from pagellm.engine.config import EngineConfig, default_device, resolve_device
 
@@ -170,6 +171,16 @@ def _skip_reason(name: str, mode: str, options: BenchOptions) -> str | None:
     return None
 
 
+def check_something_runs(options: BenchOptions, modes: tuple[str, ...]) -> None:
+    """Refuses a run in which a mode would have no contender (each skipped, for the
+    reasons the error lists), before anything runs: its report would be empty tables."""
+    for mode in modes:
+        reasons = [_skip_reason(name, mode, options) for name in options.contenders]
+        if all(reasons):
+            raise ValueError(f"no contender can run {mode}: " + "; ".join(
+                reason for reason in reasons if reason))
+
+
 def _pool_element_size(name: str, options: BenchOptions) -> int:
     """Bytes of one element of contender `name`'s KV pool, at most: PageLLM's may be
     bfloat16 (`kv_cache_dtype`), the others' are float32."""
@@ -180,7 +191,7 @@ def _pool_element_size(name: str, options: BenchOptions) -> int:
 
 def _server(name: str, options: BenchOptions, workload: Workload) -> ServerProcess:
     from pagellm.bench.pagellm_runner import blocks_for_tokens, kv_cache_bytes_for_tokens
-    from pagellm.bench.vllm_runner import DEFAULT_POOL_BYTES, vllm_cpu_env
+    from pagellm.bench.vllm_runner import DEFAULT_POOL_BYTES, vllm_cpu_env, vllm_max_model_len
 
     port = free_port()
     # The client sends its own key; a key from the environment would lock it out.
@@ -189,16 +200,18 @@ def _server(name: str, options: BenchOptions, workload: Workload) -> ServerProce
     kv_bytes = options.engine_kwargs.get("kv_cache_memory_bytes")
     if name in (VLLM, VLLM_NOCACHE):
         assert options.vllm_python is not None
+        max_model_len = None
         if workload.kv_cache_tokens is not None:
             kv_bytes = kv_cache_bytes_for_tokens(options.model_dir, workload.kv_cache_tokens,
                                                  block_size)
+            max_model_len = vllm_max_model_len(workload.kv_cache_tokens, block_size)
         # PageLLM's default pool is capped at 1 GiB; vLLM gets the same unless told. Its
         # legacy whole-GiB variable would override the exact size, so it is dropped.
         command = vllm_server_command(
             options.vllm_python, options.model_dir, port, name == VLLM,
             int(kv_bytes or DEFAULT_POOL_BYTES), options.max_num_seqs,
             int(options.engine_setting("max_num_batched_tokens")),
-            int(options.engine_setting("block_size")))
+            int(options.engine_setting("block_size")), max_model_len)
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)
         env.update(vllm_cpu_env(options.engine_kwargs.get("num_threads")))
         return ServerProcess(command, port, env)
@@ -342,7 +355,8 @@ def describe_environment(options: BenchOptions) -> dict[str, Any]:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "model": str(options.model_dir),
-        "dtype": "float32, greedy",
+        PRECISION_KEY: run_precision(options.engine_kwargs),
+        "vLLM and transformers": "float32; every contender greedy",
         "engine settings": options.engine_kwargs or "defaults",
         "step budget (vLLM's too)": (f"{options.engine_setting('max_num_batched_tokens')} "
                                      f"tokens, {options.max_num_seqs} requests"),
@@ -354,4 +368,4 @@ def describe_environment(options: BenchOptions) -> dict[str, Any]:
 
 def build_report(comparisons: list[Comparison], options: BenchOptions) -> BenchReport:
     return BenchReport(describe_environment(options), comparisons,
-                       evaluate_targets(comparisons))
+                       evaluate_targets(comparisons, run_precision(options.engine_kwargs)))

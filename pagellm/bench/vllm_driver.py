@@ -61,12 +61,8 @@ def main() -> None:
     block_size = config.get("block_size", 16)
     if block_size % 32 == 0:
         kwargs["block_size"] = block_size
-    if config.get("kv_cache_tokens"):
-        # vLLM refuses a pool that cannot hold one request of the model's whole context;
-        # with a small pool (the eviction workload) the context is capped to what fits:
-        # the pool's whole blocks (128 tokens by default on CPU) less vLLM's null block.
-        vllm_block = kwargs.get("block_size", 128)
-        kwargs["max_model_len"] = (config["kv_cache_tokens"] // vllm_block - 1) * vllm_block
+    if config.get("max_model_len"):  # a small pool's (see vllm_runner.vllm_max_model_len)
+        kwargs["max_model_len"] = config["max_model_len"]
     if config.get("kv_cache_memory_bytes"):
         kwargs["kv_cache_memory_bytes"] = config["kv_cache_memory_bytes"]
     llm = LLM(**kwargs)

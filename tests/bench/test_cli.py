@@ -72,6 +72,19 @@ def test_only_vllm_without_its_python_is_refused_at_once(
     assert "need --vllm-python" in capsys.readouterr().err
 
 
+def test_a_mode_no_contender_can_run_is_refused_before_anything(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """transformers runs offline only: online alone it would leave an empty report (and
+    exit 1 saying nothing); refused at once instead, leaving no output folder behind."""
+    out = tmp_path / "never"
+    args = _parser().parse_args(["bench", "--mode", "online", "--contenders", "hf-generate",
+                                 "--output-dir", str(out)])
+    assert run_bench(args) == 2
+    err = capsys.readouterr().err
+    assert "no contender can run online: hf-generate skipped online" in err
+    assert not out.exists()
+
+
 @pytest.mark.slow
 def test_tiny_offline_comparison_reports_sane_numbers(tmp_path: Path, model_dir: Any) -> None:
     out = tmp_path / "results"

@@ -34,6 +34,9 @@ class EchoContender:
                               finish=0.2, token_times=[0.1, 0.15, 0.2], cached_tokens=0)
                 for p in request.prompts]
 
+    def process_id(self) -> int | None:
+        return None
+
     def stats(self) -> dict[str, Any]:
         return {"calls": len(self.calls)}
 

@@ -7,7 +7,13 @@ import math
 
 import pytest
 
-from pagellm.bench.compare import Comparison, add_ratios, agreement, evaluate_targets
+from pagellm.bench.compare import (
+    Comparison,
+    add_ratios,
+    agreement,
+    evaluate_targets,
+    run_precision,
+)
 from pagellm.bench.metrics import (
     RequestRecord,
     RunResult,
@@ -128,6 +134,23 @@ def test_shrunk_workloads_are_shown_not_judged() -> None:
         "caching on >= 8x output throughput of caching off"]
     assert caching.status == "n/a" and caching.measured == "3.00x"
     assert "num_requests=32" in caching.note
+
+
+def test_targets_are_judged_for_float32_only() -> None:
+    """The issue states its targets for float32: a run in int8 activations, or with a
+    bfloat16 pool, shows its ratios without a verdict, and says which precision it was."""
+    comp = _comparison("shared-prefix", [_run("pagellm", "shared-prefix", 90.0, 0.1),
+                                         _run("pagellm-nocache", "shared-prefix", 10.0, 2.0)])
+    assert run_precision({}) == run_precision({"kv_cache_dtype": "auto"}) == "float32"
+    int8 = run_precision({"quantize_activations": True, "kv_cache_dtype": "auto"})
+    assert int8 == "int8 activations"
+    assert run_precision({"kv_cache_dtype": "bfloat16"}) == "float32, bfloat16 KV pool"
+    caching = "caching on >= 8x output throughput of caching off"
+    assert {t.target: t.status for t in evaluate_targets([comp])}[caching] == "PASS"
+    judged = {t.target: t for t in evaluate_targets([comp], int8)}
+    assert judged[caching].status == "n/a" and judged[caching].measured == "9.00x"
+    assert "stated for float32 (this run: int8 activations)" in judged[caching].note
+    assert all(t.status == "n/a" for t in judged.values())
 
 
 def test_the_64_request_target_needs_64_measured_at_once() -> None:

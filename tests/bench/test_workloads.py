@@ -49,6 +49,28 @@ def test_text_token_ids_are_exact(tokenizer: Any) -> None:
         assert len(text_token_ids(TextGenerator(0), tokenizer, count)) == count
 
 
+def _text_token_ids_plainly(gen: TextGenerator, tokenizer: Any, count: int) -> list[int]:
+    """The definition: the shortest run of whole paragraphs whose text encodes to at
+    least `count` ids, encoded whole, cut to `count`."""
+    text = gen.paragraph()
+    while len(ids := tokenizer.encode(text, add_special_tokens=False)) < count:
+        text += " " + gen.paragraph()
+    return list(ids[:count])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_text_token_ids_are_the_definitions_and_leave_the_generator_as_it(
+        tokenizer: Any, seed: int) -> None:
+    """Encoding the text whole only near the end gives the same ids as encoding it after
+    every paragraph, and takes the same paragraphs from the generator (the next prompt's
+    text is the same too), so workloads stay what they were for a seed."""
+    fast, plain = TextGenerator(seed), TextGenerator(seed)
+    for count in (5, 64, 200, 1024, 3000):
+        assert text_token_ids(fast, tokenizer, count) == _text_token_ids_plainly(
+            plain, tokenizer, count)
+    assert fast.paragraph() == plain.paragraph()
+
+
 def test_shared_prefix_has_the_requested_token_counts(tokenizer: Any) -> None:
     w = build_workload("shared-prefix", tokenizer, num_requests=4, prefix_len=128,
                        suffix_len=32, output_len=4)
