@@ -425,11 +425,11 @@ def test_run_batch_answers_each_line_as_the_server_would(tmp_path: Path) -> None
                                    "message": body_error["message"]}
     assert "url must be one of" in results[5]["error"]["message"]
     assert "cannot stream" in results[6]["error"]["message"]
-    assert "not a JSON object" in results[7]["error"]["message"]
+    assert "not JSON" in results[7]["error"]["message"]
     assert "temperature" in results[8]["error"]["message"]
     assert "surrogate" in results[9]["error"]["message"]
     assert "used by an earlier line" in results[10]["error"]["message"]
-    assert "not a JSON object" in results[11]["error"]["message"]
+    assert "not JSON" in results[11]["error"]["message"]
     assert "4/12 requests done" in result.stderr and "from the prefix cache" in result.stderr
 
 

@@ -13,7 +13,7 @@ import math
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, get_args
 
@@ -30,7 +30,7 @@ from pagellm.bench.suite import (
 from pagellm.bench.workloads import WORKLOAD_NAMES, build_workload
 from pagellm.core.config import SchedulingPolicy
 from pagellm.engine.config import KV_CACHE_DTYPES
-from pagellm.entrypoints.engine_args import byte_size, token_count
+from pagellm.entrypoints.engine_args import byte_size, token_count, whole_number
 
 _WORKLOAD_OPTIONS = ("num_requests", "prefix_len", "suffix_len", "output_len", "prompt_len",
                      "num_conversations", "num_turns", "system_len", "user_len",
@@ -44,20 +44,6 @@ def _rate(text: str) -> float:
     if value <= 0 or math.isnan(value):
         raise argparse.ArgumentTypeError(f"request rate must be positive, got {text!r}")
     return value
-
-
-def count(minimum: int) -> Callable[[str], int]:
-    """An integer option of at least `minimum`: a size of 0 or -3 would only fail after
-    the model loads, or produce an empty run."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text!r}")
-        return value
-    return parse
 
 
 def python_path(text: str) -> str:
@@ -128,20 +114,20 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
     shape = parser.add_argument_group("workload shape (defaults: the workload's own)")
     for option in _WORKLOAD_OPTIONS:
-        shape.add_argument("--" + option.replace("_", "-"), type=count(1), default=None,
+        shape.add_argument("--" + option.replace("_", "-"), type=whole_number(1), default=None,
                            metavar="N")
     parser.add_argument("--request-rate", type=_rate, default=math.inf,
                         help="online arrivals per second, Poisson (default: all at once)")
-    parser.add_argument("--hf-batch-size", type=count(1), default=8,
+    parser.add_argument("--hf-batch-size", type=whole_number(1), default=8,
                         help="transformers generate: prompts per left-padded batch, 1 = one "
                              "at a time (default: %(default)s)")
     parser.add_argument("--vllm-python", type=python_path, default=None,
                         help="python of a venv with vLLM's CPU build; without it vLLM is "
                              "skipped")
-    parser.add_argument("--repeats", type=count(1), default=1,
+    parser.add_argument("--repeats", type=whole_number(1), default=1,
                         help="run every contender this many times, alternating the order, "
                              "and report each one's median run (default: %(default)s)")
-    parser.add_argument("--agreement-requests", type=count(0), default=8,
+    parser.add_argument("--agreement-requests", type=whole_number(0), default=8,
                         help="compare greedy outputs on this many first requests, offline "
                              "(default: %(default)s)")
     parser.add_argument("--output-dir", type=Path, default=Path("bench-results"),
@@ -154,7 +140,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     for option in _ENGINE_OPTIONS:
         # Sizes and token counts as the other subcommands take them (256MiB, 4K, ...).
         kind = {"kv_cache_memory_bytes": byte_size,
-                "max_num_batched_tokens": token_count}.get(option, count(1))
+                "max_num_batched_tokens": token_count}.get(option, whole_number(1))
         engine.add_argument("--" + option.replace("_", "-"), type=kind, default=None)
     engine.add_argument("--device", default=None,
                         help="where PageLLM and transformers run (default: cuda when torch "

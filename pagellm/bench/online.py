@@ -5,7 +5,6 @@ what a user of the server would see (queueing included)."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import math
 import random
@@ -36,11 +35,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def pagellm_server_available() -> bool:
-    """Whether `pagellm serve` exists yet (the CLI module is written separately)."""
-    return importlib.util.find_spec("pagellm.entrypoints.cli") is not None
 
 
 def pagellm_server_command(model_dir: Path, port: int, enable_prefix_caching: bool,

@@ -9,6 +9,7 @@ from typing import Any
 
 from pagellm.bench.contender import GenerateRequest
 from pagellm.bench.metrics import RequestRecord
+from pagellm.core.kv_cache_manager import blocks_for_tokens
 from pagellm.core.sampling_params import SamplingParams
 from pagellm.engine.llm import LLM
 from pagellm.model.model_config import load_model_config
@@ -19,7 +20,7 @@ _COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_evictions", "num_
 
 def kv_bytes_per_token(model_dir: Path, element_size: int = 4) -> int:
     """K and V of one token in every layer, in bytes (float32 by default)."""
-    return int(load_model_config(model_dir).kv_cache_bytes_per_block(element_size))
+    return int(load_model_config(model_dir).kv_cache_bytes_per_token(element_size))
 
 
 def kv_cache_bytes_for_tokens(model_dir: Path, tokens: int, block_size: int) -> int:
@@ -35,11 +36,6 @@ def kv_element_size(engine_kwargs: dict[str, Any]) -> int:
     model's attention rounds to it). A pool given in tokens goes in blocks
     (`blocks_for_tokens`), so holds as many either way."""
     return 2 if engine_kwargs.get("kv_cache_dtype") == "bfloat16" else 4
-
-
-def blocks_for_tokens(tokens: int, block_size: int) -> int:
-    """PageLLM's `num_gpu_blocks_override` for a pool of at least `tokens` slots."""
-    return -(-tokens // block_size)
 
 
 class PageLLMContender:

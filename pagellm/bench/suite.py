@@ -33,7 +33,6 @@ from pagellm.bench.metrics import RunResult
 from pagellm.bench.online import (
     ServerProcess,
     free_port,
-    pagellm_server_available,
     pagellm_server_command,
     run_online,
     vllm_server_command,
@@ -166,8 +165,6 @@ def _skip_reason(name: str, mode: str, options: BenchOptions) -> str | None:
             return f"{name} skipped: this transformers has no generate_batch"
     if mode == "online" and name in (HF_GENERATE, HF_CONTINUOUS):
         return f"{name} skipped online: transformers is compared offline only"
-    if mode == "online" and name in (PAGELLM, PAGELLM_NOCACHE) and not pagellm_server_available():
-        return f"{name} skipped online: `pagellm serve` (pagellm.entrypoints.cli) not available"
     return None
 
 
@@ -190,8 +187,9 @@ def _pool_element_size(name: str, options: BenchOptions) -> int:
 
 
 def _server(name: str, options: BenchOptions, workload: Workload) -> ServerProcess:
-    from pagellm.bench.pagellm_runner import blocks_for_tokens, kv_cache_bytes_for_tokens
+    from pagellm.bench.pagellm_runner import kv_cache_bytes_for_tokens
     from pagellm.bench.vllm_runner import DEFAULT_POOL_BYTES, vllm_cpu_env, vllm_max_model_len
+    from pagellm.core.kv_cache_manager import blocks_for_tokens
 
     port = free_port()
     # The client sends its own key; a key from the environment would lock it out.

@@ -8,6 +8,25 @@ from typing import Literal, get_args
 SchedulingPolicy = Literal["fcfs", "cache_aware", "priority"]
 
 
+def is_positive_int(value: object) -> bool:
+    """An int above 0, and not a bool (which is an int to Python)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def check_policy(name: str, value: object) -> None:
+    """ValueError naming option `name` unless `value` is a scheduling policy."""
+    if value not in get_args(SchedulingPolicy):
+        raise ValueError(f"{name} must be one of {', '.join(get_args(SchedulingPolicy))}, "
+                         f"got {value!r}")
+
+
+def check_prefill_threshold(threshold: object) -> None:
+    """ValueError unless `threshold` is a long_prefill_token_threshold (0: off)."""
+    if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+        raise ValueError(f"long_prefill_token_threshold must be an integer >= 0 (0: off), "
+                         f"got {threshold!r}")
+
+
 @dataclass
 class SchedulerConfig:
     """Limits of one engine step.
@@ -41,16 +60,10 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs",
                      "cache_aware_window"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_positive_int(value := getattr(self, name)):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        threshold = self.long_prefill_token_threshold
-        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
-            raise ValueError(f"long_prefill_token_threshold must be an integer >= 0 (0: off), "
-                             f"got {threshold!r}")
-        if threshold > self.max_model_len:
-            raise ValueError(f"long_prefill_token_threshold ({threshold}) cannot be greater "
-                             f"than max_model_len ({self.max_model_len})")
-        if self.policy not in get_args(SchedulingPolicy):
-            raise ValueError(f"policy must be one of {', '.join(get_args(SchedulingPolicy))}, "
-                             f"got {self.policy!r}")
+        check_prefill_threshold(self.long_prefill_token_threshold)
+        if self.long_prefill_token_threshold > self.max_model_len:
+            raise ValueError(f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) "
+                             f"cannot be greater than max_model_len ({self.max_model_len})")
+        check_policy("policy", self.policy)

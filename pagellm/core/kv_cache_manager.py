@@ -15,6 +15,12 @@ from pagellm.core.events import KVCacheEvent
 from pagellm.core.request import Request
 
 
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold `num_tokens` tokens: the one count every layer uses (block
+    tables, attention's tiles, pool sizes), so none rounds its own way."""
+    return -(-num_tokens // block_size)
+
+
 @dataclass(frozen=True)
 class PrefixCacheStats:
     """Counters since start-up; `hit_rate` is hit tokens over queried tokens."""
@@ -83,7 +89,7 @@ class KVCacheManager:
         return self.pool.usage
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for_tokens(num_tokens, self.block_size)
 
     def max_hit_blocks(self, request: Request) -> int:
         """How many leading blocks the request may take from the cache.

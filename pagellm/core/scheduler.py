@@ -4,7 +4,8 @@ Continuous batching under a token budget: running requests go first (one decode 
 each, or the next chunk of their prompt), then waiting requests are admitted while the
 budget, `max_num_seqs` and the KV pool allow. A waiting request first looks its prefix up
 in the cache, so it only computes what is not cached. When a running request cannot get a
-block, the most recently admitted request is preempted by recompute: its blocks are freed
+block, the most recently admitted request (under the priority policy, the lowest-priority
+one) is preempted by recompute: its blocks are freed
 (they stay cached), so resuming it later is mostly a cache hit.
 
 Parallel samples (n > 1) are one leader request plus siblings. The siblings wait until

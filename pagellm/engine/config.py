@@ -10,11 +10,16 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, get_args
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from pagellm.cache_dir import resolve_cache_dir
 from pagellm.core.block_hash import HashAlgorithm
-from pagellm.core.config import SchedulingPolicy
+from pagellm.core.config import (
+    SchedulingPolicy,
+    check_policy,
+    check_prefill_threshold,
+    is_positive_int,
+)
 from pagellm.core.sampling_params import GENERATION_SAMPLING_KEYS
 
 if TYPE_CHECKING:
@@ -184,11 +189,6 @@ def default_max_num_batched_tokens(device: torch.device) -> int:
     return 256 if device.type == "cpu" else 512
 
 
-def _is_positive_int(value: Any) -> bool:
-    """An int above 0, and not a bool (which is an int to Python)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
 def _check_share(name: str, value: Any, most: float) -> None:
     """A share of memory: None (unset), or a number in (0, most]."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
@@ -332,13 +332,10 @@ class EngineConfig:
                              f"device={self.device!r})")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if self.num_threads is not None and not _is_positive_int(self.num_threads):
+        if self.num_threads is not None and not is_positive_int(self.num_threads):
             raise ValueError(f"num_threads must be a positive integer (None: all cores), "
                              f"got {self.num_threads!r}")
-        if self.scheduling_policy not in get_args(SchedulingPolicy):
-            raise ValueError(f"scheduling_policy must be one of "
-                             f"{', '.join(get_args(SchedulingPolicy))}, got "
-                             f"{self.scheduling_policy!r}")
+        check_policy("scheduling_policy", self.scheduling_policy)
         if self.device is not None:
             resolve_device(self.device)
         if self.attention_backend is not None:
@@ -350,21 +347,18 @@ class EngineConfig:
                                  f"{', '.join(sorted(ATTENTION_BACKENDS))} (None: the "
                                  f"default), got {self.attention_backend!r}")
         for name in ("max_num_seqs", "block_size"):
-            if not _is_positive_int(value := getattr(self, name)):
+            if not is_positive_int(value := getattr(self, name)):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_num_batched_tokens is not None and not _is_positive_int(
+        if self.max_num_batched_tokens is not None and not is_positive_int(
                 self.max_num_batched_tokens):
             raise ValueError(f"max_num_batched_tokens must be a positive integer (None: "
                              f"the device's default), got {self.max_num_batched_tokens!r}")
-        threshold = self.long_prefill_token_threshold
-        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
-            raise ValueError(f"long_prefill_token_threshold must be an integer >= 0 (0: off), "
-                             f"got {threshold!r}")
+        check_prefill_threshold(self.long_prefill_token_threshold)
         if self.max_model_len is not None and (
             not isinstance(self.max_model_len, int) or self.max_model_len < 2
         ):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
-        if self.kv_cache_memory_bytes is not None and not _is_positive_int(
+        if self.kv_cache_memory_bytes is not None and not is_positive_int(
                 self.kv_cache_memory_bytes):
             raise ValueError("kv_cache_memory_bytes must be a positive integer (bytes), got "
                              f"{self.kv_cache_memory_bytes!r}")
@@ -373,7 +367,7 @@ class EngineConfig:
         if self.gpu_memory_utilization is not None and self.kv_cache_memory_fraction is not None:
             raise ValueError("give gpu_memory_utilization (a share of all the device's memory) "
                              "or kv_cache_memory_fraction (a share of the memory free), not both")
-        if self.num_gpu_blocks_override is not None and not _is_positive_int(
+        if self.num_gpu_blocks_override is not None and not is_positive_int(
                 self.num_gpu_blocks_override):
             raise ValueError("num_gpu_blocks_override must be a positive integer (blocks), "
                              f"got {self.num_gpu_blocks_override!r}")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import math
 import operator
 import time
 from collections.abc import Callable, Sequence
@@ -23,7 +22,7 @@ from pagellm.core import scheduler as scheduler_module
 from pagellm.core.block_hash import BlockHasher
 from pagellm.core.config import SchedulerConfig
 from pagellm.core.events import KVCacheEvent
-from pagellm.core.kv_cache_manager import KVCacheManager
+from pagellm.core.kv_cache_manager import KVCacheManager, blocks_for_tokens
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pagellm.core.scheduler import Scheduler, SchedulerOutput
@@ -975,8 +974,8 @@ class LLMEngine:
             cache_config={"block_size": str(self.config.block_size),
                           "num_gpu_blocks": str(cache.num_blocks),
                           "kv_cache_size_tokens": str(cache.num_blocks * self.config.block_size),
-                          "kv_cache_max_concurrency": str(cache.num_blocks / math.ceil(
-                              self.max_model_len / self.config.block_size)),
+                          "kv_cache_max_concurrency": str(cache.num_blocks / blocks_for_tokens(
+                              self.max_model_len, self.config.block_size)),
                           "enable_prefix_caching": str(self.config.enable_prefix_caching),
                           "prefix_caching_hash_algo": self.config.prefix_caching_hash_algo,
                           "cache_dtype": self.config.kv_cache_dtype,

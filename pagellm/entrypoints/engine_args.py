@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, get_args
 
@@ -50,6 +51,22 @@ def byte_size(text: str) -> int:
 
 _TOKEN_COUNT = re.compile(r"(\d+(?:\.\d+)?)([kKmM]?)")
 _TOKEN_UNITS = {"": 1, "k": 10**3, "m": 10**6, "K": 2**10, "M": 2**20}
+
+
+def whole_number(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An integer option in [low, high]: a size of 0 or -3 would only fail after the
+    model loads, or produce an empty run; a port past 65535 only when the server binds."""
+    bounds = f">= {low}" if high is None else f"between {low} and {high}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < low or high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {text!r}")
+        return value
+    return parse
 
 
 def token_count(text: str) -> int:

@@ -82,14 +82,32 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("give a prompt argument or --input FILE")
     if args.input is not None and args.prompt:
         raise ValueError("give prompt arguments or --input FILE, not both")
-    # Not is_file(): a pipe (--input /dev/stdin, or <(...)) is a fine input.
-    if args.input is not None and not args.input.exists():
-        raise ValueError(f"--input {args.input}: no such file")
-    if args.input is not None and args.input.is_dir():
-        raise ValueError(f"--input {args.input}: is a directory, not a file of prompts")
+    if args.input is not None:
+        check_input_file(args.input, "--input", "a file of prompts")
     if args.output is not None and not writable(args.output):
         raise ValueError(f"--output {args.output}: cannot write there (is "
                          f"{args.output.parent} a writable folder?)")
+
+
+def check_input_file(path: Path, option: str, holds: str) -> None:
+    """ValueError naming `option` unless `path` can be read as a file (not is_file(): a
+    pipe, /dev/stdin or <(...), is a fine input)."""
+    if not path.exists():
+        raise ValueError(f"{option} {path}: no such file")
+    if path.is_dir():
+        raise ValueError(f"{option} {path}: is a directory, not {holds}")
+
+
+def json_line(number: int, raw: bytes) -> Any:
+    """Line `number` of a JSON-lines file, decoded on its own (a byte that is not UTF-8
+    spoils only its line; a byte-order mark may open the file); ValueError naming the
+    line and what it is not."""
+    try:
+        return json.loads(raw.decode("utf-8-sig" if number == 1 else "utf-8"))
+    except UnicodeDecodeError as error:
+        raise ValueError(f"line {number}: not UTF-8 text: {error}") from None
+    except (ValueError, RecursionError) as error:  # not JSON, or nested or long past reading
+        raise ValueError(f"line {number}: not JSON: {error}") from None
 
 
 def writable(path: Path) -> bool:
@@ -115,11 +133,9 @@ def read_records(args: argparse.Namespace) -> list[dict[str, Any] | str]:
 
 def _record(number: int, raw: bytes) -> list[dict[str, Any] | str]:
     try:
-        value = json.loads(raw.decode("utf-8-sig" if number == 1 else "utf-8"))
-    except UnicodeDecodeError as error:
-        return [f"line {number}: not UTF-8 text: {error}"]
-    except (ValueError, RecursionError) as error:  # not JSON, or nested or long past reading
-        return [f"line {number}: not JSON: {error}"]
+        value = json_line(number, raw)
+    except ValueError as error:
+        return [str(error)]
     if isinstance(value, str):
         value = {"prompt": value}
     if not isinstance(value, dict):

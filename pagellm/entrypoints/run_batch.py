@@ -28,7 +28,7 @@ from tqdm import tqdm
 from pagellm.engine.async_engine import AsyncLLMEngine
 from pagellm.entrypoints import serve
 from pagellm.entrypoints.engine_args import add_chat_template_arg, add_engine_args
-from pagellm.entrypoints.generate import print_summary, writable
+from pagellm.entrypoints.generate import check_input_file, json_line, print_summary, writable
 
 URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
@@ -69,11 +69,7 @@ def check_args(args: argparse.Namespace) -> None:
         _check_url(args.input_file, "--input-file")
         args.input_data = _download(args.input_file)
     else:
-        source = Path(args.input_file)
-        if not source.exists():
-            raise ValueError(f"--input-file {source}: no such file")
-        if source.is_dir():
-            raise ValueError(f"--input-file {source}: is a directory, not a batch file")
+        check_input_file(Path(args.input_file), "--input-file", "a batch file")
 
 
 def _shown(url: str) -> str:
@@ -145,9 +141,9 @@ def read_requests(data: bytes) -> list[dict[str, Any]]:
 
 def _request(number: int, raw: bytes) -> dict[str, Any]:
     try:
-        line = json.loads(raw.decode("utf-8-sig" if number == 1 else "utf-8"))
-    except (ValueError, RecursionError) as error:  # not UTF-8, not JSON, too deep or long
-        return {"error": f"line {number}: not a JSON object: {error}"}
+        line = json_line(number, raw)
+    except ValueError as error:
+        return {"error": str(error)}
     if not isinstance(line, dict):
         return {"error": f"line {number}: must be a JSON object"}
     request = {"custom_id": line.get("custom_id"), "url": line.get("url"),
@@ -171,8 +167,12 @@ def _request(number: int, raw: bytes) -> dict[str, Any]:
 _JSON = {"content-type": "application/json"}
 
 
-def _error_body(message: str, kind: str = "invalid_request_error") -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+def _error_body(status: int, message: str) -> dict[str, Any]:
+    """OpenAI's error body, as the server writes it (its modules are imported once a
+    batch runs, not to parse the command line)."""
+    from pagellm.entrypoints.openai.errors import APIError
+
+    return APIError(status, message).body()
 
 
 def result_line(request: dict[str, Any], status: int, body: dict[str, Any]) -> dict[str, Any]:
@@ -230,7 +230,7 @@ async def answer_all(engine: AsyncLLMEngine, args: argparse.Namespace,
     async def answer(client: httpx.AsyncClient, index: int) -> None:
         request = requests[index]
         if "error" in request:
-            line = result_line(request, 400, _error_body(request["error"]))
+            line = result_line(request, 400, _error_body(400, request["error"]))
         else:
             try:
                 # The body as the file wrote it (NaN, lone surrogate escapes), for the
@@ -240,8 +240,7 @@ async def answer_all(engine: AsyncLLMEngine, args: argparse.Namespace,
                 line = result_line(request, reply.status_code, reply.json())
             except Exception as error:  # noqa: BLE001 - one line's failure is its own
                 line = result_line(request, 500, _error_body(
-                    f"internal error while answering this request: {error!r}",
-                    "server_error"))
+                    500, f"internal error while answering this request: {error!r}"))
         results[index] = line
         bar.update(1)
 
@@ -272,7 +271,7 @@ def run(args: argparse.Namespace, engine: AsyncLLMEngine) -> int:
     finally:
         engine.shutdown()
     lines = [line if line is not None else result_line(request, 503, _error_body(
-                 "not answered: the run was interrupted", "server_error"))
+                 503, "not answered: the run was interrupted"))
              for request, line in zip(requests, results, strict=True)]
     failure = _write_results(args.output_file, "".join(_jsonl(line) for line in lines))
     answered = [line for line in lines if line["error"] is None]

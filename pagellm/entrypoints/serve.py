@@ -19,6 +19,7 @@ from pagellm.entrypoints.engine_args import (
     add_engine_args,
     byte_size,
     json_object,
+    whole_number,
 )
 from pagellm.model.resolve import looks_like_model, served_model_name
 
@@ -39,7 +40,7 @@ def add_parser(subparsers: Any) -> None:
     group = parser.add_argument_group("server options")
     group.add_argument("--host", default="127.0.0.1", metavar="ADDR",
                        help="address to bind (default: %(default)s)")
-    group.add_argument("--port", type=_whole_number("a port number (0-65535)", 0, 65535), default=8000, metavar="PORT",
+    group.add_argument("--port", type=whole_number(0, 65535), default=8000, metavar="PORT",
                        help="port to bind (default: %(default)s)")
     group.add_argument("--uds", default=None, metavar="PATH",
                        help="listen on this Unix domain socket instead of --host and --port")
@@ -89,7 +90,7 @@ def add_parser(subparsers: Any) -> None:
     group.add_argument("--enable-log-outputs", action="store_true",
                        help="--enable-log-requests, and the log line of a request's end "
                             "holds the text it generated")
-    group.add_argument("--max-log-len", type=_whole_number("a number of characters (>= 0)", 0), default=None, metavar="N",
+    group.add_argument("--max-log-len", type=whole_number(0), default=None, metavar="N",
                        help="characters of generated text a log line holds at most "
                             "(default: all)")
     # vLLM's older flag for what is now the default (no request log lines).
@@ -249,19 +250,6 @@ def _environment_keys(*names: str) -> list[str] | None:
                                  "serve without one")
             return [key]
     return None
-
-
-def _whole_number(what: str, low: int, high: int | None = None) -> Callable[[str], int]:
-    """An integer option in [low, high], refused as "not `what`" otherwise."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = low - 1
-        if value < low or high is not None and value > high:
-            raise argparse.ArgumentTypeError(f"not {what}: {text!r}")
-        return value
-    return parse
 
 
 def _paths(text: str) -> list[str]:

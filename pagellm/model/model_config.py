@@ -111,8 +111,9 @@ class ModelConfig:
         """Shape of one layer's KV tensor: [2 (K, V), num_blocks, block_size, kv_heads, head_dim]."""
         return (2, num_blocks, block_size, self.num_key_value_heads, self.head_dim)
 
-    def kv_cache_bytes_per_block(self, element_size: int) -> int:
-        """Bytes one block costs across all layers, for sizing the pool from a memory budget."""
+    def kv_cache_bytes_per_token(self, element_size: int) -> int:
+        """Bytes one token's keys and values cost across all layers, for sizing the pool
+        from a memory budget (times the block size for a block)."""
         per_layer = 2 * self.num_key_value_heads * self.head_dim * element_size
         return per_layer * self.num_hidden_layers
 

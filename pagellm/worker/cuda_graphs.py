@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pagellm.core.kv_cache_manager import blocks_for_tokens
 from pagellm.model.attention import GraphDecodePlan
 from pagellm.model.attention_metadata import AttentionMetadata
 from pagellm.model.llama import LlamaForCausalLM
@@ -85,7 +86,7 @@ class CudaGraphRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.batch_sizes = capture_sizes(max_batch)
-        self.widths = capture_sizes(-(-max_model_len // kv_cache.block_size))
+        self.widths = capture_sizes(blocks_for_tokens(max_model_len, kv_cache.block_size))
         device = kv_cache.tensors[0].device
         padding = kv_cache.padding_block
         max_rows, max_width = self.batch_sizes[-1], self.widths[-1]

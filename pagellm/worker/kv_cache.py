@@ -62,7 +62,7 @@ def num_blocks_for_budget(
     `free_at_start`: the device's free memory before the model was loaded (now, if
     not given)."""
     element_size = torch.empty((), dtype=dtype).element_size()
-    bytes_per_block = model_config.kv_cache_bytes_per_block(element_size) * block_size
+    bytes_per_block = model_config.kv_cache_bytes_per_token(element_size) * block_size
     if num_blocks_override is not None:
         _check_free(num_blocks_override * bytes_per_block, device,
                     f"num_gpu_blocks_override={num_blocks_override} (--num-gpu-blocks-"

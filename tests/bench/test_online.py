@@ -12,7 +12,6 @@ import pytest
 from pagellm.bench.online import (
     ServerProcess,
     free_port,
-    pagellm_server_available,
     pagellm_server_command,
     parse_prometheus,
     poisson_arrivals,
@@ -40,8 +39,6 @@ def test_parse_prometheus_reads_samples_and_sums_labelled_series() -> None:
 
 @pytest.mark.slow
 def test_a_tiny_online_run_streams_and_sees_cache_hits(model_dir: Path, tokenizer: Any) -> None:
-    if not pagellm_server_available():
-        pytest.skip("pagellm serve is not available")
     workload = build_workload("shared-prefix", tokenizer, num_requests=3, prefix_len=64,
                               suffix_len=8, output_len=3)
     port = free_port()
@@ -93,8 +90,6 @@ def test_the_client_streams_token_ids_and_names_a_refusal(model_dir: Path) -> No
 
     from pagellm.bench.online import OnlineClient
 
-    if not pagellm_server_available():
-        pytest.skip("pagellm serve is not available")
     port = free_port()
     server = ServerProcess(pagellm_server_command(
         model_dir, port, True, ["--kv-cache-memory-bytes", str(64 << 20)]), port)

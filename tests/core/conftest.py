@@ -97,11 +97,6 @@ def _admit_fixture() -> Callable[[KVCacheManager, Request], int]:
     return admit
 
 
-@pytest.fixture(scope="session", name="compute_all")
-def _compute_all_fixture() -> Callable[[KVCacheManager, Request], None]:
-    return compute_all
-
-
 @pytest.fixture(scope="session", name="run_prompt")
 def _run_prompt_fixture() -> Callable[[KVCacheManager, Request], int]:
     return run_prompt

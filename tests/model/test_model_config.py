@@ -34,7 +34,7 @@ def test_shapes_and_kv_cache_layout() -> None:
     assert config.head_dim == 8
     assert config.num_layers == 3 and config.num_kv_heads == 2
     assert config.kv_cache_shape(10, 16) == (2, 10, 16, 2, 8)
-    assert config.kv_cache_bytes_per_block(2) == 3 * 2 * 2 * 8 * 2
+    assert config.kv_cache_bytes_per_token(2) == 3 * 2 * 2 * 8 * 2
 
 
 def test_old_style_rope_scaling() -> None:

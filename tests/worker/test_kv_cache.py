@@ -19,7 +19,7 @@ def test_a_budget_past_free_memory_is_refused_naming_the_option() -> None:
     """It was zero-filled until the OOM killer ended the process, with no message."""
     cpu = torch.device("cpu")
     blocks = num_blocks_for_budget(CONFIG, 16, torch.float32, cpu, kv_cache_memory_bytes=1 << 20)
-    assert blocks == (1 << 20) // CONFIG.kv_cache_bytes_per_block(4) // 16
+    assert blocks == (1 << 20) // CONFIG.kv_cache_bytes_per_token(4) // 16
     too_much = psutil.virtual_memory().total * 2
     with pytest.raises(ValueError, match=r"--kv-cache-memory-bytes\) is .* GiB of memory free on cpu"):
         num_blocks_for_budget(CONFIG, 16, torch.float32, cpu, kv_cache_memory_bytes=too_much)
@@ -33,7 +33,7 @@ def test_a_pool_in_blocks_takes_that_many_whatever_its_element_type() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         assert num_blocks_for_budget(CONFIG, 16, dtype, cpu, kv_cache_memory_bytes=1 << 20,
                                      num_blocks_override=7) == 7
-    too_many = psutil.virtual_memory().total // (CONFIG.kv_cache_bytes_per_block(4) * 16) * 2
+    too_many = psutil.virtual_memory().total // (CONFIG.kv_cache_bytes_per_token(4) * 16) * 2
     with pytest.raises(ValueError, match=r"--num-gpu-blocks-override\) needs .* GiB, more "
                                          r"than the .* GiB of memory free on cpu"):
         num_blocks_for_budget(CONFIG, 16, torch.float32, cpu, num_blocks_override=too_many)
@@ -48,7 +48,7 @@ def test_gpu_memory_utilization_is_a_share_of_all_memory_less_what_is_used(
     from pagellm.worker import kv_cache
 
     cpu = torch.device("cpu")
-    per_block = CONFIG.kv_cache_bytes_per_block(4) * 16
+    per_block = CONFIG.kv_cache_bytes_per_token(4) * 16
     monkeypatch.setattr(kv_cache, "device_memory_bytes",
                         lambda device: (60 * per_block, 100 * per_block))
     monkeypatch.setattr(kv_cache, "used_memory_bytes", lambda device, free: 30 * per_block)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from pagellm.core.kv_cache_manager import blocks_for_tokens
 from pagellm.model.attention.base import (
     AttentionBackend,
     AttentionSpec,
@@ -196,7 +197,7 @@ class TorchBatchedBackend(AttentionBackend):
                 # (decodes apart from prefills, so decodes are not padded to a chunk).
                 key = (min(q_len - 1, 1), -1, shared)
             else:
-                n_blocks = -(-seq_len // meta.block_size)
+                n_blocks = blocks_for_tokens(seq_len, meta.block_size)
                 key = ((q_len - 1).bit_length(), n_blocks.bit_length(), -1)
             buckets.setdefault(key, []).append(r)
         if kernel:
@@ -294,7 +295,7 @@ class TorchBatchedBackend(AttentionBackend):
         max_q = max(q_lens)
         assert not kernel or max_q == 1, "with the kernels prompt chunks go to the prefill call"
         max_seq = max(meta.seq_lens_list[r] for r in members)
-        n_blocks = -(-max_seq // block_size)
+        n_blocks = blocks_for_tokens(max_seq, block_size)
         index = torch.tensor(members, device=device)
         n_prefix = _shared_prefix_blocks(meta, members) if cascade else 0
         prefix_blocks = meta.block_tables[index[0], :n_prefix].long() if n_prefix else None
@@ -623,7 +624,7 @@ def _prefill_call(meta: AttentionMetadata, members: list[int], whole: bool) -> _
     index = torch.tensor(members, device=meta.slot_mapping.device)
     starts = meta.query_start_loc[index].long()
     lens = meta.query_start_loc[index + 1].long() - starts
-    n_blocks = -(-max(meta.seq_lens_list[r] for r in members) // meta.block_size)
+    n_blocks = blocks_for_tokens(max(meta.seq_lens_list[r] for r in members), meta.block_size)
     out_dst = None
     if not whole:
         offsets = torch.arange(int(lens.max()), device=starts.device)

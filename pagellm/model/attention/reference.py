@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagellm.core.kv_cache_manager import blocks_for_tokens
 from pagellm.model.attention.base import AttentionBackend, AttentionSpec, StepPlan, window_mask
 
 
@@ -29,7 +30,7 @@ class TorchRefBackend(AttentionBackend):
         for r, (seq_len, q_len) in enumerate(
             zip(meta.seq_lens_list, meta.query_lens_list, strict=True)
         ):
-            n_blocks = -(-seq_len // block_size)
+            n_blocks = blocks_for_tokens(seq_len, block_size)
             blocks = meta.block_tables[r, :n_blocks].long()
             keys = kv_cache[0, blocks].flatten(0, 1)[:seq_len].to(query.dtype)
             values = kv_cache[1, blocks].flatten(0, 1)[:seq_len].to(query.dtype)
