@@ -63,8 +63,8 @@ def main() -> None:
     params = BeamSearchParams(beam_width=args.beam_width, max_tokens=args.max_tokens)
     eos = on.llm_engine.model_config.eos_token_ids[0]
     reference = AutoModelForCausalLM.from_pretrained(
-        _default_dir(), dtype=torch.float32).eval()
-    config = GenerationConfig(num_beams=params.beam_width,
+        _default_dir(), dtype=torch.float32).eval()  # type: ignore[no-untyped-call]
+    config = GenerationConfig(num_beams=params.beam_width,  # type: ignore[no-untyped-call]
                               num_return_sequences=params.beam_width,
                               max_new_tokens=params.max_tokens, do_sample=False,
                               early_stopping=False, eos_token_id=eos, pad_token_id=eos)

@@ -107,7 +107,7 @@ def bench_hashing(rows: Rows, total_tokens: int, repeats: int) -> None:
     prompts = [tokens(rng, prompt_len) for _ in range(total_tokens // prompt_len)]
     n = len(prompts) * prompt_len
     for algorithm in ("sha256", "fast"):
-        hasher = BlockHasher(BLOCK_SIZE, algorithm)  # type: ignore[arg-type]
+        hasher = BlockHasher(BLOCK_SIZE, algorithm)
         root = hasher.root()
 
         def extend(hasher: BlockHasher = hasher, root: bytes = root) -> None:
@@ -253,7 +253,7 @@ def bench_prefill_step(rows: Rows, repeats: int) -> None:
         "cold": [prompt_set(tokens(rng, shared)) for _ in range(repeats + 1)],
     }
     for algorithm in ("sha256", "fast"):
-        hasher = BlockHasher(BLOCK_SIZE, algorithm)  # type: ignore[arg-type]
+        hasher = BlockHasher(BLOCK_SIZE, algorithm)
         for label, prompt_sets in sets.items():
             # Room for two steps' worth of blocks: older ones are evicted as in a server.
             manager = KVCacheManager(num_blocks=2 * num_requests * (prompt_len // BLOCK_SIZE + 1),

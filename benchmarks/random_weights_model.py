@@ -22,7 +22,8 @@ SHAPE_FILES = ("config.json", "generation_config.json", "tokenizer.json",
 def write_random_model(shape_dir: Path, out_dir: Path, seed: int = 0) -> Path:
     config = AutoConfig.from_pretrained(shape_dir)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+        config, dtype=torch.float32)
     model.save_pretrained(out_dir, safe_serialization=True)
     # The shape directory's own files win over the ones save_pretrained rewrote.
     for name in SHAPE_FILES:

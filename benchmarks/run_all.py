@@ -21,7 +21,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pagellm.bench.cli import check_output_dir, count, python_path, report_failures  # noqa: E402
+from pagellm.bench.cli import check_output_dir, python_path, report_failures  # noqa: E402
 from pagellm.bench.compare import (  # noqa: E402
     HF_GENERATE,
     PAGELLM,
@@ -38,6 +38,7 @@ from pagellm.bench.suite import (  # noqa: E402
 )
 from pagellm.bench.workloads import build_workload  # noqa: E402
 from pagellm.cache_dir import resolve_cache_dir  # noqa: E402
+from pagellm.entrypoints.engine_args import whole_number  # noqa: E402
 from pagellm.model.loader import load_tokenizer  # noqa: E402
 from pagellm.model.resolve import resolve_model_path  # noqa: E402
 
@@ -101,11 +102,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-online", action="store_true")
     parser.add_argument("--rerender", action="store_true",
                         help="rewrite the report and plots from the output directory's "
-                             "results.json (after a change to the report), running nothing")
-    parser.add_argument("--hf-batch-size", type=count(1), default=8)
-    parser.add_argument("--num-threads", type=count(1), default=None)
+                             "results.json (after a change to the report), running nothing; "
+                             "the footnotes are today's: a report measured before 2026-12-07 "
+                             "counted the harness in a vLLM or server contender's peak RSS "
+                             "and PageLLM's start-up without its warm-up")
+    parser.add_argument("--hf-batch-size", type=whole_number(1), default=8)
+    parser.add_argument("--num-threads", type=whole_number(1), default=None)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=count(1), default=1,
+    parser.add_argument("--repeats", type=whole_number(1), default=1,
                         help="runs per contender, median reported (3 on a busy machine)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

@@ -16,8 +16,14 @@ import psutil
 
 
 def _tree_rss(process: psutil.Process) -> int:
+    """0 once the process is gone: a contender that died reports its own error, not
+    this sampler's."""
+    try:
+        members = [process, *process.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
     total = 0
-    for member in [process, *process.children(recursive=True)]:
+    for member in members:
         try:
             total += member.memory_info().rss
         except (psutil.NoSuchProcess, psutil.AccessDenied):

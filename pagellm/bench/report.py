@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pagellm.bench.compare import FLOAT32, Comparison, Target, evaluate_targets
+from pagellm.bench.compare import FLOAT32, Comparison, Target, evaluate_targets, run_precision
 from pagellm.bench.metrics import RunResult
 
 # The meta entry the targets read back: they are judged for float32 only.
@@ -55,8 +55,10 @@ def read_report(path: Path) -> BenchReport:
     for raw in data["comparisons"]:
         fields = dict(raw, runs=[RunResult(**run) for run in raw["runs"]])
         comparisons.append(Comparison(**fields))
-    # A report from before PRECISION_KEY was kept is float32's.
-    precision = data["meta"].get(PRECISION_KEY, FLOAT32)
+    # A report from before PRECISION_KEY was kept says it in its engine settings.
+    settings = data["meta"].get("engine settings")
+    precision = data["meta"].get(
+        PRECISION_KEY, run_precision(settings) if isinstance(settings, dict) else FLOAT32)
     return BenchReport(data["meta"], comparisons, evaluate_targets(comparisons, precision))
 
 

@@ -646,8 +646,8 @@ class LLMEngine:
         self._schedule_time += scheduled_at - begin
         if scheduled.is_empty:
             return []
-        # vLLM's count: tokens computed and generated, so a prompt's last chunk counts
-        # the first token sampled from it too.
+        # PageLLM's count, every step's work: tokens computed and generated, so a prompt's
+        # last chunk counts the first token sampled from it too (vLLM's is output_step's).
         self.latencies.step(scheduled.num_batched_tokens + sum(
             1 + len(item.forks) for item in scheduled.scheduled
             if item.samples and item.request.num_computed_tokens < item.request.num_prompt_tokens))

@@ -29,3 +29,13 @@ def test_a_contender_in_its_own_process_is_measured_alone() -> None:
         child.wait()
     assert _HOLD / 2**20 <= its_own.mb <= child_rss + 1
     assert with_harness.mb >= its_own.mb + len(ballast) / 2**20
+
+
+def test_a_process_that_ended_reads_as_nothing() -> None:
+    """A contender whose process died reports its own error; the sampler watching that
+    process must not replace it with psutil's NoSuchProcess."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+    with PeakRSS(child.pid) as peak:
+        child.wait()
+        time.sleep(0.1)
+    assert peak.mb >= 0

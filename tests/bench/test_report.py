@@ -77,3 +77,17 @@ def test_a_report_reads_back_from_its_json_with_targets_evaluated_afresh(tmp_pat
     assert again.comparisons[0].runs[0].ttft == report.comparisons[0].runs[0].ttft
     assert [(t.target, t.status) for t in again.targets] == [
         (t.target, t.status) for t in report.targets]
+
+
+def test_an_older_int8_report_reads_back_unjudged(tmp_path: Path) -> None:
+    """Reports written before "PageLLM precision" was kept name the mode in their engine
+    settings: an int8 run's targets must come back n/a, not judged as float32's."""
+    report = _report()
+    report.meta["engine settings"] = {"quantize_activations": True}
+    write_report(report, tmp_path)
+    judged = {t.target: t.status for t in read_report(tmp_path / JSON_NAME).targets}
+    assert set(judged.values()) == {"n/a"}
+    report.meta["engine settings"] = "defaults"
+    write_report(report, tmp_path)
+    again = {t.target: t.status for t in read_report(tmp_path / JSON_NAME).targets}
+    assert "FAIL" in again.values()  # float32's, judged

@@ -23,8 +23,9 @@ def _rate(part: int, whole: int) -> float:
 
 def describe(previous: EngineStats, current: EngineStats, seconds: float) -> str | None:
     """The log line for one interval, or None if nothing happened in it. Its prompt
-    throughput is prompt tokens computed, as vLLM's line counts them: tokens served from
-    the prefix cache cost no work, so counting them would hide how busy prefill is.
+    throughput is prompt tokens computed, cached ones left out as vLLM's line leaves them
+    (they cost no work, so counting them would hide how busy prefill is), and prompts
+    computed again after a preemption counted (they are work; vLLM's leaves them out).
     Preemptions are the interval's, shown only where there were any (as in vLLM)."""
     prompt = current.prompt_tokens_computed - previous.prompt_tokens_computed
     generated = current.generation_tokens - previous.generation_tokens
