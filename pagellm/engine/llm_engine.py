@@ -802,8 +802,8 @@ class LLMEngine:
             sample.last_token_time = now
             if group.metrics.first_token_time is None:
                 group.metrics.first_token_time = now
-                # Counted once the prompt is computed, as vLLM counts it: a stats line's
-                # prompt throughput is then prefill done, not prompts queued.
+                # Counted once the prompt is computed, as vLLM counts it: a request aborted
+                # while queued adds none.
                 self._prompt_tokens += len(group.prompt_token_ids)
                 prompts_computed += (len(group.prompt_token_ids)
                                      - max(group.samples[0].request.num_cached_tokens, 0))
