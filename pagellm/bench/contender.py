@@ -14,14 +14,6 @@ from typing import Any, Protocol
 from pagellm.bench.metrics import RequestRecord
 
 
-def warmup_prompt(first_prompt: Sequence[int], length: int = 16) -> list[int]:
-    """A short prompt run once before measuring, so lazy initialisation (allocator,
-    kernels, thread pools) is not billed to the first measured requests. Made of the
-    workload's own tokens (valid for any vocabulary) in reverse, so it shares no prefix
-    with any prompt; engines with a cache also forget it before the run."""
-    return list(reversed(first_prompt[:length]))
-
-
 @dataclass(frozen=True)
 class GenerateRequest:
     """One call's worth of prompts, greedy, `max_tokens` each. With `ignore_eos` every

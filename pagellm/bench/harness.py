@@ -8,7 +8,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from pagellm.bench.contender import Contender, GenerateRequest, warmup_prompt
+from pagellm.bench.contender import Contender, GenerateRequest
 from pagellm.bench.memory import PeakRSS
 from pagellm.bench.metrics import RequestRecord, RunResult, summarize
 from pagellm.bench.workloads import ConversationState, Tokenizer, Workload
@@ -16,11 +16,17 @@ from pagellm.bench.workloads import ConversationState, Tokenizer, Workload
 logger = logging.getLogger(__name__)
 
 
-def first_prompt(workload: Workload, tokenizer: Tokenizer) -> list[int]:
-    """The workload's first prompt as ids (a multi-turn workload's first turn)."""
+def warmup_prompt(workload: Workload, tokenizer: Tokenizer) -> list[int]:
+    """A short prompt run once before measuring (offline and by each server online), so
+    lazy initialisation (allocator, kernels, thread pools) is not billed to the first
+    measured requests. The first 16 tokens of the workload's first prompt (a multi-turn
+    workload's first turn), valid for any vocabulary, in reverse, so it shares no prefix
+    with any prompt; engines with a cache also forget it before an offline run."""
     if workload.is_multi_turn:
-        return ConversationState(workload.conversations[0]).next_prompt(tokenizer)
-    return list(workload.prompts[0])
+        first = ConversationState(workload.conversations[0]).next_prompt(tokenizer)
+    else:
+        first = list(workload.prompts[0])
+    return list(reversed(first[:16]))
 
 
 def answer_text(tokenizer: Tokenizer, output_ids: list[int]) -> str:
@@ -45,7 +51,7 @@ def run_offline(contender: Contender, workload: Workload, tokenizer: Tokenizer) 
     """
     try:
         startup = contender.start(workload.kv_cache_tokens,
-                                  warmup_prompt(first_prompt(workload, tokenizer)))
+                                  warmup_prompt(workload, tokenizer))
         logger.info("%s started in %.1f s; running %s (%d requests)", contender.name,
                     startup, workload.name, workload.num_requests)
         with PeakRSS(contender.process_id()) as peak:

@@ -20,8 +20,7 @@ from typing import Any
 
 import httpx
 
-from pagellm.bench.contender import warmup_prompt
-from pagellm.bench.harness import first_prompt
+from pagellm.bench.harness import warmup_prompt
 from pagellm.bench.memory import PeakRSS
 from pagellm.bench.metrics import RequestRecord, RunResult, summarize
 from pagellm.bench.processes import stop_group
@@ -287,7 +286,7 @@ def run_online(name: str, server: ServerProcess, workload: Workload, tokenizer: 
     begin = time.perf_counter()
     server.start()
     try:
-        asyncio.run(_warm_up(server, warmup_prompt(first_prompt(workload, tokenizer))))
+        asyncio.run(_warm_up(server, warmup_prompt(workload, tokenizer)))
         startup = time.perf_counter() - begin
         before = server.metrics()
 
